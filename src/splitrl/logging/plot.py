@@ -1,0 +1,104 @@
+"""The end-of-run picture: reward and MTP acceptance rate per step, as a PNG.
+
+Panels (top to bottom, each only when its keys were logged):
+- reward: ``rollout/reward_mean`` and/or ``train/reward``;
+- acceptance (percent, 0-100): one line per MTP depth k from ``train/mtp/mtp_{k}_acceptance_rate``
+  (teacher-forced, training side), plus dashed lines for any ``rollout/...acceptance_rate`` key
+  (speculative decoding during rollouts).
+
+A run without MTP heads gets the reward panel only. Steps where a key is missing or non-finite
+show as gaps. The figure is drawn on matplotlib's Agg canvas directly, so plotting neither needs a
+display nor touches pyplot's global backend.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REWARD_KEYS = ("rollout/reward_mean", "train/reward")
+_MTP_ACCEPTANCE = re.compile(r"^train/mtp/mtp_(\d+)_acceptance_rate$")
+_ROLLOUT_ACCEPTANCE = re.compile(r"^rollout/.*acceptance_rate$")
+
+
+def plot_metrics(jsonl_path: str | os.PathLike[str], png_path: str | os.PathLike[str]) -> Path:
+    """Plot reward and MTP acceptance per step from a ``metrics.jsonl`` file into a PNG.
+
+    Args:
+        jsonl_path: metrics file written by :class:`~splitrl.logging.MetricsLogger`.
+        png_path: where to write the PNG (parent directories are created).
+
+    Returns:
+        ``png_path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        FileNotFoundError: ``jsonl_path`` does not exist.
+        ValueError: a line of the file is not a JSON object.
+    """
+    # Imported here because logger.py imports this module and read_metrics lives there.
+    from splitrl.logging.logger import read_metrics
+
+    return plot_records(read_metrics(jsonl_path), png_path)
+
+
+def plot_records(records: Sequence[dict[str, Any]], png_path: str | os.PathLike[str]) -> Path:
+    """Like :func:`plot_metrics`, from records already in memory (``{"step": k, key: value}``).
+
+    With no reward and no acceptance key in any record, the PNG holds a single empty panel that
+    says so, so a run always leaves a picture behind.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    keys = {key for record in records for key in record}
+    reward_keys = [key for key in REWARD_KEYS if key in keys]
+    mtp_keys = sorted(
+        (key for key in keys if _MTP_ACCEPTANCE.match(key)),
+        key=lambda k: int(_MTP_ACCEPTANCE.match(k).group(1)),  # depth 10 after depth 2
+    )
+    rollout_keys = sorted(key for key in keys if _ROLLOUT_ACCEPTANCE.match(key))
+    steps = [record["step"] for record in records]
+
+    panels = []
+    if reward_keys:
+        panels.append(("reward", [(key, key, "-") for key in reward_keys]))
+    if mtp_keys or rollout_keys:
+        lines = [(key, f"MTP depth {_MTP_ACCEPTANCE.match(key).group(1)}", "-") for key in mtp_keys]
+        lines += [(key, key, "--") for key in rollout_keys]
+        panels.append(("acceptance rate (%)", lines))
+
+    fig = Figure(figsize=(8, 3 * max(len(panels), 1)), layout="constrained")
+    FigureCanvasAgg(fig)
+    if not panels:
+        ax = fig.add_subplot()
+        ax.text(0.5, 0.5, "no reward or MTP acceptance metrics logged", ha="center", va="center")
+        ax.set_axis_off()
+    else:
+        axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+        for ax, (ylabel, lines) in zip(axes, panels):
+            for key, label, style in lines:
+                values = [_as_float(record.get(key)) for record in records]
+                # Markers keep short runs visible (a line through one point draws nothing).
+                marker = "." if len(steps) < 50 else None
+                ax.plot(steps, values, style, marker=marker, label=label)
+            ax.set_ylabel(ylabel)
+            ax.grid(True, alpha=0.3)
+            ax.legend(loc="best", fontsize="small")
+        axes[-1].set_xlabel("step")
+
+    png_path = Path(png_path)
+    png_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, format="png", dpi=100)
+    return png_path
+
+
+def _as_float(value: Any) -> float:
+    # Missing (None) or unreadable values become NaN so matplotlib leaves a gap.
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan

@@ -1,0 +1,180 @@
+"""Saving and loading policies as local Hugging Face directories, MTP heads included (DESIGN §3).
+
+Stock transformers classes drop unknown tensors on load, so the MTP tensors are written and read
+explicitly: they sit in ``model.safetensors`` next to the backbone's, under ``mtp.*`` (Qwen3-Next
+names), and ``config.json`` carries ``mtp_num_hidden_layers`` plus our knobs under ``splitrl``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from splitrl.models.config import ModelCapabilities, MTPConfig
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+def _full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in module.state_dict().items()}
+
+
+def policy_state_dict(model) -> dict[str, torch.Tensor]:
+    """Backbone tensors under their Hugging Face names + MTP tensors under ``mtp.``.
+
+    With tied embeddings ``lm_head.weight`` is left out, as transformers does.
+    """
+    sd = _full_state_dict(model.backbone)
+    if getattr(model.backbone.config, "tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)
+    if model.mtp is not None:
+        sd.update({f"mtp.{k}": v for k, v in _full_state_dict(model.mtp).items()})
+    return sd
+
+
+def save_pretrained(model, path: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """Write ``config.json`` and ``model.safetensors`` to ``path`` (created if needed).
+
+    Args:
+        model: a :class:`~splitrl.models.PolicyModel`.
+        state_dict: tensors to write instead of ``policy_state_dict(model)`` (e.g. a full state
+            dict gathered from FSDP2 shards).
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    sd = policy_state_dict(model) if state_dict is None else state_dict
+    save_file(sd, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+    model.backbone.config.save_pretrained(str(path))
+    cfg_path = path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    mtp = model.mtp_config
+    cfg["mtp_num_hidden_layers"] = 0 if model.mtp is None else len(model.mtp.layers)
+    cfg["splitrl"] = {"mtp": mtp.model_dump(), "capabilities": model.capabilities.model_dump()}
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / f"{WEIGHTS_NAME}.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    return sorted(path.glob("*.safetensors"))
+
+
+def read_mtp_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All ``mtp.*`` tensors of a directory's safetensors files (sharded or not), prefix stripped."""
+    out: dict[str, torch.Tensor] = {}
+    for f in _weight_files(Path(path)):
+        with safe_open(str(f), framework="pt") as st:
+            for k in st.keys():
+                if k.startswith("mtp."):
+                    out[k[len("mtp.") :]] = st.get_tensor(k)
+    return out
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    *,
+    mtp: MTPConfig | None = None,
+    capabilities: ModelCapabilities | None = None,
+    attn_implementation: str = "sdpa",
+):
+    """Load a local Hugging Face directory through transformers' own ``from_pretrained``.
+
+    Args:
+        path: directory with ``config.json`` and safetensors weights (ours, or a stock HF one).
+        mtp: MTP knobs; default: those saved in the directory, else no MTP.
+        capabilities: default: those saved, else none.
+        attn_implementation: ``sdpa`` or ``eager``.
+
+    Returns:
+        A :class:`PolicyModel` in fp32. MTP tensors found in the directory are loaded exactly;
+        a directory without them (a plain HF model) leaves freshly initialized heads.
+
+    Raises:
+        ValueError: missing directory or config, or stored MTP tensors that do not fit the
+            requested MTP shape (e.g. a different number of depths).
+    """
+    from splitrl.models.policy import PolicyModel
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is not a Hugging Face model directory (no config.json); check pretrained_path")
+    hf_cfg = AutoConfig.from_pretrained(str(path))
+    saved = getattr(hf_cfg, "splitrl", None) or {}
+    if mtp is None:
+        mtp = MTPConfig(**saved["mtp"]) if "mtp" in saved else MTPConfig()
+    if capabilities is None:
+        capabilities = ModelCapabilities(**saved["capabilities"]) if "capabilities" in saved else ModelCapabilities()
+    backbone = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation=attn_implementation
+    )
+    model = PolicyModel(backbone, mtp, capabilities)
+    stored = read_mtp_tensors(path)
+    if model.mtp is None:
+        if stored:
+            log.warning("%s holds MTP tensors but mtp_num_layers=0: the heads are not loaded", path)
+        return model
+    if not stored:
+        log.warning("%s has no MTP tensors: the %d MTP depth(s) start from random init", path, mtp.mtp_num_layers)
+        return model
+    expected = set(model.mtp.state_dict())
+    if set(stored) != expected:
+        missing = sorted(expected - set(stored))[:4]
+        extra = sorted(set(stored) - expected)[:4]
+        raise ValueError(
+            f"MTP tensors in {path} do not fit mtp_num_layers={mtp.mtp_num_layers}, "
+            f"mtp_use_repeated_layer={mtp.mtp_use_repeated_layer} (missing e.g. {missing}, unexpected e.g. "
+            f"{extra}); set the MTP knobs to those the checkpoint was saved with "
+            f"(config.json: mtp_num_hidden_layers={getattr(hf_cfg, 'mtp_num_hidden_layers', None)})"
+        )
+    model.mtp.load_state_dict(stored, strict=True)
+    return model
+
+
+def export_deepseek_v3(model, path: str | os.PathLike) -> None:
+    """Write the DeepSeek-V3 MTP layout for engines that read that one (DESIGN §3).
+
+    Depth k (1-indexed) becomes ``model.layers.{L+k-1}`` with ``enorm``, ``hnorm``, ``eh_proj``,
+    ``shared_head.norm``, ``shared_head.head`` and ``embed_tokens`` (copies of the backbone's), plus
+    the depth's decoder-layer tensors; ``num_nextn_predict_layers`` = D. Shared tensors (norms, fc,
+    a repeated layer) are copied into every depth.
+    """
+    if model.mtp is None:
+        raise ValueError("export_deepseek_v3 needs a model with MTP heads (mtp_num_layers > 0)")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    sd = _full_state_dict(model.backbone)
+    mtp_sd = _full_state_dict(model.mtp)
+    L = model.config.num_hidden_layers
+    emb = sd["model.embed_tokens.weight"]
+    head = sd.get("lm_head.weight", emb)
+    for k in range(1, model.num_mtp_depths + 1):
+        pre = f"model.layers.{L + k - 1}."
+        layer_idx = 0 if model.mtp.repeated else k - 1
+        sd[pre + "enorm.weight"] = mtp_sd["pre_fc_norm_embedding.weight"].clone()
+        sd[pre + "hnorm.weight"] = mtp_sd["pre_fc_norm_hidden.weight"].clone()
+        sd[pre + "eh_proj.weight"] = mtp_sd["fc.weight"].clone()
+        sd[pre + "shared_head.norm.weight"] = mtp_sd["norm.weight"].clone()
+        sd[pre + "shared_head.head.weight"] = head.clone()
+        sd[pre + "embed_tokens.weight"] = emb.clone()
+        lp = f"layers.{layer_idx}."
+        for name, t in mtp_sd.items():
+            if name.startswith(lp):
+                sd[pre + name[len(lp) :]] = t.clone()
+    sd = {k: v.contiguous() for k, v in sd.items()}
+    save_file(sd, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
+    model.backbone.config.save_pretrained(str(path))
+    cfg_path = path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["num_nextn_predict_layers"] = model.num_mtp_depths
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))

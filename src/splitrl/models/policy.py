@@ -1,0 +1,292 @@
+"""The policy: a Hugging Face causal LM backbone plus the MTP block of DESIGN.md §3.
+
+Legend: B = rows, S = positions, H = hidden size, V = vocabulary, D = MTP depths.
+
+Rows may be packed: ``segment_ids`` [B, S] numbers the samples of a row (0, 1, ...; -1 marks
+padding). Attention is causal within a sample, positions restart at 0 for every sample, and no
+prediction (main or MTP) crosses from one sample into the next.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen3Config
+
+from splitrl.loss.logprobs import target_logprobs
+from splitrl.models.config import SUPPORTED_FAMILIES, ModelCapabilities, ModelConfig, MTPConfig
+from splitrl.models.mtp import MTPBlock
+
+log = logging.getLogger(__name__)
+
+_FAMILY_CONFIGS = {"qwen3": Qwen3Config, "llama": LlamaConfig}
+
+
+@dataclass
+class PolicyOutput:
+    """What one forward returns (everything fp32).
+
+    Attributes:
+        logprobs: [B, S] logprob of token t (predicted from t-1) under softmax(logits / T);
+            0 where t is the first token of a sample or padding.
+        entropy: [B, S] entropy of the distribution that predicts token t (zeros unless asked).
+        mtp_ce_sums: D scalars, Σ_t CE_k(t)·mask_k(t) — raw sums, differentiable when the MTP
+            branch trains (λ > 0 and grad enabled).
+        mtp_hit_sums: D scalars, Σ_t [argmax = target]·mask_k(t) (not differentiable).
+        mtp_counts: D scalars, Σ_t mask_k(t).
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    mtp_ce_sums: list[torch.Tensor] = field(default_factory=list)
+    mtp_hit_sums: list[torch.Tensor] = field(default_factory=list)
+    mtp_counts: list[torch.Tensor] = field(default_factory=list)
+
+
+# FSDP2 finds the tensors of a module's output by pytree flattening; registering the dataclass
+# lets it hook the root's backward on our outputs.
+torch.export.register_dataclass(PolicyOutput)
+
+
+def positions_from_segments(segment_ids_BS: torch.Tensor) -> torch.Tensor:
+    """Position ids [B, S] that restart at 0 for each sample of a packed row (padding: 0)."""
+    B, S = segment_ids_BS.shape
+    idx = torch.arange(S, device=segment_ids_BS.device).expand(B, S)
+    starts = torch.ones_like(segment_ids_BS, dtype=torch.bool)
+    starts[:, 1:] = segment_ids_BS[:, 1:] != segment_ids_BS[:, :-1]
+    start_idx = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    pos = idx - start_idx
+    return torch.where(segment_ids_BS >= 0, pos, torch.zeros_like(pos))
+
+
+def build_attention_mask(segment_ids_BS: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """4D mask [B, 1, S, S]: causal within a sample; a padding position attends only to itself.
+
+    ``sdpa`` takes a boolean mask (True = attend); ``eager`` adds a float mask to the scores.
+    """
+    S = segment_ids_BS.shape[1]
+    q = segment_ids_BS[:, :, None]
+    k = segment_ids_BS[:, None, :]
+    causal = torch.ones(S, S, dtype=torch.bool, device=segment_ids_BS.device).tril()
+    allowed = (q == k) & causal
+    allowed |= torch.eye(S, dtype=torch.bool, device=segment_ids_BS.device)  # no empty softmax rows
+    allowed = allowed[:, None]
+    if attn_implementation == "sdpa":
+        return allowed
+    zero = torch.zeros((), dtype=dtype, device=segment_ids_BS.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+class PolicyModel(nn.Module):
+    """Causal LM backbone + D MTP depths.
+
+    Args:
+        backbone: a transformers ``*ForCausalLM`` of a supported family (Qwen3, Llama).
+        mtp: the MTP knobs; D = 0 builds no MTP module at all.
+        capabilities: flags that travel unchanged to the microbatch builder.
+
+    Raises:
+        ValueError: unsupported backbone family.
+    """
+
+    def __init__(
+        self,
+        backbone: PreTrainedModel,
+        mtp: MTPConfig | None = None,
+        capabilities: ModelCapabilities | None = None,
+    ) -> None:
+        super().__init__()
+        family = backbone.config.model_type
+        if family not in SUPPORTED_FAMILIES:
+            raise ValueError(
+                f"backbone family {family!r} is not supported; use one of {SUPPORTED_FAMILIES} "
+                "(their decoder layers and RMSNorm are reused by the MTP block)"
+            )
+        self.backbone = backbone
+        self.mtp_config = mtp or MTPConfig()
+        self.capabilities = capabilities or ModelCapabilities()
+        self.mtp: MTPBlock | None = None
+        D = self.mtp_config.mtp_num_layers
+        if D > 0:
+            inner = backbone.model
+            self.mtp = MTPBlock(
+                backbone.config,
+                D,
+                self.mtp_config.mtp_use_repeated_layer,
+                layer_cls=type(inner.layers[0]),
+                norm_cls=type(inner.norm),
+            )
+            self.mtp.apply(backbone._init_weights)
+            if self.mtp_config.mtp_loss_scaling_factor == 0.0:
+                # λ = 0: heads run for metrics only and stay out of the optimizer (DESIGN §3).
+                for p in self.mtp.parameters():
+                    p.requires_grad_(False)
+
+    # ----------------------------------------------------------------------------------- build
+    @classmethod
+    def from_config(cls, config: ModelConfig) -> "PolicyModel":
+        """Random-init model (or a local pretrained one when ``config.pretrained_path`` is set)."""
+        if config.pretrained_path is not None:
+            from splitrl.models.checkpoint import load_pretrained
+
+            return load_pretrained(
+                config.pretrained_path,
+                mtp=config.mtp,
+                capabilities=config.capabilities,
+                attn_implementation=config.attn_implementation,
+            )
+        hf_cfg = _FAMILY_CONFIGS[config.family](**config.backbone)
+        hf_cfg._attn_implementation = config.attn_implementation
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            backbone = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+            model = cls(backbone, config.mtp, config.capabilities)
+        return model
+
+    @classmethod
+    def from_pretrained(cls, path: str, **kwargs) -> "PolicyModel":
+        """Load a local directory (ours, or a stock Hugging Face one); see ``checkpoint.load_pretrained``."""
+        from splitrl.models.checkpoint import load_pretrained
+
+        return load_pretrained(path, **kwargs)
+
+    def save_pretrained(self, path: str) -> None:
+        """Write config.json + model.safetensors with the MTP tensors under ``mtp.`` (DESIGN §3)."""
+        from splitrl.models.checkpoint import save_pretrained
+
+        save_pretrained(self, path)
+
+    # ------------------------------------------------------------------------------- accessors
+    @property
+    def config(self):
+        return self.backbone.config
+
+    @property
+    def num_mtp_depths(self) -> int:
+        return self.mtp_config.mtp_num_layers
+
+    @property
+    def mtp_trains(self) -> bool:
+        return self.num_mtp_depths > 0 and self.mtp_config.mtp_loss_scaling_factor > 0
+
+    def mtp_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.named_parameters() if n.startswith("mtp.")]
+
+    def main_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.named_parameters() if not n.startswith("mtp.")]
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.backbone.get_output_embeddings().weight
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.backbone.get_input_embeddings()
+
+    @property
+    def rotary_emb(self) -> nn.Module:
+        return self.backbone.model.rotary_emb
+
+    # --------------------------------------------------------------------------------- forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        segment_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        *,
+        mtp_loss_mask: torch.Tensor | None = None,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+    ) -> PolicyOutput:
+        """Logprobs of the given tokens and, when D > 0, the per-depth MTP raw sums.
+
+        Args:
+            input_ids: [B, S] int64.
+            segment_ids: [B, S] int64 sample number within the row, -1 = padding
+                (default: one sample per row, no padding).
+            position_ids: [B, S] int64 (default: restart at 0 for each segment).
+            mtp_loss_mask: [B, S] float, *unshifted* ``token_mask * sample_mask`` (DESIGN §3); the
+                shifts are applied here, once. Required when D > 0.
+            temperature: T of the sampling distribution; main logprobs are of logits / T (the MTP
+                cross-entropy is always at T = 1).
+            with_entropy: also compute the (differentiable) entropy at each position.
+
+        Returns:
+            :class:`PolicyOutput`.
+
+        Raises:
+            ValueError: shapes disagree, or ``mtp_loss_mask`` is missing while D > 0.
+        """
+        B, S = input_ids.shape
+        if segment_ids is None:
+            segment_ids = torch.zeros_like(input_ids)
+        if segment_ids.shape != input_ids.shape:
+            raise ValueError(f"segment_ids {tuple(segment_ids.shape)} must match input_ids {tuple(input_ids.shape)}")
+        if position_ids is None:
+            position_ids = positions_from_segments(segment_ids)
+        D = self.num_mtp_depths
+        if D > 0 and mtp_loss_mask is None:
+            raise ValueError("mtp_loss_mask [B, S] is required when the model has MTP heads (mtp_num_layers > 0)")
+
+        embeds = self.embed_tokens(input_ids)
+        attn_impl = self.config._attn_implementation
+        mask = build_attention_mask(segment_ids, attn_impl, embeds.dtype)
+        hidden0 = self.backbone.model(
+            inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # after the final norm: the tensor lm_head reads
+
+        weight = self.output_weight
+        H = hidden0.shape[-1]
+        same_next = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, :-1] >= 0)
+        lp, ent, _ = target_logprobs(
+            hidden0[:, :-1].reshape(-1, H),
+            weight,
+            input_ids[:, 1:].reshape(-1),
+            temperature=temperature,
+            with_entropy=with_entropy,
+        )
+        logprobs = F.pad(lp.view(B, S - 1) * same_next, (1, 0))
+        entropy = F.pad(ent.view(B, S - 1) * same_next, (1, 0))
+        out = PolicyOutput(logprobs=logprobs, entropy=entropy)
+        if D == 0:
+            return out
+
+        detach = self.mtp_config.mtp_detach_heads
+        position_embeddings = self.rotary_emb(hidden0, position_ids)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.mtp_trains):
+            h_prev = hidden0.detach() if detach else hidden0
+            emb_src = embeds.detach() if detach else embeds
+            w_mtp = weight.detach() if detach else weight
+            mtp_mask = mtp_loss_mask.to(torch.float32)
+            for k in range(1, D + 1):
+                if k >= S:
+                    zero = hidden0.new_zeros((), dtype=torch.float32)
+                    out.mtp_ce_sums.append(zero)
+                    out.mtp_hit_sums.append(zero)
+                    out.mtp_counts.append(zero)
+                    continue
+                emb_k = F.pad(emb_src[:, k:], (0, 0, 0, k))  # Emb(x_{t+k}); zeros past the row end
+                h_k = self.mtp.depth_forward(
+                    k,
+                    emb_k,
+                    h_prev,
+                    attention_mask=mask,
+                    position_embeddings=position_embeddings,
+                    position_ids=position_ids,
+                )
+                # target x_{t+k+1}, counted where it is in the same sample and mtp_loss_mask is 1
+                targets = F.pad(input_ids[:, k + 1 :], (0, k + 1))
+                seg_target = F.pad(segment_ids[:, k + 1 :], (0, k + 1), value=-2)
+                valid = (seg_target == segment_ids) & (segment_ids >= 0)
+                m = F.pad(mtp_mask[:, k + 1 :], (0, k + 1)) * valid
+                lp_k, _, hit_k = target_logprobs(h_k.reshape(-1, H), w_mtp, targets.reshape(-1))
+                m_flat = m.reshape(-1)
+                out.mtp_ce_sums.append(-(lp_k * m_flat).sum())
+                out.mtp_hit_sums.append((hit_k * m_flat).sum())
+                out.mtp_counts.append(m_flat.sum())
+                h_prev = h_k
+        return out

@@ -1,0 +1,207 @@
+"""Tasks from reasoning-gym's procedural generators, with optional compact prompts.
+
+reasoning-gym's questions are long instructions; a tiny model trained from scratch only learns
+from short ones (FINDINGS.md). With ``compact_prompts`` a prompt is rebuilt from the item's
+``metadata`` in a few characters, and its answer in a matching compact form:
+
+| generator | compact prompt | compact answer | partial-credit units |
+| --- | --- | --- | --- |
+| ``number_sorting`` | ``"desc 5,2,7="`` | ``"7,5,2"`` | comma-separated numbers |
+| ``spell_backward`` | ``"cat>"`` | ``"tac"`` | characters |
+| ``basic_arithmetic`` | ``"4+1="`` (the expression without spaces) | ``"5"`` | characters |
+
+Numbers drop a trailing ``.0`` (``"5.0"`` → ``"5"``) in prompt and answer alike.
+
+Scoring (after the answer is taken from the response, see ``answer_format``, and stripped):
+- ``strict``: 1.0 when the response equals the reference answer exactly, else 0.0. Use it where
+  the generator's own scorer is lax (``number_sorting``'s accepts each number within ±1).
+- ``partial``: units equal at the same position ÷ max(#units of response, #units of answer)
+  (:func:`splitrl.tasks.matching.position_match_fraction`); without compact prompts the units
+  are the characters of the generator's answer string.
+- ``own``: the generator's ``score_answer``; a compact response is first converted back to the
+  generator's answer format (``"2,5,7"`` → ``"['2', '5', '7']"`` for ``number_sorting``).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from splitrl.tasks.base import Task, TaskPrompt
+from splitrl.tasks.matching import extract_tagged_answer, position_match_fraction
+
+
+def _compact_number(text: str) -> str:
+    return text[:-2] if text.endswith(".0") else text
+
+
+def _characters(text: str) -> list[str]:
+    return list(text)
+
+
+def _comma_items(text: str) -> list[str]:
+    return [item.strip() for item in text.split(",")]
+
+
+@dataclass(frozen=True)
+class _CompactFormat:
+    prompt: Callable[[dict[str, Any]], str]  # item -> compact prompt
+    answer: Callable[[dict[str, Any]], str]  # item -> compact reference answer
+    to_source_answer: Callable[[str], str]  # compact response -> generator's answer format
+    units: Callable[[str], list[str]]  # answer -> partial-credit units
+
+
+def _sorting_prompt(item: dict[str, Any]) -> str:
+    meta = item["metadata"]
+    direction = "asc" if meta["direction"] == "ascending" else "desc"
+    return f"{direction} {','.join(_compact_number(n) for n in meta['original_numbers'])}="
+
+
+_COMPACT_FORMATS: dict[str, _CompactFormat] = {
+    "number_sorting": _CompactFormat(
+        prompt=_sorting_prompt,
+        answer=lambda item: ",".join(
+            _compact_number(n) for n in item["metadata"]["sorted_numbers"]
+        ),
+        to_source_answer=lambda response: str(_comma_items(response)),
+        units=_comma_items,
+    ),
+    "spell_backward": _CompactFormat(
+        prompt=lambda item: f"{item['metadata']['word']}>",
+        answer=lambda item: item["answer"],
+        to_source_answer=lambda response: response,
+        units=_characters,
+    ),
+    "basic_arithmetic": _CompactFormat(
+        prompt=lambda item: item["metadata"]["expression"].replace(" ", "") + "=",
+        answer=lambda item: item["answer"],
+        to_source_answer=lambda response: response,
+        units=_characters,
+    ),
+}
+
+_SOURCE_FORMAT = _CompactFormat(
+    prompt=lambda item: item["question"],
+    answer=lambda item: item["answer"],
+    to_source_answer=lambda response: response,
+    units=_characters,
+)
+
+
+class ReasoningGymTaskConfig(BaseModel):
+    """A reasoning-gym generator by name, with its own config.
+
+    Attributes:
+        dataset: generator name, e.g. ``"number_sorting"``, ``"spell_backward"``.
+        dataset_config: keyword arguments of the generator's config dataclass (e.g.
+            ``{"min_numbers": 3, "max_numbers": 3}``); ``seed`` and ``size`` are set below.
+        seed: the generator's seed. reasoning-gym draws item ``i`` from ``Random(seed + i)``, so
+            seeds ``s`` and ``s + k`` give the same prompts shifted by ``k`` indices: keep
+            train and eval seeds further apart than the number of prompts either uses.
+        size: number of prompts; None leaves the generator's own virtual size in place and
+            accepts any index (right for generators whose item ``i`` depends on ``seed + i``
+            only, which includes the three with compact prompts).
+        compact_prompts: rebuild short prompts and answers from each item (module docstring).
+        scoring: ``"strict"``, ``"partial"`` or ``"own"`` (module docstring).
+        answer_format: ``"plain"`` scores the whole response; ``"answer_tag"`` scores the text
+            inside the last ``<answer>...</answer>`` (no tag → reward 0), for models that reason
+            before answering.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["reasoning_gym"] = "reasoning_gym"
+    dataset: str
+    dataset_config: dict[str, Any] = Field(default_factory=dict)
+    seed: int = Field(0, ge=0)
+    size: int | None = Field(None, ge=1)
+    compact_prompts: bool = False
+    scoring: Literal["strict", "partial", "own"] = "strict"
+    answer_format: Literal["plain", "answer_tag"] = "plain"
+
+    @model_validator(mode="after")
+    def _check(self) -> ReasoningGymTaskConfig:
+        import reasoning_gym
+
+        known = sorted(reasoning_gym.factory.DATASETS)
+        if self.dataset not in known:
+            close = difflib.get_close_matches(self.dataset, known, n=3)
+            hint = f"did you mean {close}?" if close else f"known generators: {known}"
+            raise ValueError(f"reasoning-gym has no generator {self.dataset!r}; {hint}")
+        reserved = {"seed", "size"} & set(self.dataset_config)
+        if reserved:
+            raise ValueError(
+                f"dataset_config must not set {sorted(reserved)}: use the task's own "
+                "`seed` and `size` fields instead"
+            )
+        if self.compact_prompts and self.dataset not in _COMPACT_FORMATS:
+            raise ValueError(
+                f"compact_prompts is not available for {self.dataset!r}; it is for "
+                f"{sorted(_COMPACT_FORMATS)}. Set compact_prompts: false to use the "
+                "generator's own prompts"
+            )
+        return self
+
+
+class ReasoningGymTask(Task):
+    """Prompts and scoring from one reasoning-gym generator.
+
+    Raises:
+        ValueError: at construction, when the generator rejects ``dataset_config`` (unknown
+            field or a value its own validation refuses).
+    """
+
+    def __init__(self, config: ReasoningGymTaskConfig):
+        import reasoning_gym
+
+        kwargs = dict(config.dataset_config, seed=config.seed)
+        if config.size is not None:
+            kwargs["size"] = config.size
+        try:
+            self._generator = reasoning_gym.create_dataset(config.dataset, **kwargs)
+        except (TypeError, AssertionError, ValueError) as exc:
+            raise ValueError(
+                f"reasoning-gym generator {config.dataset!r} rejected dataset_config "
+                f"{config.dataset_config}: {exc or type(exc).__name__}"
+            ) from exc
+        self.config = config
+        self._format = (
+            _COMPACT_FORMATS[config.dataset] if config.compact_prompts else _SOURCE_FORMAT
+        )
+
+    @property
+    def num_prompts(self) -> int | None:
+        return self.config.size
+
+    def _make_prompt(self, index: int) -> TaskPrompt:
+        item = self._generator[index]
+        return TaskPrompt(
+            index=index,
+            text=self._format.prompt(item),
+            answer=self._format.answer(item),
+            metadata={"source_answer": item["answer"], "source_metadata": item["metadata"]},
+        )
+
+    def score(self, prompt: TaskPrompt, response_text: str) -> float:
+        if self.config.answer_format == "answer_tag":
+            extracted = extract_tagged_answer(response_text)
+            if extracted is None:
+                return 0.0
+            response_text = extracted
+        response = response_text.strip()
+        if self.config.scoring == "strict":
+            return float(response == prompt.answer)
+        if self.config.scoring == "partial":
+            return position_match_fraction(
+                self._format.units(response), self._format.units(prompt.answer)
+            )
+        entry = {
+            "question": prompt.text,
+            "answer": prompt.metadata["source_answer"],
+            "metadata": prompt.metadata["source_metadata"],
+        }
+        return float(self._generator.score_answer(self._format.to_source_answer(response), entry))

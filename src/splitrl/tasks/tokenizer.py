@@ -1,0 +1,51 @@
+"""A character-level tokenizer for the tiny CPU demo model, built locally (no hub download)."""
+
+from __future__ import annotations
+
+import string
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+PAD_TOKEN = "<pad>"
+BOS_TOKEN = "<bos>"
+EOS_TOKEN = "<eos>"
+UNK_TOKEN = "<unk>"
+SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
+# Every printable ASCII character plus newline: digits, letters, punctuation (which holds
+# ``> , = + - *``) and space.
+CHARACTERS = (
+    string.digits + string.ascii_lowercase + string.ascii_uppercase + string.punctuation + " \n"
+)
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """A tokenizer with one token per character, 100 ids in all.
+
+    Ids: ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3, then the characters of
+    :data:`CHARACTERS` in order. Encoding adds no special tokens, so ``len(ids) == len(text)``;
+    decoding concatenates the characters, so ``decode(encode(text)) == text`` for text made of
+    :data:`CHARACTERS`. Any other character (``"é"``, a tab) encodes to ``<unk>`` — one id per
+    character still — and therefore does not round-trip; decoding with
+    ``skip_special_tokens=True`` drops it. There is no chat template, so prompts go to the model
+    as plain text. A literal special-token string in the text (``"<eos>"``) encodes to that
+    special token's single id. It saves with ``save_pretrained(dir)`` and reloads with
+    ``transformers.AutoTokenizer.from_pretrained(dir)``.
+    """
+    # Imported here: transformers pulls in torch, which scoring processes have no use for.
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    # Every single character (newline included) is its own pre-token, hence its own id.
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD_TOKEN,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        unk_token=UNK_TOKEN,
+    )

@@ -1,0 +1,470 @@
+"""The train worker and its split optimizer step (DESIGN.md §2, §3).
+
+    begin_train_step(loss_fn)       zero grads, open the step
+    train_microbatch(chunk) × N     forward/backward of raw sums; grads and counts accumulate
+    finish_train_step() -> metrics  all-reduce counts, scale grads once, clip, step, LR step
+    abort_train_step()              drop everything of the open step (idempotent)
+
+``train(batch, loss_fn)`` is begin → train_microbatch(batch) → finish: the reference the split
+path is tested against. The gradient of a step is
+
+    g_main = (1 / D_main) · Σ_chunks ∇ raw_main          D_main = N_t (TOKEN_LEVEL) or N_s
+    g_mtp  = (1 / N_t)    · Σ_chunks ∇ (λ/D) Σ_k raw_k    (MTP parameters, whatever the loss type)
+
+applied once at finish together with the unscaling of the fp16 loss scale and of the optional
+per-step loss multiplier; both are fixed at begin, so nothing a chunk does depends on counts that
+are only known at finish.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from splitrl.distributed import utils as du
+from splitrl.loss.base import LossType, Normalizer, PolicyLoss
+from splitrl.models.policy import PolicyModel
+from splitrl.train.batch import MicroBatch, TrainBatch
+from splitrl.train.microbatch import MicrobatchConfig, build_microbatches, empty_microbatch
+from splitrl.train.optim import DynamicLossScaler, OptimConfig, build_optimizer
+
+
+class TrainConfig(BaseModel):
+    """Configuration of a :class:`TrainWorker`.
+
+    Attributes:
+        precision: ``fp32``; ``bf16`` (fp32 master weights and optimizer state, bf16 compute,
+            fp32 gradient reduction); ``fp16`` (the same with fp16 compute and dynamic loss scaling).
+        device: ``auto`` (CUDA when present), ``cpu`` or ``cuda``.
+        microbatch: how chunks are cut (:class:`MicrobatchConfig`).
+        optim: AdamW, schedule and clipping (:class:`OptimConfig`).
+        initial_loss_scale / loss_scale_growth_interval: fp16 loss scaler.
+        fsdp_reshard_after_forward: FSDP2 frees a layer's gathered weights after its forward.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    microbatch: MicrobatchConfig = Field(default_factory=MicrobatchConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    initial_loss_scale: float = Field(2.0**16, gt=0.0)
+    loss_scale_growth_interval: int = Field(2000, ge=1)
+    fsdp_reshard_after_forward: bool = True
+
+
+def mtp_rejection(loss_type: LossType, model: PolicyModel) -> str | None:
+    """Why (loss type, MTP config) cannot be trained exactly, or None (DESIGN §3)."""
+    cfg = model.mtp_config
+    if (
+        loss_type == LossType.SEQUENCE_LEVEL
+        and cfg.mtp_num_layers > 0
+        and not cfg.mtp_detach_heads
+        and cfg.mtp_loss_scaling_factor > 0
+    ):
+        return (
+            "loss_type=SEQUENCE_LEVEL with mtp_detach_heads=false and mtp_loss_scaling_factor="
+            f"{cfg.mtp_loss_scaling_factor} > 0 mixes two denominators (N_s for the policy loss, N_t for "
+            "the MTP loss) inside the backbone gradient, which one scale at finish cannot separate. "
+            "Either set mtp_detach_heads=true, or use loss_type=TOKEN_LEVEL "
+            "(or mtp_loss_scaling_factor=0 to keep the heads for metrics only)."
+        )
+    return None
+
+
+@dataclass
+class _StepState:
+    loss_fn: PolicyLoss
+    loss_multiplier: float
+    num_tokens: torch.Tensor  # float64 scalar, local N_t
+    num_samples: torch.Tensor  # local N_s
+    mtp_sums: torch.Tensor  # [3, D] float64: CE, hits, counts
+    metric_sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    metric_specs: dict[str, tuple[Normalizer | None, str]] = field(default_factory=dict)
+    num_microbatches: int = 0
+    num_chunks: int = 0
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class TrainWorker:
+    """One data-parallel train worker (or the only one).
+
+    With ``torch.distributed`` initialized the model is sharded with FSDP2 over the default group
+    and every count is all-reduced at finish; without a group it runs as is.
+
+    Args:
+        model: the policy (fp32 parameters; moved to the worker's device).
+        config: :class:`TrainConfig`.
+    """
+
+    def __init__(self, model: PolicyModel, config: TrainConfig | None = None) -> None:
+        self.config = config or TrainConfig()
+        cfg = self.config
+        if cfg.device == "auto":
+            self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        else:
+            self.device = torch.device(cfg.device)
+        if cfg.precision != "fp32" and any(p.dtype != torch.float32 for p in model.parameters()):
+            raise ValueError("mixed precision keeps fp32 master weights: build the model in fp32")
+        self.model = model.to(self.device)
+        self.distributed = du.is_distributed()
+        if self.distributed:
+            from splitrl.distributed.fsdp import apply_fsdp2
+
+            apply_fsdp2(self.model, cfg.precision, cfg.fsdp_reshard_after_forward)
+        self.main_params = [(n, p) for n, p in self.model.main_named_parameters() if p.requires_grad]
+        self.mtp_params = [(n, p) for n, p in self.model.mtp_named_parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(
+            self.main_params, self.mtp_params, cfg.optim, fused=self.device.type == "cuda"
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, cfg.optim.lr_factor)
+        self.scaler = (
+            DynamicLossScaler(cfg.initial_loss_scale, growth_interval=cfg.loss_scale_growth_interval)
+            if cfg.precision == "fp16"
+            else None
+        )
+        self.steps_finished = 0
+        self.updates_applied = 0
+        self._step: _StepState | None = None
+
+    # ------------------------------------------------------------------------------ properties
+    @property
+    def step_open(self) -> bool:
+        return self._step is not None
+
+    @property
+    def detached_heads(self) -> bool:
+        return self.model.num_mtp_depths > 0 and self.model.mtp_config.mtp_detach_heads
+
+    def _autocast(self):
+        # FSDP2 casts the gathered parameters itself; a single process uses autocast instead.
+        if self.config.precision == "fp32" or self.distributed:
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.config.precision == "bf16" else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def _zero_grads(self) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+
+    # ------------------------------------------------------------------------------ the step
+    def begin_train_step(self, loss_fn: PolicyLoss, *, expected_num_tokens: int | None = None) -> None:
+        """Open a step: zero the gradients and the counters.
+
+        Args:
+            loss_fn: the policy loss of this step (declares ``loss_type``).
+            expected_num_tokens: optional; per-chunk losses are multiplied by
+                1 / expected_num_tokens so that fp16 activation gradients stay in range; finish
+                divides it out, so the result does not depend on it.
+
+        Raises:
+            RuntimeError: a step is already open.
+            ValueError: the loss / MTP combination is rejected (DESIGN §3), or a bad argument;
+                nothing has changed.
+        """
+        if self._step is not None:
+            raise RuntimeError(
+                "begin_train_step() called while a step is open; call finish_train_step() or "
+                "abort_train_step() first"
+            )
+        loss_type = LossType(loss_fn.loss_type)
+        reason = mtp_rejection(loss_type, self.model)
+        if reason is not None:
+            raise ValueError(reason)
+        if expected_num_tokens is not None and expected_num_tokens <= 0:
+            raise ValueError(f"expected_num_tokens must be > 0, got {expected_num_tokens}")
+        self._zero_grads()
+        D = self.model.num_mtp_depths
+        zero = torch.zeros((), dtype=torch.float64)
+        self._step = _StepState(
+            loss_fn=loss_fn,
+            loss_multiplier=1.0 / expected_num_tokens if expected_num_tokens else 1.0,
+            num_tokens=zero.clone(),
+            num_samples=zero.clone(),
+            mtp_sums=torch.zeros(3, D, dtype=torch.float64),
+        )
+
+    def _validate_chunk(self, chunk: TrainBatch, loss_fn: PolicyLoss) -> None:
+        if not isinstance(chunk, TrainBatch):
+            raise ValueError(f"train_microbatch takes a TrainBatch, got {type(chunk).__name__}")
+        chunk.validate()
+        loss_fn.validate_batch(chunk)
+        vocab = self.model.config.vocab_size
+        for i, ids in enumerate(chunk.input_ids):
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+                raise ValueError(f"input_ids[{i}] has ids outside [0, {vocab}); check the tokenizer / vocab_size")
+
+    def train_microbatch(self, chunk: TrainBatch) -> dict[str, int]:
+        """Forward/backward one chunk (cut into microbatches); gradients accumulate.
+
+        Every data-parallel rank must call this once per chunk (with its share, possibly empty):
+        ranks agree on the number of microbatches and pad with empty ones (DESIGN §2 inv. 7).
+
+        Returns:
+            local counts: ``{"num_microbatches", "num_samples", "num_tokens"}`` of this rank.
+
+        Raises:
+            RuntimeError: no step is open, or another rank rejected the chunk.
+            ValueError: the chunk is malformed or lacks a field the loss needs — raised before
+                any forward, the step stays open (abort it, or keep feeding it).
+        """
+        st = self._step
+        if st is None:
+            raise RuntimeError("train_microbatch() called with no open step; call begin_train_step(loss_fn) first")
+        error: Exception | None = None
+        mbs: list[MicroBatch] = []
+        try:
+            self._validate_chunk(chunk, st.loss_fn)
+            mbs = build_microbatches(chunk, self.config.microbatch, self.model.capabilities)
+        except ValueError as e:
+            error = e
+        agreed = du.all_reduce(torch.tensor([len(mbs), int(error is not None)], dtype=torch.float64), "max")
+        if error is not None:
+            raise error
+        if agreed[1] > 0:
+            raise RuntimeError("another data-parallel rank rejected this chunk (see its error); abort the step")
+        mbs += [empty_microbatch(chunk, self.model.capabilities) for _ in range(int(agreed[0]) - len(mbs))]
+        for mb in mbs:
+            self._run_microbatch(mb, st)
+        st.num_chunks += 1
+        return {"num_microbatches": len(mbs), "num_samples": len(chunk), "num_tokens": chunk.num_tokens}
+
+    def _run_microbatch(self, mb: MicroBatch, st: _StepState) -> None:
+        mb = mb.to(self.device)
+        model = self.model
+        D = model.num_mtp_depths
+        with self._autocast():
+            out = model(
+                mb.input_ids,
+                mb.segment_ids,
+                mb.position_ids,
+                mtp_loss_mask=mb.mtp_loss_mask if D > 0 else None,
+                temperature=st.loss_fn.temperature,
+                with_entropy=st.loss_fn.needs_entropy,
+            )
+        lo = st.loss_fn(out, mb)
+        total = lo.loss
+        if model.mtp_trains:
+            lam = model.mtp_config.mtp_loss_scaling_factor
+            total = total + (lam / D) * torch.stack(out.mtp_ce_sums).sum()
+        scale = st.loss_multiplier * (self.scaler.scale if self.scaler is not None else 1.0)
+        # one scalar, one backward: main and MTP gradients share the loss scale (DESIGN §3)
+        (total * scale).backward()
+
+        st.num_tokens += mb.loss_mask.detach().sum().double().cpu()
+        st.num_samples += mb.sample_mask.detach().sum().double().cpu()
+        if D > 0:
+            st.mtp_sums += torch.stack(
+                [torch.stack(out.mtp_ce_sums), torch.stack(out.mtp_hit_sums), torch.stack(out.mtp_counts)]
+            ).detach().double().cpu()
+        if st.num_microbatches == 0 and not st.metric_specs:
+            st.metric_specs = {k: (m.normalizer, m.reduce) for k, m in lo.metrics.items()}
+        if set(lo.metrics) != set(st.metric_specs):
+            raise RuntimeError(
+                f"the loss returned metrics {sorted(lo.metrics)} after {sorted(st.metric_specs)}; every "
+                "microbatch of a step must return the same metric names"
+            )
+        for k, m in lo.metrics.items():
+            v = m.value.detach().double().cpu()
+            if k not in st.metric_sums:
+                st.metric_sums[k] = v
+            elif m.reduce == "sum":
+                st.metric_sums[k] = st.metric_sums[k] + v
+            elif m.reduce == "min":
+                st.metric_sums[k] = torch.minimum(st.metric_sums[k], v)
+            else:
+                st.metric_sums[k] = torch.maximum(st.metric_sums[k], v)
+        st.num_microbatches += 1
+
+    def abort_train_step(self) -> None:
+        """Drop the open step's gradients, counts and metrics; no optimizer step. Idempotent."""
+        self._zero_grads()
+        self._step = None
+
+    def _sq_norm(self, params: list[tuple[str, torch.nn.Parameter]]) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for _, p in params:
+            if p.grad is not None:
+                total += _local(p.grad).detach().double().pow(2).sum()
+        return total.cpu()
+
+    def finish_train_step(self) -> dict[str, float]:
+        """All-reduce the counts, normalize and clip the gradients, step, and return metrics.
+
+        Returns:
+            metrics (floats): the loss's metrics, each divided by its own denominator;
+            ``grad_norm`` (pre-clip; policy parameters, plus MTP ones with attached heads);
+            ``mtp/grad_norm`` (detached heads); ``mtp/mtp_{k}_loss`` and
+            ``mtp/mtp_{k}_acceptance_rate`` (percent) for k = 1..D; ``lr``; ``num_valid_tokens``
+            (N_t), ``num_valid_samples`` (N_s); ``skipped_step`` (1 when no update was applied),
+            ``empty_step`` (the loss denominator was 0), ``nonfinite_grad``; ``loss_scale``
+            (fp16). Metrics whose denominator is 0 are NaN.
+
+        Raises:
+            RuntimeError: no step is open.
+        """
+        st = self._step
+        if st is None:
+            raise RuntimeError("finish_train_step() called with no open step; call begin_train_step(loss_fn) first")
+        model = self.model
+        D = model.num_mtp_depths
+        loss_type = LossType(st.loss_fn.loss_type)
+
+        # --- one all-reduce for every sum, one each for the extrema
+        names = sorted(st.metric_specs)
+        sum_names = [k for k in names if st.metric_specs[k][1] == "sum"]
+        sq_main, sq_mtp = self._sq_norm(self.main_params), self._sq_norm(self.mtp_params)
+        sums = torch.cat(
+            [
+                torch.stack([st.num_tokens, st.num_samples, sq_main, sq_mtp]),
+                st.mtp_sums.reshape(-1),
+                torch.stack([st.metric_sums[k] for k in sum_names]) if sum_names else torch.zeros(0, dtype=torch.float64),
+            ]
+        )
+        du.all_reduce(sums, "sum")
+        extrema = {}
+        for op in ("min", "max"):
+            ks = [k for k in names if st.metric_specs[k][1] == op]
+            if ks:
+                vals = du.all_reduce(torch.stack([st.metric_sums[k] for k in ks]), op)
+                extrema.update(dict(zip(ks, vals.tolist())))
+        n_tokens, n_samples, sq_main, sq_mtp = sums[:4].tolist()
+        mtp_sums = sums[4 : 4 + 3 * D].reshape(3, D)
+        metric_sums = dict(zip(sum_names, sums[4 + 3 * D :].tolist()))
+
+        main_denom = n_tokens if loss_type == LossType.TOKEN_LEVEL else n_samples
+        raw_scale = st.loss_multiplier * (self.scaler.scale if self.scaler is not None else 1.0)
+        empty = main_denom == 0
+        metrics: dict[str, float] = {}
+
+        inv_main = 1.0 / (raw_scale * main_denom) if not empty else 0.0
+        inv_mtp = 1.0 / (raw_scale * n_tokens) if n_tokens > 0 else 0.0
+        main_norm = math.sqrt(sq_main) * inv_main
+        mtp_norm = math.sqrt(sq_mtp) * inv_mtp
+        nonfinite = not (math.isfinite(sq_main) and math.isfinite(sq_mtp))
+        optim = self.config.optim
+        if self.detached_heads:
+            main_coef = _clip_coef(main_norm, optim.max_grad_norm)
+            mtp_limit = optim.mtp_max_grad_norm if optim.mtp_max_grad_norm is not None else optim.max_grad_norm
+            mtp_coef = _clip_coef(mtp_norm, mtp_limit)
+            metrics["grad_norm"] = main_norm
+            metrics["mtp/grad_norm"] = mtp_norm
+        else:
+            # attached heads: MTP parameters are part of the policy's norm and clip
+            total_norm = math.sqrt(main_norm**2 + mtp_norm**2)
+            main_coef = mtp_coef = _clip_coef(total_norm, optim.max_grad_norm)
+            metrics["grad_norm"] = total_norm
+        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer.param_groups else 0.0
+
+        skipped = empty or nonfinite
+        if not skipped:
+            with torch.no_grad():
+                _scale_grads(self.main_params, inv_main * main_coef)
+                _scale_grads(self.mtp_params, inv_mtp * mtp_coef)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.updates_applied += 1
+        if self.scaler is not None and not empty:
+            self.scaler.update(nonfinite)
+        self._zero_grads()
+
+        # --- metrics, each over its own denominator
+        denoms = {Normalizer.TOKENS: n_tokens, Normalizer.SEQUENCES: n_samples, Normalizer.NONE: 1.0, None: main_denom}
+        for k in names:
+            normalizer, reduce = st.metric_specs[k]
+            if reduce != "sum":
+                v = extrema[k]
+                metrics[k] = v if math.isfinite(v) else float("nan")
+            else:
+                d = denoms[normalizer]
+                metrics[k] = metric_sums[k] / d if d else float("nan")
+        for k in range(D):
+            ce, hit, cnt = mtp_sums[:, k].tolist()
+            metrics[f"mtp/mtp_{k + 1}_loss"] = ce / cnt if cnt else float("nan")
+            metrics[f"mtp/mtp_{k + 1}_acceptance_rate"] = 100.0 * hit / cnt if cnt else float("nan")
+        metrics.update(
+            {
+                "lr": lr,
+                "num_valid_tokens": n_tokens,
+                "num_valid_samples": n_samples,
+                "skipped_step": float(skipped),
+                "empty_step": float(empty),
+                "nonfinite_grad": float(nonfinite),
+            }
+        )
+        if self.scaler is not None:
+            metrics["loss_scale"] = self.scaler.scale
+        self.steps_finished += 1
+        self._step = None
+        return metrics
+
+    def train(self, batch: TrainBatch, loss_fn: PolicyLoss, *, expected_num_tokens: int | None = None) -> dict[str, float]:
+        """The synchronous step: begin → train_microbatch(batch) → finish (aborts on error)."""
+        self.begin_train_step(loss_fn, expected_num_tokens=expected_num_tokens)
+        try:
+            self.train_microbatch(batch)
+        except BaseException:
+            self.abort_train_step()
+            raise
+        return self.finish_train_step()
+
+    # ------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """Full (unsharded, CPU) model + optimizer state, LR schedule, loss scaler, counters.
+
+        Collective under data parallelism: every rank must call it.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        if self._step is not None:
+            raise RuntimeError("state_dict() during an open step; finish or abort it first")
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=opts)
+        return {
+            "model": model_sd,
+            "optimizer": optim_sd,
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "steps_finished": self.steps_finished,
+            "updates_applied": self.updates_applied,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned (collective under data parallelism)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        if self._step is not None:
+            raise RuntimeError("load_state_dict() during an open step; finish or abort it first")
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=opts)
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler") is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self.steps_finished = int(state["steps_finished"])
+        self.updates_applied = int(state["updates_applied"])
+
+    def full_model_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded CPU tensors of the policy under ``PolicyModel`` names (for weight sync and saving)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _clip_coef(norm: float, limit: float | None) -> float:
+    if limit is None or not math.isfinite(norm):
+        return 1.0
+    return min(1.0, limit / (norm + 1e-6))
+
+
+def _scale_grads(params: list[tuple[str, torch.nn.Parameter]], factor: float) -> None:
+    for _, p in params:
+        if p.grad is not None:
+            p.grad.mul_(factor)

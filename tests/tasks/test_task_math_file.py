@@ -1,0 +1,104 @@
+import json
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from splitrl.tasks import MathFileTaskConfig, compute_rewards, make_task
+
+ROWS = [
+    {"question": "What is 1/2 as a decimal?", "solution": "0.5", "id": 0},
+    {"question": "Half of one?", "solution": "\\frac{1}{2}", "id": 1},
+    {"question": "1+2?", "solution": 3, "id": 2},
+    {"question": "Expand.", "solution": "x^2+1", "id": 3},
+]
+
+
+def _config(path, **overrides):
+    return {"kind": "math_file", "path": str(path), "prompt_column": "question",
+            "answer_column": "solution", **overrides}
+
+
+def _write_jsonl(path, rows=ROWS):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_loads_jsonl_parquet_and_saved_dataset_alike(tmp_path):
+    jsonl = _write_jsonl(tmp_path / "rows.jsonl")
+    parquet = tmp_path / "rows.parquet"
+    table = {k: [str(r[k]) if k == "solution" else r[k] for r in ROWS] for k in ROWS[0]}
+    pq.write_table(pa.table(table), parquet)
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict(table).save_to_disk(str(saved))
+    splits = tmp_path / "splits"
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict(table),
+                          "test": datasets.Dataset.from_dict(table).select([3, 2])}
+                         ).save_to_disk(str(splits))
+    expected = [(r["question"], str(r["solution"])) for r in ROWS]
+    for path in (jsonl, parquet, saved):
+        task = make_task(_config(path))
+        assert task.num_prompts == 4
+        assert [(p.text, p.answer) for p in map(task.get_prompt, range(4))] == expected
+    test_split = make_task(_config(splits, split="test"))
+    assert [test_split.get_prompt(i).answer for i in range(2)] == ["x^2+1", "3"]
+    with pytest.raises(ValueError, match="set `split`"):
+        make_task(_config(splits))
+
+
+def test_prompt_template_and_seeded_shuffle(tmp_path):
+    path = _write_jsonl(tmp_path / "rows.jsonl")
+    template = "Solve: {prompt} Put the answer in \\boxed{}."
+    task = make_task(_config(path, prompt_template=template))
+    assert task.get_prompt(2).text == "Solve: 1+2? Put the answer in \\boxed{}."
+    shuffled = make_task(_config(path, shuffle=True, seed=5))
+    order = [shuffled.get_prompt(i).metadata["row"] for i in range(4)]
+    assert sorted(order) == [0, 1, 2, 3]
+    assert order == [make_task(_config(path, shuffle=True, seed=5)).get_prompt(i).metadata["row"]
+                     for i in range(4)]
+    assert shuffled.get_prompt(0).answer == str(ROWS[order[0]]["solution"])
+    with pytest.raises(ValueError, match="must contain '\\{prompt\\}'"):
+        MathFileTaskConfig(path=str(path), prompt_template="no slot")
+
+
+def test_missing_file_column_or_type_raise_value_error(tmp_path):
+    path = _write_jsonl(tmp_path / "rows.jsonl")
+    with pytest.raises(ValueError, match="does not exist"):
+        make_task(_config(tmp_path / "nope.jsonl"))
+    found = r"no column 'answer'; columns found: \['id', 'question', 'solution'\]"
+    with pytest.raises(ValueError, match=found):
+        make_task(_config(path, answer_column="answer"))
+    with pytest.raises(ValueError, match="unsupported file type '.csv'"):
+        make_task(_config(_write_jsonl(tmp_path / "rows.csv")))
+    partial = _write_jsonl(tmp_path / "partial.jsonl", ROWS[:2] + [{"question": "q"}])
+    with pytest.raises(ValueError, match="line 3 has no key 'solution'"):
+        make_task(_config(partial))
+    with pytest.raises(ValueError, match="no rows"):
+        make_task(_config(_write_jsonl(tmp_path / "empty.jsonl", [])))
+
+
+@pytest.mark.parametrize(
+    ("answer", "response", "reward"),
+    [
+        ("0.5", "The answer is \\boxed{1/2}", 1.0),
+        ("\\frac{1}{2}", "0.5", 1.0),
+        ("\\frac{1}{2}", "so $\\boxed{0.5}$", 1.0),
+        ("x^2+1", "\\boxed{1+x^2}", 1.0),
+        ("3", "\\boxed{4}", 0.0),
+        ("3", "I do not know", 0.0),
+        ("3", "", 0.0),
+    ],
+)
+def test_math_verify_equivalences(tmp_path, answer, response, reward):
+    path = _write_jsonl(tmp_path / "one.jsonl", [{"question": "q", "solution": answer}])
+    task = make_task(_config(path))
+    assert task.score(task.get_prompt(0), response) == reward
+
+
+def test_math_file_task_scores_in_worker_processes(tmp_path):
+    task = make_task(_config(_write_jsonl(tmp_path / "rows.jsonl")))
+    prompts = [task.get_prompt(i) for i in range(4)]
+    results = compute_rewards(task, prompts, ["\\boxed{1/2}", "0.5", "4", "\\boxed{x^2+1}"], 20.0)
+    assert [r.reward for r in results] == [1.0, 1.0, 0.0, 1.0]
+    assert not any(r.timed_out or r.error for r in results)
