@@ -188,7 +188,8 @@ def test_delete_removes_only_those_ids(plane):
     with pytest.raises(KeyError, match=ids[2]):
         plane.get([ids[1], ids[2]], ["input_ids"])
     rest = [1, 3, 4]
-    _assert_same(plane.get([ids[i] for i in rest], ["input_ids"])["input_ids"], [fields["input_ids"][i] for i in rest])
+    got = plane.get([ids[i] for i in rest], ["input_ids"])
+    _assert_same(got["input_ids"], [fields["input_ids"][i] for i in rest])
 
 
 def test_delete_unknown_id_raises_and_deletes_nothing(plane):
@@ -354,6 +355,8 @@ def test_partitions_are_isolated(tq_plane):
 
 @pytest.mark.ray
 def test_caller_torch_threads_survive_transferqueue_calls(tq_plane):
+    # transfer_queue sets torch's thread count around each (de)serialization and then restores its
+    # own import-time value; that must not leak into a train worker that tuned its threads.
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -427,3 +430,43 @@ def test_ray_task_connects_explicitly(tq_plane):
         assert ray.get(read_lengths.remote(tq_plane.config, ids)) == LENGTHS
     finally:
         tq_plane.clear()
+
+
+@pytest.mark.ray
+def test_a_pickled_copy_attaches_without_owning(tq_plane):
+    try:
+        tq_plane.put(["a"], {"x": [torch.arange(3)]})
+        copy = pickle.loads(pickle.dumps(tq_plane))
+        assert not copy.owns_transferqueue and copy.config == tq_plane.config
+        _assert_same(copy.get(["a"], ["x"])["x"], [torch.arange(3)])
+        copy.close()
+        _assert_same(tq_plane.get(["a"], ["x"])["x"], [torch.arange(3)])
+    finally:
+        tq_plane.clear()
+
+
+def test_handles_from_an_earlier_ray_session_are_forgotten(monkeypatch):
+    import ray
+    from transfer_queue import interface
+
+    from splitrl.dataplane.transferqueue import _forget_stale_transferqueue
+
+    class DeadActorMethod:
+        def remote(self):
+            raise RuntimeError("Can't find actor: it might be dead or from a different cluster")
+
+    class DeadController:
+        get_config = DeadActorMethod()
+
+    class Client:
+        closed = False
+
+        def close(self):
+            Client.closed = True
+
+    monkeypatch.setattr(interface, "_TQ_CONTROLLER", DeadController())
+    monkeypatch.setattr(interface, "_TQ_CLIENT", Client())
+    monkeypatch.setattr(interface, "_TQ_STORAGE", {"SimpleStorage": {}})
+    _forget_stale_transferqueue(ray)
+    assert (interface._TQ_CONTROLLER, interface._TQ_CLIENT, interface._TQ_STORAGE) == (None, None, None)
+    assert Client.closed

@@ -62,6 +62,16 @@ def test_prompt_template_and_seeded_shuffle(tmp_path):
         MathFileTaskConfig(path=str(path), prompt_template="no slot")
 
 
+def test_relative_path_is_made_absolute_on_load(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _write_jsonl(tmp_path / "rows.jsonl")
+    config = MathFileTaskConfig(path="rows.jsonl", prompt_column="question",
+                                answer_column="solution")
+    assert config.path == str(tmp_path / "rows.jsonl")
+    monkeypatch.chdir("/")
+    assert make_task(config).get_prompt(2).answer == "3"
+
+
 def test_missing_file_column_or_type_raise_value_error(tmp_path):
     path = _write_jsonl(tmp_path / "rows.jsonl")
     with pytest.raises(ValueError, match="does not exist"):

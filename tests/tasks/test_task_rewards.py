@@ -43,6 +43,17 @@ class UnpicklableTask(ScriptedTask):
         raise TypeError("no pickling")
 
 
+def _rebuild_only_in(pid):
+    if os.getpid() != pid:
+        raise FileNotFoundError("data file missing on this machine")
+    return ScriptedTask()
+
+
+class BrokenInWorkerTask(ScriptedTask):
+    def __reduce__(self):
+        return (_rebuild_only_in, (os.getpid(),))
+
+
 @pytest.fixture(scope="module")
 def scorer():
     with RewardScorer(ScriptedTask(), timeout_s=1.0, num_workers=2) as scorer:
@@ -97,3 +108,10 @@ def test_scorer_rejects_bad_arguments_before_starting():
     with pytest.raises(ValueError, match="2 prompts and 1 responses"):
         scorer.score([ScriptedTask().get_prompt(0)] * 2, ["1"])
     assert scorer._workers == []  # nothing was started
+
+
+def test_a_task_that_cannot_be_built_in_the_worker_raises_with_the_cause():
+    scorer = RewardScorer(BrokenInWorkerTask(), timeout_s=1)
+    with pytest.raises(RuntimeError, match="could not build the task: FileNotFoundError: data file"):
+        scorer.score([ScriptedTask().get_prompt(0)], ["1"])
+    assert scorer._workers == []  # stopped

@@ -187,7 +187,9 @@ def _check_ids(sample_ids: Sequence[str], call: str) -> None:
         raise ValueError(f"{call}: sample ids must be str, got {[type(i).__name__ for i in bad[:3]]}.")
     dups = [i for i, n in Counter(sample_ids).items() if n > 1]
     if dups:
-        raise ValueError(f"{call}: duplicate sample id(s) in one call: {format_ids(dups)}; pass each id once.")
+        raise ValueError(
+            f"{call}: duplicate sample id(s) in one call: {format_ids(dups)}; pass each id once."
+        )
 
 
 def _check_field_names(names: Sequence[str]) -> None:
@@ -205,7 +207,9 @@ def _check_field_names(names: Sequence[str]) -> None:
 
 def _check_put_fields(sample_ids: Sequence[str], fields: Mapping[str, Sequence[torch.Tensor]]) -> None:
     if not isinstance(fields, Mapping):
-        raise ValueError(f"put: fields must be a dict of field name -> list of tensors, got {type(fields).__name__}.")
+        raise ValueError(
+            f"put: fields must be a dict of field name -> list of tensors, got {type(fields).__name__}."
+        )
     if not fields:
         raise ValueError("put: pass at least one field.")
     for name, values in fields.items():
@@ -213,7 +217,8 @@ def _check_put_fields(sample_ids: Sequence[str], fields: Mapping[str, Sequence[t
             raise ValueError(f"put: field names must be non-empty str, got {name!r}.")
         if isinstance(values, torch.Tensor) or not isinstance(values, Sequence):
             raise ValueError(
-                f"put: field {name!r} must be a list with one tensor per sample id, got {type(values).__name__} "
+                f"put: field {name!r} must be a list with one tensor per sample id, "
+                f"got {type(values).__name__} "
                 "(a batched tensor [B, ...] can be passed as list(t.unbind(0)))."
             )
         if len(values) != len(sample_ids):

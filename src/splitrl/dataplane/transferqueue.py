@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
@@ -74,6 +72,10 @@ class TransferQueueDataPlane(DataPlane):
 
     Creating one starts TransferQueue on the current Ray cluster, or attaches to the one already
     running. See the module docstring for how other processes attach.
+
+    A ``put`` that the backend rejects (storage full) raises ``RuntimeError`` and may leave the ids
+    registered without those fields: ``get`` then raises ``KeyError`` for the field; ``delete`` the
+    ids or ``put`` them again.
 
     Raises (constructor):
         RuntimeError: Ray is not initialized in this process, or it has fewer free logical CPUs
@@ -122,8 +124,7 @@ class TransferQueueDataPlane(DataPlane):
             {name: _to_batched(values) for name, values in fields.items()},
             batch_size=[len(sample_ids)],
         )
-        with _keep_torch_threads():
-            tq.kv_batch_put(keys=sample_ids, partition_id=self._config.partition_id, fields=batch)
+        tq.kv_batch_put(keys=sample_ids, partition_id=self._config.partition_id, fields=batch)
 
     def _get(self, sample_ids: list[str], fields: list[str]) -> dict[str, list[torch.Tensor]]:
         client = _import_tq().get_client()
@@ -132,19 +133,16 @@ class TransferQueueDataPlane(DataPlane):
         for name in fields:
             if name not in stored:
                 raise missing_field_error(name, self._ids_lacking(client, sample_ids, name), stored)
-        with _keep_torch_threads():
-            batch = client.get_data(meta.select_fields(fields))
+        batch = client.get_data(meta.select_fields(fields))
         return {name: _unbatch(batch[name], len(sample_ids)) for name in fields}
 
     def _delete(self, sample_ids: list[str]) -> None:
         client = _import_tq().get_client()
         meta = self._retrieve_meta(client, sample_ids)
-        with _keep_torch_threads():
-            client.clear_samples(meta)
+        client.clear_samples(meta)
 
     def _clear(self) -> None:
-        with _keep_torch_threads():
-            _import_tq().get_client().clear_partition(self._config.partition_id)
+        _import_tq().get_client().clear_partition(self._config.partition_id)
 
     def _close(self) -> None:
         if self._owner:
@@ -157,7 +155,7 @@ class TransferQueueDataPlane(DataPlane):
         meta = client.kv_retrieve_meta(keys=sample_ids, partition_id=self._config.partition_id, create=False)
         if meta.size != len(sample_ids):
             # TransferQueue silently drops unknown keys from the meta; name them.
-            known = set()
+            known: set[str] = set()
             if meta.size:
                 known = set(client.kv_retrieve_keys(list(meta.global_indexes), self._config.partition_id))
             raise unknown_ids_error([i for i in sample_ids if i not in known])
@@ -167,7 +165,7 @@ class TransferQueueDataPlane(DataPlane):
         """The ids among ``sample_ids`` that do not store field ``name`` (error path only)."""
         lacking = []
         for sample_id in sample_ids:
-            meta = client.kv_retrieve_meta(keys=[sample_id], partition_id=self._config.partition_id, create=False)
+            meta = client.kv_retrieve_meta(keys=[sample_id], partition_id=self._config.partition_id)
             if name not in meta.field_names:
                 lacking.append(sample_id)
         return lacking
@@ -188,18 +186,6 @@ def _import_tq() -> ModuleType:
     import transfer_queue
 
     return transfer_queue
-
-
-@contextmanager
-def _keep_torch_threads() -> Iterator[None]:
-    """TransferQueue resets ``torch.set_num_threads`` to its import-time value after every put/get;
-    keep the caller's setting (a train worker tunes it)."""
-    num_threads = torch.get_num_threads()
-    try:
-        yield
-    finally:
-        if torch.get_num_threads() != num_threads:
-            torch.set_num_threads(num_threads)
 
 
 def _require_ray() -> Any:
@@ -243,8 +229,7 @@ def _start_or_attach(config: TransferQueueConfig) -> bool:
             }
         }
     )
-    with _keep_torch_threads():
-        tq.init(conf)
+    tq.init(conf)
     return True
 
 

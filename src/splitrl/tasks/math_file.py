@@ -30,7 +30,9 @@ class MathFileTaskConfig(BaseModel):
     """Prompts and answers from a local file.
 
     Attributes:
-        path: a ``.jsonl`` file, a ``.parquet`` file, or a ``save_to_disk`` directory.
+        path: a ``.jsonl`` file, a ``.parquet`` file, or a ``save_to_disk`` directory. A
+            relative path is made absolute when the config is loaded, so processes started in
+            another directory (scoring workers, Ray actors) read the same file.
         prompt_column: column (JSON key) holding the problem text.
         answer_column: column holding the reference answer (numbers are turned into strings).
         split: split to read when the directory holds a ``DatasetDict`` with several splits.
@@ -50,6 +52,11 @@ class MathFileTaskConfig(BaseModel):
     prompt_template: str = _PROMPT_SLOT
     shuffle: bool = False
     seed: int = Field(0, ge=0)
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, path: str) -> str:
+        return str(Path(path).expanduser().absolute())
 
     @field_validator("prompt_template")
     @classmethod

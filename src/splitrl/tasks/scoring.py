@@ -97,7 +97,7 @@ class RewardScorer:
         """
         self._top_up()
         while not all(w.ready for w in self._workers):
-            self._wait_and_collect([], deque())
+            self._wait_and_collect([])
 
     def score(self, prompts: Sequence[TaskPrompt], responses: Sequence[str]) -> list[RewardResult]:
         """Score ``responses[i]`` against ``prompts[i]`` for every i, in parallel.
@@ -118,11 +118,17 @@ class RewardScorer:
         pending = deque(range(len(prompts)))
         if pending:
             self._top_up()
-        while pending or any(w.item is not None for w in self._workers):
-            for worker in self._workers:
-                if worker.ready and worker.item is None and pending:
-                    worker.assign(pending.popleft(), prompts, responses, self.timeout_s)
-            self._wait_and_collect(results, pending)
+        try:
+            while pending or any(w.item is not None for w in self._workers):
+                for worker in self._workers:
+                    if worker.ready and worker.item is None and pending:
+                        worker.assign(pending.popleft(), prompts, responses, self.timeout_s)
+                self._wait_and_collect(results)
+        except BaseException:
+            # An interrupted call leaves checks in flight whose answers would be read as answers
+            # to the next call's checks: drop those workers.
+            self.close()
+            raise
         return results  # type: ignore[return-value]  # every slot is filled by now
 
     def close(self) -> None:
@@ -141,7 +147,7 @@ class RewardScorer:
         while len(self._workers) < self.num_workers:
             self._workers.append(_Worker(self._context, self._task_bytes))
 
-    def _wait_and_collect(self, results: list, pending: deque) -> None:
+    def _wait_and_collect(self, results: list) -> None:
         """Wait for the next message or deadline; record results and replace lost workers."""
         waiting = [w for w in self._workers if not w.ready or w.item is not None]
         deadlines = [w.deadline(self.startup_timeout_s) for w in waiting]
@@ -165,6 +171,7 @@ class RewardScorer:
         try:
             kind, value = worker.conn.recv()
         except (EOFError, OSError):
+            worker.process.join(timeout=5.0)
             code = worker.process.exitcode
             if not worker.ready:
                 self.close()
