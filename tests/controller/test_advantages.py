@@ -60,7 +60,12 @@ def test_leave_one_out_baseline():
 
 def test_zero_variance_group_gives_exact_zeros():
     groups = [make_group("const", [0.1, 0.1, 0.1]), make_group("one", [1.0])]
-    for cfg in (AdvantageConfig(), AdvantageConfig(normalize_std=False), AdvantageConfig(estimator="rloo")):
+    configs = [
+        AdvantageConfig(),
+        AdvantageConfig(normalize_std=False),
+        AdvantageConfig(estimator="rloo"),
+    ]
+    for cfg in configs:
         compute_group_advantages(groups, cfg)
         assert groups[0].advantages == [0.0, 0.0, 0.0]
         assert groups[1].advantages == [0.0]

@@ -195,7 +195,7 @@ def test_eviction_frees_space_for_a_blocked_put():
         # rollout pump deliver a fresh one.
         ready = await buf.wait_ready(1, timeout=1.0, current_version=1)
         assert ready
-        await blocked
+        await asyncio.wait_for(blocked, timeout=1.0)
         selected = buf.select(1, max_groups=5)
         return ids(selected), buf.last_select.num_evicted_groups, buf.num_evicted_groups
 
@@ -229,7 +229,9 @@ def filled_buffer() -> ReplayBuffer:
         buf.try_put(make_group(gid, version, num_samples=3))
     buf.select(2, max_groups=1)  # evicts "a", takes "b"
     buf.try_put(make_group("d", 2, num_samples=2))
-    buf.try_put(make_group("e", 0, num_samples=4))  # stale; evicted by the next select
+    buf.try_put(make_group("e", 0, num_samples=4))
+    assert buf.evict_stale(2) == 1  # "e": reported by the next select, after the checkpoint
+    buf.try_put(make_group("h", 0, num_samples=2))  # stale; evicted by the next select
     g = make_group("f", 2)
     g.advantages = [0.5, -0.5]
     g.samples[0].sample_mask = 0.0
@@ -245,12 +247,18 @@ def test_state_round_trip_gives_identical_selects():
     restored.load_state_dict(state)
     assert restored.state_dict() == original.state_dict()
 
-    for version, n in [(2, 2), (3, 5)]:
-        a, b = original.select(version, n), restored.select(version, n)
-        assert a == b
-        assert a  # the comparison above is over real groups
-        assert original.last_select == restored.last_select
-    assert (restored.num_evicted_groups, restored.num_evicted_samples) == (2, 7)
+    a, b = original.select(2, 2), restored.select(2, 2)
+    assert a == b
+    assert ids(a) == ["c", "d"]
+    assert restored.last_select.num_evicted_groups == 2  # "e" (before the checkpoint) and "h"
+    assert original.last_select == restored.last_select
+    a, b = original.select(3, 5), restored.select(3, 5)
+    assert a == b
+    assert ids(a) == ["f"]
+    assert a[0].advantages == [0.5, -0.5]
+    assert original.last_select == restored.last_select
+    assert original.last_select.num_evicted_groups == 0
+    assert (restored.num_evicted_groups, restored.num_evicted_samples) == (3, 9)
 
 
 def test_load_state_dict_validates_before_changing_anything():
@@ -368,7 +376,7 @@ def test_train_pump_composes_exact_steps_from_a_streaming_buffer():
         version = [0]
         pump = asyncio.create_task(rollout_pump(buf, version))
         sizes = await train_pump(buf, version)
-        await pump
+        await asyncio.wait_for(pump, timeout=5.0)
         return sizes, buf.num_evicted_groups
 
     chunk_sizes, evicted = asyncio.run(scenario())

@@ -1,1 +1,1 @@
-"""The single controller (DESIGN.md §4): rollout pump, replay buffer, advantage stage, train pump."""
+"""The single controller (DESIGN.md §4): rollout and train pumps, replay buffer, advantages."""

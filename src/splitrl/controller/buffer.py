@@ -586,8 +586,10 @@ class StepComposer:
         missing = self.groups_missing
         if missing == 0:
             raise RuntimeError("the step is full; call finish_step() instead of next_chunk()")
-        cap = missing if self.max_groups_per_chunk is None else min(missing, self.max_groups_per_chunk)
-        return ChunkRequest(min_groups=min(self.min_groups_per_chunk, missing), max_groups=cap)
+        cap = missing if self.max_groups_per_chunk is None else self.max_groups_per_chunk
+        return ChunkRequest(
+            min_groups=min(self.min_groups_per_chunk, missing), max_groups=min(missing, cap)
+        )
 
     def add_chunk(self, groups: list[Group]) -> None:
         """Record that ``groups`` were sent to the open step as one chunk.

@@ -1,0 +1,55 @@
+"""Configuration of the rollout engine (DESIGN.md §4 "Rollouts", §5 "Policies and logprobs")."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class GenerationConfig(BaseModel):
+    """How rollouts are sampled.
+
+    Attributes:
+        temperature: T > 0. Tokens are drawn from softmax(logits / T) (after the filters below) and
+            every returned logprob is of the *unfiltered* softmax(logits / T) (DESIGN §5). T = 0 is
+            rejected: its logprobs are undefined; for greedy decoding use ``top_k=1``.
+        top_p: nucleus filter, keep the smallest set of most likely tokens whose mass reaches
+            ``top_p`` (1.0 = off). Applied after ``top_k``, on the top-k-renormalized distribution.
+        top_k: keep the ``top_k`` most likely tokens (0 = off; tokens tied with the k-th are kept).
+        max_new_tokens: response length limit; a row that reaches it ends with ``"length"``.
+        stop_token_ids: tokens that end a row (EOS, end-of-turn ...); the stop token is part of the
+            response and of its logprobs.
+        speculative: self-speculative decoding with the model's MTP heads as the draft; the output
+            distribution is exactly the plain one. Requires a model with ``mtp_num_layers > 0``.
+        num_draft_tokens: tokens drafted per verify forward (depths 1..n are used); default: every
+            MTP depth of the model.
+        batch_size: most rows in one forward; larger requests run as several batches.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    temperature: float = 1.0
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    max_new_tokens: int = Field(256, ge=1)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    speculative: bool = False
+    num_draft_tokens: int | None = Field(None, ge=1)
+    batch_size: int = Field(64, ge=1)
+
+    @field_validator("temperature")
+    @classmethod
+    def _positive_temperature(cls, value: float) -> float:
+        if not value > 0.0:
+            raise ValueError(
+                f"temperature must be > 0 (logprobs are of softmax(logits / T)), got {value}; "
+                "for greedy decoding keep a temperature > 0 and set top_k=1"
+            )
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _non_negative_ids(cls, value: list[int]) -> list[int]:
+        bad = [t for t in value if t < 0]
+        if bad:
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {bad}")
+        return value

@@ -1,0 +1,136 @@
+"""Per-sample randomness and the sampling rules of the rollout engine.
+
+Legend: B = rows, V = vocabulary.
+
+Every random number is a pure function of (seed, counter, stream, column): the sample's seed, the
+response index of the token being decided, a stream id naming the decision (target sample, draft,
+accept test) and, for whole-vocabulary draws, the vocabulary column. A sample's tokens therefore
+depend only on its own seed and its own logits, never on which other prompts share the batch or
+on how many forwards produced them, and no generator state has to be carried or restored.
+
+Tokens are drawn with the exponential race (equivalently the Gumbel-max trick): the token is
+argmax_i log w_i - log E_i with E_i ~ Exp(1), which picks i with probability w_i / Σ w. Unlike an
+inverse-CDF draw it needs no cumulative sum, so tail tokens of a large vocabulary keep their exact
+probability instead of being rounded away against a fp32 running total.
+
+The hash is 32-bit (murmur3's finalizer); products are split so that every intermediate fits in a
+non-negative int64, where torch's integer arithmetic is well defined on every device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+STREAM_TARGET = 0  # the token emitted at a response index (plain step, bonus, or residual)
+STREAM_DRAFT = 1  # the draft proposed for a response index
+STREAM_ACCEPT = 2  # the accept test of the draft at a response index
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+_MAX_RACE_ELEMENTS = 1 << 22  # rows of [B, V] noise per chunk are capped to bound temporaries
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for 0 <= x < 2^32 without leaving the non-negative int64 range."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def seed_words(seeds: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split Python ints (taken mod 2^64) into low and high 32-bit words, int64 [B] each."""
+    s = [int(x) % (1 << 64) for x in seeds]
+    lo = torch.tensor([x & _M32 for x in s], dtype=torch.int64, device=device)
+    hi = torch.tensor([x >> 32 for x in s], dtype=torch.int64, device=device)
+    return lo, hi
+
+
+def _keys(seed_lo: torch.Tensor, seed_hi: torch.Tensor, counter: torch.Tensor, stream: int) -> torch.Tensor:
+    # Each stage is a bijection of one input for fixed others: distinct counters (or seeds) of one
+    # sample never share a key.
+    k = _fmix32(torch.full_like(counter, (stream * _GOLDEN) & _M32) ^ (counter & _M32))
+    k = _fmix32(k ^ seed_hi)
+    return _fmix32(k ^ seed_lo)
+
+
+def _to_uniform(h: torch.Tensor) -> torch.Tensor:
+    # 24 bits, offset by half a step: exactly representable in fp32 and strictly inside (0, 1).
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor, counter: torch.Tensor, stream: int) -> torch.Tensor:
+    """One uniform in (0, 1) per element of ``counter`` (fp32, ``counter``'s shape).
+
+    ``seed_lo`` / ``seed_hi`` broadcast against ``counter`` (e.g. [B, 1] against [B, D]).
+    """
+    lo, hi, c = torch.broadcast_tensors(seed_lo, seed_hi, counter)
+    return _to_uniform(_keys(lo, hi, c, stream))
+
+
+_COLUMN_KEYS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _column_keys(vocab: int, device: torch.device) -> torch.Tensor:
+    key = (vocab, str(device))
+    if key not in _COLUMN_KEYS:
+        cols = torch.arange(vocab, dtype=torch.int64, device=device)
+        _COLUMN_KEYS[key] = _fmix32(_fmix32(cols ^ _GOLDEN))
+    return _COLUMN_KEYS[key]
+
+
+def race_sample(
+    log_weights_BV: torch.Tensor,
+    seed_lo_B: torch.Tensor,
+    seed_hi_B: torch.Tensor,
+    counter_B: torch.Tensor,
+    stream: int,
+) -> torch.Tensor:
+    """Draw one token per row with probability proportional to exp(log_weights).
+
+    Args:
+        log_weights_BV: [B, V] fp32 unnormalized log-weights; -inf excludes a token (each row needs
+            at least one finite entry).
+        seed_lo_B, seed_hi_B: [B] int64 seed words (:func:`seed_words`).
+        counter_B: [B] int64 response index of the token being drawn.
+        stream: which decision this is (``STREAM_*``).
+
+    Returns:
+        [B] int64 token ids.
+    """
+    B, V = log_weights_BV.shape
+    row_keys = _keys(seed_lo_B, seed_hi_B, counter_B, stream)
+    cols = _column_keys(V, log_weights_BV.device)
+    step = max(1, _MAX_RACE_ELEMENTS // max(V, 1))
+    out = []
+    for start in range(0, B, step):
+        u = _to_uniform(_fmix32(row_keys[start : start + step, None] ^ cols))
+        gumbel = -torch.log(-torch.log(u))
+        out.append((log_weights_BV[start : start + step] + gumbel).argmax(-1))
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=log_weights_BV.device)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set the logits that top-k / top-p remove to -inf (last dim = vocabulary; any leading shape).
+
+    ``top_k`` = 0 and ``top_p`` = 1 are no-ops. Top-p is applied to the top-k-renormalized
+    distribution; the most likely token is always kept.
+    """
+    V = logits.shape[-1]
+    if 0 < top_k < V:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits

@@ -1,0 +1,90 @@
+"""DESIGN §3: MTP gradients are normalized by N_t whatever the loss type; per-depth metrics are
+token-weighted over the whole step. Checked against an independent per-sample implementation
+(tests/core/_reference.py), with clipping off so the captured gradients are the normalized ones.
+
+Tolerance: gradients rtol 1e-4 with an absolute floor of 1e-5 × the tensor's max (two different
+fp32 computations — padded/packed SDPA vs per-sample causal attention); metrics rtol 1e-5.
+"""
+
+import pytest
+import torch
+from _reference import mtp_metrics, mtp_raw_sum, per_sample_terms, sequence_level_pg
+from _utils import capture_grads, make_batch, make_model, make_worker, partition, run_split
+
+from splitrl.loss import ClippedPGLoss, GRPOLossConfig, LossType
+
+
+def _close(a, b, name):
+    atol = 1e-5 * float(b.abs().max()) + 1e-12
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("repeated", [False, True])
+@pytest.mark.parametrize("pack", [False, True])
+def test_sequence_level_detached_gradients(repeated, pack):
+    D, lam = 2, 0.3
+    batch = make_batch(16, seed=5, prev=False)
+    ref_model = make_model(D=D, lam=lam, repeated=repeated)
+    model = make_model(D=D, lam=lam, repeated=repeated)
+    # GRPO with ratio 1 and no clip active: the policy loss is −A·logπ per token
+    loss = ClippedPGLoss(GRPOLossConfig(loss_type=LossType.SEQUENCE_LEVEL))
+    w = make_worker(model, mbs=3, pack=pack, max_grad_norm=None)
+    grads = capture_grads(w)
+    run_split(w, loss, [partition(batch, [1, 7, 3, 5])])
+
+    terms = per_sample_terms(ref_model, batch)
+    n_t = sum(float(s["mask"].sum()) for s in terms)
+    main = sequence_level_pg(terms, batch)
+    mtp = mtp_raw_sum(terms, D) * (lam / D) / n_t
+    ref_model.zero_grad()
+    (main + mtp).backward(retain_graph=True)
+    for n, p in ref_model.named_parameters():
+        if p.grad is None:
+            assert n not in grads[0] or float(grads[0][n].abs().max()) == 0.0, n
+            continue
+        _close(grads[0][n], p.grad, n)
+    # the split: MTP parameters got only MTP gradients, backbone only the main loss
+    ref_model.zero_grad()
+    main.backward()
+    for n, p in ref_model.named_parameters():
+        if not n.startswith("mtp.") and p.grad is not None:
+            _close(grads[0][n], p.grad, n)
+
+
+@pytest.mark.parametrize("chunks", [[16], [4, 4, 4, 4], [1, 7, 3, 5]])
+def test_mtp_metrics_are_token_weighted_over_the_step(chunks):
+    D = 2
+    batch = make_batch(16, seed=9)
+    model = make_model(D=D)
+    ref = mtp_metrics(per_sample_terms(make_model(D=D), batch), D)
+    w = make_worker(model, mbs=2, pack=True)
+    m = run_split(w, ClippedPGLoss(), [partition(batch, chunks)])[0]
+    mtp_keys = sorted(k for k in m if k.startswith("mtp/"))
+    assert mtp_keys == sorted(
+        ["mtp/grad_norm", "mtp/mtp_1_loss", "mtp/mtp_1_acceptance_rate", "mtp/mtp_2_loss", "mtp/mtp_2_acceptance_rate"]
+    )
+    for k, v in ref.items():
+        assert m[k] == pytest.approx(v, rel=1e-5), k
+    assert 0.0 <= m["mtp/mtp_1_acceptance_rate"] <= 100.0
+
+
+def test_attached_token_level_gradients_include_mtp_in_backbone():
+    D, lam = 1, 0.5
+    batch = make_batch(12, seed=2, prev=False)
+    ref_model = make_model(D=D, lam=lam, detach=False)
+    model = make_model(D=D, lam=lam, detach=False)
+    w = make_worker(model, mbs=4, max_grad_norm=None)
+    grads = capture_grads(w)
+    run_split(w, ClippedPGLoss(), [partition(batch, [5, 7])])
+    terms = per_sample_terms(ref_model, batch)
+    n_t = sum(float(s["mask"].sum()) for s in terms)
+    main = sum((-(batch.advantages[i]) * s["logprobs"] * s["mask"]).sum() for i, s in enumerate(terms)) / n_t
+    (main + mtp_raw_sum(terms, D) * lam / D / n_t).backward(retain_graph=True)
+    for n, p in ref_model.named_parameters():
+        if p.grad is not None:
+            _close(grads[0][n], p.grad, n)
+    # with attached heads the embedding receives MTP gradient: differs from the main-only one
+    emb = "backbone.model.embed_tokens.weight"
+    ref_model.zero_grad()
+    main.backward()
+    assert float((grads[0][emb] - ref_model.get_parameter(emb).grad).abs().max()) > 1e-6
