@@ -129,7 +129,6 @@ class MTPDrafter:
         seed_lo_B: torch.Tensor,
         seed_hi_B: torch.Tensor,
         counter_B: torch.Tensor,
-        trace: list | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Enter the newly committed positions into every depth's cache; optionally draft.
 
@@ -138,7 +137,6 @@ class MTPDrafter:
             draft: also run the query slots and draw D draft tokens.
             seed_lo_B, seed_hi_B: [B] int64 seed words of the rows.
             counter_B: [B] int64 response index of the first drafted token.
-            trace: when a list, (depth, draft logits [B, V] fp32 on CPU) pairs are appended (tests).
 
         Returns:
             (drafts [B, D] int64, q [B, D, V] fp32 — the filtered, normalized draft distributions the
@@ -190,8 +188,6 @@ class MTPDrafter:
             if draft:
                 query_hidden = out_true[rows, new.last_B] if k == 1 else out[:, M]
                 logits = self._logits(query_hidden)
-                if trace is not None:
-                    trace.append((k, logits.cpu()))
                 filtered = filter_logits(logits, self.top_k, self.top_p)
                 drafts.append(race_sample(filtered, seed_lo_B, seed_hi_B, counter_B + shift, STREAM_DRAFT))
                 probs.append(filtered.softmax(-1))

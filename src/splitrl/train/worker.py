@@ -428,6 +428,8 @@ class TrainWorker:
             raise RuntimeError("state_dict() during an open step; finish or abort it first")
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=opts)
+        # on CPU these are the live tensors: snapshot them, or later steps would change the copy
+        model_sd, optim_sd = _snapshot(model_sd), _snapshot(optim_sd)
         return {
             "model": model_sd,
             "optimizer": optim_sd,
@@ -456,6 +458,16 @@ class TrainWorker:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _snapshot(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().clone()
+    if isinstance(tree, dict):
+        return {k: _snapshot(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_snapshot(v) for v in tree)
+    return tree
 
 
 def _clip_coef(norm: float, limit: float | None) -> float:

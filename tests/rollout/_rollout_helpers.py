@@ -1,0 +1,55 @@
+"""Tiny fp32 models and teacher-forced references for the rollout tests."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from splitrl.models import ModelConfig, MTPConfig, PolicyModel
+from splitrl.models.config import TINY_BACKBONE
+from splitrl.models.policy import build_attention_mask
+
+
+def make_model(
+    vocab: int = 128, depths: int = 2, init: float = 0.3, attn: str = "sdpa", repeated: bool = False, seed: int = 0, **backbone
+) -> PolicyModel:
+    """A random tiny Qwen3 policy; a large ``init`` makes its distributions peaky (entropy ~2.5 nats)."""
+    cfg = dict(TINY_BACKBONE, vocab_size=vocab, initializer_range=init, **backbone)
+    mtp = MTPConfig(mtp_num_layers=depths, mtp_use_repeated_layer=repeated)
+    return PolicyModel.from_config(ModelConfig(backbone=cfg, mtp=mtp, attn_implementation=attn, seed=seed)).eval()
+
+
+def random_prompts(n: int, vocab: int, lengths: tuple[int, int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+@torch.no_grad()
+def teacher_forced(model: PolicyModel, prompt: list[int], response: list[int], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprobs [R] from PolicyModel.forward, logits / T [R, V]) of the response tokens."""
+    ids = torch.tensor([prompt + response])
+    mask = torch.zeros(ids.shape) if model.num_mtp_depths else None
+    lp = model(ids, mtp_loss_mask=mask, temperature=temperature).logprobs[0, len(prompt) :]
+    hidden = model.backbone.model(input_ids=ids).last_hidden_state[0]
+    logits = (hidden @ model.output_weight.T).float() / temperature
+    return lp, logits[len(prompt) - 1 : -1]
+
+
+@torch.no_grad()
+def teacher_forced_mtp_hidden(model: PolicyModel, ids: list[int]) -> list[torch.Tensor]:
+    """h^k [S, H] for k = 0..D over the full sequence, causal, positions 0..S-1 (as in training)."""
+    x = torch.tensor([ids])
+    S = x.shape[1]
+    seg = torch.zeros_like(x)
+    pos = torch.arange(S)[None]
+    mask = build_attention_mask(seg, model.config._attn_implementation, torch.float32)
+    embeds = model.embed_tokens(x)
+    h = model.backbone.model(inputs_embeds=embeds, attention_mask=mask, position_ids=pos).last_hidden_state
+    out = [h[0]]
+    pe = model.rotary_emb(h, pos)
+    for k in range(1, model.num_mtp_depths + 1):
+        emb_k = torch.nn.functional.pad(embeds[:, k:], (0, 0, 0, k))
+        h = model.mtp.depth_forward(k, emb_k, h, attention_mask=mask, position_embeddings=pe, position_ids=pos)
+        out.append(h[0])
+    return out
