@@ -52,6 +52,13 @@ class PolicyOutput:
 torch.export.register_dataclass(PolicyOutput)
 
 
+def _shift_left(x: torch.Tensor, n: int, value: float = 0) -> torch.Tensor:
+    """x[:, t + n] at position t, ``value`` past the row end; same shape as x ([B, S] or [B, S, H])."""
+    n = min(n, x.shape[1])
+    pad = (0, 0, 0, n) if x.dim() == 3 else (0, n)
+    return F.pad(x[:, n:], pad, value=value)
+
+
 def positions_from_segments(segment_ids_BS: torch.Tensor) -> torch.Tensor:
     """Position ids [B, S] that restart at 0 for each sample of a packed row (padding: 0)."""
     B, S = segment_ids_BS.shape
@@ -262,14 +269,10 @@ class PolicyModel(nn.Module):
             emb_src = embeds.detach() if detach else embeds
             w_mtp = weight.detach() if detach else weight
             mtp_mask = mtp_loss_mask.to(torch.float32)
+            # every depth runs even when a row is shorter than k + 2 (all its targets masked):
+            # data-parallel ranks must run the same modules (FSDP2 gathers / reduce-scatters)
             for k in range(1, D + 1):
-                if k >= S:
-                    zero = hidden0.new_zeros((), dtype=torch.float32)
-                    out.mtp_ce_sums.append(zero)
-                    out.mtp_hit_sums.append(zero)
-                    out.mtp_counts.append(zero)
-                    continue
-                emb_k = F.pad(emb_src[:, k:], (0, 0, 0, k))  # Emb(x_{t+k}); zeros past the row end
+                emb_k = _shift_left(emb_src, k)  # Emb(x_{t+k}); zeros past the row end
                 h_k = self.mtp.depth_forward(
                     k,
                     emb_k,
@@ -279,10 +282,10 @@ class PolicyModel(nn.Module):
                     position_ids=position_ids,
                 )
                 # target x_{t+k+1}, counted where it is in the same sample and mtp_loss_mask is 1
-                targets = F.pad(input_ids[:, k + 1 :], (0, k + 1))
-                seg_target = F.pad(segment_ids[:, k + 1 :], (0, k + 1), value=-2)
+                targets = _shift_left(input_ids, k + 1)
+                seg_target = _shift_left(segment_ids, k + 1, value=-2)
                 valid = (seg_target == segment_ids) & (segment_ids >= 0)
-                m = F.pad(mtp_mask[:, k + 1 :], (0, k + 1)) * valid
+                m = _shift_left(mtp_mask, k + 1) * valid
                 lp_k, _, hit_k = target_logprobs(h_k.reshape(-1, H), w_mtp, targets.reshape(-1))
                 m_flat = m.reshape(-1)
                 out.mtp_ce_sums.append(-(lp_k * m_flat).sum())

@@ -174,15 +174,14 @@ class _Rows:
     def __len__(self) -> int:
         return len(self.ids)
 
-    def advance(self, y: torch.Tensor, num_fed: torch.Tensor | int) -> None:
-        """The row emitted ``y`` after ``num_fed`` of its tokens entered the cache (prefill: 0).
+    def commit(self, y: torch.Tensor, num_fed: torch.Tensor) -> None:
+        """``num_fed`` tokens entered the cache (x_n and the accepted drafts) and ``y`` followed.
 
-        Emitted tokens = the fed ones that were drafts (all but x_n) + ``y``, i.e. ``num_fed`` after
-        a decode forward and 1 after the prefill.
+        The row emitted ``num_fed`` tokens: the accepted drafts and ``y``.
         """
         self.last_token = y
         self.next_position = self.next_position + num_fed
-        self.counter = self.counter + (num_fed if isinstance(num_fed, torch.Tensor) or num_fed > 0 else 1)
+        self.counter = self.counter + num_fed
 
     def record(self, tokens: list[list[int]], logprobs: list[list[float]]) -> list[int]:
         """Append each live row's emitted tokens up to a stop token or the length limit.
@@ -399,7 +398,8 @@ class RolloutEngine:
         logits = self._logits(hidden[:, -1])
         y = race_sample(filter_logits(logits, cfg.top_k, cfg.top_p), rows.seed_lo, rows.seed_hi, rows.counter, STREAM_TARGET)
         lp = logits.log_softmax(-1).gather(-1, y[:, None]).squeeze(-1)
-        rows.advance(y, 0)
+        rows.last_token = y
+        rows.counter = rows.counter + 1
         pending = None
         if drafter is not None:
             pending = NewSlots(
@@ -518,7 +518,7 @@ class RolloutEngine:
             pending = NewSlots(
                 hidden_BMH=hidden, next_tokens_BM=emitted, valid_BM=valid, positions_BM=positions, last_B=accepted
             )
-        rows.advance(y, accepted + 1)
+        rows.commit(y, accepted + 1)
         acc_list = accepted.tolist()
         tok_list = emitted.tolist()
         lp_list = logprobs.tolist()

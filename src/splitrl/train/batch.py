@@ -208,6 +208,8 @@ class MicroBatch:
 
     def per_sample_sum(self, values_bs: torch.Tensor) -> torch.Tensor:
         """Σ over each sample's positions: [b, s] -> [n] (padding dropped)."""
+        if self.num_samples == 0:
+            return values_bs.new_zeros(0)
         idx = self.sample_index.clamp(min=0).reshape(-1)
         vals = (values_bs * (self.sample_index >= 0)).reshape(-1)
         return vals.new_zeros(self.num_samples).index_add(0, idx, vals)

@@ -251,7 +251,10 @@ class TrainWorker:
                 with_entropy=st.loss_fn.needs_entropy,
             )
         lo = st.loss_fn(out, mb)
-        total = lo.loss
+        # FSDP2 reduce-scatters per microbatch, so every rank must backpropagate through every
+        # module even when its loss has no path to them (an empty microbatch under a
+        # sequence-level loss sums nothing); the zero-weighted anchor gives that path.
+        total = lo.loss + 0.0 * out.logprobs.sum()
         if model.mtp_trains:
             lam = model.mtp_config.mtp_loss_scaling_factor
             total = total + (lam / D) * torch.stack(out.mtp_ce_sums).sum()

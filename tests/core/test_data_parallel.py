@@ -1,0 +1,87 @@
+"""DESIGN §2 invariants 1, 5, 7 across data-parallel ranks: 2 gloo processes with FSDP2 and an
+uneven split (5 + 11 samples, and a chunk one rank gets nothing of) equal one process.
+
+Tolerance: as tests/core/test_chunk_invariance.py (fp32): gradients rtol 1e-5 with a floor of
+1e-5 × the tensor's max at the first step (1e-4 later), parameters RMS ≤ 1e-3·lr and
+max ≤ 0.1·lr, metrics rtol 1e-5.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _utils import (  # noqa: E402
+    assert_grads_close,
+    assert_metrics_close,
+    assert_params_close,
+    capture_grads,
+    make_batch,
+    make_loss,
+    make_model,
+    make_worker,
+    run_split,
+)
+
+from splitrl.loss import LossType  # noqa: E402
+
+LR = 1e-3
+
+
+def _steps():
+    """Two steps; each a list of chunks; each chunk a (rank-0 indices, rank-1 indices) split."""
+    b0, b1 = make_batch(16, seed=20), make_batch(16, seed=21)
+    split0 = [(list(range(0, 5)), list(range(5, 16)))]  # 5 + 11 in one chunk
+    split1 = [([0, 1, 2], []), ([3, 4, 5, 6, 7, 8], list(range(9, 16)))]  # rank 1 idle in chunk 1
+    return [(b0, split0), (b1, split1)]
+
+
+def _rank_main(rank, world, store, case, out):
+    sys.path.insert(0, os.path.dirname(__file__))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        loss_type, D, detach, pack = case
+        w = make_worker(make_model(D=D, detach=detach), lr=LR, mbs=2, pack=pack)
+        grads = capture_grads(w)
+        metrics = []
+        for batch, chunks in _steps():
+            w.begin_train_step(make_loss(loss_type))
+            for split in chunks:
+                w.train_microbatch(batch.select(split[rank]))
+            metrics.append(w.finish_train_step())
+        # gradients are sharded DTensors: gather them to full tensors for the comparison
+        full_grads = [{n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in step.items()} for step in grads]
+        state = w.state_dict()
+        if rank == 0:
+            torch.save({"metrics": metrics, "grads": full_grads, "params": state["model"]}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+CASES = [
+    (LossType.SEQUENCE_LEVEL, 2, True, True),
+    (LossType.TOKEN_LEVEL, 1, False, False),
+]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", CASES, ids=["seq-D2-detached-packed", "tok-D1-attached-padded"])
+def test_two_gloo_ranks_equal_one_process(tmp_path, case):
+    loss_type, D, detach, pack = case
+    out = tmp_path / "rank0.pt"
+    mp.start_processes(_rank_main, args=(2, str(tmp_path / "store"), case, str(out)), nprocs=2, join=True, start_method="spawn")
+    res = torch.load(out, weights_only=False)
+
+    ref = make_worker(make_model(D=D, detach=detach), lr=LR, mbs=16)
+    ref_grads = capture_grads(ref)
+    ref_metrics = [ref.train(batch, make_loss(loss_type)) for batch, _ in _steps()]
+    for i, (g, rg) in enumerate(zip(res["grads"], ref_grads)):
+        assert_grads_close(g, rg, floor=1e-5 if i == 0 else 1e-4)
+    for m, rm in zip(res["metrics"], ref_metrics):
+        assert_metrics_close(m, rm)
+    ref_params = {n: p.detach() for n, p in ref.model.named_parameters()}
+    assert_params_close({n: res["params"][n] for n in ref_params}, ref_params, LR)
