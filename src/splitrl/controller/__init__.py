@@ -1,1 +1,3 @@
-"""The single controller (DESIGN.md §4): rollout and train pumps, replay buffer, advantages."""
+"""The single controller and its parts (DESIGN §4): replay buffer and sampler (``buffer``),
+group advantages (``advantages``), generation and train actors, the policy client and the
+asyncio controller that drives them (``controller``)."""

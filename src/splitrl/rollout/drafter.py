@@ -15,10 +15,12 @@ k-1's output at t: the previous extension's last output (``carry``) for the firs
 extension's outputs for the others. Depths k >= 2 also take one *query* slot at position n-1 whose
 embedding input is a draft; it is masked out of all later attention because its input may be wrong.
 
-Consequence: for depth k >= 3, positions n-k+1 .. n-2 never enter depth k's cache (their inputs
-did not exist yet when that depth drafted from n-1), so its context has k-2 holes right before the
-query. Depths 1 and 2 see exactly the teacher-forced context of training. This only affects the
-draft's quality (acceptance), never the output distribution, which the verify rule keeps exact.
+Consequence: every position enters every depth's cache, with the teacher-forced inputs of
+training, as soon as its inputs are committed; but when depth k >= 3 drafts from n-1, positions
+n-k+1 .. n-2 are not in its cache yet (their inputs x_{n+1}.. are still drafts), so its context
+lacks the k-2 positions right before the query. Depths 1 and 2 draft with exactly the context of
+training. This only affects the drafts' quality (acceptance), never the output distribution,
+which the verify rule keeps exact.
 
 Slots. Rows accept different numbers of tokens, so every extension appends the same number of
 slots to every row; slots that hold no valid entry are masked out of attention by a per-depth 2D
@@ -150,6 +152,7 @@ class MTPDrafter:
         last_pos = new.positions_BM[rows, new.last_B]  # n-1
         prev_out = new.hidden_BMH
         query_hidden = None  # h^{k-1}_{n-1}
+        carry_in = list(self.carry)  # this extension overwrites self.carry as it goes
         drafts: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         for k in range(1, self.num_drafts + 1):
@@ -159,7 +162,7 @@ class MTPDrafter:
             if k == 1:
                 hidden = prev_out
             else:
-                hidden = torch.cat([self.carry[k - 2][:, None], prev_out[:, :-1]], dim=1)
+                hidden = torch.cat([carry_in[k - 2][:, None], prev_out[:, :-1]], dim=1)
             emb_in, hid_in, pos_in, valid_in = embeds, hidden, positions, valid
             with_query = draft and k >= 2
             if with_query:

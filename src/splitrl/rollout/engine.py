@@ -39,7 +39,7 @@ from splitrl.rollout.sampling import STREAM_ACCEPT, STREAM_TARGET, filter_logits
 log = logging.getLogger(__name__)
 
 # In speculative mode, every this many iterations (starting with the second) one plain step
-# measures what plain decoding would cost now, for the switch-off rule.
+# measures what plain decoding would cost now, for the switch-off rule (0: never; tests).
 CALIBRATION_INTERVAL = 16
 
 
@@ -421,7 +421,7 @@ class RolloutEngine:
                 if drafter is not None:
                     drafter.select(sel)
                     pending = pending.select(sel)
-            calibrate = drafter is not None and iteration % CALIBRATION_INTERVAL == 1
+            calibrate = drafter is not None and CALIBRATION_INTERVAL > 0 and iteration % CALIBRATION_INTERVAL == 1
             t0 = time.perf_counter()
             drafts = q = None
             if drafter is not None:

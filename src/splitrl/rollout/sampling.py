@@ -27,7 +27,7 @@ STREAM_ACCEPT = 2  # the accept test of the draft at a response index
 
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
-_MAX_RACE_ELEMENTS = 1 << 22  # rows of [B, V] noise per chunk are capped to bound temporaries
+_MAX_RACE_ELEMENTS = 1 << 24  # [B, V] noise is made in row chunks of at most this many elements
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:

@@ -1,0 +1,49 @@
+"""``splitrl train [--config FILE] [key.path=value ...]`` — the main job."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="splitrl", description="Asynchronous GRPO with MTP heads")
+    sub = parser.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="run GRPO (no arguments: the embedded CPU demo)")
+    t.add_argument("--config", help="YAML run config (see examples/)")
+    t.add_argument("overrides", nargs="*", help="key.path=value, e.g. num_steps=50 model.mtp.mtp_num_layers=2")
+    t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from splitrl.config import load_config
+
+    try:
+        config = load_config(args.config, args.overrides)
+    except ValueError as e:
+        print(f"splitrl: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+        return 0
+    from splitrl.controller.controller import StallError, StepFailed, train
+
+    try:
+        result = train(config)
+    except (StallError, StepFailed) as e:
+        print(f"splitrl: stopped: {e}", file=sys.stderr)
+        return 1
+    last = result.metrics[-1] if result.metrics else {}
+    print(
+        f"splitrl: {result.steps_done} steps in {result.output_dir}"
+        + (f"; last reward {last.get('rollout/reward_mean', float('nan')):.3f}" if last else "")
+        + (" (stopped early; rerun the same command to resume)" if result.stopped_early else "")
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""The run configuration: one typed object made of the components' own configs.
+
+A run is a YAML file (or nothing: the embedded CPU demo) plus ``key.path=value`` overrides. It is
+validated on load — unknown keys, impossible combinations and missing files raise a
+``ValueError`` that names the key, before anything starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from splitrl.controller.advantages import AdvantageConfig
+from splitrl.controller.buffer import ReplayBufferConfig
+from splitrl.controller.generation import TokenizerConfig
+from splitrl.dataplane import DataPlaneConfig
+from splitrl.logging import LoggingConfig
+from splitrl.loss import GRPOLossConfig, LossType
+from splitrl.models import ModelConfig, MTPConfig
+from splitrl.rollout import GenerationConfig
+from splitrl.tasks import TaskConfig, default_task_config
+from splitrl.train import MicrobatchConfig, OptimConfig, TrainConfig
+
+
+def demo_model_config() -> ModelConfig:
+    """The CPU demo's policy: a 2-layer Qwen3 (hidden 128) with one MTP depth, random init.
+
+    The size FINDINGS.md measured learning a compact reasoning-gym task by RL alone on 2 cores.
+    """
+    return ModelConfig(
+        family="qwen3",
+        backbone={
+            "vocab_size": 100,  # the character tokenizer's
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "max_position_embeddings": 256,
+            "tie_word_embeddings": True,
+            "rms_norm_eps": 1e-6,
+        },
+        mtp=MTPConfig(mtp_num_layers=1, mtp_loss_scaling_factor=0.3),
+    )
+
+
+class RunConfig(BaseModel):
+    """Everything a ``splitrl train`` run needs.
+
+    Attributes (run level; the rest are the components' configs):
+        seed: seed of the run (model init, per-sample sampling seeds).
+        output_dir: metrics, TensorBoard, checkpoints, the resolved config and the plot.
+        num_steps: optimizer steps of the run.
+        groups_per_step / group_size: a step is ``groups_per_step`` prompts × ``group_size``
+            samples (DESIGN §5).
+        min_groups_per_chunk: the train pump streams chunks of at least this many complete groups.
+        generation_groups_per_call: prompts per generation request.
+        num_generation_workers / num_train_workers: actors (train workers are data-parallel ranks).
+        backend: ``ray`` (actors on a Ray cluster, local one by default), ``local`` (objects in
+            this process, threads), or ``auto`` (ray when importable).
+        checkpoint_every: steps between checkpoints (0: only at the end).
+        resume: continue from the latest checkpoint in ``output_dir`` when there is one.
+        on_chunk_failure: ``retry`` the step (up to ``max_step_retries`` times) or ``stop``.
+        watchdog_timeout_s: report a stall (and stop) when no step finishes for this long.
+        reward_timeout_s: time limit of one answer check.
+        mask_truncated: samples cut at the length limit get ``sample_mask = 0``.
+        device: ``auto`` (CUDA when present), ``cpu`` or ``cuda``.
+        rollout_dtype: dtype of the generation copy of the model.
+        torch_threads: intra-op threads per actor (None: torch's default); on a 2-core machine 1
+            lets generation and training use a core each.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    seed: int = 0
+    output_dir: str = "runs/demo"
+    num_steps: int = Field(200, ge=1)
+    groups_per_step: int = Field(32, ge=1)
+    group_size: int = Field(8, ge=1)
+    min_groups_per_chunk: int = Field(8, ge=1)
+    generation_groups_per_call: int = Field(8, ge=1)
+    num_generation_workers: int = Field(1, ge=1)
+    num_train_workers: int = Field(1, ge=1)
+    backend: Literal["auto", "ray", "local"] = "auto"
+    checkpoint_every: int = Field(50, ge=0)
+    resume: bool = True
+    on_chunk_failure: Literal["retry", "stop"] = "stop"
+    max_step_retries: int = Field(1, ge=0)
+    watchdog_timeout_s: float = Field(600.0, gt=0)
+    reward_timeout_s: float = Field(5.0, gt=0)
+    mask_truncated: bool = False
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    rollout_dtype: Literal["fp32", "bf16"] = "fp32"
+    torch_threads: int | None = Field(1, ge=1)
+
+    # defaults: the CPU demo (FINDINGS.md: an entropy bonus and no std division keep the tiny
+    # policy from collapsing to one answer)
+    model: ModelConfig = Field(default_factory=demo_model_config)
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    task: TaskConfig = Field(default_factory=default_task_config)
+    rollout: GenerationConfig = Field(default_factory=lambda: GenerationConfig(max_new_tokens=8, batch_size=256))
+    loss: GRPOLossConfig = Field(default_factory=lambda: GRPOLossConfig(entropy_coef=0.02))
+    train: TrainConfig = Field(
+        default_factory=lambda: TrainConfig(
+            # short samples: padded rows beat one long packed row (attention is quadratic in it)
+            microbatch=MicrobatchConfig(micro_batch_size=128),
+            optim=OptimConfig(lr=5e-4, max_grad_norm=1.0),
+        )
+    )
+    advantage: AdvantageConfig = Field(default_factory=lambda: AdvantageConfig(normalize_std=False))
+    buffer: ReplayBufferConfig = Field(default_factory=lambda: ReplayBufferConfig(capacity_groups=64, max_staleness=1))
+    dataplane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> "RunConfig":
+        mtp = self.model.mtp
+        if (
+            self.loss.loss_type == LossType.SEQUENCE_LEVEL
+            and mtp.mtp_num_layers > 0
+            and not mtp.mtp_detach_heads
+            and mtp.mtp_loss_scaling_factor > 0
+        ):
+            raise ValueError(
+                "loss.loss_type=sequence_level with model.mtp.mtp_detach_heads=false and "
+                f"model.mtp.mtp_loss_scaling_factor={mtp.mtp_loss_scaling_factor} > 0 cannot be trained exactly "
+                "(two denominators inside the backbone gradient). Set model.mtp.mtp_detach_heads=true, or "
+                "loss.loss_type=token_level (or mtp_loss_scaling_factor=0 for metrics-only heads)."
+            )
+        if self.min_groups_per_chunk > self.groups_per_step:
+            raise ValueError(
+                f"min_groups_per_chunk={self.min_groups_per_chunk} > groups_per_step={self.groups_per_step}; "
+                "a chunk cannot be larger than its step"
+            )
+        if self.buffer.capacity_groups < self.min_groups_per_chunk:
+            raise ValueError(
+                f"buffer.capacity_groups={self.buffer.capacity_groups} < min_groups_per_chunk="
+                f"{self.min_groups_per_chunk}: the train pump would wait forever; raise the capacity"
+            )
+        if self.rollout.speculative and mtp.mtp_num_layers == 0:
+            raise ValueError("rollout.speculative=true needs MTP heads: set model.mtp.mtp_num_layers >= 1")
+        if self.backend == "local" and self.num_train_workers > 1:
+            raise ValueError("backend=local runs one train worker; use backend=ray for num_train_workers > 1")
+        if self.backend == "local" and self.dataplane.kind == "transferqueue":
+            raise ValueError("dataplane.kind=transferqueue needs backend=ray (TransferQueue runs on Ray); use dataplane.kind=inprocess")
+        if self.model.pretrained_path is not None and not (Path(self.model.pretrained_path) / "config.json").is_file():
+            raise ValueError(f"model.pretrained_path={self.model.pretrained_path!r} has no config.json; check the path")
+        task_path = getattr(self.task, "path", None)
+        if task_path is not None and not Path(task_path).exists():
+            raise ValueError(f"task.path={task_path!r} does not exist; point it at a JSONL / parquet file or a datasets directory")
+        if self.train.optim.schedule == "cosine" and self.train.optim.total_steps is None:
+            self.train.optim.total_steps = self.num_steps
+        return self
+
+
+def _set_path(data: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    if len(keys) > 1 and keys[0] not in data:
+        # an override into a section the file does not set starts from that section's default
+        # (so ``task.scoring=partial`` keeps the default task's ``kind`` and other keys)
+        default = RunConfig().model_dump(mode="json")
+        if isinstance(default.get(keys[0]), dict):
+            data[keys[0]] = default[keys[0]]
+    node = data
+    for k in keys[:-1]:
+        if not isinstance(node.get(k, {}), dict):
+            raise ValueError(f"override {dotted!r}: {k!r} is not a section")
+        node = node.setdefault(k, {})
+    node[keys[-1]] = value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load and validate a run config.
+
+    Args:
+        path: a YAML file (None: the embedded default).
+        overrides: ``key.path=value`` strings; values are parsed as YAML (``3``, ``true``, ``[1,2]``).
+
+    Raises:
+        ValueError: a missing file, a malformed override, or any validation error (unknown key,
+            wrong type, impossible combination), naming the key.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"config file {str(p)!r} does not exist")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
+        data = loaded
+    for item in overrides or []:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key.path=value")
+        key, raw = item.split("=", 1)
+        _set_path(data, key.strip(), yaml.safe_load(raw))
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"])
+            lines.append(f"  {loc or '<root>'}: {err['msg']}")
+        raise ValueError("invalid config:\n" + "\n".join(lines)) from None
+
+
+__all__ = ["RunConfig", "load_config", "GenerationConfig", "MicrobatchConfig", "OptimConfig", "MTPConfig"]

@@ -1,0 +1,64 @@
+"""One way to call workers, whether they are Ray actors or objects in this process.
+
+``spawn(cls, ..., backend="ray")`` starts ``cls`` as a Ray actor; ``backend="local"`` builds it
+here and runs each call in a worker thread, one call at a time per actor (as a Ray actor does),
+so that the asyncio controller stays responsive and generation overlaps training either way.
+The same controller code drives both: the local backend serves unit tests and machines without
+Ray (the GPU benchmark machine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, Literal
+
+Backend = Literal["ray", "local"]
+
+
+class LocalActor:
+    """An object of this process behind the actor interface."""
+
+    def __init__(self, cls: type, *args: Any, **kwargs: Any) -> None:
+        self._obj = cls(*args, **kwargs)
+        self._lock = threading.Lock()
+
+    def _call(self, method: str, args, kwargs):
+        with self._lock:
+            return getattr(self._obj, method)(*args, **kwargs)
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(self._call, method, args, kwargs)
+
+    def kill(self) -> None:
+        close = getattr(self._obj, "close", None)
+        if close is not None:
+            close()
+
+
+class RayActor:
+    """A Ray actor behind the same interface; ``call`` awaits the ObjectRef."""
+
+    def __init__(self, cls: type, *args: Any, ray_options: dict | None = None, **kwargs: Any) -> None:
+        import ray
+
+        self._handle = ray.remote(cls).options(**(ray_options or {})).remote(*args, **kwargs)
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return await getattr(self._handle, method).remote(*args, **kwargs)
+
+    def kill(self) -> None:
+        import ray
+
+        try:
+            ray.get(self._handle.close.remote(), timeout=10)
+        except Exception:  # noqa: BLE001 - the actor may not have a close(), or be gone already
+            pass
+        ray.kill(self._handle)
+
+
+def spawn(cls: type, *args: Any, backend: Backend, ray_options: dict | None = None, **kwargs: Any):
+    """Start ``cls(*args, **kwargs)`` as an actor of ``backend``."""
+    if backend == "ray":
+        return RayActor(cls, *args, ray_options=ray_options, **kwargs)
+    return LocalActor(cls, *args, **kwargs)

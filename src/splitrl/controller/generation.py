@@ -1,0 +1,195 @@
+"""A generation worker: samples groups, scores them next to generation and puts their tensors in
+the data plane; the controller gets back light :class:`~splitrl.types.Group` records (DESIGN §4).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from splitrl.dataplane import DataPlane
+from splitrl.models import ModelConfig, PolicyModel
+from splitrl.rollout import GenerationConfig, RolloutEngine
+from splitrl.tasks import RewardScorer, encode_prompt, make_task
+from splitrl.types import Group, SampleMeta
+
+
+class TokenizerConfig(BaseModel):
+    """Which tokenizer: the built-in character tokenizer of the CPU demo, or a local HF directory.
+
+    Attributes:
+        kind: ``char`` or ``pretrained``.
+        path: directory for ``pretrained`` (default: the model's ``pretrained_path``).
+        charset: the characters of a ``char`` tokenizer (default: all printable ASCII); the
+            model's ``vocab_size`` must be at least 4 + len(charset).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["char", "pretrained"] = "char"
+    path: str | None = None
+    charset: str | None = None
+
+
+def load_tokenizer(config: TokenizerConfig, model_path: str | None = None):
+    """Build the tokenizer. Raises ValueError when a pretrained one has no directory."""
+    if config.kind == "char":
+        from splitrl.tasks import build_char_tokenizer
+
+        return build_char_tokenizer(config.charset)
+    from transformers import AutoTokenizer
+
+    path = config.path or model_path
+    if path is None:
+        raise ValueError("tokenizer.kind='pretrained' needs tokenizer.path (or model.pretrained_path)")
+    return AutoTokenizer.from_pretrained(path)
+
+
+def sample_seed(run_seed: int, prompt_index: int, sample_index: int) -> int:
+    """The seed of one sample, from the run seed, prompt index and sample index (DESIGN §4)."""
+    h = hashlib.blake2b(f"{run_seed}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+def sample_id(prompt_index: int, sample_index: int, version: int) -> str:
+    return f"p{prompt_index}-s{sample_index}-v{version}"
+
+
+class GenerationWorker:
+    """Owns a rollout engine, a task and its scorer.
+
+    Args:
+        model_config: the policy's architecture (weights arrive by :meth:`load_weights`).
+        generation: sampling rules; the tokenizer's EOS is added to ``stop_token_ids``.
+        task_config: the task (prompts by index, scorer).
+        tokenizer_config: the tokenizer.
+        data_plane: where the samples' tensors go.
+        run_seed: seed of the run (per-sample seeds derive from it).
+        reward_timeout_s: time limit of one answer check.
+        mask_truncated: samples cut at the length limit get ``sample_mask = 0``.
+        device / dtype: where and in which dtype rollouts run.
+        torch_threads: intra-op threads of this process (None: torch's default).
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        generation: GenerationConfig,
+        task_config,
+        tokenizer_config: TokenizerConfig,
+        data_plane: DataPlane,
+        run_seed: int = 0,
+        reward_timeout_s: float = 5.0,
+        mask_truncated: bool = False,
+        device: str = "cpu",
+        dtype: str = "fp32",
+        torch_threads: int | None = None,
+    ) -> None:
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.tokenizer = load_tokenizer(tokenizer_config, model_config.pretrained_path)
+        stop = list(generation.stop_token_ids)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in stop:
+            stop.append(self.tokenizer.eos_token_id)
+        self.generation = generation.model_copy(update={"stop_token_ids": stop})
+        model = PolicyModel.from_config(model_config)
+        if dtype == "bf16":
+            model = model.to(torch.bfloat16)
+        self.engine = RolloutEngine(model, self.generation, device=device)
+        self.task = make_task(task_config)
+        self.scorer = RewardScorer(self.task, timeout_s=reward_timeout_s)
+        self.scorer.start()
+        self.data_plane = data_plane
+        self.run_seed = run_seed
+        self.mask_truncated = mask_truncated
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
+        """Weight sync from the trainer (MTP tensors included); returns the new version."""
+        dtype = next(self.engine.model.parameters()).dtype
+        self.engine.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, version)
+        return version
+
+    def prompt_of(self, prompt_index: int):
+        n = self.task.num_prompts
+        return self.task.get_prompt(prompt_index % n if n else prompt_index)
+
+    def generate_groups(self, prompt_indices: list[int], group_size: int) -> tuple[list[Group], dict[str, float]]:
+        """Generate, score and store ``group_size`` samples for each prompt index.
+
+        Returns:
+            (groups in the order of ``prompt_indices``, rollout metrics of the call).
+        """
+        t0 = time.perf_counter()
+        version = self.engine.policy_version
+        prompts = [self.prompt_of(i) for i in prompt_indices]
+        prompt_ids = [encode_prompt(p, self.tokenizer) for p in prompts]
+        flat_ids, seeds, owners = [], [], []
+        for g, (i, ids) in enumerate(zip(prompt_indices, prompt_ids)):
+            for j in range(group_size):
+                flat_ids.append(ids)
+                seeds.append(sample_seed(self.run_seed, i, j))
+                owners.append((g, j))
+        results = self.engine.generate(flat_ids, seeds)
+        gen_s = time.perf_counter() - t0
+        texts = [self.tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in results]
+        rewards = self.scorer.score([prompts[g] for g, _ in owners], texts)
+        score_s = time.perf_counter() - t0 - gen_s
+
+        ids_out, tm_out, lp_out, sids = [], [], [], []
+        groups = [
+            Group(group_id=f"p{i}-v{version}", prompt_index=i, samples=[], policy_version=version)
+            for i in prompt_indices
+        ]
+        for (g, j), res, text, rew in zip(owners, results, texts, rewards):
+            p_ids = prompt_ids[g]
+            P, R = len(p_ids), len(res.response_ids)
+            sid = sample_id(prompt_indices[g], j, version)
+            sids.append(sid)
+            ids_out.append(torch.tensor(p_ids + res.response_ids, dtype=torch.long))
+            tm_out.append(torch.cat([torch.zeros(P), torch.ones(R)]))
+            lp_out.append(torch.cat([torch.zeros(P), torch.tensor(res.logprobs, dtype=torch.float32)]))
+            truncated = res.finish_reason == "length"
+            groups[g].samples.append(
+                SampleMeta(
+                    sample_id=sid,
+                    reward=float(rew.reward),
+                    prompt_len=P,
+                    response_len=R,
+                    truncated=truncated,
+                    policy_version=version,
+                    sample_mask=0.0 if (truncated and self.mask_truncated) else 1.0,
+                    reward_timed_out=rew.timed_out,
+                    info={"response": text, "reward_error": rew.error},
+                )
+            )
+        self.data_plane.put(sids, {"input_ids": ids_out, "token_mask": tm_out, "generation_logprobs": lp_out})
+        stats = results[0].stats if results else None
+        metrics = {
+            "generated_tokens": float(sum(len(r.response_ids) for r in results)),
+            "generation_s": gen_s,
+            "scoring_s": score_s,
+            "reward_timeouts": float(sum(r.timed_out for r in rewards)),
+            "reward_errors": float(sum(r.error is not None and not r.timed_out for r in rewards)),
+            "drafted_tokens": float(sum(r.drafted_tokens for r in results)),
+            "accepted_tokens": float(sum(r.accepted_tokens for r in results)),
+            "speculative_active": float(stats.speculative_active) if stats else 0.0,
+        }
+        if stats is not None and stats.speculative_active:
+            for k, (a, r) in enumerate(zip(stats.accepted_per_depth, stats.reached_per_depth), start=1):
+                metrics[f"accepted_depth_{k}"] = float(a)
+                metrics[f"reached_depth_{k}"] = float(r)
+        return groups, metrics
+
+    def close(self) -> None:
+        self.scorer.close()
+
+    def ping(self) -> int:
+        return self.engine.policy_version

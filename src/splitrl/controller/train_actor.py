@@ -1,0 +1,156 @@
+"""A data-parallel train worker as an actor: reads its samples from the data plane by id and
+drives the split step of :class:`~splitrl.train.TrainWorker` (DESIGN §4).
+
+The controller never ships token tensors to it: a chunk arrives as sample ids plus one advantage
+and one sample mask per id; the tensors come from the data plane, worker-to-worker.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from splitrl.dataplane import DataPlane
+from splitrl.loss import ClippedPGLoss, GRPOLossConfig
+from splitrl.models import ModelConfig, PolicyModel
+from splitrl.train import TrainBatch, TrainConfig, TrainWorker
+from splitrl.train.microbatch import MicrobatchConfig, build_microbatches
+
+TOKEN_FIELDS = ["input_ids", "token_mask", "generation_logprobs"]
+
+
+class TrainActor:
+    """One rank of the trainer.
+
+    Args:
+        model_config: how to build the policy (every rank builds the same one, same seed).
+        train_config: worker config.
+        loss_config: the GRPO loss of every step.
+        data_plane: where the samples are.
+        rank / world_size / master_port: torch.distributed rendezvous; with world_size 1 no
+            process group is created.
+        torch_threads: intra-op threads of this process (None: torch's default).
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        train_config: TrainConfig,
+        loss_config: GRPOLossConfig,
+        data_plane: DataPlane,
+        rank: int = 0,
+        world_size: int = 1,
+        master_port: int | None = None,
+        torch_threads: int | None = None,
+    ) -> None:
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        if world_size > 1:
+            import torch.distributed as dist
+
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ["MASTER_PORT"] = str(master_port)
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":
+                torch.cuda.set_device(rank % torch.cuda.device_count())
+            dist.init_process_group(backend, rank=rank, world_size=world_size)
+        self.rank = rank
+        self.loss = ClippedPGLoss(loss_config)
+        self.data_plane = data_plane
+        model = PolicyModel.from_config(model_config)
+        self.reference: PolicyModel | None = None
+        if loss_config.kl_coef > 0:
+            # the frozen initial policy, for KL to the reference (DESIGN §5)
+            self.reference = PolicyModel.from_config(model_config.model_copy(update={"mtp": model_config.mtp.model_copy(update={"mtp_num_layers": 0})}))
+            self.reference.requires_grad_(False).eval()
+        self.worker = TrainWorker(model, train_config)
+        if self.reference is not None:
+            self.reference.to(self.worker.device)
+        self.busy_s = 0.0
+
+    # ---------------------------------------------------------------------------- step calls
+    def begin(self, expected_num_tokens: int | None = None) -> None:
+        self.worker.begin_train_step(self.loss, expected_num_tokens=expected_num_tokens)
+
+    def train_chunk(self, sample_ids: list[str], advantages: list[float], sample_mask: list[float]) -> dict:
+        """Fetch the samples, build the chunk and run it (``train_microbatch``)."""
+        t0 = time.perf_counter()
+        if sample_ids:
+            fields = self.data_plane.get(sample_ids, TOKEN_FIELDS)
+        else:
+            fields = {k: [] for k in TOKEN_FIELDS}
+        batch = TrainBatch(
+            input_ids=fields["input_ids"],
+            token_mask=[t.float() for t in fields["token_mask"]],
+            advantages=torch.tensor(advantages, dtype=torch.float32),
+            sample_mask=torch.tensor(sample_mask, dtype=torch.float32),
+            generation_logprobs=[t.float() for t in fields["generation_logprobs"]],
+            sample_ids=list(sample_ids),
+        )
+        if self.reference is not None:
+            batch.reference_logprobs = reference_logprobs(self.reference, batch, self.worker.config.microbatch, self.loss.temperature, self.worker.device)
+        out = self.worker.train_microbatch(batch)
+        self.busy_s += time.perf_counter() - t0
+        return out
+
+    def finish(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        metrics = self.worker.finish_train_step()
+        self.busy_s += time.perf_counter() - t0
+        metrics["timing/train_busy_s"] = self.busy_s
+        self.busy_s = 0.0
+        return metrics
+
+    def abort(self) -> None:
+        self.worker.abort_train_step()
+        self.busy_s = 0.0
+
+    # ---------------------------------------------------------------------------- weights
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full policy tensors (MTP included) under ``PolicyModel`` names, on CPU (collective)."""
+        return self.worker.full_model_state_dict()
+
+    def state_dict(self) -> dict:
+        return self.worker.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.worker.load_state_dict(state)
+
+    def save_pretrained(self, path: str) -> None:
+        """Write the policy as a Hugging Face directory with MTP heads (rank 0 writes; collective)."""
+        from splitrl.models.checkpoint import save_pretrained
+
+        sd = self.worker.full_model_state_dict()
+        if self.rank == 0:
+            backbone_sd = {k[len("backbone.") :]: v for k, v in sd.items() if k.startswith("backbone.")}
+            if getattr(self.worker.model.config, "tie_word_embeddings", False):
+                backbone_sd.pop("lm_head.weight", None)
+            backbone_sd.update({k: v for k, v in sd.items() if k.startswith("mtp.")})
+            save_pretrained(self.worker.model, path, state_dict={k: v.contiguous() for k, v in backbone_sd.items()})
+
+    def ping(self) -> int:
+        return self.rank
+
+
+@torch.no_grad()
+def reference_logprobs(
+    model: PolicyModel, batch: TrainBatch, mb_config: MicrobatchConfig, temperature: float, device
+) -> list[torch.Tensor]:
+    """Logprobs [L_i] of each sample's tokens under ``model`` (the frozen reference policy)."""
+    out = [torch.zeros(n) for n in batch.lengths]
+    if not len(batch):
+        return out
+    starts = 0
+    for mb in build_microbatches(batch, mb_config):
+        mbd = mb.to(device)
+        lp = model(mbd.input_ids, mbd.segment_ids, mbd.position_ids, temperature=temperature).logprobs.float().cpu()
+        for r in range(mb.input_ids.shape[0]):
+            for local in mb.sample_index[r].unique().tolist():
+                if local < 0:
+                    continue
+                sel = mb.sample_index[r] == local
+                out[starts + local] = lp[r][sel]
+        starts += mb.num_samples
+    return out
