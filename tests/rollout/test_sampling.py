@@ -83,3 +83,20 @@ def test_filter_top_k_and_top_p():
     assert keep == [True, False, True, False, False]
     # no-ops leave the logits untouched
     assert torch.equal(filter_logits(logits, 0, 1.0), logits)
+
+
+def test_two_level_race_on_a_larger_vocabulary():
+    # 61 tokens: 8 blocks of 8 (the last one partial); weights span four orders of magnitude
+    torch.manual_seed(1)
+    logw = torch.randn(61) * 2.0
+    logw[7] = float("-inf")
+    probs = logw.softmax(-1).double()
+    n = 30000
+    lo, hi = seed_words(list(range(n)), torch.device("cpu"))
+    tokens = race_sample(logw.expand(n, -1), lo, hi, torch.full((n,), 3), STREAM_TARGET)
+    counts = torch.bincount(tokens, minlength=61).double()
+    assert counts[7] == 0
+    big = probs * n >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([probs[big] * n, (probs[~big].sum() * n)[None]])
+    assert _chi2_pvalue(observed, expected) > 1e-3

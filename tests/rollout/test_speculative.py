@@ -248,3 +248,25 @@ def test_every_cached_mtp_entry_matches_teacher_forcing(monkeypatch):
                 torch.testing.assert_close(out[r, j], hidden[seed][depth][t], atol=1e-5, rtol=1e-4)
                 compared[depth - 1] += 1
     assert min(compared) > 20
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_cache_compaction_changes_nothing(monkeypatch, speculative):
+    """Dropping dead KV slots (finished rows' padding, rejected drafts) leaves every sample as it was."""
+    model = make_model(vocab=16, depths=2, hidden_size=32, intermediate_size=64)
+    cfg = GenerationConfig(speculative=speculative, temperature=0.9, max_new_tokens=24, batch_size=6, stop_token_ids=[3])
+    prompts = random_prompts(6, 16, (1, 12), seed=11)
+    seeds = list(range(6))
+    monkeypatch.setattr(engine_mod, "CALIBRATION_INTERVAL", 0)
+    monkeypatch.setattr(engine_mod, "COMPACT_MIN_HOLES", 10**9)
+    loose = RolloutEngine(model, cfg, "cpu").generate(prompts, seeds)
+    compactions = []
+    original = engine_mod.compact_cache
+    monkeypatch.setattr(engine_mod, "compact_cache", lambda c, v: compactions.append(v.shape) or original(c, v))
+    monkeypatch.setattr(engine_mod, "COMPACT_MIN_HOLES", 1)
+    monkeypatch.setattr(engine_mod, "COMPACT_MIN_FRACTION", 0.0)
+    dense = RolloutEngine(model, cfg, "cpu").generate(prompts, seeds)
+    assert len(compactions) >= (5 if speculative else 1)
+    for a, b in zip(loose, dense):
+        assert a.response_ids == b.response_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)

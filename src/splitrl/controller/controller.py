@@ -118,7 +118,14 @@ class SingleController:
                 num_cpus=max(8, need),
                 include_dashboard=False,
                 log_to_driver=True,
-                runtime_env={"env_vars": {"PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}},
+                runtime_env={
+                    "env_vars": {
+                        "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                        # TransferQueue caps its (de)serialization threads at this and warns on
+                        # every call when it exceeds the physical cores
+                        "TQ_NUM_THREADS": str(min(8, os.cpu_count() or 1)),
+                    }
+                },
             )
 
     def _build(self) -> None:

@@ -92,6 +92,12 @@ class GenerationWorker:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         self.tokenizer = load_tokenizer(tokenizer_config, model_config.pretrained_path)
+        vocab = model_config.backbone.get("vocab_size") if model_config.pretrained_path is None else None
+        if vocab is not None and vocab < len(self.tokenizer):
+            raise ValueError(
+                f"model vocab_size={vocab} is smaller than the tokenizer's {len(self.tokenizer)} tokens; "
+                f"set model.backbone.vocab_size >= {len(self.tokenizer)}"
+            )
         stop = list(generation.stop_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in stop:
             stop.append(self.tokenizer.eos_token_id)
@@ -117,6 +123,14 @@ class GenerationWorker:
         self.engine.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, version)
         return version
 
+    def _decode(self, ids: list[int]) -> str:
+        # a model whose vocabulary is larger than the tokenizer's (padded embeddings, a random-init
+        # model) can sample ids the tokenizer has no text for: they decode as unknown
+        n = len(self.tokenizer)
+        unk = self.tokenizer.unk_token_id
+        ids = [i if i < n else unk for i in ids if i < n or unk is not None]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def prompt_of(self, prompt_index: int):
         n = self.task.num_prompts
         return self.task.get_prompt(prompt_index % n if n else prompt_index)
@@ -139,7 +153,7 @@ class GenerationWorker:
                 owners.append((g, j))
         results = self.engine.generate(flat_ids, seeds)
         gen_s = time.perf_counter() - t0
-        texts = [self.tokenizer.decode(r.response_ids, skip_special_tokens=True) for r in results]
+        texts = [self._decode(r.response_ids) for r in results]
         rewards = self.scorer.score([prompts[g] for g, _ in owners], texts)
         score_s = time.perf_counter() - t0 - gen_s
 

@@ -35,6 +35,7 @@ import torch
 from transformers import DynamicCache
 
 from splitrl.models.policy import PolicyModel
+from splitrl.rollout.kv import compact_cache
 from splitrl.rollout.sampling import STREAM_DRAFT, filter_logits, race_sample
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
@@ -118,6 +119,10 @@ class MTPDrafter:
             cache.batch_select_indices(rows)
         self.valid = [v[rows] for v in self.valid]
         self.carry = [c[rows] for c in self.carry]
+
+    def compact(self) -> None:
+        """Drop dead slots (masked queries, rejected positions) from every depth's cache."""
+        self.valid = [compact_cache(cache, valid) for cache, valid in zip(self.caches, self.valid)]
 
     def _logits(self, hidden_BH: torch.Tensor) -> torch.Tensor:
         logits = torch.nn.functional.linear(hidden_BH, self.model.output_weight).float()

@@ -34,6 +34,7 @@ from transformers import DynamicCache
 from splitrl.models.policy import PolicyModel
 from splitrl.rollout.config import GenerationConfig
 from splitrl.rollout.drafter import SUPPORTED_ATTENTION, MTPDrafter, NewSlots
+from splitrl.rollout.kv import compact_cache
 from splitrl.rollout.sampling import STREAM_ACCEPT, STREAM_TARGET, filter_logits, race_sample, seed_words, uniforms
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,10 @@ log = logging.getLogger(__name__)
 # In speculative mode, every this many iterations (starting with the second) one plain step
 # measures what plain decoding would cost now, for the switch-off rule (0: never; tests).
 CALIBRATION_INTERVAL = 16
+# The KV cache is compacted once it holds at least this many dead slots (padding of finished rows,
+# rejected drafts) and they are at least this fraction of it.
+COMPACT_MIN_HOLES = 32
+COMPACT_MIN_FRACTION = 1 / 3
 
 
 @dataclass
@@ -157,7 +162,8 @@ class _Rows:
         self.prompt_ids = ids.to(device)
         self.mask = mask.to(device)  # [B, slots] validity of every cache slot
         self.prompt_positions = (self.mask.long().cumsum(-1) - 1).clamp(min=0)
-        self.next_position = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=device)
+        self.prompt_lens = [len(p) for p in prompts]
+        self.next_position = torch.tensor(self.prompt_lens, dtype=torch.int64, device=device)
         self.seed_lo, self.seed_hi = seed_words(seeds, device)
         self.counter = torch.zeros(B, dtype=torch.int64, device=device)  # tokens emitted so far
         self.last_token = torch.zeros(B, dtype=torch.int64, device=device)  # x_n: sampled, not yet fed
@@ -173,6 +179,11 @@ class _Rows:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def holes(self) -> int:
+        """Cache slots beyond what the fullest live row needs (from CPU-side counts, no sync)."""
+        valid = max(self.prompt_lens[s] + len(self.responses[s]) - 1 for s in self.ids)
+        return self.mask.shape[1] - valid
 
     def commit(self, y: torch.Tensor, num_fed: torch.Tensor) -> None:
         """``num_fed`` tokens entered the cache (x_n and the accepted drafts) and ``y`` followed.
@@ -397,7 +408,7 @@ class RolloutEngine:
         hidden = self._backbone(rows, rows.prompt_ids, rows.prompt_positions)
         logits = self._logits(hidden[:, -1])
         y = race_sample(filter_logits(logits, cfg.top_k, cfg.top_p), rows.seed_lo, rows.seed_hi, rows.counter, STREAM_TARGET)
-        lp = logits.log_softmax(-1).gather(-1, y[:, None]).squeeze(-1)
+        lp = logits.gather(-1, y[:, None]).squeeze(-1) - logits.logsumexp(-1)
         rows.last_token = y
         rows.counter = rows.counter + 1
         pending = None
@@ -422,7 +433,12 @@ class RolloutEngine:
                     drafter.select(sel)
                     pending = pending.select(sel)
             calibrate = drafter is not None and CALIBRATION_INTERVAL > 0 and iteration % CALIBRATION_INTERVAL == 1
-            t0 = time.perf_counter()
+            t_start = time.perf_counter()
+            # A calibration step must see a cache as dense as plain decoding's to measure its cost.
+            if calibrate or rows.holes() >= max(COMPACT_MIN_HOLES, COMPACT_MIN_FRACTION * rows.mask.shape[1]):
+                rows.mask = compact_cache(rows.cache, rows.mask)
+                if drafter is not None:
+                    drafter.compact()
             drafts = q = None
             if drafter is not None:
                 out = drafter.extend(
@@ -434,22 +450,25 @@ class RolloutEngine:
                 )
                 if out is not None:
                     drafts, q = out
+                if calibrate and device.type == "cuda":
+                    torch.cuda.synchronize(device)  # the plain step's clock must not wait for the MTP's work
             t1 = time.perf_counter()
             tokens, logprobs, accepted, pending = self._verify(rows, drafts, q, keep_slots=drafter is not None)
-            t2 = time.perf_counter()  # _verify ends with a host sync (tokens to CPU)
             stats.num_forwards += 1
+            if drafter is not None and not calibrate:
+                self._count_acceptance(rows, accepted, D, stats)
+            keep = rows.record(tokens, logprobs)
+            t_end = time.perf_counter()  # _verify ends with a host sync (tokens to CPU)
             n_emitted = sum(len(t) for t in tokens)
             if drafter is None:
                 pass
             elif calibrate:
-                timing.plain_s += t2 - t1
+                timing.plain_s += t_end - t1
                 timing.plain_tokens += n_emitted
-                timing.spec_s += t1 - t0  # the MTP extension is speculative overhead
+                timing.spec_s += t1 - t_start  # compaction and MTP extension are speculative overhead
             else:
-                timing.spec_s += t2 - t0
+                timing.spec_s += t_end - t_start
                 timing.spec_tokens += n_emitted
-                self._count_acceptance(rows, accepted, D, stats)
-            keep = rows.record(tokens, logprobs)
             iteration += 1
 
         return [
@@ -510,7 +529,7 @@ class RolloutEngine:
             y = race_sample(residual.log(), rows.seed_lo, rows.seed_hi, rows.counter + accepted, STREAM_TARGET)
             emitted = torch.cat([drafts, drafts.new_zeros(B, 1)], dim=1)
             emitted[rows_idx, accepted] = y
-        logprobs = logits.log_softmax(-1).gather(-1, emitted[..., None]).squeeze(-1)  # [B, D+1]
+        logprobs = logits.gather(-1, emitted[..., None]).squeeze(-1) - logits.logsumexp(-1)  # [B, D+1]
         valid = steps[None] <= accepted[:, None]
         rows.mask[:, -(D + 1) :] = valid
         pending = None

@@ -10,8 +10,9 @@ on how many forwards produced them, and no generator state has to be carried or 
 
 Tokens are drawn with the exponential race (equivalently the Gumbel-max trick): the token is
 argmax_i log w_i - log E_i with E_i ~ Exp(1), which picks i with probability w_i / Σ w. Unlike an
-inverse-CDF draw it needs no cumulative sum, so tail tokens of a large vocabulary keep their exact
-probability instead of being rounded away against a fp32 running total.
+inverse-CDF draw it needs no cumulative sum, so tail tokens of a large vocabulary keep their
+probability instead of being rounded away against a fp32 running total. The race runs on two
+levels (blocks, then tokens in the chosen block), so it hashes ~2·sqrt(V) numbers per row, not V.
 
 The hash is 32-bit (murmur3's finalizer); products are split so that every intermediate fits in a
 non-negative int64, where torch's integer arithmetic is well defined on every device.
@@ -19,7 +20,10 @@ non-negative int64, where torch's integer arithmetic is well defined on every de
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 STREAM_TARGET = 0  # the token emitted at a response index (plain step, bonus, or residual)
 STREAM_DRAFT = 1  # the draft proposed for a response index
@@ -27,7 +31,6 @@ STREAM_ACCEPT = 2  # the accept test of the draft at a response index
 
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
-_MAX_RACE_ELEMENTS = 1 << 24  # [B, V] noise is made in row chunks of at most this many elements
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -85,6 +88,12 @@ def _column_keys(vocab: int, device: torch.device) -> torch.Tensor:
     return _COLUMN_KEYS[key]
 
 
+def _race(log_weights_BN: torch.Tensor, row_keys_B: torch.Tensor, column_keys_BN: torch.Tensor) -> torch.Tensor:
+    """argmax of log w + Gumbel noise, the noise of element (b, n) hashed from its two keys."""
+    u = _to_uniform(_fmix32(row_keys_B[:, None] ^ column_keys_BN))
+    return (log_weights_BN - torch.log(-torch.log(u))).argmax(-1)
+
+
 def race_sample(
     log_weights_BV: torch.Tensor,
     seed_lo_B: torch.Tensor,
@@ -93,6 +102,9 @@ def race_sample(
     stream: int,
 ) -> torch.Tensor:
     """Draw one token per row with probability proportional to exp(log_weights).
+
+    Two levels keep the hashing small: a race over blocks of about sqrt(V) tokens weighted by their
+    total weight picks a block, a race inside it picks the token; P(token) = W_block / W · w / W_block.
 
     Args:
         log_weights_BV: [B, V] fp32 unnormalized log-weights; -inf excludes a token (each row needs
@@ -105,15 +117,18 @@ def race_sample(
         [B] int64 token ids.
     """
     B, V = log_weights_BV.shape
-    row_keys = _keys(seed_lo_B, seed_hi_B, counter_B, stream)
-    cols = _column_keys(V, log_weights_BV.device)
-    step = max(1, _MAX_RACE_ELEMENTS // max(V, 1))
-    out = []
-    for start in range(0, B, step):
-        u = _to_uniform(_fmix32(row_keys[start : start + step, None] ^ cols))
-        gumbel = -torch.log(-torch.log(u))
-        out.append((log_weights_BV[start : start + step] + gumbel).argmax(-1))
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=log_weights_BV.device)
+    block = max(1, math.isqrt(V - 1) + 1) if V > 1 else 1
+    num_blocks = -(-V // block)
+    padded = F.pad(log_weights_BV, (0, num_blocks * block - V), value=float("-inf")).view(B, num_blocks, block)
+    top = padded.amax(dim=(1, 2), keepdim=True)
+    block_log_weights = (padded - top).exp().sum(-1).log()  # [B, num_blocks]; -inf for empty blocks
+    columns = _column_keys(num_blocks * block, log_weights_BV.device)
+    block_keys = _keys(seed_lo_B, seed_hi_B, counter_B, 2 * stream)
+    chosen = _race(block_log_weights, block_keys, columns[:num_blocks].expand(B, -1))
+    inside = padded[torch.arange(B, device=padded.device), chosen]  # [B, block]
+    token_ids = chosen[:, None] * block + torch.arange(block, device=padded.device)
+    token_keys = _keys(seed_lo_B, seed_hi_B, counter_B, 2 * stream + 1)
+    return token_ids.gather(1, _race(inside, token_keys, columns[token_ids])[:, None]).squeeze(1)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
