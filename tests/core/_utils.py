@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import random
 
 import torch
@@ -12,6 +13,9 @@ from splitrl.models import ModelConfig, MTPConfig, PolicyModel
 from splitrl.train import MicrobatchConfig, OptimConfig, TrainBatch, TrainConfig, TrainWorker
 
 VOCAB = 128
+# SPLITRL_TEST_DEVICE=cuda runs the worker tests on a GPU (the device machine); comparisons
+# happen on CPU copies.
+DEVICE = os.environ.get("SPLITRL_TEST_DEVICE", "cpu")
 
 
 def make_model(D=0, detach=True, repeated=False, lam=0.1, family="qwen3", seed=0, **backbone) -> PolicyModel:
@@ -63,7 +67,7 @@ def make_loss(loss_type=LossType.TOKEN_LEVEL, **kw) -> ClippedPGLoss:
 def make_worker(model, lr=1e-3, precision="fp32", mbs=3, max_tokens=None, pack=False, max_grad_norm=1.0, **optim):
     cfg = TrainConfig(
         precision=precision,
-        device="cpu",
+        device=DEVICE,
         microbatch=MicrobatchConfig(micro_batch_size=mbs, max_tokens_per_microbatch=max_tokens, pack_sequences=pack),
         optim=OptimConfig(lr=lr, max_grad_norm=max_grad_norm, weight_decay=0.01, warmup_steps=1, **optim),
     )
@@ -85,7 +89,13 @@ def capture_grads(worker: TrainWorker) -> list[dict[str, torch.Tensor]]:
     store: list[dict[str, torch.Tensor]] = []
 
     def hook(opt, args, kwargs):
-        store.append({n: p.grad.detach().clone() for n, p in worker.model.named_parameters() if p.grad is not None})
+        grads = {}
+        for n, p in worker.model.named_parameters():
+            if p.grad is not None:
+                g = p.grad.detach()
+                g = g.full_tensor() if hasattr(g, "full_tensor") else g  # FSDP2 shards (collective)
+                grads[n] = g.cpu().clone()
+        store.append(grads)
 
     worker.optimizer.register_step_pre_hook(hook)
     return store
@@ -102,11 +112,21 @@ def run_split(worker, loss, steps: list[list[TrainBatch]]) -> list[dict]:
 
 
 def params(model) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+
+
+def _to_cpu(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu().clone()
+    if isinstance(tree, dict):
+        return {k: _to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_to_cpu(v) for v in tree]
+    return copy.deepcopy(tree)
 
 
 def optim_state(worker) -> dict:
-    return copy.deepcopy(worker.optimizer.state_dict())
+    return _to_cpu(worker.optimizer.state_dict())
 
 
 def assert_metrics_close(a: dict, b: dict, rtol=1e-5, atol=1e-9):

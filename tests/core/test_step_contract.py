@@ -158,8 +158,8 @@ def test_sequence_level_attached_mtp_is_rejected_before_any_change():
 
 def test_lambda_zero_trains_policy_keeps_heads_and_reports_metrics():
     model = make_model(D=2, lam=0.0)
-    mtp_before = {n: p.clone() for n, p in model.mtp_named_parameters()}
-    main_before = {n: p.clone() for n, p in model.main_named_parameters()}
+    mtp_before = {n: p.detach().cpu().clone() for n, p in model.mtp_named_parameters()}
+    main_before = {n: p.detach().cpu().clone() for n, p in model.main_named_parameters()}
     w = make_worker(model)
     opt_params = {id(p) for g in w.optimizer.param_groups for p in g["params"]}
     assert not any(id(p) in opt_params for _, p in model.mtp_named_parameters())
@@ -168,8 +168,8 @@ def test_lambda_zero_trains_policy_keeps_heads_and_reports_metrics():
     for k in ("mtp/mtp_1_loss", "mtp/mtp_2_loss", "mtp/mtp_1_acceptance_rate", "mtp/mtp_2_acceptance_rate"):
         assert m[k] == m[k] and m[k] >= 0.0
     for n, p in model.mtp_named_parameters():
-        assert torch.equal(p, mtp_before[n]), n
-    assert any(not torch.equal(p, main_before[n]) for n, p in model.main_named_parameters())
+        assert torch.equal(p.detach().cpu(), mtp_before[n]), n
+    assert any(not torch.equal(p.detach().cpu(), main_before[n]) for n, p in model.main_named_parameters())
 
 
 def test_d_zero_has_no_mtp_metrics():

@@ -12,7 +12,13 @@ from splitrl.models.policy import build_attention_mask
 
 
 def make_model(
-    vocab: int = 128, depths: int = 2, init: float = 0.3, attn: str = "sdpa", repeated: bool = False, seed: int = 0, **backbone
+    vocab: int = 128,
+    depths: int = 2,
+    init: float = 0.3,
+    attn: str = "sdpa",
+    repeated: bool = False,
+    seed: int = 0,
+    **backbone,
 ) -> PolicyModel:
     """A random tiny Qwen3 policy; a large ``init`` makes its distributions peaky (entropy ~2.5 nats)."""
     cfg = dict(TINY_BACKBONE, vocab_size=vocab, initializer_range=init, **backbone)
@@ -26,7 +32,9 @@ def random_prompts(n: int, vocab: int, lengths: tuple[int, int], seed: int = 0) 
 
 
 @torch.no_grad()
-def teacher_forced(model: PolicyModel, prompt: list[int], response: list[int], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_forced(
+    model: PolicyModel, prompt: list[int], response: list[int], temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs [R] from PolicyModel.forward, logits / T [R, V]) of the response tokens."""
     ids = torch.tensor([prompt + response])
     mask = torch.zeros(ids.shape) if model.num_mtp_depths else None

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from _rollout_helpers import make_model, random_prompts, teacher_forced
+
 from splitrl.rollout import GenerationConfig, RolloutEngine
 
 VOCAB = 128
@@ -74,8 +74,8 @@ def test_same_prompt_and_seed_give_the_same_sample_in_any_batch(model):
     assert mixed.response_ids == alone.response_ids
     torch.testing.assert_close(torch.tensor(mixed.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
     # smaller batches (rows split across forwards) give the same sample too
-    engine.config = cfg.model_copy(update={"batch_size": 2})
-    split = engine.generate(others[:3] + [short], seeds=[1, 2, 3, 42])[3]
+    small_batches = RolloutEngine(model, cfg.model_copy(update={"batch_size": 2}), "cpu")
+    split = small_batches.generate(others[:3] + [short], seeds=[1, 2, 3, 42])[3]
     assert split.response_ids == alone.response_ids
     # the seed matters
     draws = {tuple(engine.generate([short], seeds=[s])[0].response_ids) for s in range(6)}
@@ -92,7 +92,9 @@ def test_left_padding_gives_the_unpadded_logprobs(model):
 
 
 def test_weight_sync_changes_the_policy_and_its_version(model):
-    engine = RolloutEngine(make_model(vocab=VOCAB, depths=2, seed=1), GenerationConfig(top_k=1, max_new_tokens=5), "cpu")
+    engine = RolloutEngine(
+        make_model(vocab=VOCAB, depths=2, seed=1), GenerationConfig(top_k=1, max_new_tokens=5), "cpu"
+    )
     prompt = [[9, 8, 7]]
     before = engine.generate(prompt, seeds=[0])[0]
     assert before.policy_version == 0
@@ -103,7 +105,9 @@ def test_weight_sync_changes_the_policy_and_its_version(model):
     torch.testing.assert_close(torch.tensor(after.logprobs), ref_lp, atol=1e-5, rtol=0)
     assert before.logprobs != after.logprobs
     # a sync without the MTP tensors is refused and changes nothing
-    partial = {k: v for k, v in make_model(vocab=VOCAB, depths=2, seed=2).state_dict().items() if not k.startswith("mtp.")}
+    partial = {
+        k: v for k, v in make_model(vocab=VOCAB, depths=2, seed=2).state_dict().items() if not k.startswith("mtp.")
+    }
     with pytest.raises(ValueError, match="MTP tensors"):
         engine.load_state_dict(partial, version=4)
     assert engine.policy_version == 3

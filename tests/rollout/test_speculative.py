@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-
 from _rollout_helpers import make_model, random_prompts, teacher_forced, teacher_forced_mtp_hidden
-from splitrl.rollout import GenerationConfig, RolloutEngine, engine as engine_mod
+
+from splitrl.rollout import GenerationConfig, RolloutEngine
+from splitrl.rollout import engine as engine_mod
 from splitrl.rollout.drafter import MTPDrafter
 from splitrl.rollout.sampling import filter_logits
 
@@ -37,7 +38,9 @@ def test_greedy_speculative_equals_plain(depths, repeated, attn):
 def test_speculative_logprobs_equal_teacher_forced():
     model = make_model(vocab=16, depths=2, hidden_size=32, intermediate_size=64)
     T = 0.8
-    engine = RolloutEngine(model, GenerationConfig(speculative=True, temperature=T, max_new_tokens=16, batch_size=5), "cpu")
+    engine = RolloutEngine(
+        model, GenerationConfig(speculative=True, temperature=T, max_new_tokens=16, batch_size=5), "cpu"
+    )
     prompts = random_prompts(8, 16, (1, 6), seed=6)
     results = engine.generate(prompts, seeds=list(range(8)))
     for prompt, res in zip(prompts, results):
@@ -52,7 +55,7 @@ def test_speculative_logprobs_equal_teacher_forced():
     assert all(0.0 <= r <= 100.0 for r in [stats.acceptance_rate, *stats.acceptance_rate_per_depth])
     metrics = stats.as_metrics()
     assert metrics["rollout/acceptance_rate"] == stats.acceptance_rate
-    assert metrics["rollout/acceptance_rate_depth_2"] == stats.acceptance_rate_per_depth[1]
+    assert metrics["rollout/mtp_2_acceptance_rate"] == stats.acceptance_rate_per_depth[1]
 
 
 @pytest.mark.parametrize("depths", [2, 3])
@@ -194,6 +197,7 @@ def test_switches_itself_off_when_slower_and_back_on_after_a_sync(monkeypatch):
     monkeypatch.setattr(engine_mod._Timing, "speedup", lambda self: 0.5)
     engine.generate(prompts, seeds)
     assert engine.last_stats.speculative_active and not engine.last_stats.speculative_next
+    assert engine.last_stats.as_metrics()["rollout/speculative_next"] == 0.0
     off = engine.generate(prompts, seeds)
     assert not engine.last_stats.speculative_active and engine.last_stats.drafted_tokens == 0
     assert "rollout/acceptance_rate" not in engine.last_stats.as_metrics()
@@ -254,7 +258,9 @@ def test_every_cached_mtp_entry_matches_teacher_forcing(monkeypatch):
 def test_cache_compaction_changes_nothing(monkeypatch, speculative):
     """Dropping dead KV slots (finished rows' padding, rejected drafts) leaves every sample as it was."""
     model = make_model(vocab=16, depths=2, hidden_size=32, intermediate_size=64)
-    cfg = GenerationConfig(speculative=speculative, temperature=0.9, max_new_tokens=24, batch_size=6, stop_token_ids=[3])
+    cfg = GenerationConfig(
+        speculative=speculative, temperature=0.9, max_new_tokens=24, batch_size=6, stop_token_ids=[3]
+    )
     prompts = random_prompts(6, 16, (1, 12), seed=11)
     seeds = list(range(6))
     monkeypatch.setattr(engine_mod, "CALIBRATION_INTERVAL", 0)

@@ -41,7 +41,9 @@ from splitrl.rollout.sampling import STREAM_DRAFT, filter_logits, race_sample
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
-def slot_attention_mask(kv_valid_BL: torch.Tensor, q_len: int, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+def slot_attention_mask(
+    kv_valid_BL: torch.Tensor, q_len: int, attn_implementation: str, dtype: torch.dtype
+) -> torch.Tensor:
     """4D mask [B, 1, Q, L] for the last ``q_len`` of L cache slots (the new ones) as queries.
 
     A query attends to earlier-or-equal slots that are valid; it always attends to itself so that
@@ -83,8 +85,10 @@ class NewSlots:
     positions_BM: torch.Tensor
     last_B: torch.Tensor
 
-    def select(self, rows: torch.Tensor) -> "NewSlots":
-        return NewSlots(*(t[rows] for t in (self.hidden_BMH, self.next_tokens_BM, self.valid_BM, self.positions_BM, self.last_B)))
+    def select(self, rows: torch.Tensor) -> NewSlots:
+        return NewSlots(
+            *(t[rows] for t in (self.hidden_BMH, self.next_tokens_BM, self.valid_BM, self.positions_BM, self.last_B))
+        )
 
 
 class MTPDrafter:
@@ -98,7 +102,9 @@ class MTPDrafter:
         batch_size: B, the rows the caches start with.
     """
 
-    def __init__(self, model: PolicyModel, num_drafts: int, temperature: float, top_k: int, top_p: float, batch_size: int):
+    def __init__(
+        self, model: PolicyModel, num_drafts: int, temperature: float, top_k: int, top_p: float, batch_size: int
+    ):
         assert model.mtp is not None and 1 <= num_drafts <= model.num_mtp_depths
         self.model = model
         self.num_drafts = num_drafts

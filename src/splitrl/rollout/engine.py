@@ -5,8 +5,9 @@ Legend: B = rows, P = padded prompt length, H = hidden size, V = vocabulary, D =
 A batch is left-padded; positions are the cumulative attention mask - 1, so every row's first
 token is at position 0 whatever the padding. The KV cache is one ``DynamicCache`` whose slots are
 common to all rows; a 2D validity mask marks padding and, with speculative decoding, the slots of
-rejected drafts, which stay in the cache but are never attended to again. A row leaves the batch
-(its cache rows are dropped) as soon as it emits a stop token or reaches ``max_new_tokens``.
+rejected drafts, which are never attended to again and are dropped when enough of them pile up
+(:mod:`splitrl.rollout.kv`). A row leaves the batch (its cache rows are dropped) as soon as it
+emits a stop token or reaches ``max_new_tokens``.
 
 Randomness is counter-based (:mod:`splitrl.rollout.sampling`): a sample's tokens depend only on its
 prompt, its seed and its logits, so the same prompt and seed give the same response in any batch.
@@ -100,11 +101,12 @@ class RolloutStats:
             f"{prefix}generated_tokens": float(self.generated_tokens),
             f"{prefix}wall_time_s": self.wall_time_s,
             f"{prefix}speculative_active": float(self.speculative_active),
+            f"{prefix}speculative_next": float(self.speculative_next),
         }
         if self.speculative_active:
             out[f"{prefix}acceptance_rate"] = self.acceptance_rate
             for k, rate in enumerate(self.acceptance_rate_per_depth, start=1):
-                out[f"{prefix}acceptance_rate_depth_{k}"] = rate
+                out[f"{prefix}mtp_{k}_acceptance_rate"] = rate  # named like the training-side metric
             if self.speculative_speedup is not None:
                 out[f"{prefix}speculative_speedup"] = self.speculative_speedup
         return out
@@ -260,7 +262,9 @@ class RolloutEngine:
                 raise ValueError(f"num_draft_tokens={n} exceeds the model's {D} MTP depths; use at most {D}")
             attn = model.config._attn_implementation
             if attn not in SUPPORTED_ATTENTION:
-                raise ValueError(f"speculative decoding needs attn_implementation in {SUPPORTED_ATTENTION}, got {attn!r}")
+                raise ValueError(
+                    f"speculative decoding needs attn_implementation in {SUPPORTED_ATTENTION}, got {attn!r}"
+                )
             self.num_drafts = n
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.model = model.to(self.device).eval()
@@ -281,12 +285,12 @@ class RolloutEngine:
         missing = sorted(own.keys() - state_dict.keys())
         unexpected = sorted(state_dict.keys() - own.keys())
         if missing or unexpected:
-            hint = " (the MTP tensors must be synced too: a stale draft destroys acceptance)" if any(
-                k.startswith("mtp.") for k in missing
-            ) else ""
+            hint = ""
+            if any(k.startswith("mtp.") for k in missing):
+                hint = " (the MTP tensors must be synced too: a stale draft destroys acceptance)"
             raise ValueError(
-                f"weight sync keys do not match the policy: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-                f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}{hint}; send PolicyModel.state_dict()"
+                f"weight sync keys do not match the policy: {len(missing)} missing (e.g. {missing[:3]}), "
+                f"{len(unexpected)} unexpected (e.g. {unexpected[:3]}){hint}; send PolicyModel.state_dict()"
             )
         wrong = [k for k, v in state_dict.items() if tuple(v.shape) != tuple(own[k].shape)]
         if wrong:
@@ -407,7 +411,9 @@ class RolloutEngine:
         # prefill: the first token comes from the last prompt slot of every row
         hidden = self._backbone(rows, rows.prompt_ids, rows.prompt_positions)
         logits = self._logits(hidden[:, -1])
-        y = race_sample(filter_logits(logits, cfg.top_k, cfg.top_p), rows.seed_lo, rows.seed_hi, rows.counter, STREAM_TARGET)
+        y = race_sample(
+            filter_logits(logits, cfg.top_k, cfg.top_p), rows.seed_lo, rows.seed_hi, rows.counter, STREAM_TARGET
+        )
         lp = logits.gather(-1, y[:, None]).squeeze(-1) - logits.logsumexp(-1)
         rows.last_token = y
         rows.counter = rows.counter + 1
@@ -516,13 +522,15 @@ class RolloutEngine:
             p = filtered.softmax(-1)
             p_draft = p[:, :-1].gather(-1, drafts[..., None]).squeeze(-1)  # [B, D]
             q_draft = q.gather(-1, drafts[..., None]).squeeze(-1)
-            u = uniforms(rows.seed_lo[:, None], rows.seed_hi[:, None], rows.counter[:, None] + steps[:-1], STREAM_ACCEPT)
+            u = uniforms(
+                rows.seed_lo[:, None], rows.seed_hi[:, None], rows.counter[:, None] + steps[:-1], STREAM_ACCEPT
+            )
             ok = u * q_draft < p_draft  # u < p/q without dividing by q
             accepted = ok.long().cumprod(dim=1).sum(dim=1)  # leading accepted drafts
             rows_idx = torch.arange(B, device=device)
             p_last = p[rows_idx, accepted]  # [B, V] target at the first rejection (or the bonus slot)
-            q_pad = torch.cat([q, q.new_zeros(B, 1, q.shape[-1])], dim=1)
-            residual = (p_last - q_pad[rows_idx, accepted]).clamp(min=0.0)
+            q_last = q[rows_idx, accepted.clamp(max=D - 1)] * (accepted < D)[:, None]  # no q at the bonus slot
+            residual = (p_last - q_last).clamp(min=0.0)
             # p = q up to rounding leaves nothing to draw from; p itself is then the exact answer
             empty = residual.sum(-1, keepdim=True) <= 0
             residual = torch.where(empty, p_last, residual)
@@ -538,9 +546,9 @@ class RolloutEngine:
                 hidden_BMH=hidden, next_tokens_BM=emitted, valid_BM=valid, positions_BM=positions, last_B=accepted
             )
         rows.commit(y, accepted + 1)
-        acc_list = accepted.tolist()
-        tok_list = emitted.tolist()
-        lp_list = logprobs.tolist()
-        tokens = [t[: a + 1] for t, a in zip(tok_list, acc_list)]
-        lps = [v[: a + 1] for v, a in zip(lp_list, acc_list)]
+        # one device-to-host copy (float64 holds token ids exactly)
+        host = torch.cat([accepted[:, None].double(), emitted.double(), logprobs.double()], dim=1).cpu()
+        acc_list = host[:, 0].long().tolist()
+        tokens = [t[: a + 1] for t, a in zip(host[:, 1 : D + 2].long().tolist(), acc_list)]
+        lps = [v[: a + 1] for v, a in zip(host[:, D + 2 :].tolist(), acc_list)]
         return tokens, lps, acc_list, pending
