@@ -101,3 +101,25 @@ def test_failed_chunk_aborts_and_stops_with_the_cause(tmp_path, monkeypatch):
     monkeypatch.setattr(train_actor.TrainActor, "train_chunk", boom)
     with pytest.raises(StepFailed, match="injected chunk failure"):
         train(_cfg(tmp_path, "num_steps=2", "on_chunk_failure=retry", "max_step_retries=1"))
+
+
+def test_kl_to_reference_and_speculative_rollouts(tmp_path):
+    """KL to the frozen initial policy is 0 at the first step and grows after; speculative
+    rollouts with the MTP heads report their acceptance (percent)."""
+    res = train(
+        _cfg(
+            tmp_path,
+            "num_steps=3",
+            "loss.kl_coef=0.1",
+            "rollout.speculative=true",
+            "model.mtp.mtp_num_layers=2",
+            "train.optim.lr=0.01",
+        )
+    )
+    kl = [m["train/kl"] for m in res.metrics]
+    assert abs(kl[0]) < 1e-6
+    assert kl[-1] > 1e-6
+    for m in res.metrics:
+        if "rollout/acceptance_rate" in m:
+            assert 0.0 <= m["rollout/acceptance_rate"] <= 100.0
+    assert any("rollout/acceptance_rate" in m for m in res.metrics)

@@ -369,7 +369,8 @@ class SingleController:
 
     async def _sync_weights(self) -> float:
         t0 = time.perf_counter()
-        sd = await self._policy_call(self.policy.policy_state_dict(), "policy_state_dict")
+        # local backend: generation shares the process (and the GPU), so skip the trip through CPU
+        sd = await self._policy_call(self.policy.policy_state_dict(to_cpu=self.backend == "ray"), "policy_state_dict")
         await asyncio.gather(*(a.call("load_weights", sd, self.version) for a in self.gen_actors))
         async with self._version_changed:
             self.synced_version = self.version

@@ -119,8 +119,8 @@ class GenerationWorker:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
         """Weight sync from the trainer (MTP tensors included); returns the new version."""
-        dtype = next(self.engine.model.parameters()).dtype
-        self.engine.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, version)
+        ref = next(self.engine.model.parameters())
+        self.engine.load_state_dict({k: v.to(device=ref.device, dtype=ref.dtype) for k, v in state_dict.items()}, version)
         return version
 
     def _decode(self, ids: list[int]) -> str:

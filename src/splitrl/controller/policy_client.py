@@ -78,9 +78,9 @@ class PolicyClient:
     async def abort(self) -> None:
         await self._all("abort")
 
-    async def policy_state_dict(self):
+    async def policy_state_dict(self, to_cpu: bool = True):
         """Full policy tensors from rank 0 (every rank takes part in the gather)."""
-        outs = await self._all("policy_state_dict")
+        outs = await self._all("policy_state_dict", [to_cpu] * len(self.actors))
         return outs[0]
 
     async def state_dict(self) -> dict:

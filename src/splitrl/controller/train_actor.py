@@ -108,8 +108,14 @@ class TrainActor:
         self.busy_s = 0.0
 
     # ---------------------------------------------------------------------------- weights
-    def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full policy tensors (MTP included) under ``PolicyModel`` names, on CPU (collective)."""
+    def policy_state_dict(self, to_cpu: bool = True) -> dict[str, torch.Tensor]:
+        """Full policy tensors (MTP included) under ``PolicyModel`` names (collective).
+
+        ``to_cpu=False`` (one rank, generation in the same process) hands over the live device
+        tensors: the receiver copies them, and no step runs during a sync.
+        """
+        if not to_cpu and not self.worker.distributed:
+            return {k: v.detach() for k, v in self.worker.model.state_dict().items()}
         return self.worker.full_model_state_dict()
 
     def state_dict(self) -> dict:

@@ -59,6 +59,11 @@ def _shift_left(x: torch.Tensor, n: int, value: float = 0) -> torch.Tensor:
     return F.pad(x[:, n:], pad, value=value)
 
 
+def _one_sample_per_row_right_padded(segment_ids_BS: torch.Tensor) -> bool:
+    valid = segment_ids_BS >= 0
+    return bool((segment_ids_BS <= 0).all()) and bool((valid[:, 1:] <= valid[:, :-1]).all())
+
+
 def positions_from_segments(segment_ids_BS: torch.Tensor) -> torch.Tensor:
     """Position ids [B, S] that restart at 0 for each sample of a packed row (padding: 0)."""
     B, S = segment_ids_BS.shape
@@ -241,7 +246,12 @@ class PolicyModel(nn.Module):
 
         embeds = self.embed_tokens(input_ids)
         attn_impl = self.config._attn_implementation
-        mask = build_attention_mask(segment_ids, attn_impl, embeds.dtype)
+        if attn_impl == "sdpa" and _one_sample_per_row_right_padded(segment_ids):
+            # plain causal attention is exact here (a real token never sees the padding after
+            # it) and lets SDPA pick its fused causal kernels instead of a dense [S, S] mask
+            mask = None
+        else:
+            mask = build_attention_mask(segment_ids, attn_impl, embeds.dtype)
         hidden0 = self.backbone.model(
             inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state  # after the final norm: the tensor lm_head reads
