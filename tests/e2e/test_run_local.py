@@ -5,23 +5,13 @@ import json
 import math
 
 import pytest
+from _tiny import TINY_STEP
 
 from splitrl.config import load_config
 from splitrl.controller.controller import StepFailed, train
 from splitrl.logging import read_metrics
 
-TINY = [
-    "backend=local",
-    "dataplane.kind=inprocess",
-    "groups_per_step=4",
-    "group_size=4",
-    "min_groups_per_chunk=2",
-    "generation_groups_per_call=2",
-    "rollout.max_new_tokens=6",
-    "logging.progress_bar=false",
-    "logging.tensorboard=false",
-    "reward_timeout_s=10",
-]
+TINY = TINY_STEP + ["backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false"]
 
 
 def _cfg(tmp_path, *extra):

@@ -2,6 +2,7 @@
 actors, token tensors travel through TransferQueue, the controller sees ids and rewards only."""
 
 import pytest
+from _tiny import TINY_STEP
 
 from splitrl.config import load_config
 from splitrl.controller.controller import train
@@ -14,19 +15,7 @@ def test_three_steps_on_ray_and_transferqueue(tmp_path):
     ray = pytest.importorskip("ray")
     cfg = load_config(
         None,
-        [
-            "backend=ray",
-            "dataplane.kind=transferqueue",
-            "num_steps=3",
-            "groups_per_step=4",
-            "group_size=4",
-            "min_groups_per_chunk=2",
-            "generation_groups_per_call=2",
-            "rollout.max_new_tokens=6",
-            "logging.progress_bar=false",
-            "checkpoint_every=0",
-            f"output_dir={tmp_path}",
-        ],
+        TINY_STEP + ["backend=ray", "dataplane.kind=transferqueue", "num_steps=3", "checkpoint_every=0", f"output_dir={tmp_path}"],
     )
     try:
         res = train(cfg)

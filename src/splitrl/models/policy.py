@@ -59,6 +59,27 @@ def _shift_left(x: torch.Tensor, n: int, value: float = 0) -> torch.Tensor:
     return F.pad(x[:, n:], pad, value=value)
 
 
+def _logprobs_at(
+    select_N: torch.Tensor, hidden_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor, **kw
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``target_logprobs`` at the selected positions only, scattered back to [N] (0 elsewhere).
+
+    With nothing selected, one position is still computed and multiplied by 0: the output head
+    must take part in every backward (FSDP2 reduce-scatters per microbatch on every rank).
+    """
+    idx = select_N.nonzero().squeeze(-1)
+    scale = 1.0
+    if idx.numel() == 0:
+        idx = torch.zeros(1, dtype=torch.long, device=select_N.device)
+        scale = 0.0
+    outs = target_logprobs(hidden_NH[idx], weight_VH, targets_N[idx], **kw)
+    full = []
+    for o in outs:
+        z = o.new_zeros(select_N.shape[0])
+        full.append(z.index_put((idx,), o * scale))
+    return tuple(full)  # type: ignore[return-value]
+
+
 def _one_sample_per_row_right_padded(segment_ids_BS: torch.Tensor) -> bool:
     valid = segment_ids_BS >= 0
     return bool((segment_ids_BS <= 0).all()) and bool((valid[:, 1:] <= valid[:, :-1]).all())
@@ -213,6 +234,7 @@ class PolicyModel(nn.Module):
         mtp_loss_mask: torch.Tensor | None = None,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        logprob_mask: torch.Tensor | None = None,
     ) -> PolicyOutput:
         """Logprobs of the given tokens and, when D > 0, the per-depth MTP raw sums.
 
@@ -226,6 +248,8 @@ class PolicyModel(nn.Module):
             temperature: T of the sampling distribution; main logprobs are of logits / T (the MTP
                 cross-entropy is always at T = 1).
             with_entropy: also compute the (differentiable) entropy at each position.
+            logprob_mask: [B, S]; when given, logprobs and entropy are computed only where it is
+                nonzero (0 elsewhere), so the output head skips prompt and padding positions.
 
         Returns:
             :class:`PolicyOutput`.
@@ -259,15 +283,17 @@ class PolicyModel(nn.Module):
         weight = self.output_weight
         H = hidden0.shape[-1]
         same_next = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, :-1] >= 0)
-        lp, ent, _ = target_logprobs(
+        need = same_next if logprob_mask is None else same_next & (logprob_mask[:, 1:] > 0)
+        lp, ent, _ = _logprobs_at(
+            need.reshape(-1),
             hidden0[:, :-1].reshape(-1, H),
             weight,
             input_ids[:, 1:].reshape(-1),
             temperature=temperature,
             with_entropy=with_entropy,
         )
-        logprobs = F.pad(lp.view(B, S - 1) * same_next, (1, 0))
-        entropy = F.pad(ent.view(B, S - 1) * same_next, (1, 0))
+        logprobs = F.pad(lp.view(B, S - 1), (1, 0))
+        entropy = F.pad(ent.view(B, S - 1), (1, 0))
         out = PolicyOutput(logprobs=logprobs, entropy=entropy)
         if D == 0:
             return out
@@ -296,8 +322,8 @@ class PolicyModel(nn.Module):
                 seg_target = _shift_left(segment_ids, k + 1, value=-2)
                 valid = (seg_target == segment_ids) & (segment_ids >= 0)
                 m = _shift_left(mtp_mask, k + 1) * valid
-                lp_k, _, hit_k = target_logprobs(h_k.reshape(-1, H), w_mtp, targets.reshape(-1))
                 m_flat = m.reshape(-1)
+                lp_k, _, hit_k = _logprobs_at(m_flat > 0, h_k.reshape(-1, H), w_mtp, targets.reshape(-1))
                 out.mtp_ce_sums.append(-(lp_k * m_flat).sum())
                 out.mtp_hit_sums.append((hit_k * m_flat).sum())
                 out.mtp_counts.append(m_flat.sum())

@@ -249,6 +249,7 @@ class TrainWorker:
                 mtp_loss_mask=mb.mtp_loss_mask if D > 0 else None,
                 temperature=st.loss_fn.temperature,
                 with_entropy=st.loss_fn.needs_entropy,
+                logprob_mask=mb.loss_mask,
             )
         lo = st.loss_fn(out, mb)
         # FSDP2 reduce-scatters per microbatch, so every rank must backpropagate through every
