@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--response", type=int, default=1792)
     ap.add_argument("--chunks", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=16384, help="token budget per microbatch (packed)")
+    ap.add_argument("--max-tokens", type=int, default=16384, help="token budget per microbatch")
+    ap.add_argument("--no-pack", action="store_true", help="padded rows (one sample each) instead of packed rows")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
     precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = TrainConfig(
         precision=precision,
         device=args.device,
-        microbatch=MicrobatchConfig(max_tokens_per_microbatch=args.max_tokens, pack_sequences=True),
+        microbatch=MicrobatchConfig(max_tokens_per_microbatch=args.max_tokens, pack_sequences=not args.no_pack),
         optim=OptimConfig(lr=1e-6),
     )
     worker = TrainWorker(model, cfg)
@@ -142,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"model: {args.preset} + {args.mtp} MTP depths, {n_params / 1e6:.1f} M parameters "
           f"({n_backbone / 1e6:.1f} M backbone); {precision} on {args.device}; step = {args.samples} samples, "
-          f"{tokens} tokens; split = {len(chunks)} chunks; microbatch budget {args.max_tokens} tokens, packed")
+          f"{tokens} tokens; split = {len(chunks)} chunks; microbatch budget {args.max_tokens} tokens, "
+          f"{'padded' if args.no_pack else 'packed'}")
     s = report("splitrl sync step", t_sync, tokens, n_params)
     p = report(f"splitrl split step ({len(chunks)} chunks)", t_split, tokens, n_params)
     h = report("plain HF backbone (no MTP)", t_hf, hf_tokens, n_backbone)
