@@ -219,5 +219,3 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             lines.append(f"  {loc or '<root>'}: {err['msg']}")
         raise ValueError("invalid config:\n" + "\n".join(lines)) from None
 
-
-__all__ = ["RunConfig", "load_config", "GenerationConfig", "MicrobatchConfig", "OptimConfig", "MTPConfig"]

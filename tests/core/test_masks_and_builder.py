@@ -111,18 +111,13 @@ def test_capabilities_travel_unchanged_and_owned_packing_disables_builder_packin
     for r, i in enumerate(range(3)):
         L = batch.lengths[i]
         torch.testing.assert_close(mbs[0].mtp_loss_mask[r, :L], batch.token_mask[i] * batch.sample_mask[i])
-    # the split path hands the model the same flags
+    # the sync and the split path hand the model the same flags
     model = make_model(D=1)
     model.capabilities = ModelCapabilities(slices_context_parallel_inputs=True)
-    seen = []
-    orig = model.forward
-
-    def spy(*a, **k):
-        return orig(*a, **k)
-
     w = make_worker(model, pack=True)
     import splitrl.train.worker as worker_mod
 
+    seen = []
     real = worker_mod.build_microbatches
 
     def recording(*a, **k):

@@ -288,7 +288,7 @@ class SingleController:
                 await self.buffer.put(g)
                 self.done_indices.add(g.prompt_index)
 
-    async def _wait_groups(self, n: int, step_start_index: int) -> list[Group]:
+    async def _wait_groups(self, n: int) -> list[Group]:
         cfg = self.config
         t0 = time.perf_counter()
         if cfg.buffer.max_staleness == 0:
@@ -345,7 +345,7 @@ class SingleController:
                         groups, replay = replay[: req.max_groups], replay[req.max_groups :]
                     else:
                         n = min(req.max_groups, cfg.min_groups_per_chunk) if cfg.buffer.max_staleness == 0 else req.max_groups
-                        groups = await self._wait_groups(n, step * cfg.groups_per_step)
+                        groups = await self._wait_groups(n)
                         received.extend(groups)
                     compute_group_advantages(groups, cfg.advantage)
                     t = time.perf_counter()
