@@ -336,8 +336,10 @@ class SingleController:
             composer.start_step()
             train_intervals = []
             try:
-                t = time.perf_counter()
-                await self._policy_call(self.policy.begin(), "begin_train_step")
+                # fp16: per-chunk losses are scaled by 1 / (the expected tokens of the step) so that
+                # activation gradients stay in range; finish divides it out (DESIGN §2)
+                expected = self.expected_tokens if cfg.train.precision == "fp16" else None
+                await self._policy_call(self.policy.begin(expected), "begin_train_step")
                 replay = list(received)
                 while not composer.is_full:
                     req = composer.next_chunk()
@@ -423,6 +425,8 @@ class SingleController:
             self.version += 1
             sync_s = await self._sync_weights()
             self.data_plane.delete([s.sample_id for g in groups for s in g.samples])
+            if train_metrics.get("num_valid_tokens", 0) > 0:
+                self.expected_tokens = int(train_metrics["num_valid_tokens"])
             metrics = self._step_metrics(train_metrics, groups, time.perf_counter() - t0, sync_s)
             self.logger.log(step + 1, metrics)
             self.history.append(metrics)
@@ -451,6 +455,7 @@ class SingleController:
         self.train_intervals: list[tuple[float, float]] = []
         self.rollout_acc: list[dict] = []
         self.wait_s = 0.0
+        self.expected_tokens = max(1, cfg.groups_per_step * cfg.group_size * cfg.rollout.max_new_tokens // 2)
         self.history: list[dict[str, float]] = []
         self.stopped_early = False
         self.step = 0
