@@ -14,7 +14,12 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--config", help="YAML run config (see examples/)")
     t.add_argument("overrides", nargs="*", help="key.path=value, e.g. num_steps=50 model.mtp.mtp_num_layers=2")
     t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    args = parser.parse_args(argv)
+    # overrides may stand before or after --config: argparse leaves the later ones unparsed
+    args, extra = parser.parse_known_args(argv)
+    unknown = [x for x in extra if x.startswith("-") or "=" not in x]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = list(args.overrides) + extra
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from splitrl.config import load_config
@@ -31,18 +36,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from splitrl.controller.controller import StallError, StepFailed, train
 
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     try:
-        result = train(config)
+        with logging_redirect_tqdm():  # log lines above the progress bar, not through it
+            result = train(config)
     except (StallError, StepFailed) as e:
         print(f"splitrl: stopped: {e}", file=sys.stderr)
         return 1
+    except ValueError as e:  # preflight: a data file, the tokenizer, a resume mismatch
+        print(f"splitrl: {e}", file=sys.stderr)
+        return 2
     last = result.metrics[-1] if result.metrics else {}
     print(
         f"splitrl: {result.steps_done} steps in {result.output_dir}"
         + (f"; last reward {last.get('rollout/reward_mean', float('nan')):.3f}" if last else "")
         + (" (stopped early; rerun the same command to resume)" if result.stopped_early else "")
     )
-    return 0
+    return 130 if result.interrupted else 0
 
 
 if __name__ == "__main__":

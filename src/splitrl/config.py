@@ -161,6 +161,16 @@ class RunConfig(BaseModel):
             raise ValueError("dataplane.kind=transferqueue needs backend=ray (TransferQueue runs on Ray); use dataplane.kind=inprocess")
         if self.model.pretrained_path is not None and not (Path(self.model.pretrained_path) / "config.json").is_file():
             raise ValueError(f"model.pretrained_path={self.model.pretrained_path!r} has no config.json; check the path")
+        out = Path(self.output_dir)
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"output_dir={self.output_dir!r} is a file; give a directory (it is created if needed)")
+        if any(p.exists() and not p.is_dir() for p in out.parents):
+            raise ValueError(f"output_dir={self.output_dir!r} lies under a file; give a directory path")
+        if self.device == "cuda" or self.train.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("device=cuda but no CUDA GPU is visible here; set device=auto or device=cpu")
         task_path = getattr(self.task, "path", None)
         if task_path is not None and not Path(task_path).exists():
             raise ValueError(f"task.path={task_path!r} does not exist; point it at a JSONL / parquet file or a datasets directory")
@@ -169,20 +179,42 @@ class RunConfig(BaseModel):
         return self
 
 
-def _set_path(data: dict, dotted: str, value: Any) -> None:
-    keys = dotted.split(".")
-    if len(keys) > 1 and keys[0] not in data:
-        # an override into a section the file does not set starts from that section's default
-        # (so ``task.scoring=partial`` keeps the default task's ``kind`` and other keys)
-        default = RunConfig().model_dump(mode="json")
-        if isinstance(default.get(keys[0]), dict):
-            data[keys[0]] = default[keys[0]]
-    node = data
-    for k in keys[:-1]:
-        if not isinstance(node.get(k, {}), dict):
-            raise ValueError(f"override {dotted!r}: {k!r} is not a section")
-        node = node.setdefault(k, {})
-    node[keys[-1]] = value
+def _parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    nested: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} must look like key.path=value")
+        key, raw = item.split("=", 1)
+        keys = key.strip().split(".")
+        node = nested
+        for k in keys[:-1]:
+            child = node.setdefault(k, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"override {item!r}: {k!r} was set to a value above, not a section")
+            node = child
+        node[keys[-1]] = yaml.safe_load(raw)
+    return nested
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Deep-merge overrides into the file's data. A section the file does not set starts from
+    its default (so ``task.scoring=partial_chars`` keeps the default task's other keys), unless
+    the override changes the section's ``kind`` (``task.kind=math_file``): then it starts empty."""
+    default = None
+    for section, value in overrides.items():
+        if isinstance(value, dict) and section not in data:
+            default = default or RunConfig().model_dump(mode="json")
+            base = default.get(section)
+            if isinstance(base, dict) and ("kind" not in value or value["kind"] == base.get("kind")):
+                data[section] = base
+    return _merge(data, overrides)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -205,11 +237,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
         data = loaded
-    for item in overrides or []:
-        if "=" not in item:
-            raise ValueError(f"override {item!r} must look like key.path=value")
-        key, raw = item.split("=", 1)
-        _set_path(data, key.strip(), yaml.safe_load(raw))
+    data = _apply_overrides(data, _parse_overrides(overrides or []))
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:

@@ -113,3 +113,23 @@ def test_kl_to_reference_and_speculative_rollouts(tmp_path):
         if "rollout/acceptance_rate" in m:
             assert 0.0 <= m["rollout/acceptance_rate"] <= 100.0
     assert any("rollout/acceptance_rate" in m for m in res.metrics)
+
+
+def test_preflight_catches_data_tokenizer_and_resume_mismatches(tmp_path):
+    from splitrl.controller.controller import preflight
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"foo": "1+1", "bar": "2"}\n')
+    with pytest.raises(ValueError, match="column"):
+        preflight(_cfg(tmp_path / "a", "task={kind: math_file, path: " + str(bad) + "}"))
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"problem": "What is 1+1?", "answer": "2"}\n')
+    # the demo's 18-character tokenizer cannot spell this task's prompts
+    with pytest.raises(ValueError, match="tokenizer.charset"):
+        preflight(_cfg(tmp_path / "b", "task.kind=math_file", f"task.path={good}"))
+    out = tmp_path / "run"
+    train(_cfg(out, "num_steps=1"))
+    with pytest.raises(ValueError, match="different model"):
+        preflight(_cfg(out, "num_steps=2", "model.backbone.hidden_size=64"))
+    assert preflight(_cfg(out, "num_steps=2")) == 1
+    assert train(_cfg(out, "num_steps=1")).steps_done == 1  # finished: nothing to do, no workers

@@ -47,6 +47,65 @@ from splitrl.types import Group
 log = logging.getLogger(__name__)
 
 
+RUN_CONFIG = "run_config.json"
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """The complete checkpoint directories of a run, oldest first."""
+    root = Path(output_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step_*") if (p / "COMPLETE").exists())
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint directory of a run, or None."""
+    done = complete_checkpoints(output_dir)
+    return done[-1] if done else None
+
+
+def preflight(config: RunConfig) -> int:
+    """Checks that need more than the config's own fields, run before any worker starts.
+
+    Builds the task (a data file that is missing or lacks its columns fails here), checks that
+    a character tokenizer covers the task's prompts, and, when resuming, that the checkpoint was
+    written by the same model. Returns the step to resume from (0: a fresh run).
+
+    Raises:
+        ValueError: naming what to fix.
+    """
+    from splitrl.controller.generation import load_tokenizer
+    from splitrl.tasks import encode_prompt, make_task
+
+    task = make_task(config.task)
+    tok = load_tokenizer(config.tokenizer, config.model.pretrained_path)
+    if config.tokenizer.kind == "char":
+        unk = tok.unk_token_id
+        n = task.num_prompts or 64
+        for i in range(min(64, n)):
+            p = task.get_prompt(i)
+            if unk in encode_prompt(p, tok) or unk in tok(p.answer, add_special_tokens=False)["input_ids"]:
+                missing = sorted(set(p.text + p.answer) - set(tok.convert_ids_to_tokens(range(len(tok)))))
+                raise ValueError(
+                    f"the character tokenizer cannot spell prompt {i} of the task ({p.text!r}): characters "
+                    f"{missing} are not in tokenizer.charset; widen tokenizer.charset (null = all printable "
+                    "ASCII, then model.backbone.vocab_size >= 100) or use tokenizer.kind=pretrained"
+                )
+    ckpt = latest_checkpoint(config.output_dir) if config.resume else None
+    if ckpt is None:
+        return 0
+    saved_path = ckpt / RUN_CONFIG
+    if saved_path.exists():
+        saved = json.loads(saved_path.read_text())
+        now = config.model_dump(mode="json")
+        if saved.get("model") != now["model"]:
+            raise ValueError(
+                f"{ckpt} was written by a different model config than this run's; resume needs the same "
+                "model. Use a new output_dir, or resume=false to start over in this one"
+            )
+    return int(json.loads((ckpt / "COMPLETE").read_text())["step"])
+
+
 class StallError(RuntimeError):
     """Nothing progressed for ``watchdog_timeout_s``; the message says what was waited on."""
 
@@ -63,6 +122,7 @@ class RunResult:
     steps_done: int
     metrics: list[dict[str, float]] = field(default_factory=list)
     stopped_early: bool = False
+    interrupted: bool = False
 
 
 def _free_port() -> int:
@@ -175,12 +235,6 @@ class SingleController:
         self.buffer = ReplayBuffer(cfg.buffer)
 
     # ============================================================================ checkpoints
-    def _checkpoint_dirs(self) -> list[Path]:
-        root = self.out / "checkpoints"
-        if not root.is_dir():
-            return []
-        return sorted(p for p in root.glob("step_*") if (p / "COMPLETE").exists())
-
     async def _save_checkpoint(self, step: int) -> Path:
         t0 = time.perf_counter()
         path = self.out / "checkpoints" / f"step_{step:06d}"
@@ -207,16 +261,17 @@ class SingleController:
             },
             tmp / "controller.pt",
         )
+        (tmp / RUN_CONFIG).write_text(json.dumps(self.config.model_dump(mode="json"), indent=1))
         (tmp / "COMPLETE").write_text(json.dumps({"step": step}))
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)
-        for old in self._checkpoint_dirs()[:-2]:  # keep the two newest
+        for old in complete_checkpoints(self.out)[:-2]:  # keep the two newest
             shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint step %d written to %s in %.1fs", step, path, time.perf_counter() - t0)
         return path
 
     async def _restore(self) -> int:
-        dirs = self._checkpoint_dirs() if self.config.resume else []
+        dirs = complete_checkpoints(self.out) if self.config.resume else []
         if not dirs:
             return 0
         path = dirs[-1]
@@ -442,6 +497,10 @@ class SingleController:
     # ============================================================================ run
     async def run(self) -> RunResult:
         cfg = self.config
+        done_before = preflight(cfg)
+        if done_before >= cfg.num_steps:
+            log.info("%s already holds a finished run (%d steps); nothing to do", self.out, done_before)
+            return RunResult(str(self.out), done_before)
         self.out.mkdir(parents=True, exist_ok=True)
         self._start_cluster()
         self._build()
@@ -461,10 +520,6 @@ class SingleController:
         self.step = 0
         random.seed(cfg.seed)
         start = await self._restore()
-        if start >= cfg.num_steps:
-            log.info("%s already holds a finished run (%d steps); nothing to do", self.out, start)
-            self._shutdown()
-            return RunResult(str(self.out), start)
         self.cursor = start * cfg.groups_per_step
         self.next_index = start * cfg.groups_per_step
         await self._sync_weights()
@@ -503,7 +558,9 @@ class SingleController:
                 pass
             self.logger.close()
             self._shutdown()
-        return RunResult(str(self.out), start + len(self.history), self.history, self.stopped_early or self._interrupted)
+        return RunResult(
+            str(self.out), start + len(self.history), self.history, self.stopped_early or self._interrupted, self._interrupted
+        )
 
     def _on_interrupt(self) -> None:
         log.warning("Ctrl-C: finishing the current step, saving a checkpoint and stopping")

@@ -144,7 +144,9 @@ class MetricsLogger:
 
         self._bar = None
         if self.config.progress_bar:
-            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+            # the bar counts logged steps: those kept from an earlier run, then one per log()
+            done_before = len(kept_lines) if self.config.jsonl else start_step
+            self._bar = tqdm(total=total_steps, initial=done_before, unit="step", dynamic_ncols=True)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """Record the metrics of one step in every enabled sink.

@@ -55,7 +55,8 @@ def plot_records(records: Sequence[dict[str, Any]], png_path: str | os.PathLike[
     from matplotlib.figure import Figure
 
     keys = {key for record in records for key in record}
-    reward_keys = [key for key in REWARD_KEYS if key in keys]
+    # the first reward key present: the controller logs the same number under both names
+    reward_keys = [key for key in REWARD_KEYS if key in keys][:1]
     mtp_keys = sorted(
         (key for key in keys if _MTP_ACCEPTANCE.match(key)),
         key=lambda k: int(_MTP_ACCEPTANCE.match(k).group(1)),  # depth 10 after depth 2

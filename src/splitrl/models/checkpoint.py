@@ -115,9 +115,17 @@ def load_pretrained(
         mtp = MTPConfig(**saved["mtp"]) if "mtp" in saved else MTPConfig()
     if capabilities is None:
         capabilities = ModelCapabilities(**saved["capabilities"]) if "capabilities" in saved else ModelCapabilities()
-    backbone = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation=attn_implementation
-    )
+    # the stock class does not know the mtp.* tensors (read below): tell it they are expected
+    # to be left over, instead of reporting each as UNEXPECTED
+    cls = AutoModelForCausalLM._model_mapping[type(hf_cfg)]
+    saved_ignore = cls._keys_to_ignore_on_load_unexpected
+    cls._keys_to_ignore_on_load_unexpected = list(saved_ignore or []) + [r"^mtp\."]
+    try:
+        backbone = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch.float32, attn_implementation=attn_implementation
+        )
+    finally:
+        cls._keys_to_ignore_on_load_unexpected = saved_ignore
     model = PolicyModel(backbone, mtp, capabilities)
     stored = read_mtp_tensors(path)
     if model.mtp is None:

@@ -272,6 +272,7 @@ class RolloutEngine:
         self.policy_version = 0
         self.last_stats: RolloutStats | None = None
         self._speculative_active = config.speculative
+        self._warned_slow = False
 
     # ------------------------------------------------------------------------------ weights
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
@@ -347,7 +348,11 @@ class RolloutEngine:
             stats.speculative_speedup = timing.speedup()
             if stats.speculative_speedup is not None and stats.speculative_speedup < 1.0:
                 self._speculative_active = False
-                log.warning(
+                # warn the first time; afterwards the switch shows in rollout/speculative_active
+                level = logging.INFO if self._warned_slow else logging.WARNING
+                self._warned_slow = True
+                log.log(
+                    level,
                     "speculative rollouts measured %.2fx plain speed (acceptance %.1f%%): decoding plainly "
                     "until the next weight sync",
                     stats.speculative_speedup,

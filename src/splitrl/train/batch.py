@@ -70,6 +70,10 @@ class TrainBatch:
         Raises:
             ValueError: naming the field and sample that is wrong.
         """
+        for name in ("input_ids", "token_mask", *_OPTIONAL_TOKEN_FIELDS):
+            vals = getattr(self, name)
+            if vals is not None and not all(isinstance(v, torch.Tensor) for v in vals):
+                raise ValueError(f"{name} must be a list of 1-D torch tensors (one per sample)")
         B = len(self.input_ids)
         if len(self.token_mask) != B:
             raise ValueError(f"token_mask has {len(self.token_mask)} entries for {B} samples; give one per sample")
