@@ -33,3 +33,26 @@ def test_three_steps_on_ray_and_transferqueue(tmp_path):
         assert 0.0 < r["train/mtp/mtp_1_loss"] < 10.0
     assert res.steps_done == 3
     assert (tmp_path / "checkpoints" / "step_000003" / "COMPLETE").exists()
+
+
+def test_two_train_workers_equal_one(tmp_path):
+    """Two data-parallel train actors (FSDP2 over gloo, samples split by tokens) compute the
+    same first step as one: same rollouts (on-policy, per-sample seeds), so the same metrics.
+    Tolerance rtol 1e-5 (a reordered fp32 reduction)."""
+    ray = pytest.importorskip("ray")
+    runs = {}
+    try:
+        for n in (1, 2):
+            cfg = load_config(
+                None,
+                TINY_STEP
+                + ["backend=ray", "num_steps=2", "buffer.max_staleness=0", "checkpoint_every=0",
+                   f"num_train_workers={n}", f"output_dir={tmp_path / str(n)}"],
+            )
+            runs[n] = train(cfg).metrics
+    finally:
+        ray.shutdown()
+    one, two = runs[1][0], runs[2][0]
+    assert one["train/num_valid_tokens"] == two["train/num_valid_tokens"]
+    for k in ("train/loss", "train/grad_norm", "train/mtp/mtp_1_loss", "train/mtp/mtp_1_acceptance_rate", "train/mtp/grad_norm"):
+        assert two[k] == pytest.approx(one[k], rel=1e-5), k
