@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -41,7 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with logging_redirect_tqdm():  # log lines above the progress bar, not through it
             result = train(config)
-    except (StallError, StepFailed) as e:
+    except StallError as e:
+        print(f"splitrl: stopped: {e}", file=sys.stderr)
+        # a hung worker thread cannot be joined: leave without waiting for it
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(1)
+    except StepFailed as e:
         print(f"splitrl: stopped: {e}", file=sys.stderr)
         return 1
     except ValueError as e:  # preflight: a data file, the tokenizer, a resume mismatch

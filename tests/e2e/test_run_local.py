@@ -133,3 +133,38 @@ def test_preflight_catches_data_tokenizer_and_resume_mismatches(tmp_path):
         preflight(_cfg(out, "num_steps=2", "model.backbone.hidden_size=64"))
     assert preflight(_cfg(out, "num_steps=2")) == 1
     assert train(_cfg(out, "num_steps=1")).steps_done == 1  # finished: nothing to do, no workers
+
+
+def test_a_failed_chunk_is_retried_and_the_run_goes_on(tmp_path, monkeypatch):
+    from splitrl.controller import train_actor
+
+    real = train_actor.TrainActor.train_chunk
+    calls = {"n": 0}
+
+    def flaky(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("transient failure")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(train_actor.TrainActor, "train_chunk", flaky)
+    res = train(_cfg(tmp_path, "num_steps=2", "buffer.max_staleness=0", "on_chunk_failure=retry", "max_step_retries=1"))
+    assert res.steps_done == 2
+    assert all(m["train/num_valid_samples"] == 16 for m in res.metrics)  # the retried step is whole
+
+
+def test_watchdog_reports_a_stall_instead_of_hanging(tmp_path, monkeypatch):
+    import time
+
+    from splitrl.controller import generation
+    from splitrl.controller.controller import StallError
+
+    def hung(self, *a, **k):
+        time.sleep(30)
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(generation.GenerationWorker, "generate_groups", hung)
+    t0 = time.perf_counter()
+    with pytest.raises(StallError, match="watchdog"):
+        train(_cfg(tmp_path, "num_steps=1", "watchdog_timeout_s=2"))
+    assert time.perf_counter() - t0 < 30

@@ -10,7 +10,7 @@ Ray (the GPU benchmark machine).
 from __future__ import annotations
 
 import asyncio
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 Backend = Literal["ray", "local"]
@@ -21,16 +21,19 @@ class LocalActor:
 
     def __init__(self, cls: type, *args: Any, **kwargs: Any) -> None:
         self._obj = cls(*args, **kwargs)
-        self._lock = threading.Lock()
+        # one thread of its own: calls run one at a time, and a hung call does not hold up
+        # asyncio.run's shutdown of the default executor
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=cls.__name__)
 
     def _call(self, method: str, args, kwargs):
-        with self._lock:
-            return getattr(self._obj, method)(*args, **kwargs)
+        return getattr(self._obj, method)(*args, **kwargs)
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return await asyncio.to_thread(self._call, method, args, kwargs)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._call, method, args, kwargs)
 
     def kill(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
         close = getattr(self._obj, "close", None)
         if close is not None:
             close()
