@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     # what a user already has: the plain HF backbone, next-token CE, fused AdamW, same tokens
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    del worker, model
+    worker = model = None  # free the policy before the HF baseline runs
     if args.device == "cuda":
         torch.cuda.empty_cache()
     hf = AutoModelForCausalLM.from_config(Qwen3Config(**backbone), dtype=torch.float32).to(args.device)

@@ -25,7 +25,6 @@ from _utils import (  # noqa: E402
     make_loss,
     make_model,
     make_worker,
-    run_split,
 )
 
 from splitrl.loss import LossType  # noqa: E402

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from _utils import capture_grads, make_batch, make_loss, make_model, make_worker, params, run_split
+from _utils import capture_grads, make_batch, make_loss, make_model, make_worker, run_split
 
 from splitrl.models import ModelCapabilities
 from splitrl.train import MicrobatchConfig, TrainBatch, build_microbatches

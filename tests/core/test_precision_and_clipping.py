@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from _utils import capture_grads, make_batch, make_loss, make_model, make_worker, params, partition, run_split
+from _utils import capture_grads, make_batch, make_loss, make_model, make_worker, params, partition
 
 from splitrl.loss import ClippedPGLoss
 

@@ -13,12 +13,10 @@ from _utils import (
     make_worker,
     optim_state,
     params,
-    partition,
     run_split,
 )
 
 from splitrl.loss import LossType
-from splitrl.train import TrainBatch
 
 
 def _snapshot(w):

@@ -1,7 +1,6 @@
 """The whole run through the single controller with the local backend and the in-process data
 plane (fast): metric keys, overlap evidence, on-policy steps, deterministic resume, bad configs."""
 
-import json
 import math
 
 import pytest
@@ -53,7 +52,7 @@ def test_max_staleness_zero_is_on_policy(tmp_path):
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     """max_staleness 0: a run stopped after a checkpoint and resumed logs the same per-step metrics
     as an uninterrupted run. Tolerance: exact equality (same data, same chunking, same kernels)."""
-    full = train(_cfg(tmp_path / "full", "num_steps=4", "buffer.max_staleness=0", "checkpoint_every=2"))
+    train(_cfg(tmp_path / "full", "num_steps=4", "buffer.max_staleness=0", "checkpoint_every=2"))
     part = _cfg(tmp_path / "part", "num_steps=4", "buffer.max_staleness=0", "checkpoint_every=2")
     first = train(part.model_copy(update={"num_steps": 2}))
     assert first.steps_done == 2

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen3Config
 
 from splitrl.loss.logprobs import target_logprobs
 from splitrl.models.config import SUPPORTED_FAMILIES, ModelCapabilities, ModelConfig, MTPConfig
