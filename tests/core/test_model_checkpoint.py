@@ -63,6 +63,8 @@ def test_stock_hugging_face_directory_loads_through_from_pretrained(tmp_path, fa
         ref = torch.log_softmax(hf(ids).logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
         out = model(ids, mtp_loss_mask=torch.ones(2, 7))
     torch.testing.assert_close(out.logprobs[:, 1:], ref, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(model.logits(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
     assert model.mtp is not None and len(out.mtp_ce_sums) == 1
     # and back: the stock class reads our directory (ignoring mtp.*), same backbone outputs
     model.save_pretrained(tmp_path / "ours")

@@ -55,6 +55,18 @@ def sample_seed(run_seed: int, prompt_index: int, sample_index: int) -> int:
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
 
 
+def cut_at_stop_string(ids: list[int], decode, stop_strings: list[str]) -> int | None:
+    """Number of tokens up to and including the first one whose text completes a stop string,
+    or None when no stop string occurs. ``decode(ids) -> str``."""
+    if not stop_strings or not any(s in decode(ids) for s in stop_strings):
+        return None
+    for n in range(1, len(ids) + 1):
+        text = decode(ids[:n])
+        if any(s in text for s in stop_strings):
+            return n
+    return None
+
+
 def sample_id(prompt_index: int, sample_index: int, version: int) -> str:
     return f"p{prompt_index}-s{sample_index}-v{version}"
 
@@ -153,6 +165,11 @@ class GenerationWorker:
                 owners.append((g, j))
         results = self.engine.generate(flat_ids, seeds)
         gen_s = time.perf_counter() - t0
+        stops = self.generation.stop_strings
+        for r in results:
+            n = cut_at_stop_string(r.response_ids, self._decode, stops)
+            if n is not None:
+                r.response_ids, r.logprobs, r.finish_reason = r.response_ids[:n], r.logprobs[:n], "stop"
         texts = [self._decode(r.response_ids) for r in results]
         rewards = self.scorer.score([prompts[g] for g, _ in owners], texts)
         score_s = time.perf_counter() - t0 - gen_s

@@ -225,6 +225,36 @@ class PolicyModel(nn.Module):
         return self.backbone.model.rotary_emb
 
     # --------------------------------------------------------------------------------- forward
+    def _backbone_hidden(self, input_ids, segment_ids, position_ids):
+        """(embeddings [B, S, H], h⁰ [B, S, H] after the final norm, the attention mask used)."""
+        embeds = self.embed_tokens(input_ids)
+        attn_impl = self.config._attn_implementation
+        if attn_impl == "sdpa" and _one_sample_per_row_right_padded(segment_ids):
+            # plain causal attention is exact here (a real token never sees the padding after
+            # it) and lets SDPA pick its fused causal kernels instead of a dense [S, S] mask
+            mask = None
+        else:
+            mask = build_attention_mask(segment_ids, attn_impl, embeds.dtype)
+        hidden0 = self.backbone.model(
+            inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state  # after the final norm: the tensor lm_head reads
+        return embeds, hidden0, mask
+
+    def logits(
+        self, input_ids: torch.Tensor, segment_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits [B, S, V] of the main head; position t predicts token t + 1.
+
+        This materializes the whole [B, S, V] tensor: use it to inspect small batches. Training
+        and logprobs go through :meth:`forward`, which never does.
+        """
+        if segment_ids is None:
+            segment_ids = torch.zeros_like(input_ids)
+        if position_ids is None:
+            position_ids = positions_from_segments(segment_ids)
+        _, hidden0, _ = self._backbone_hidden(input_ids, segment_ids, position_ids)
+        return self.backbone.get_output_embeddings()(hidden0)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -268,17 +298,7 @@ class PolicyModel(nn.Module):
         if D > 0 and mtp_loss_mask is None:
             raise ValueError("mtp_loss_mask [B, S] is required when the model has MTP heads (mtp_num_layers > 0)")
 
-        embeds = self.embed_tokens(input_ids)
-        attn_impl = self.config._attn_implementation
-        if attn_impl == "sdpa" and _one_sample_per_row_right_padded(segment_ids):
-            # plain causal attention is exact here (a real token never sees the padding after
-            # it) and lets SDPA pick its fused causal kernels instead of a dense [S, S] mask
-            mask = None
-        else:
-            mask = build_attention_mask(segment_ids, attn_impl, embeds.dtype)
-        hidden0 = self.backbone.model(
-            inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state  # after the final norm: the tensor lm_head reads
+        embeds, hidden0, mask = self._backbone_hidden(input_ids, segment_ids, position_ids)
 
         weight = self.output_weight
         H = hidden0.shape[-1]

@@ -18,6 +18,9 @@ class GenerationConfig(BaseModel):
         max_new_tokens: response length limit; a row that reaches it ends with ``"length"``.
         stop_token_ids: tokens that end a row (EOS, end-of-turn ...); the stop token is part of the
             response and of its logprobs.
+        stop_strings: texts that end a response; applied by the generation worker, which cuts the
+            response after the first token that completes one (the tokens up to there, and their
+            logprobs, are exactly what was sampled).
         speculative: self-speculative decoding with the model's MTP heads as the draft; the output
             distribution is exactly the plain one. Requires a model with ``mtp_num_layers > 0``.
         num_draft_tokens: tokens drafted per verify forward (depths 1..n are used); default: every
@@ -32,6 +35,7 @@ class GenerationConfig(BaseModel):
     top_k: int = Field(0, ge=0)
     max_new_tokens: int = Field(256, ge=1)
     stop_token_ids: list[int] = Field(default_factory=list)
+    stop_strings: list[str] = Field(default_factory=list)
     speculative: bool = False
     num_draft_tokens: int | None = Field(None, ge=1)
     batch_size: int = Field(64, ge=1)

@@ -1,0 +1,40 @@
+"""Stop strings cut a response after the token that completes one (DESIGN §5)."""
+
+from splitrl.controller.generation import cut_at_stop_string
+
+
+def test_cut_after_the_token_that_completes_the_stop_string():
+    vocab = {1: "a", 2: "b", 3: "<", 4: "/", 5: "x", 6: ">"}
+
+    def decode(ids):
+        return "".join(vocab[i] for i in ids)
+
+    ids = [1, 2, 3, 4, 5, 6, 1, 2]  # "ab</x>ab"
+    assert cut_at_stop_string(ids, decode, ["</x>"]) == 6
+    assert cut_at_stop_string(ids, decode, ["b"]) == 2  # the first occurrence wins
+    assert cut_at_stop_string(ids, decode, ["zz"]) is None
+    assert cut_at_stop_string(ids, decode, []) is None
+
+
+def test_generation_worker_ends_responses_at_stop_strings():
+    from splitrl.config import load_config
+    from splitrl.controller.generation import GenerationWorker
+    from splitrl.dataplane import InProcessDataPlane
+
+    cfg = load_config(None, ["rollout.max_new_tokens=8", "rollout.stop_strings=[',']"])
+    dp = InProcessDataPlane()
+    worker = GenerationWorker(cfg.model, cfg.rollout, cfg.task, cfg.tokenizer, dp, reward_timeout_s=10)
+    try:
+        groups, _ = worker.generate_groups(list(range(4)), 8)
+    finally:
+        worker.close()
+    texts = [s.info["response"] for g in groups for s in g.samples]
+    cut = [t for t in texts if "," in t]
+    assert cut, "a random policy over 18 characters writes a comma within 8 most of the time"
+    for t in cut:
+        assert t.endswith(",") and t.count(",") == 1, t
+    for g in groups:
+        for smp in g.samples:
+            ids = dp.get([smp.sample_id], ["input_ids", "generation_logprobs"])
+            assert ids["input_ids"][0].numel() == smp.prompt_len + smp.response_len
+            assert ids["generation_logprobs"][0].numel() == smp.prompt_len + smp.response_len
