@@ -385,3 +385,17 @@ def test_train_pump_composes_exact_steps_from_a_streaming_buffer():
         assert sum(sizes) == groups_per_step
         assert all(s >= min_chunk for s in sizes[:-1])
         assert all(s <= 4 for s in sizes)  # never more than the buffer holds
+
+
+def test_on_evict_hook_sees_every_evicted_group():
+    from splitrl.controller.buffer import ReplayBuffer, ReplayBufferConfig
+    from splitrl.types import Group, SampleMeta
+
+    evicted = []
+    buf = ReplayBuffer(ReplayBufferConfig(capacity_groups=4, max_staleness=1), on_evict=evicted.append)
+    for v in (0, 1, 2):
+        g = Group(f"g{v}", v, [SampleMeta(f"s{v}", 1.0, 1, 1, policy_version=v)], policy_version=v)
+        assert buf.try_put(g)
+    out = buf.select(current_version=2, max_groups=4)
+    assert [g.group_id for g in evicted] == ["g0"]
+    assert [g.group_id for g in out] == ["g1", "g2"]

@@ -88,3 +88,38 @@ def test_two_ranks_equal_one_process(tmp_path, case):
         assert_metrics_close(m, rm)
     ref_params = {n: p.detach().cpu() for n, p in ref.model.named_parameters()}
     assert_params_close({n: res["params"][n] for n in ref_params}, ref_params, LR)
+
+
+def _rank_error_main(rank, world, store, out):
+    sys.path.insert(0, os.path.dirname(__file__))
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        w = make_worker(make_model(D=1), lr=LR, mbs=2)
+        batch = make_batch(8, seed=30)
+        w.begin_train_step(make_loss())
+        raised = None
+        try:
+            if rank == 0:
+                w.train_microbatch(batch.select([0, 1, 2, 3]))
+            else:  # this rank failed while preparing its share (e.g. fetching it)
+                w.train_microbatch(None, error=KeyError("sample not in the data plane"))
+        except Exception as e:  # noqa: BLE001
+            raised = type(e).__name__
+        w.abort_train_step()
+        m = w.train(batch.select([0, 1, 2, 3] if rank == 0 else [4, 5, 6, 7]), make_loss())
+        torch.save({"raised": raised, "loss": m["loss"]}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_a_failure_on_one_rank_makes_every_rank_raise_instead_of_hanging(tmp_path):
+    if DEVICE == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    out = tmp_path / "res"
+    mp.start_processes(_rank_error_main, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True, start_method="spawn")
+    r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    assert r0["raised"] == "RuntimeError" and r1["raised"] == "KeyError"
+    assert r0["loss"] == r1["loss"]  # the next step ran on both ranks, after the abort

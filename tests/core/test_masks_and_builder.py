@@ -148,3 +148,15 @@ def test_from_padded_handles_left_and_right_padding():
     b = TrainBatch.from_padded(ids, att, tm, advantages=torch.tensor([1.0, -1.0]))
     assert [x.tolist() for x in b.input_ids] == [[5, 6, 7], [5, 6, 7]]
     assert [x.tolist() for x in b.token_mask] == [[0, 1, 1], [0, 1, 1]]
+
+
+def test_one_token_samples_are_accepted_and_contribute_nothing():
+    batch = make_batch(6, seed=17)
+    one = TrainBatch([torch.tensor([5])], [torch.tensor([1.0])], torch.tensor([0.7]),
+                     generation_logprobs=[torch.tensor([-1.0])], prev_logprobs=[torch.tensor([-1.0])])
+    w_a = make_worker(make_model(D=2))
+    w_b = make_worker(make_model(D=2))
+    m_a = run_split(w_a, make_loss(), [[batch]])[0]
+    m_b = run_split(w_b, make_loss(), [[one, batch, one]])[0]
+    assert m_a["num_valid_tokens"] == m_b["num_valid_tokens"]
+    assert m_a["loss"] == pytest.approx(m_b["loss"], rel=1e-6)

@@ -167,3 +167,30 @@ def test_watchdog_reports_a_stall_instead_of_hanging(tmp_path, monkeypatch):
     with pytest.raises(StallError, match="watchdog"):
         train(_cfg(tmp_path, "num_steps=1", "watchdog_timeout_s=2"))
     assert time.perf_counter() - t0 < 30
+
+
+def test_two_generation_workers_with_a_small_buffer_generate_each_prompt_once(tmp_path, monkeypatch):
+    """Back-pressure keeps a finished request's groups waiting for room in the buffer; another
+    pump must not claim (and generate) those prompts again meanwhile."""
+    from splitrl.controller import generation
+
+    seen: list[int] = []
+    real = generation.GenerationWorker.generate_groups
+
+    def recording(self, indices, group_size):
+        seen.extend(indices)
+        return real(self, indices, group_size)
+
+    monkeypatch.setattr(generation.GenerationWorker, "generate_groups", recording)
+    res = train(
+        _cfg(
+            tmp_path,
+            "num_steps=3",
+            "num_generation_workers=2",
+            "buffer.capacity_groups=2",
+            "buffer.max_staleness=2",
+            "min_groups_per_chunk=1",
+        )
+    )
+    assert res.steps_done == 3
+    assert sorted(seen) == list(range(12))  # 3 steps × 4 prompts, each generated once

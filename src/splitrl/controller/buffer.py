@@ -162,8 +162,10 @@ class ReplayBuffer:
         config: capacity and staleness limit.
     """
 
-    def __init__(self, config: ReplayBufferConfig) -> None:
+    def __init__(self, config: ReplayBufferConfig, on_evict: Callable[[Group], None] | None = None) -> None:
         self.config = config
+        # called with every evicted group (the controller frees its tensors and requeues its prompt)
+        self._on_evict = on_evict
         # Insertion-ordered dict: FIFO order plus O(1) duplicate checks by group_id.
         self._groups: dict[str, Group] = {}
         self.num_evicted_groups = 0
@@ -457,6 +459,8 @@ class ReplayBuffer:
         stale = [gid for gid, g in self._groups.items() if g.policy_version < oldest_allowed]
         for group_id in stale:
             group = self._groups.pop(group_id)
+            if self._on_evict is not None:
+                self._on_evict(group)
             self.num_evicted_groups += 1
             self.num_evicted_samples += len(group.samples)
             self._pending_evicted_groups += 1

@@ -232,7 +232,7 @@ class SingleController:
             )
             for _ in range(cfg.num_generation_workers)
         ]
-        self.buffer = ReplayBuffer(cfg.buffer)
+        self.buffer = ReplayBuffer(cfg.buffer, on_evict=self._on_evict)
 
     # ============================================================================ checkpoints
     async def _save_checkpoint(self, step: int) -> Path:
@@ -257,6 +257,7 @@ class SingleController:
                 "buffer": buffer_state,
                 "buffered_ids": buffered_ids,
                 "buffered_samples": samples,
+                "expected_tokens": self.expected_tokens,
                 "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
             },
             tmp / "controller.pt",
@@ -282,6 +283,7 @@ class SingleController:
             self.data_plane.put(state["buffered_ids"], state["buffered_samples"])
         self.done_indices = set(state["done_indices"])
         self.version = int(state["version"])
+        self.expected_tokens = int(state.get("expected_tokens", self.expected_tokens))
         random.setstate(state["rng"]["python"])
         torch.set_rng_state(state["rng"]["torch"])
         log.info("resumed from %s (step %d)", path, state["step"])
@@ -309,6 +311,19 @@ class SingleController:
             self.in_flight.add(j)
         return out
 
+    def _wake_pumps(self) -> None:
+        """Wake every rollout pump waiting for work (new weights, a requeued prompt, stop)."""
+        self._wake.set()
+        self._wake = asyncio.Event()
+
+    def _on_evict(self, group: Group) -> None:
+        """A stale group left the buffer: free its tensors and generate its prompt again, so that
+        no prompt of the schedule is lost and the last step does not wait for it forever."""
+        self.data_plane.delete(group.sample_ids)
+        self.done_indices.discard(group.prompt_index)
+        self.cursor = min(self.cursor, group.prompt_index)
+        self._wake_pumps()
+
     async def _rollout_pump(self, actor) -> None:
         cfg = self.config
         G = cfg.groups_per_step
@@ -316,15 +331,13 @@ class SingleController:
             nxt = self.cursor
             while nxt in self.done_indices or nxt in self.in_flight:
                 nxt += 1
-            if nxt // G >= cfg.num_steps:
-                return
             if self._stop.is_set() and nxt // G > self.step:
                 return  # stopping: only the open step's prompts are still needed
-            # generate for step s only with weights the sampler will accept (no wasted work)
+            # generate for step s only with weights the sampler will accept (no wasted work);
+            # past the last step, wait: an eviction may hand a prompt back
             need = nxt // G - cfg.buffer.max_staleness
-            if self.synced_version < need:
-                async with self._version_changed:
-                    await self._version_changed.wait_for(lambda: self.synced_version >= need or self._stop.is_set())
+            if nxt // G >= cfg.num_steps or self.synced_version < need:
+                await self._wake.wait()
                 continue
             indices = self._claim(cfg.generation_groups_per_call)
             if not indices:
@@ -333,15 +346,17 @@ class SingleController:
             t0 = time.perf_counter()
             try:
                 groups, metrics = await actor.call("generate_groups", indices, cfg.group_size)
-            finally:
+            except BaseException:
                 for j in indices:
                     self.in_flight.discard(j)
+                raise
             t1 = time.perf_counter()
             self.gen_intervals.append((t0, t1))
             self.rollout_acc.append(metrics)
             for g in groups:
-                await self.buffer.put(g)
+                await self.buffer.put(g)  # may wait for room: the index stays in flight meanwhile
                 self.done_indices.add(g.prompt_index)
+                self.in_flight.discard(g.prompt_index)
 
     async def _wait_groups(self, n: int) -> list[Group]:
         cfg = self.config
@@ -418,7 +433,10 @@ class SingleController:
                 raise
             except Exception as e:  # noqa: BLE001 - any failure of a chunk aborts the step
                 composer.abort_step()
-                await self._policy_call(self.policy.abort(), "abort_train_step")
+                try:
+                    await self._policy_call(self.policy.abort(), "abort_train_step")
+                except Exception as abort_error:  # noqa: BLE001
+                    raise StepFailed(f"step {step + 1} failed ({type(e).__name__}: {e}) and abort failed too") from abort_error
                 attempt += 1
                 if cfg.on_chunk_failure == "stop" or attempt > cfg.max_step_retries:
                     raise StepFailed(f"step {step + 1} failed after {attempt} attempt(s): {type(e).__name__}: {e}") from e
@@ -429,9 +447,8 @@ class SingleController:
         # local backend: generation shares the process (and the GPU), so skip the trip through CPU
         sd = await self._policy_call(self.policy.policy_state_dict(to_cpu=self.backend == "ray"), "policy_state_dict")
         await asyncio.gather(*(a.call("load_weights", sd, self.version) for a in self.gen_actors))
-        async with self._version_changed:
-            self.synced_version = self.version
-            self._version_changed.notify_all()
+        self.synced_version = self.version
+        self._wake_pumps()
         return time.perf_counter() - t0
 
     def _step_metrics(self, train: dict[str, float], groups: list[Group], step_s: float, sync_s: float) -> dict[str, float]:
@@ -504,7 +521,7 @@ class SingleController:
         self.out.mkdir(parents=True, exist_ok=True)
         self._start_cluster()
         self._build()
-        self._version_changed = asyncio.Condition()
+        self._wake = asyncio.Event()
         self.version = 0
         self.synced_version = -1
         self.done_indices: set[int] = set()
@@ -547,8 +564,7 @@ class SingleController:
                     break
         finally:
             self._stop.set()
-            async with self._version_changed:
-                self._version_changed.notify_all()
+            self._wake_pumps()
             for t in [trainer, *pumps]:
                 t.cancel()
             await asyncio.gather(trainer, *pumps, return_exceptions=True)
@@ -566,6 +582,7 @@ class SingleController:
         log.warning("Ctrl-C: finishing the current step, saving a checkpoint and stopping")
         self._interrupted = True
         self._stop.set()
+        self._wake_pumps()
 
     def _shutdown(self) -> None:
         for a in [*getattr(self, "gen_actors", []), *getattr(self, "train_actors", [])]:

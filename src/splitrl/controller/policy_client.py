@@ -63,7 +63,9 @@ class PolicyClient:
     async def finish(self) -> dict[str, float]:
         outs = await self._all("finish")
         ref = outs[0]
-        for o in outs[1:]:
+        for r, o in enumerate(outs[1:], start=1):
+            if set(o) != set(ref):
+                raise RuntimeError(f"train workers 0 and {r} returned different metric names: {sorted(set(o) ^ set(ref))}")
             for k, v in ref.items():
                 if k.startswith("timing/"):
                     continue

@@ -77,6 +77,16 @@ class TrainActor:
     def train_chunk(self, sample_ids: list[str], advantages: list[float], sample_mask: list[float]) -> dict:
         """Fetch the samples, build the chunk and run it (``train_microbatch``)."""
         t0 = time.perf_counter()
+        try:
+            batch = self._fetch(sample_ids, advantages, sample_mask)
+        except Exception as e:  # noqa: BLE001 - the other ranks must not wait for this one
+            self.worker.train_microbatch(None, error=e)
+            raise
+        out = self.worker.train_microbatch(batch)
+        self.busy_s += time.perf_counter() - t0
+        return out
+
+    def _fetch(self, sample_ids: list[str], advantages: list[float], sample_mask: list[float]) -> TrainBatch:
         if sample_ids:
             fields = self.data_plane.get(sample_ids, TOKEN_FIELDS)
         else:
@@ -90,10 +100,10 @@ class TrainActor:
             sample_ids=list(sample_ids),
         )
         if self.reference is not None:
-            batch.reference_logprobs = reference_logprobs(self.reference, batch, self.worker.config.microbatch, self.loss.temperature, self.worker.device)
-        out = self.worker.train_microbatch(batch)
-        self.busy_s += time.perf_counter() - t0
-        return out
+            batch.reference_logprobs = reference_logprobs(
+                self.reference, batch, self.worker.config.microbatch, self.loss.temperature, self.worker.device
+            )
+        return batch
 
     def finish(self) -> dict[str, float]:
         t0 = time.perf_counter()

@@ -71,7 +71,8 @@ class ClippedPGLoss:
 
     Metrics (raw sums; normalizer in brackets): ``loss``, ``pg_loss``, ``kl_loss``,
     ``entropy_loss`` [like the gradient]; ``entropy``, ``clip_fraction``, ``kl``,
-    ``is_weight_mean``, ``logprob_mismatch`` (|logπ_prev − logπ_gen|), ``ratio_mean`` [TOKENS];
+    ``is_weight_mean``, ``logprob_mismatch`` (|logπ − logπ_gen|, the trainer's logprobs at the step's
+    start against the rollout engine's), ``ratio_mean`` [TOKENS];
     ``ratio_min``/``ratio_max``, ``is_weight_max`` [min/max]; ``num_tokens``, ``num_samples`` [NONE].
     """
 
@@ -136,7 +137,8 @@ class ClippedPGLoss:
                 pg = pg * is_weight
             metrics["is_weight_mean"] = Metric((is_weight * m).sum(), Normalizer.TOKENS)
             metrics["is_weight_max"] = Metric(_masked_extreme(is_weight, m, "max"), reduce="max")
-            metrics["logprob_mismatch"] = Metric(((prev - gen).abs() * m).sum().detach(), Normalizer.TOKENS)
+            # the trainer's own logprobs at the step's start against the rollout engine's
+            metrics["logprob_mismatch"] = Metric(((curr.detach() - gen).abs() * m).sum(), Normalizer.TOKENS)
 
         total = pg
         pg_loss = self._reduce(pg, m, mb)

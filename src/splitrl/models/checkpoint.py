@@ -112,7 +112,11 @@ def load_pretrained(
     hf_cfg = AutoConfig.from_pretrained(str(path))
     saved = getattr(hf_cfg, "splitrl", None) or {}
     if mtp is None:
-        mtp = MTPConfig(**saved["mtp"]) if "mtp" in saved else MTPConfig()
+        if "mtp" in saved:
+            mtp = MTPConfig(**saved["mtp"])
+        else:
+            # a Qwen3-Next-layout checkpoint written elsewhere: as many depths as stored layers
+            mtp = MTPConfig(mtp_num_layers=int(getattr(hf_cfg, "mtp_num_hidden_layers", 0) or 0))
     if capabilities is None:
         capabilities = ModelCapabilities(**saved["capabilities"]) if "capabilities" in saved else ModelCapabilities()
     # the stock class does not know the mtp.* tensors (read below): tell it they are expected
@@ -184,5 +188,7 @@ def export_deepseek_v3(model, path: str | os.PathLike) -> None:
     model.backbone.config.save_pretrained(str(path))
     cfg_path = path / "config.json"
     cfg = json.loads(cfg_path.read_text())
+    for stale in ("mtp_num_hidden_layers", "splitrl"):  # this layout is not ours / Qwen3-Next's
+        cfg.pop(stale, None)
     cfg["num_nextn_predict_layers"] = model.num_mtp_depths
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))

@@ -70,7 +70,9 @@ def _sample_masks(batch: TrainBatch, i: int) -> tuple[torch.Tensor, torch.Tensor
 
 def _layout(batch: TrainBatch, idx: list[int], packed: bool, capabilities: ModelCapabilities) -> MicroBatch:
     rows: list[list[int]] = [idx] if packed else [[i] for i in idx]
-    width = max(sum(batch.lengths[i] for i in r) for r in rows)
+    # at least 2 positions: a row of 1 token has no prediction, and the model still needs one
+    # position to run its output head on (every rank runs every module, DESIGN §2 inv. 7)
+    width = max(2, max(sum(batch.lengths[i] for i in r) for r in rows))
     b = len(rows)
     input_ids = torch.zeros(b, width, dtype=torch.long)
     segment_ids = torch.full((b, width), -1, dtype=torch.long)
@@ -156,7 +158,8 @@ def build_microbatches(
         ValueError: ``num_microbatches`` is smaller than what the chunk needs.
     """
     capabilities = capabilities or ModelCapabilities()
-    packed = config.pack_sequences and not capabilities.owns_sequence_packing
+    # a model that slices context-parallel inputs itself takes packed, unsharded rows (DESIGN §3)
+    packed = (config.pack_sequences or capabilities.slices_context_parallel_inputs) and not capabilities.owns_sequence_packing
     plan = plan_microbatches(batch.lengths, config, packed) if len(batch) else []
     mbs = [_layout(batch, idx, packed, capabilities) for idx in plan]
     if num_microbatches is not None:

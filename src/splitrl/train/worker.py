@@ -202,7 +202,7 @@ class TrainWorker:
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
                 raise ValueError(f"input_ids[{i}] has ids outside [0, {vocab}); check the tokenizer / vocab_size")
 
-    def train_microbatch(self, chunk: TrainBatch) -> dict[str, int]:
+    def train_microbatch(self, chunk: TrainBatch | None, *, error: Exception | None = None) -> dict[str, int]:
         """Forward/backward one chunk (cut into microbatches); gradients accumulate.
 
         Every data-parallel rank must call this once per chunk (with its share, possibly empty):
@@ -210,6 +210,13 @@ class TrainWorker:
 
         Returns:
             local counts: ``{"num_microbatches", "num_samples", "num_tokens"}`` of this rank.
+
+        Args:
+            chunk: this rank's share of the chunk.
+            error: a failure that happened on this rank while preparing its share (fetching it,
+                computing reference logprobs): the rank still joins the agreement every rank
+                makes before the first forward, so all of them raise instead of the others
+                waiting in a collective; then ``error`` is raised here.
 
         Raises:
             RuntimeError: no step is open, or another rank rejected the chunk.
@@ -219,13 +226,13 @@ class TrainWorker:
         st = self._step
         if st is None:
             raise RuntimeError("train_microbatch() called with no open step; call begin_train_step(loss_fn) first")
-        error: Exception | None = None
         mbs: list[MicroBatch] = []
-        try:
-            self._validate_chunk(chunk, st.loss_fn)
-            mbs = build_microbatches(chunk, self.config.microbatch, self.model.capabilities)
-        except ValueError as e:
-            error = e
+        if error is None:
+            try:
+                self._validate_chunk(chunk, st.loss_fn)
+                mbs = build_microbatches(chunk, self.config.microbatch, self.model.capabilities)
+            except Exception as e:  # noqa: BLE001 - every rank must learn of it before any collective
+                error = e
         agreed = du.all_reduce(torch.tensor([len(mbs), int(error is not None)], dtype=torch.float64), "max")
         if error is not None:
             raise error
