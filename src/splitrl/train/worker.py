@@ -208,15 +208,15 @@ class TrainWorker:
         Every data-parallel rank must call this once per chunk (with its share, possibly empty):
         ranks agree on the number of microbatches and pad with empty ones (DESIGN §2 inv. 7).
 
-        Returns:
-            local counts: ``{"num_microbatches", "num_samples", "num_tokens"}`` of this rank.
-
         Args:
             chunk: this rank's share of the chunk.
             error: a failure that happened on this rank while preparing its share (fetching it,
                 computing reference logprobs): the rank still joins the agreement every rank
                 makes before the first forward, so all of them raise instead of the others
                 waiting in a collective; then ``error`` is raised here.
+
+        Returns:
+            local counts: ``{"num_microbatches", "num_samples", "num_tokens"}`` of this rank.
 
         Raises:
             RuntimeError: no step is open, or another rank rejected the chunk.
