@@ -123,3 +123,52 @@ def test_a_failure_on_one_rank_makes_every_rank_raise_instead_of_hanging(tmp_pat
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     assert r0["raised"] == "RuntimeError" and r1["raised"] == "KeyError"
     assert r0["loss"] == r1["loss"]  # the next step ran on both ranks, after the abort
+
+
+class _FailOnRank1:
+    """A loss that raises on rank 1 only, after the forward (as a bug in a loss would)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.loss_type, self.temperature, self.needs_entropy = inner.loss_type, inner.temperature, inner.needs_entropy
+
+    def validate_batch(self, batch):
+        self.inner.validate_batch(batch)
+
+    def __call__(self, output, mb):
+        if dist.get_rank() == 1:
+            raise FloatingPointError("loss exploded on rank 1")
+        return self.inner(output, mb)
+
+
+def _rank_loss_error_main(rank, world, store, out):
+    sys.path.insert(0, os.path.dirname(__file__))
+    if DEVICE == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        w = make_worker(make_model(D=1), lr=LR, mbs=2)
+        batch = make_batch(8, seed=31)
+        share = batch.select([0, 1, 2, 3] if rank == 0 else [4, 5, 6, 7])
+        w.begin_train_step(_FailOnRank1(make_loss()))
+        raised = None
+        try:
+            w.train_microbatch(share)
+        except Exception as e:  # noqa: BLE001
+            raised = type(e).__name__
+        w.abort_train_step()
+        m = w.train(share, make_loss())
+        torch.save({"raised": raised, "loss": m["loss"]}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_a_loss_failing_on_one_rank_stops_every_rank_before_backward(tmp_path):
+    if DEVICE == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    out = tmp_path / "res"
+    mp.start_processes(_rank_loss_error_main, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True, start_method="spawn")
+    r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    assert r0["raised"] == "RuntimeError" and r1["raised"] == "FloatingPointError"
+    assert r0["loss"] == r1["loss"]

@@ -258,7 +258,23 @@ class TrainWorker:
                 with_entropy=st.loss_fn.needs_entropy,
                 logprob_mask=mb.loss_mask,
             )
-        lo = st.loss_fn(out, mb)
+        error: Exception | None = None
+        try:
+            lo = st.loss_fn(out, mb)
+            if st.metric_specs and set(lo.metrics) != set(st.metric_specs):
+                raise RuntimeError(
+                    f"the loss returned metrics {sorted(lo.metrics)} after {sorted(st.metric_specs)}; every "
+                    "microbatch of a step must return the same metric names"
+                )
+        except Exception as e:  # noqa: BLE001 - agreed on below, before any rank runs backward
+            error = e
+        if self.distributed:
+            # a loss that fails on one rank must stop every rank before the backward's collectives
+            failed = du.all_reduce(torch.tensor([float(error is not None)], dtype=torch.float64), "max")
+            if error is None and failed[0] > 0:
+                raise RuntimeError("the loss failed on another data-parallel rank (see its error); abort the step")
+        if error is not None:
+            raise error
         # FSDP2 reduce-scatters per microbatch, so every rank must backpropagate through every
         # module even when its loss has no path to them (an empty microbatch under a
         # sequence-level loss sums nothing); the zero-weighted anchor gives that path.
@@ -276,13 +292,8 @@ class TrainWorker:
             st.mtp_sums += torch.stack(
                 [torch.stack(out.mtp_ce_sums), torch.stack(out.mtp_hit_sums), torch.stack(out.mtp_counts)]
             ).detach().double().cpu()
-        if st.num_microbatches == 0 and not st.metric_specs:
+        if not st.metric_specs:
             st.metric_specs = {k: (m.normalizer, m.reduce) for k, m in lo.metrics.items()}
-        if set(lo.metrics) != set(st.metric_specs):
-            raise RuntimeError(
-                f"the loss returned metrics {sorted(lo.metrics)} after {sorted(st.metric_specs)}; every "
-                "microbatch of a step must return the same metric names"
-            )
         for k, m in lo.metrics.items():
             v = m.value.detach().double().cpu()
             if k not in st.metric_sums:
