@@ -40,12 +40,15 @@ def _steps():
     return [(b0, split0), (b1, split1)]
 
 
-def _rank_main(rank, world, store, case, out):
+def _init_rank(rank, world, store):
     sys.path.insert(0, os.path.dirname(__file__))
     if DEVICE == "cuda":
         torch.cuda.set_device(rank)
-    backend = "nccl" if DEVICE == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+
+
+def _rank_main(rank, world, store, case, out):
+    _init_rank(rank, world, store)
     try:
         loss_type, D, detach, pack = case
         w = make_worker(make_model(D=D, detach=detach), lr=LR, mbs=2, pack=pack)
@@ -91,10 +94,7 @@ def test_two_ranks_equal_one_process(tmp_path, case):
 
 
 def _rank_error_main(rank, world, store, out):
-    sys.path.insert(0, os.path.dirname(__file__))
-    if DEVICE == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    _init_rank(rank, world, store)
     try:
         w = make_worker(make_model(D=1), lr=LR, mbs=2)
         batch = make_batch(8, seed=30)
@@ -142,10 +142,7 @@ class _FailOnRank1:
 
 
 def _rank_loss_error_main(rank, world, store, out):
-    sys.path.insert(0, os.path.dirname(__file__))
-    if DEVICE == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    _init_rank(rank, world, store)
     try:
         w = make_worker(make_model(D=1), lr=LR, mbs=2)
         batch = make_batch(8, seed=31)
