@@ -136,15 +136,12 @@ class TrainActor:
 
     def save_pretrained(self, path: str) -> None:
         """Write the policy as a Hugging Face directory with MTP heads (rank 0 writes; collective)."""
-        from splitrl.models.checkpoint import save_pretrained
+        from splitrl.models.checkpoint import checkpoint_tensors, save_pretrained
 
         sd = self.worker.full_model_state_dict()
         if self.rank == 0:
-            backbone_sd = {k[len("backbone.") :]: v for k, v in sd.items() if k.startswith("backbone.")}
-            if getattr(self.worker.model.config, "tie_word_embeddings", False):
-                backbone_sd.pop("lm_head.weight", None)
-            backbone_sd.update({k: v for k, v in sd.items() if k.startswith("mtp.")})
-            save_pretrained(self.worker.model, path, state_dict={k: v.contiguous() for k, v in backbone_sd.items()})
+            tied = getattr(self.worker.model.config, "tie_word_embeddings", False)
+            save_pretrained(self.worker.model, path, state_dict=checkpoint_tensors(sd, tied))
 
     def ping(self) -> int:
         return self.rank

@@ -28,17 +28,20 @@ def _full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in module.state_dict().items()}
 
 
-def policy_state_dict(model) -> dict[str, torch.Tensor]:
-    """Backbone tensors under their Hugging Face names + MTP tensors under ``mtp.``.
+def checkpoint_tensors(policy_sd: dict[str, torch.Tensor], tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
+    """``PolicyModel`` state-dict names to checkpoint names: ``backbone.*`` become the Hugging
+    Face names, ``mtp.*`` stay; with tied embeddings ``lm_head.weight`` is left out, as
+    transformers does."""
+    out = {k[len("backbone.") :]: v.contiguous() for k, v in policy_sd.items() if k.startswith("backbone.")}
+    if tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    out.update({k: v.contiguous() for k, v in policy_sd.items() if k.startswith("mtp.")})
+    return out
 
-    With tied embeddings ``lm_head.weight`` is left out, as transformers does.
-    """
-    sd = _full_state_dict(model.backbone)
-    if getattr(model.backbone.config, "tie_word_embeddings", False):
-        sd.pop("lm_head.weight", None)
-    if model.mtp is not None:
-        sd.update({f"mtp.{k}": v for k, v in _full_state_dict(model.mtp).items()})
-    return sd
+
+def policy_state_dict(model) -> dict[str, torch.Tensor]:
+    """CPU copies of the policy's tensors under checkpoint names (see :func:`checkpoint_tensors`)."""
+    return checkpoint_tensors(_full_state_dict(model), getattr(model.backbone.config, "tie_word_embeddings", False))
 
 
 def save_pretrained(model, path: str | os.PathLike, state_dict: dict[str, torch.Tensor] | None = None) -> None:
