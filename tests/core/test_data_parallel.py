@@ -93,38 +93,6 @@ def test_two_ranks_equal_one_process(tmp_path, case):
     assert_params_close({n: res["params"][n] for n in ref_params}, ref_params, LR)
 
 
-def _rank_error_main(rank, world, store, out):
-    _init_rank(rank, world, store)
-    try:
-        w = make_worker(make_model(D=1), lr=LR, mbs=2)
-        batch = make_batch(8, seed=30)
-        w.begin_train_step(make_loss())
-        raised = None
-        try:
-            if rank == 0:
-                w.train_microbatch(batch.select([0, 1, 2, 3]))
-            else:  # this rank failed while preparing its share (e.g. fetching it)
-                w.train_microbatch(None, error=KeyError("sample not in the data plane"))
-        except Exception as e:  # noqa: BLE001
-            raised = type(e).__name__
-        w.abort_train_step()
-        m = w.train(batch.select([0, 1, 2, 3] if rank == 0 else [4, 5, 6, 7]), make_loss())
-        torch.save({"raised": raised, "loss": m["loss"]}, f"{out}.{rank}")
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.dist
-def test_a_failure_on_one_rank_makes_every_rank_raise_instead_of_hanging(tmp_path):
-    if DEVICE == "cuda" and torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    out = tmp_path / "res"
-    mp.start_processes(_rank_error_main, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True, start_method="spawn")
-    r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
-    assert r0["raised"] == "RuntimeError" and r1["raised"] == "KeyError"
-    assert r0["loss"] == r1["loss"]  # the next step ran on both ranks, after the abort
-
-
 class _FailOnRank1:
     """A loss that raises on rank 1 only, after the forward (as a bug in a loss would)."""
 
@@ -141,16 +109,20 @@ class _FailOnRank1:
         return self.inner(output, mb)
 
 
-def _rank_loss_error_main(rank, world, store, out):
+def _rank_failure_main(rank, world, store, out, where):
+    """Rank 1 fails (``prepare``: while preparing its share; ``loss``: in the loss, after the
+    forward); then both ranks abort and run one more step."""
     _init_rank(rank, world, store)
     try:
         w = make_worker(make_model(D=1), lr=LR, mbs=2)
-        batch = make_batch(8, seed=31)
-        share = batch.select([0, 1, 2, 3] if rank == 0 else [4, 5, 6, 7])
-        w.begin_train_step(_FailOnRank1(make_loss()))
+        share = make_batch(8, seed=30).select([0, 1, 2, 3] if rank == 0 else [4, 5, 6, 7])
+        w.begin_train_step(_FailOnRank1(make_loss()) if where == "loss" else make_loss())
         raised = None
         try:
-            w.train_microbatch(share)
+            if where == "prepare" and rank == 1:
+                w.train_microbatch(None, error=KeyError("sample not in the data plane"))
+            else:
+                w.train_microbatch(share)
         except Exception as e:  # noqa: BLE001
             raised = type(e).__name__
         w.abort_train_step()
@@ -161,11 +133,14 @@ def _rank_loss_error_main(rank, world, store, out):
 
 
 @pytest.mark.dist
-def test_a_loss_failing_on_one_rank_stops_every_rank_before_backward(tmp_path):
+@pytest.mark.parametrize("where,error", [("prepare", "KeyError"), ("loss", "FloatingPointError")])
+def test_a_failure_on_one_rank_makes_every_rank_raise_instead_of_hanging(tmp_path, where, error):
     if DEVICE == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     out = tmp_path / "res"
-    mp.start_processes(_rank_loss_error_main, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(
+        _rank_failure_main, args=(2, str(tmp_path / "store"), str(out), where), nprocs=2, join=True, start_method="spawn"
+    )
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
-    assert r0["raised"] == "RuntimeError" and r1["raised"] == "FloatingPointError"
-    assert r0["loss"] == r1["loss"]
+    assert r0["raised"] == "RuntimeError" and r1["raised"] == error
+    assert r0["loss"] == r1["loss"]  # the next step ran on both ranks, after the abort
