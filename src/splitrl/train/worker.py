@@ -286,16 +286,21 @@ class TrainWorker:
         # one scalar, one backward: main and MTP gradients share the loss scale (DESIGN §3)
         (total * scale).backward()
 
-        st.num_tokens += mb.loss_mask.detach().sum().double().cpu()
-        st.num_samples += mb.sample_mask.detach().sum().double().cpu()
+        # every count and metric of the microbatch in one device-to-host copy (one sync on GPU)
+        names = list(lo.metrics)
+        parts = [mb.loss_mask.sum(), mb.sample_mask.sum()]
         if D > 0:
-            st.mtp_sums += torch.stack(
-                [torch.stack(out.mtp_ce_sums), torch.stack(out.mtp_hit_sums), torch.stack(out.mtp_counts)]
-            ).detach().double().cpu()
+            parts += [*out.mtp_ce_sums, *out.mtp_hit_sums, *out.mtp_counts]
+        parts += [lo.metrics[k].value for k in names]
+        host = torch.stack([p.detach().double().reshape(()) for p in parts]).cpu()
+        st.num_tokens += host[0]
+        st.num_samples += host[1]
+        if D > 0:
+            st.mtp_sums += host[2 : 2 + 3 * D].reshape(3, D)
         if not st.metric_specs:
             st.metric_specs = {k: (m.normalizer, m.reduce) for k, m in lo.metrics.items()}
-        for k, m in lo.metrics.items():
-            v = m.value.detach().double().cpu()
+        for k, v in zip(names, host[2 + 3 * D :]):
+            m = lo.metrics[k]
             if k not in st.metric_sums:
                 st.metric_sums[k] = v
             elif m.reduce == "sum":
