@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # preflight: a data file, the tokenizer, a resume mismatch
         print(f"splitrl: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the file system under output_dir failed during the run (permissions, full disk)
+        print(f"splitrl: stopped: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        return 1
     last = result.metrics[-1] if result.metrics else {}
     print(
         f"splitrl: {result.steps_done} steps in {result.output_dir}"
