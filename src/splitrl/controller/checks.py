@@ -130,12 +130,13 @@ def fit_prompts_to_context(config: RunConfig, task: Any, tokenizer: Any, hf_cfg:
     if max_pos is None:
         return config.task
     new = config.rollout.max_new_tokens
-    limits = (
-        f"rollout.max_new_tokens={new} and the model's max_position_embeddings={max_pos} "
+    context = (
+        f"the model's max_position_embeddings={max_pos} "
         f"({'config.json of model.pretrained_path' if config.model.pretrained_path else 'model.backbone'})"
     )
+    limits = f"prompt tokens + rollout.max_new_tokens={new} exceed {context}"
     if new >= max_pos:
-        raise ValueError(f"no prompt fits: {limits}; lower rollout.max_new_tokens")
+        raise ValueError(f"no prompt fits: rollout.max_new_tokens={new} leaves no room in {context}; lower it")
     n = task.num_prompts
     count = n if isinstance(task, MathFileTask) else min(PROCEDURAL_PROMPTS_CHECKED, n or PROCEDURAL_PROMPTS_CHECKED)
     prompts = [task.get_prompt(i) for i in range(count)]
@@ -147,18 +148,18 @@ def fit_prompts_to_context(config: RunConfig, task: Any, tokenizer: Any, hf_cfg:
     if not isinstance(task, MathFileTask):
         p, k = too_long[0]
         raise ValueError(
-            f"prompt {p.index} of the task ({k} tokens: {p.text[:60]!r}) does not fit {limits}; lower "
+            f"prompt {p.index} of the task ({k} tokens: {p.text[:60]!r}): {limits}; lower "
             "rollout.max_new_tokens, make the task's prompts shorter, or raise the model's context"
         )
     if len(too_long) == len(prompts):
         raise ValueError(
-            f"no row of task.path={config.task.path!r} fits {limits} (shortest prompt {min(lengths)} tokens); "
-            "lower rollout.max_new_tokens"
+            f"no row of task.path={config.task.path!r} fits: {limits} for every row (shortest prompt "
+            f"{min(lengths)} tokens); lower rollout.max_new_tokens"
         )
     rows = sorted(p.metadata["row"] for p, _ in too_long)
     shown = ", ".join(f"{task.row_label(p.metadata['row'])} ({k} tokens)" for p, k in too_long[:10])
     log.warning(
-        "task.path=%r: %d of %d rows left out: prompt + %s do not fit: %s%s",
+        "task.path=%r: %d of %d rows left out (%s): %s%s",
         config.task.path,
         len(rows),
         len(prompts) + len(config.task.skip_rows),

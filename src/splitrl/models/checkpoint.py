@@ -167,7 +167,10 @@ def verify_pretrained(path: str | os.PathLike, key: str = "model.pretrained_path
         return
     stored: dict[str, list[int]] = {}
     for f in files:
-        stored.update({k: v["shape"] for k, v in safetensors_header(f).items()})
+        try:
+            stored.update({k: v["shape"] for k, v in safetensors_header(f).items()})
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
     expected = _expected_backbone_shapes(hf_cfg)
     if expected is None:
         return
