@@ -141,3 +141,30 @@ def test_overlong_data_rows_are_left_out_counted_and_named(tmp_path, caplog):
                "model.backbone.vocab_size=100", "rollout.max_new_tokens=250")
     with pytest.raises(ValueError, match=r"no row of task.path=.* fits"):
         preflight(cfg)
+
+
+def test_a_run_over_a_file_with_an_overlong_row_trains_every_other_row(tmp_path, monkeypatch):
+    """Kind: the overlong row crashed the run when its step came ("prompt 0 ... exceeds"); the
+    run now trains on the rows that fit, each of them, and none other."""
+    from splitrl.controller import generation
+    from splitrl.controller.controller import train
+
+    rows = [("1+1", "2"), ("y" * 300, "1"), ("2+3", "5"), ("3+3", "6")]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in rows))
+    seen: list[str] = []
+    real = generation.GenerationWorker.generate_groups
+
+    def recording(self, indices, group_size):
+        seen.extend(self.prompt_of(i).text for i in indices)
+        return real(self, indices, group_size)
+
+    cfg = _cfg(
+        tmp_path, "task.kind=math_file", f"task.path={data}", "tokenizer.charset=null", "model.backbone.vocab_size=100",
+        "num_steps=3", "groups_per_step=2", "group_size=2", "min_groups_per_chunk=1", "generation_groups_per_call=1",
+        "rollout.max_new_tokens=4", "buffer.max_staleness=0", "logging.progress_bar=false", "reward_timeout_s=10",
+    )
+    monkeypatch.setattr(generation.GenerationWorker, "generate_groups", recording)
+    res = train(cfg)
+    assert res.steps_done == 3
+    assert sorted(seen) == sorted(["1+1", "2+3", "3+3", "1+1", "2+3", "3+3"])  # 6 prompts: the 3 rows, twice
