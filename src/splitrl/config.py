@@ -137,7 +137,8 @@ class RunConfig(BaseModel):
         without ``total_steps``), so filling them afterwards comes too late.
 
         - ``train.optim.total_steps`` (cosine schedule) defaults to ``num_steps``;
-        - ``dataplane.kind`` defaults to ``inprocess`` with ``backend=local`` (the only one it runs).
+        - ``dataplane.kind`` defaults to ``inprocess`` with ``backend=local`` (the only one it runs);
+        - ``model.seed`` (random init) defaults to the run's ``seed``.
         """
         if not isinstance(data, dict):
             return data
@@ -146,9 +147,9 @@ class RunConfig(BaseModel):
         if optim is not None and optim.get("schedule") == "cosine" and optim.get("total_steps") is None:
             optim["total_steps"] = data.get("num_steps", cls.model_fields["num_steps"].default)
         if data.get("backend") == "local":
-            dataplane = _section(data, ("dataplane",), create=True)
-            if dataplane is not None and "kind" not in dataplane:
-                dataplane["kind"] = "inprocess"
+            _set_unless_given(data, "dataplane", "kind", "inprocess")
+        if data.get("seed") is not None:
+            _set_unless_given(data, "model", "seed", data["seed"])
         return data
 
     @model_validator(mode="after")
@@ -200,22 +201,29 @@ class RunConfig(BaseModel):
         return self
 
 
-def _section(data: dict[str, Any], path: tuple[str, ...], create: bool = False) -> dict[str, Any] | None:
+def _section(data: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any] | None:
     """The raw mapping at ``path`` in ``data``, copied on the way down so the caller's input is
-    not changed; None where the path holds a built config object (already validated) or, without
-    ``create``, is absent (then the component's default applies)."""
+    not changed; None where the path is absent (the component's default applies) or holds a
+    built config object (already validated)."""
     node = data
     for k in path:
         child = node.get(k)
-        if child is None:
-            if not create:
-                return None
-            child = {}
-        elif not isinstance(child, dict):
+        if not isinstance(child, dict):
             return None
         node[k] = child = dict(child)
         node = child
     return node
+
+
+def _set_unless_given(data: dict[str, Any], section: str, key: str, value: Any) -> None:
+    """Set ``data[section][key] = value`` unless the user set that key; an absent section starts
+    from the run's default for it (the demo model, not a bare ``ModelConfig``)."""
+    node = data.get(section)
+    if node is None:
+        node = RunConfig.model_fields[section].get_default(call_default_factory=True).model_dump()
+    elif not isinstance(node, dict) or node.get(key) is not None:
+        return
+    data[section] = {**node, key: value}
 
 
 def _load_yaml(text: str, source: str, column_offset: int = 0) -> Any:

@@ -22,9 +22,10 @@ def _one_line_error(capsys, argv, code):
 
 # ------------------------------------------------------------------ kind: run-level default order
 def test_run_level_default_reaches_a_component_before_its_own_check():
-    """Kind: a component validator runs before the run-level default it depends on is filled.
-    ``schedule=cosine`` without ``total_steps`` decays over the run's ``num_steps``; ``backend=local``
-    without a data-plane kind uses the in-process one (the only one it runs)."""
+    """Kind: a component validator runs before the run-level default it depends on is filled (or
+    the default never reaches the component). ``schedule=cosine`` without ``total_steps`` decays
+    over the run's ``num_steps``; ``seed`` seeds the model init; ``backend=local`` without a
+    data-plane kind uses the in-process one (the only one it runs)."""
     cfg = load_config(None, ["train.optim.schedule=cosine", "num_steps=7", "train.optim.min_lr_ratio=0.1"])
     optim = cfg.train.optim
     assert optim.total_steps == 7
@@ -33,6 +34,11 @@ def test_run_level_default_reaches_a_component_before_its_own_check():
     assert load_config(None, ["train.optim.schedule=cosine", "train.optim.total_steps=50"]).train.optim.total_steps == 50
     # the same through RunConfig directly (the programmatic path): the demo's num_steps
     assert RunConfig.model_validate({"train": {"optim": {"schedule": "cosine"}}}).train.optim.total_steps == 300
+
+    # the run's seed is the model init's seed (RunConfig's docstring), unless model.seed is set
+    assert load_config(None, ["seed=5"]).model.seed == 5
+    assert load_config(None, ["seed=5"]).model.backbone == load_config(None, []).model.backbone  # still the demo model
+    assert load_config(None, ["seed=5", "model.seed=2"]).model.seed == 2
 
     assert load_config(None, ["backend=local"]).dataplane.kind == "inprocess"
     with pytest.raises(ValueError, match="dataplane.kind=transferqueue needs backend=ray"):
