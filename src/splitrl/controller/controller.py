@@ -87,7 +87,7 @@ def preflight(config: RunConfig) -> int:
     task = make_task(config.task)
     try:
         tok = load_tokenizer(config.tokenizer, config.model.pretrained_path)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - transformers/tokenizers raise several kinds for a bad directory
         where = config.tokenizer.path or config.model.pretrained_path
         raise ValueError(f"tokenizer.kind={config.tokenizer.kind}: cannot load a tokenizer from {where!r} ({e})") from None
     check_vocab(config, tok, hf_cfg)
@@ -111,7 +111,10 @@ def preflight(config: RunConfig) -> int:
         return 0
     saved_path = ckpt / RUN_CONFIG
     if saved_path.exists():
-        saved = json.loads(saved_path.read_text())
+        try:
+            saved = json.loads(saved_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{saved_path} cannot be read ({e}); resume=false starts over in this output_dir") from None
         now = config.model_dump(mode="json")
         if saved.get("model") != now["model"]:
             raise ValueError(
