@@ -337,10 +337,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
     Args:
         path: a YAML file (None: the embedded default).
-        overrides: ``key.path=value`` strings; values are parsed as YAML (``3``, ``true``, ``[1,2]``).
+        overrides: ``key.path=value`` strings, applied in order; values are parsed as YAML
+            (``3``, ``true``, ``[1,2]``); a mapping value replaces the whole section (see
+            :func:`_apply_overrides`).
 
     Raises:
-        ValueError: a missing file, a malformed override, or any validation error (unknown key,
+        ValueError: a missing or unreadable file, YAML or UTF-8 errors (naming the file or the
+            override and the line), a malformed override, or any validation error (unknown key,
             wrong type, impossible combination), naming the key.
     """
     data: dict[str, Any] = {}
