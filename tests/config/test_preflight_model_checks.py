@@ -106,6 +106,18 @@ def test_damaged_pretrained_weights_are_refused_in_preflight(tmp_path, saved_mod
         load_pretrained(d)
 
 
+def test_pretrained_directory_that_does_not_fit_the_model_knobs_is_refused_in_preflight(tmp_path, saved_model):
+    """Kind: a checkpoint whose MTP depths or family the run cannot build, found at worker start."""
+    with pytest.raises(ValueError, match=r"model.pretrained_path=.*MTP tensors in .* do not fit mtp_num_layers=2"):
+        preflight(_cfg(tmp_path, f"model.pretrained_path={saved_model}", "model.mtp.mtp_num_layers=2"))
+    d = _copy(saved_model, tmp_path / "policy")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"model.pretrained_path=.*model_type 'gpt2' is not supported"):
+        preflight(_cfg(tmp_path, f"model.pretrained_path={d}"))
+
+
 # ------------------------------------------------------------------- kind: prompt vs context
 def test_generated_prompt_longer_than_context_is_refused_in_preflight(tmp_path):
     """Kind: prompt + max_new_tokens beyond max_position_embeddings, found at generation time and

@@ -60,9 +60,16 @@ def model_hf_config(config: RunConfig) -> Any:
 
         from splitrl.models.checkpoint import verify_pretrained
 
-        verify_pretrained(m.pretrained_path)
+        from splitrl.models.config import SUPPORTED_FAMILIES
+
+        verify_pretrained(m.pretrained_path, mtp=m.mtp)
         hf_cfg = AutoConfig.from_pretrained(m.pretrained_path)
         key = f"model.pretrained_path={m.pretrained_path!r} (config.json)"
+        if hf_cfg.model_type not in SUPPORTED_FAMILIES:
+            raise ValueError(
+                f"{key}: model_type {hf_cfg.model_type!r} is not supported; use a {' or '.join(SUPPORTED_FAMILIES)} "
+                "model (their decoder layers and RMSNorm are reused by the MTP heads)"
+            )
     else:
         key = "model.backbone"
         try:

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from splitrl.models.config import ModelCapabilities, MTPConfig
+from splitrl.models.config import SUPPORTED_FAMILIES, ModelCapabilities, MTPConfig
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ def safetensors_header(file: Path) -> dict[str, dict]:
     return header
 
 
-def verify_pretrained(path: str | os.PathLike, key: str = "model.pretrained_path") -> None:
+def verify_pretrained(path: str | os.PathLike, key: str = "model.pretrained_path", mtp: MTPConfig | None = None) -> None:
     """Check a Hugging Face model directory without loading its weights: ``config.json`` parses,
     every weight file is there and whole, and the backbone's tensors are all stored with the
     shapes the config gives. Cheap (file headers and a meta-device model), so it runs in preflight
@@ -132,6 +132,8 @@ def verify_pretrained(path: str | os.PathLike, key: str = "model.pretrained_path
     Args:
         path: the directory.
         key: the config key that named it (used in messages).
+        mtp: when given, stored MTP tensors must also fit these knobs (as :func:`load_pretrained`
+            requires).
 
     Raises:
         ValueError: naming ``key``, the file and what is wrong.
@@ -171,9 +173,12 @@ def verify_pretrained(path: str | os.PathLike, key: str = "model.pretrained_path
             stored.update({k: v["shape"] for k, v in safetensors_header(f).items()})
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
-    expected = _expected_backbone_shapes(hf_cfg)
-    if expected is None:
+    policy = _meta_policy(hf_cfg, mtp)
+    if policy is None:
         return
+    expected = {k: tuple(v.shape) for k, v in policy.backbone.state_dict().items()}
+    if getattr(hf_cfg, "tie_word_embeddings", False):
+        expected.pop("lm_head.weight", None)
     # checkpoints of the bare backbone (no lm_head, no ``model.`` prefix) load too
     renamed = {("model." + k if "model." + k in expected and k not in expected else k): v for k, v in stored.items()}
     missing = sorted(k for k in expected if k not in renamed)
@@ -188,22 +193,35 @@ def verify_pretrained(path: str | os.PathLike, key: str = "model.pretrained_path
         raise ValueError(
             f"{where}: {len(wrong)} tensor(s) do not fit config.json (e.g. {k} is {got}, config.json gives {want})"
         )
+    stored_mtp = {k[len("mtp.") :] for k in stored if k.startswith("mtp.")}
+    if policy.mtp is not None and stored_mtp and stored_mtp != set(policy.mtp.state_dict()):
+        raise ValueError(f"{where}: " + _mtp_mismatch(path, mtp, stored_mtp, set(policy.mtp.state_dict()), hf_cfg))
 
 
-def _expected_backbone_shapes(hf_cfg) -> dict[str, tuple[int, ...]] | None:
-    """Tensor names and shapes of the backbone ``hf_cfg`` describes (built on the meta device:
-    no memory, no init), without a tied ``lm_head``; None for a model type transformers cannot
-    build as a causal LM."""
+def _meta_policy(hf_cfg, mtp: MTPConfig | None):
+    """The policy ``hf_cfg`` and ``mtp`` describe, built on the meta device (no memory, no
+    init) for its tensor names and shapes; None for a model type this package cannot build."""
+    from splitrl.models.policy import PolicyModel
+
     try:
         cls = AutoModelForCausalLM._model_mapping[type(hf_cfg)]
     except KeyError:
         return None
+    if getattr(hf_cfg, "model_type", None) not in SUPPORTED_FAMILIES:
+        return None
     with torch.device("meta"):
-        model = cls(hf_cfg)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if getattr(hf_cfg, "tie_word_embeddings", False):
-        shapes.pop("lm_head.weight", None)
-    return shapes
+        return PolicyModel(cls(hf_cfg), mtp)
+
+
+def _mtp_mismatch(path, mtp: MTPConfig, stored: set[str], expected: set[str], hf_cfg) -> str:
+    missing = sorted(expected - stored)[:4]
+    extra = sorted(stored - expected)[:4]
+    return (
+        f"MTP tensors in {path} do not fit mtp_num_layers={mtp.mtp_num_layers}, "
+        f"mtp_use_repeated_layer={mtp.mtp_use_repeated_layer} (missing e.g. {missing}, unexpected e.g. "
+        f"{extra}); set the MTP knobs to those the checkpoint was saved with "
+        f"(config.json: mtp_num_hidden_layers={getattr(hf_cfg, 'mtp_num_hidden_layers', None)})"
+    )
 
 
 def read_mtp_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -277,14 +295,7 @@ def load_pretrained(
         return model
     expected = set(model.mtp.state_dict())
     if set(stored) != expected:
-        missing = sorted(expected - set(stored))[:4]
-        extra = sorted(set(stored) - expected)[:4]
-        raise ValueError(
-            f"MTP tensors in {path} do not fit mtp_num_layers={mtp.mtp_num_layers}, "
-            f"mtp_use_repeated_layer={mtp.mtp_use_repeated_layer} (missing e.g. {missing}, unexpected e.g. "
-            f"{extra}); set the MTP knobs to those the checkpoint was saved with "
-            f"(config.json: mtp_num_hidden_layers={getattr(hf_cfg, 'mtp_num_hidden_layers', None)})"
-        )
+        raise ValueError(_mtp_mismatch(path, mtp, set(stored), expected, hf_cfg))
     model.mtp.load_state_dict(stored, strict=True)
     return model
 
