@@ -179,6 +179,11 @@ class RunConfig(BaseModel):
             )
         if self.rollout.speculative and mtp.mtp_num_layers == 0:
             raise ValueError("rollout.speculative=true needs MTP heads: set model.mtp.mtp_num_layers >= 1")
+        if self.rollout.speculative and (self.rollout.num_draft_tokens or 0) > mtp.mtp_num_layers:
+            raise ValueError(
+                f"rollout.num_draft_tokens={self.rollout.num_draft_tokens} exceeds model.mtp.mtp_num_layers="
+                f"{mtp.mtp_num_layers} (one draft token per MTP depth); use at most {mtp.mtp_num_layers}"
+            )
         if self.backend == "local" and self.num_train_workers > 1:
             raise ValueError("backend=local runs one train worker; use backend=ray for num_train_workers > 1")
         if self.backend == "local" and self.dataplane.kind == "transferqueue":
