@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"splitrl: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # the file system under output_dir failed during the run (permissions, full disk)
-        print(f"splitrl: stopped: {e.filename or ''}: {e.strerror or e}", file=sys.stderr)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"splitrl: stopped: {where}{e.strerror or e}", file=sys.stderr)
         return 1
     last = result.metrics[-1] if result.metrics else {}
     print(

@@ -26,6 +26,8 @@ def test_tokenizer_larger_than_vocab_is_refused_in_preflight(tmp_path):
     """Kind: a tokenizer with ids the embedding has no row for (found only inside a worker)."""
     with pytest.raises(ValueError, match=r"model.backbone.vocab_size=10 is smaller than the tokenizer's 22 tokens"):
         preflight(_cfg(tmp_path, "model.backbone.vocab_size=10"))
+    with pytest.raises(ValueError, match=r"rollout.stop_token_ids \[22\] are not below the model's vocab_size=22"):
+        preflight(_cfg(tmp_path, "rollout.stop_token_ids=[2, 22]"))
 
 
 @pytest.mark.parametrize(

@@ -95,14 +95,24 @@ def model_hf_config(config: RunConfig) -> Any:
 
 
 def check_vocab(config: RunConfig, tokenizer: Any, hf_cfg: Any) -> None:
-    """The model's embedding must have a row for every id the tokenizer can produce.
+    """The model's embedding must have a row for every id the tokenizer can produce, and every
+    ``rollout.stop_token_ids`` entry must be an id the model can sample.
 
     Raises:
-        ValueError: naming ``model.backbone.vocab_size`` (random init) or the tokenizer/model paths.
+        ValueError: naming ``rollout.stop_token_ids``, ``model.backbone.vocab_size`` (random init)
+            or the tokenizer/model paths.
     """
     vocab = getattr(hf_cfg, "vocab_size", None)
+    if vocab is None:
+        return
+    beyond = [t for t in config.rollout.stop_token_ids if t >= vocab]
+    if beyond:
+        raise ValueError(
+            f"rollout.stop_token_ids {beyond} are not below the model's vocab_size={vocab}: they can never be "
+            "sampled, so they would never stop a response; use ids the model has"
+        )
     n = len(tokenizer)
-    if vocab is None or n <= vocab:
+    if n <= vocab:
         return
     if config.model.pretrained_path is None:
         raise ValueError(
