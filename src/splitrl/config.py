@@ -220,12 +220,26 @@ def _section(data: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any] | No
     return node
 
 
+def _default_section(section: str) -> dict[str, Any] | None:
+    """The run's default for a top-level section as raw data (the demo model, not a bare
+    ``ModelConfig``), holding only the keys that default sets: a key left to the component's
+    own default stays absent, so a run-level default can still fill it."""
+    field = RunConfig.model_fields.get(section)
+    value = None if field is None else field.get_default(call_default_factory=True)
+    if not isinstance(value, BaseModel):
+        return None
+    out = value.model_dump(mode="json", exclude_unset=True)
+    if section in _tagged_sections():
+        out.setdefault("kind", value.kind)  # the tag says which config class the rest belongs to
+    return out
+
+
 def _set_unless_given(data: dict[str, Any], section: str, key: str, value: Any) -> None:
     """Set ``data[section][key] = value`` unless the user set that key; an absent section starts
-    from the run's default for it (the demo model, not a bare ``ModelConfig``)."""
+    from the run's default for it."""
     node = data.get(section)
     if node is None:
-        node = RunConfig.model_fields[section].get_default(call_default_factory=True).model_dump()
+        node = _default_section(section) or {}
     elif not isinstance(node, dict) or node.get(key) is not None:
         return
     data[section] = {**node, key: value}
@@ -310,14 +324,13 @@ def _apply_overrides(data: dict[str, Any], overrides: list[_Override]) -> dict[s
         ValueError: an override goes through a key that holds a value, not a section.
     """
     data = copy.deepcopy(data)
-    default: dict[str, Any] | None = None
     tagged = _tagged_sections()
     set_by_override: set[tuple[str, ...]] = set()
     for keys, value, item in overrides:
         if len(keys) > 1 and keys[0] not in data:
-            default = default or RunConfig().model_dump(mode="json")
-            if isinstance(default.get(keys[0]), dict):
-                data[keys[0]] = copy.deepcopy(default[keys[0]])
+            default = _default_section(keys[0])
+            if default is not None:
+                data[keys[0]] = default
         node = data
         for depth, k in enumerate(keys[:-1]):
             child = node.setdefault(k, {})

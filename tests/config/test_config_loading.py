@@ -5,6 +5,8 @@ non-UTF-8 bytes, an unwritable output_dir) names the file / override and the lin
 from pathlib import Path
 
 import pytest
+import yaml
+from pydantic import BaseModel
 
 from splitrl.cli import main
 from splitrl.config import RunConfig, load_config
@@ -39,10 +41,27 @@ def test_run_level_default_reaches_a_component_before_its_own_check():
     assert load_config(None, ["seed=5"]).model.seed == 5
     assert load_config(None, ["seed=5"]).model.backbone == load_config(None, []).model.backbone  # still the demo model
     assert load_config(None, ["seed=5", "model.seed=2"]).model.seed == 2
+    # a dotted override into a section starts from the demo's section without freezing the keys
+    # the run fills
+    assert load_config(None, ["seed=5", "model.mtp.mtp_num_layers=2"]).model.seed == 5
+    assert load_config(None, ["backend=local", "dataplane.transferqueue.num_storage_units=1"]).dataplane.kind == "inprocess"
 
     assert load_config(None, ["backend=local"]).dataplane.kind == "inprocess"
     with pytest.raises(ValueError, match="dataplane.kind=transferqueue needs backend=ray"):
         load_config(None, ["backend=local", "dataplane.kind=transferqueue"])
+
+
+def test_a_dotted_override_of_a_default_value_changes_nothing():
+    """Every section the file does not set starts from the run's default: setting one of its keys
+    to the value it already has gives the default run config, section by section."""
+    default = RunConfig()
+    for name in RunConfig.model_fields:
+        section = getattr(default, name)
+        if not isinstance(section, BaseModel):
+            continue
+        key = next(k for k in type(section).model_fields if k != "kind")
+        value = section.model_dump(mode="json")[key]
+        assert load_config(None, [f"{name}.{key}={yaml.safe_dump(value, default_flow_style=True).strip()}"]) == default, name
 
 
 # ------------------------------------------------------------- kind: section override merges
