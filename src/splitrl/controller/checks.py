@@ -158,7 +158,9 @@ def fit_prompts_to_context(config: RunConfig, task: Any, tokenizer: Any, hf_cfg:
     count = n if isinstance(task, MathFileTask) else min(PROCEDURAL_PROMPTS_CHECKED, n or PROCEDURAL_PROMPTS_CHECKED)
     prompts = [task.get_prompt(i) for i in range(count)]
     has_template = bool(getattr(tokenizer, "chat_template", None))
-    lengths = [len(ids) for ids in tokenizer([render_prompt(p, tokenizer) for p in prompts], add_special_tokens=not has_template)["input_ids"]]
+    # tokenized as encode_prompt does (special tokens once), in one batch call
+    encoded = tokenizer([render_prompt(p, tokenizer) for p in prompts], add_special_tokens=not has_template)
+    lengths = [len(ids) for ids in encoded["input_ids"]]
     too_long = [(p, k) for p, k in zip(prompts, lengths) if k + new > max_pos]
     if not too_long:
         return config.task
