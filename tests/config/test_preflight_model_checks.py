@@ -81,6 +81,22 @@ def test_intact_pretrained_directory_passes(tmp_path, saved_model):
     assert preflight(_cfg(tmp_path, f"model.pretrained_path={saved_model}")) == 0
 
 
+def test_pretrained_tokenizer_directory_without_tokenizer_files_is_refused(tmp_path, saved_model):
+    """Kind: transformers builds an empty tokenizer (1 token, every text -> []) from a directory
+    without tokenizer files; every prompt would then be empty."""
+    with pytest.raises(ValueError, match=r"model.pretrained_path \(tokenizer.path unset\)=.* has no tokenizer files"):
+        preflight(_cfg(tmp_path, f"model.pretrained_path={saved_model}", "tokenizer.kind=pretrained"))
+    with pytest.raises(ValueError, match=r"tokenizer.path=.* has no tokenizer files"):
+        preflight(_cfg(tmp_path, f"model.pretrained_path={saved_model}", "tokenizer.kind=pretrained", f"tokenizer.path={tmp_path}"))
+    # control: the same directory with the demo tokenizer saved into it
+    from splitrl.config import DEMO_CHARSET
+    from splitrl.tasks import build_char_tokenizer
+
+    d = _copy(saved_model, tmp_path / "with_tokenizer")
+    build_char_tokenizer(DEMO_CHARSET).save_pretrained(str(d))
+    assert preflight(_cfg(tmp_path, f"model.pretrained_path={d}", "tokenizer.kind=pretrained")) == 0
+
+
 @pytest.mark.parametrize("damage", ["truncated", "corrupt_header", "no_weights", "missing_tensor", "missing_shard"])
 def test_damaged_pretrained_weights_are_refused_in_preflight(tmp_path, saved_model, damage):
     """Kind: missing / truncated / corrupt weight files, found 30-50 s later in a worker (or, for a

@@ -94,6 +94,35 @@ def model_hf_config(config: RunConfig) -> Any:
     return hf_cfg
 
 
+# files one of which a Hugging Face tokenizer directory holds (transformers builds an empty
+# tokenizer, without an error, from a directory that has none)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def load_checked_tokenizer(config: RunConfig) -> Any:
+    """The run's tokenizer, loaded as the workers load it.
+
+    Raises:
+        ValueError: naming ``tokenizer.path`` / ``model.pretrained_path``: the directory has no
+            tokenizer files, or transformers cannot load it.
+    """
+    from splitrl.controller.generation import load_tokenizer
+
+    tc = config.tokenizer
+    where = tc.path or config.model.pretrained_path
+    key = "tokenizer.path" if tc.path else "model.pretrained_path (tokenizer.path unset)"
+    if tc.kind == "pretrained" and where is not None and Path(where).is_dir():
+        if not any((Path(where) / f).is_file() for f in _TOKENIZER_FILES):
+            raise ValueError(
+                f"tokenizer.kind=pretrained: {key}={where!r} has no tokenizer files (one of {list(_TOKENIZER_FILES)}); "
+                "set tokenizer.path to the model's tokenizer directory"
+            )
+    try:
+        return load_tokenizer(tc, config.model.pretrained_path)
+    except Exception as e:  # noqa: BLE001 - transformers/tokenizers raise several kinds for a bad directory
+        raise ValueError(f"tokenizer.kind={tc.kind}: cannot load a tokenizer from {key}={where!r} ({e})") from None
+
+
 def check_vocab(config: RunConfig, tokenizer: Any, hf_cfg: Any) -> None:
     """The model's embedding must have a row for every id the tokenizer can produce, and every
     ``rollout.stop_token_ids`` entry must be an id the model can sample.
@@ -161,6 +190,12 @@ def fit_prompts_to_context(config: RunConfig, task: Any, tokenizer: Any, hf_cfg:
     # tokenized as encode_prompt does (special tokens once), in one batch call
     encoded = tokenizer([render_prompt(p, tokenizer) for p in prompts], add_special_tokens=not has_template)
     lengths = [len(ids) for ids in encoded["input_ids"]]
+    empty = [p for p, k in zip(prompts, lengths) if k == 0]
+    if empty:
+        raise ValueError(
+            f"prompt {empty[0].index} of the task ({empty[0].text[:60]!r}) encodes to no tokens; check the tokenizer "
+            f"(tokenizer.kind={config.tokenizer.kind}) and the task's prompt column"
+        )
     too_long = [(p, k) for p, k in zip(prompts, lengths) if k + new > max_pos]
     if not too_long:
         return config.task

@@ -78,18 +78,19 @@ def preflight(config: RunConfig) -> int:
     Raises:
         ValueError: naming what to fix.
     """
-    from splitrl.controller.checks import check_output_dir, check_vocab, fit_prompts_to_context, model_hf_config
-    from splitrl.controller.generation import load_tokenizer
+    from splitrl.controller.checks import (
+        check_output_dir,
+        check_vocab,
+        fit_prompts_to_context,
+        load_checked_tokenizer,
+        model_hf_config,
+    )
     from splitrl.tasks import encode_prompt, make_task
 
     check_output_dir(config.output_dir)
     hf_cfg = model_hf_config(config)
     task = make_task(config.task)
-    try:
-        tok = load_tokenizer(config.tokenizer, config.model.pretrained_path)
-    except Exception as e:  # noqa: BLE001 - transformers/tokenizers raise several kinds for a bad directory
-        where = config.tokenizer.path or config.model.pretrained_path
-        raise ValueError(f"tokenizer.kind={config.tokenizer.kind}: cannot load a tokenizer from {where!r} ({e})") from None
+    tok = load_checked_tokenizer(config)
     check_vocab(config, tok, hf_cfg)
     if config.tokenizer.kind == "char":
         unk = tok.unk_token_id
