@@ -184,6 +184,11 @@ class RunConfig(BaseModel):
                 f"rollout.num_draft_tokens={self.rollout.num_draft_tokens} exceeds model.mtp.mtp_num_layers="
                 f"{mtp.mtp_num_layers} (one draft token per MTP depth); use at most {mtp.mtp_num_layers}"
             )
+        if self.train.device not in ("auto", self.device):
+            raise ValueError(
+                f"train.device={self.train.device} differs from device={self.device}; the run's device places "
+                f"training and generation alike: set device={self.train.device} and leave train.device unset"
+            )
         if self.backend == "local" and self.num_train_workers > 1:
             raise ValueError("backend=local runs one train worker; use backend=ray for num_train_workers > 1")
         if self.backend == "local" and self.dataplane.kind == "transferqueue":

@@ -46,6 +46,11 @@ def test_run_level_default_reaches_a_component_before_its_own_check():
     assert load_config(None, ["seed=5", "model.mtp.mtp_num_layers=2"]).model.seed == 5
     assert load_config(None, ["backend=local", "dataplane.transferqueue.num_storage_units=1"]).dataplane.kind == "inprocess"
 
+    # the run's device places the train workers: a different train.device would be ignored
+    with pytest.raises(ValueError, match=r"train.device=cuda differs from device=cpu"):
+        load_config(None, ["device=cpu", "train.device=cuda"])
+    assert load_config(None, ["device=cpu", "train.device=cpu"]).train.device == "cpu"
+
     assert load_config(None, ["backend=local"]).dataplane.kind == "inprocess"
     with pytest.raises(ValueError, match="dataplane.kind=transferqueue needs backend=ray"):
         load_config(None, ["backend=local", "dataplane.kind=transferqueue"])
