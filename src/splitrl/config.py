@@ -137,8 +137,7 @@ class RunConfig(BaseModel):
         without ``total_steps``), so filling them afterwards comes too late.
 
         - ``train.optim.total_steps`` (cosine schedule) defaults to ``num_steps``;
-        - ``dataplane.kind`` defaults to ``inprocess`` with ``backend=local`` (the only one it runs);
-        - ``model.seed`` (random init) defaults to the run's ``seed``.
+        - ``dataplane.kind`` defaults to ``inprocess`` with ``backend=local`` (the only one it runs).
         """
         if not isinstance(data, dict):
             return data
@@ -148,8 +147,6 @@ class RunConfig(BaseModel):
             optim["total_steps"] = data.get("num_steps", cls.model_fields["num_steps"].default)
         if data.get("backend") == "local":
             _set_unless_given(data, "dataplane", "kind", "inprocess")
-        if data.get("seed") is not None:
-            _set_unless_given(data, "model", "seed", data["seed"])
         return data
 
     @model_validator(mode="after")
@@ -179,16 +176,6 @@ class RunConfig(BaseModel):
             )
         if self.rollout.speculative and mtp.mtp_num_layers == 0:
             raise ValueError("rollout.speculative=true needs MTP heads: set model.mtp.mtp_num_layers >= 1")
-        if self.rollout.speculative and (self.rollout.num_draft_tokens or 0) > mtp.mtp_num_layers:
-            raise ValueError(
-                f"rollout.num_draft_tokens={self.rollout.num_draft_tokens} exceeds model.mtp.mtp_num_layers="
-                f"{mtp.mtp_num_layers} (one draft token per MTP depth); use at most {mtp.mtp_num_layers}"
-            )
-        if self.train.device not in ("auto", self.device):
-            raise ValueError(
-                f"train.device={self.train.device} differs from device={self.device}; the run's device places "
-                f"training and generation alike: set device={self.train.device} and leave train.device unset"
-            )
         if self.backend == "local" and self.num_train_workers > 1:
             raise ValueError("backend=local runs one train worker; use backend=ray for num_train_workers > 1")
         if self.backend == "local" and self.dataplane.kind == "transferqueue":

@@ -55,13 +55,6 @@ def test_backbone_transformers_rejects_is_named(tmp_path):
         preflight(cfg)
 
 
-def test_more_draft_tokens_than_mtp_depths_is_refused_on_load():
-    """Kind: a rollout setting the model cannot serve, found when the generation worker starts."""
-    with pytest.raises(ValueError, match=r"rollout.num_draft_tokens=2 exceeds model.mtp.mtp_num_layers=1"):
-        load_config(None, ["rollout.speculative=true", "rollout.num_draft_tokens=2"])
-    assert load_config(None, ["rollout.speculative=true", "rollout.num_draft_tokens=1"]).rollout.num_draft_tokens == 1
-
-
 # ------------------------------------------------------------- kind: damaged pretrained weights
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
