@@ -319,13 +319,15 @@ def _apply_overrides(data: dict[str, Any], overrides: list[_Override]) -> dict[s
     tagged = _tagged_sections()
     set_by_override: set[tuple[str, ...]] = set()
     for keys, value, item in overrides:
-        if len(keys) > 1 and keys[0] not in data:
+        if len(keys) > 1 and data.get(keys[0]) is None:  # absent, or an empty `section:` line
             default = _default_section(keys[0])
             if default is not None:
                 data[keys[0]] = default
         node = data
         for depth, k in enumerate(keys[:-1]):
-            child = node.setdefault(k, {})
+            if node.get(k) is None:
+                node[k] = {}
+            child = node[k]
             if not isinstance(child, dict):
                 raise ValueError(f"override {item!r}: {'.'.join(keys[: depth + 1])} holds a value, not a section")
             node = child
