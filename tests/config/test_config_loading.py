@@ -108,6 +108,10 @@ def test_non_utf8_input_names_the_file_and_line(tmp_path, capsys):
     data.write_bytes(b'{"problem": "1+1", "answer": "2"}\n\n{"problem": "caf\xe9", "answer": "3"}\n')
     with pytest.raises(ValueError, match=r"data\.jsonl' line 3 is not UTF-8 \(byte 0xe9 at column 17\)"):
         make_task({"kind": "math_file", "path": str(data)})
+    parquet = tmp_path / "data.parquet"
+    parquet.write_bytes(b"PAR1" + b"\x00" * 64)  # a cut-off file
+    with pytest.raises(ValueError, match=r"data\.parquet' cannot be read as parquet"):
+        make_task({"kind": "math_file", "path": str(parquet)})
     err = _one_line_error(
         capsys, ["train", "task.kind=math_file", f"task.path={data}", f"output_dir={tmp_path / 'run'}", "backend=local"], 2
     )

@@ -190,13 +190,24 @@ def _jsonl_reader(path: Path) -> _Reader:
 
 
 def _parquet_reader(path: Path) -> _Reader:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
+    def unreadable(exc: Exception) -> ValueError:
+        return ValueError(f"{str(path)!r} cannot be read as parquet ({exc}); check that the file is whole")
+
     def read(columns: list[str]) -> list[list]:
-        table = pq.read_table(path, columns=columns)
+        try:
+            table = pq.read_table(path, columns=columns)
+        except (OSError, pa.ArrowException) as exc:
+            raise unreadable(exc) from None
         return [table.column(column).to_pylist() for column in columns]
 
-    return set(pq.read_schema(path).names), read, None
+    try:
+        names = set(pq.read_schema(path).names)
+    except (OSError, pa.ArrowException) as exc:
+        raise unreadable(exc) from None
+    return names, read, None
 
 
 def _saved_dataset_reader(path: Path, split: str | None) -> _Reader:
