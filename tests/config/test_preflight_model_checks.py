@@ -46,6 +46,13 @@ def test_head_counts_that_do_not_divide_are_refused_in_preflight(tmp_path, overr
         preflight(_cfg(tmp_path, override))
 
 
+def test_misspelt_backbone_key_is_refused_in_preflight(tmp_path):
+    """Kind: transformers keeps any keyword as an attribute, so a misspelt key was ignored and the
+    model built with the default value."""
+    with pytest.raises(ValueError, match=r"model.backbone.num_hiden_layers is not a key of the qwen3 config \(did you mean 'num_hidden_layers'\?\)"):
+        preflight(_cfg(tmp_path, "model.backbone.num_hiden_layers=3"))
+
+
 def test_backbone_transformers_rejects_is_named(tmp_path):
     """Kind: transformers' own config validation (llama: hidden_size / heads) surfaced as a
     non-ValueError traceback."""

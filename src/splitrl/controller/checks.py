@@ -8,6 +8,8 @@ runs them in order.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
 import tempfile
 from pathlib import Path
@@ -72,8 +74,16 @@ def model_hf_config(config: RunConfig) -> Any:
             )
     else:
         key = "model.backbone"
+        cls = _FAMILY_CONFIGS[m.family]
+        # transformers keeps any keyword as an attribute: a misspelt key would be ignored silently
+        known = set(cls().to_dict()) | set(inspect.signature(cls.__init__).parameters) | set(cls.attribute_map)
+        unknown = sorted(set(m.backbone) - known)
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{key}.{unknown[0]} is not a key of the {m.family} config{hint}; unknown keys: {unknown}")
         try:
-            hf_cfg = _FAMILY_CONFIGS[m.family](**m.backbone)
+            hf_cfg = cls(**m.backbone)
         except Exception as e:  # noqa: BLE001 - transformers' own validators raise several kinds
             raise ValueError(f"{key} is rejected by transformers' {m.family} config: {e}") from None
     heads = getattr(hf_cfg, "num_attention_heads", None)
