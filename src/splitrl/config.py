@@ -92,7 +92,8 @@ class RunConfig(BaseModel):
     """Everything a ``splitrl train`` run needs.
 
     Attributes (run level; the rest are the components' configs):
-        seed: seed of the run (model init, per-sample sampling seeds).
+        seed: seed of the run's sampling (each sample's seed derives from it, the prompt index and
+            the sample index). The random init of the model has its own ``model.seed``.
         output_dir: metrics, TensorBoard, checkpoints, the resolved config and the plot.
         num_steps: optimizer steps of the run.
         groups_per_step / group_size: a step is ``groups_per_step`` prompts × ``group_size``
@@ -223,6 +224,18 @@ class RunConfig(BaseModel):
                 f"group_size={self.group_size}: advantage.estimator={self.advantage.estimator} takes each "
                 f"sample's baseline from its group, so a group needs at least {need} samples (with 1 every "
                 f"advantage is 0 and nothing is learned); set group_size >= {need}"
+            )
+        D = self.model.mtp.mtp_num_layers
+        n_draft = self.rollout.num_draft_tokens
+        if self.rollout.speculative and n_draft is not None and n_draft > D:
+            raise ValueError(
+                f"rollout.num_draft_tokens={n_draft} > model.mtp.mtp_num_layers={D}: depth k drafts the "
+                f"k-th token, so at most {D} can be drafted; set rollout.num_draft_tokens <= {D} (or null: all)"
+            )
+        if self.train.device != "auto" and self.train.device != self.device:
+            raise ValueError(
+                f"train.device={self.train.device} differs from device={self.device}: a run places every "
+                "worker on its device, so train.device would be ignored; set device instead and remove train.device"
             )
         if self.rollout.top_k == 1:
             raise ValueError(

@@ -97,6 +97,14 @@ def test_group_size_one_is_refused(estimator):
     assert load_config(None, ["group_size=2", f"advantage.estimator={estimator}"]).group_size == 2
 
 
+def test_settings_a_run_would_ignore_or_fail_on_late_are_refused():
+    with pytest.raises(ValueError, match="num_draft_tokens=3 > model.mtp.mtp_num_layers=1"):
+        load_config(None, ["rollout.speculative=true", "rollout.num_draft_tokens=3"])
+    with pytest.raises(ValueError, match="train.device=cpu differs from device=auto"):
+        load_config(None, ["train.device=cpu"])
+    assert load_config(None, ["device=cpu", "train.device=cpu"]).train.device == "cpu"
+
+
 def test_greedy_rollouts_are_refused():
     with pytest.raises(ValueError, match="top_k=1.*zero reward variance"):
         load_config(None, ["rollout.top_k=1"])
