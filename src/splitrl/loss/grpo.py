@@ -37,7 +37,13 @@ from splitrl.loss.base import LossOutput, LossType, Metric, Normalizer
 
 
 class GRPOLossConfig(BaseModel):
-    """Options of :class:`ClippedPGLoss` (see the module docstring for the formulas)."""
+    """Options of :class:`ClippedPGLoss` (see the module docstring for the formulas).
+
+    ``temperature`` is the T of the distribution the tokens were sampled from (logprobs are of
+    logits / T) and must be the sampler's; a run derives it from ``rollout.temperature``.
+    ``tis_cap`` is the truncated-IS cap C (None: no correction); a run turns it on by default
+    when samples can be stale (see ``splitrl.config.RunLossConfig``).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
