@@ -207,7 +207,6 @@ class RunConfig(BaseModel):
             self.train.optim.total_steps = self.num_steps
         return self
 
-
     @model_validator(mode="after")
     def _check_semantics(self) -> "RunConfig":
         """Settings that would train on something other than what the user meant, or on nothing."""
