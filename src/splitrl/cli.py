@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     last = result.metrics[-1] if result.metrics else {}
     print(
         f"splitrl: {result.steps_done} steps in {result.output_dir}"
-        + (f"; last reward {last.get('rollout/reward_mean', float('nan')):.3f}" if last else "")
+        + (f"; last reward {last.get('train/reward', float('nan')):.3f}" if last else "")
         + (" (stopped early; rerun the same command to resume)" if result.stopped_early else "")
     )
     return 130 if result.interrupted else 0

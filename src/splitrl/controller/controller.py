@@ -38,6 +38,7 @@ from splitrl.controller.actors import spawn
 from splitrl.controller.advantages import advantage_metrics, compute_group_advantages
 from splitrl.controller.buffer import ReplayBuffer, StepComposer, staleness_metrics
 from splitrl.controller.generation import GenerationWorker
+from splitrl.controller.health import RunHealth
 from splitrl.controller.policy_client import PolicyClient
 from splitrl.controller.train_actor import TOKEN_FIELDS, TrainActor
 from splitrl.dataplane import DataPlaneConfig, make_data_plane
@@ -201,7 +202,7 @@ class SingleController:
                 TrainActor,
                 cfg.model,
                 train_cfg,
-                cfg.loss,
+                cfg.trainer_loss_config(),  # temperature and tis_cap resolved from the run
                 self.data_plane,
                 rank=r,
                 world_size=world,
@@ -455,23 +456,28 @@ class SingleController:
         out = {f"train/{k}" if not k.startswith("timing/") else k: v for k, v in train.items()}
         samples = [s for g in groups for s in g.samples]
         lengths = [s.response_len for s in samples]
-        out.update({f"rollout/{k}": v for k, v in advantage_metrics(groups).items()})
-        out["rollout/reward_mean"] = sum(s.reward for s in samples) / max(1, len(samples))
-        out["train/reward"] = out["rollout/reward_mean"]
+        rollout = advantage_metrics(groups)
+        # the mean reward under one name (DESIGN §3 lists it as train/reward)
+        out["train/reward"] = rollout.pop("reward/mean")
+        out.update({f"rollout/{k}": v for k, v in rollout.items()})
         out["rollout/response_length_mean"] = sum(lengths) / max(1, len(lengths))
         out["rollout/response_length_max"] = float(max(lengths, default=0))
         out["rollout/truncation_rate"] = sum(s.truncated for s in samples) / max(1, len(samples))
         out["rollout/reward_timeout_rate"] = sum(s.reward_timed_out for s in samples) / max(1, len(samples))
+        crashed = sum(s.info.get("reward_error") is not None and not s.reward_timed_out for s in samples)
+        out["rollout/reward_error_rate"] = crashed / max(1, len(samples))
         acc = self.rollout_acc
         self.rollout_acc = []
         gen_tokens = sum(m["generated_tokens"] for m in acc)
         gen_s = sum(m["generation_s"] for m in acc)
-        if gen_s > 0:
-            out["rollout/tokens_per_s"] = gen_tokens / gen_s
-        drafted = sum(m["drafted_tokens"] for m in acc)
-        if drafted:
-            out["rollout/acceptance_rate"] = 100.0 * sum(m["accepted_tokens"] for m in acc) / drafted
-            out["rollout/speculative_active"] = float(acc[-1]["speculative_active"])
+        # every step's record has the same keys: NaN where a step has no value (no generation
+        # call finished since the last step; speculation switched itself off)
+        out["rollout/tokens_per_s"] = gen_tokens / gen_s if gen_s > 0 else float("nan")
+        if self.config.rollout.speculative:
+            drafted = sum(m["drafted_tokens"] for m in acc)
+            accepted = sum(m["accepted_tokens"] for m in acc)
+            out["rollout/acceptance_rate"] = 100.0 * accepted / drafted if drafted else float("nan")
+            out["rollout/speculative_active"] = float(acc[-1]["speculative_active"]) if acc else float("nan")
         out.update(staleness_metrics(groups, self.version - 1))  # keys carry their buffer/ prefix
         out["buffer/size"] = float(self.buffer.size)
         out["buffer/evicted_groups_total"] = float(self.buffer.num_evicted_groups)
@@ -501,6 +507,7 @@ class SingleController:
                 self.expected_tokens = int(train_metrics["num_valid_tokens"])
             metrics = self._step_metrics(train_metrics, groups, time.perf_counter() - t0, sync_s)
             self.logger.log(step + 1, metrics)
+            self.health.check(step + 1, metrics)
             self.history.append(metrics)
             done = step + 1
             if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.num_steps:
@@ -515,6 +522,8 @@ class SingleController:
     async def run(self) -> RunResult:
         cfg = self.config
         done_before = preflight(cfg)
+        log.log(*cfg.off_policy_summary())
+        self.health = RunHealth(cfg.reward_timeout_s, loss_scaling=cfg.train.precision == "fp16")
         if done_before >= cfg.num_steps:
             log.info("%s already holds a finished run (%d steps); nothing to do", self.out, done_before)
             return RunResult(str(self.out), done_before)

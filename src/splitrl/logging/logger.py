@@ -2,7 +2,7 @@
 
 The controller calls :meth:`MetricsLogger.log` once per optimizer step with one flat dict of
 scalars whose keys name their source (``train/loss``, ``train/mtp/mtp_1_acceptance_rate``,
-``rollout/reward_mean``, ``timing/train_s``, ...). Everything a run writes lands in one output
+``train/reward``, ``timing/train_s``, ...). Everything a run writes lands in one output
 directory::
 
     out_dir/
@@ -48,7 +48,7 @@ _JSON_TO_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 # Progress-bar fields: label -> metric keys tried in order (the first one present is shown).
 _POSTFIX_FIELDS: dict[str, tuple[str, ...]] = {
-    "reward": ("rollout/reward_mean", "train/reward"),
+    "reward": ("train/reward",),
     "loss": ("train/loss",),
     "mtp_acc": ("train/mtp/mtp_1_acceptance_rate",),
     "tok/s": ("rollout/tokens_per_s", "train/tokens_per_s"),
