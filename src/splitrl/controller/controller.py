@@ -36,7 +36,7 @@ import torch
 from splitrl.config import RunConfig
 from splitrl.controller.actors import spawn
 from splitrl.controller.advantages import advantage_metrics, compute_group_advantages
-from splitrl.controller.buffer import ReplayBuffer, StepComposer, staleness_metrics
+from splitrl.controller.buffer import ReplayBuffer, StepComposer, group_from_dict, group_to_dict, staleness_metrics
 from splitrl.controller.generation import GenerationWorker
 from splitrl.controller.policy_client import PolicyClient
 from splitrl.controller.train_actor import TOKEN_FIELDS, TrainActor
@@ -241,10 +241,19 @@ class SingleController:
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        # a consistent snapshot of the controller side: no await between these reads
+        # a consistent snapshot of the controller side: no await between these reads. Every state
+        # a prompt can be in here is either saved or regenerated on resume (see _restore):
+        #   trained ............... done_indices
+        #   buffered .............. the buffer's state
+        #   accepted, not buffered  pending_groups: generated and waiting for buffer room, or held
+        #                           by the deterministic train pump for a later chunk
+        #   being generated ....... not saved: not done, so regenerated (the cursor restarts at
+        #                           the lowest prompt index that is not done)
+        #   evicted / never claimed likewise not done: regenerated
         buffer_state = self.buffer.state_dict()
         done = sorted(self.done_indices)
-        buffered_ids = [s["sample_id"] for g in buffer_state["groups"] for s in g["samples"]]
+        accepted = [group_to_dict(g) for g in self._accepted_groups()]
+        buffered_ids = [s["sample_id"] for g in [*buffer_state["groups"], *accepted] for s in g["samples"]]
         samples = self.data_plane.get(buffered_ids, TOKEN_FIELDS) if buffered_ids else {}
         trainer = await self.policy.state_dict()
         torch.save(trainer, tmp / "trainer.pt")
@@ -255,6 +264,7 @@ class SingleController:
                 "version": self.version,
                 "done_indices": done,
                 "buffer": buffer_state,
+                "pending_groups": accepted,
                 "buffered_ids": buffered_ids,
                 "buffered_samples": samples,
                 "expected_tokens": self.expected_tokens,
@@ -282,6 +292,10 @@ class SingleController:
         if state["buffered_ids"]:
             self.data_plane.put(state["buffered_ids"], state["buffered_samples"])
         self.done_indices = set(state["done_indices"])
+        # accepted groups that were waiting for buffer room (or held): delivered again by run()
+        self._restored_pending = [group_from_dict(g) for g in state.get("pending_groups", [])]
+        for g in self._restored_pending:
+            self.in_flight.add(g.prompt_index)
         self.version = int(state["version"])
         self.expected_tokens = int(state.get("expected_tokens", self.expected_tokens))
         random.setstate(state["rng"]["python"])
@@ -344,19 +358,41 @@ class SingleController:
                 await asyncio.sleep(0.01)
                 continue
             t0 = time.perf_counter()
+            for j in indices:
+                self.generating[j] = t0
             try:
                 groups, metrics = await actor.call("generate_groups", indices, cfg.group_size)
             except BaseException:
                 for j in indices:
                     self.in_flight.discard(j)
                 raise
+            finally:
+                for j in indices:
+                    self.generating.pop(j, None)
             t1 = time.perf_counter()
             self.gen_intervals.append((t0, t1))
             self.rollout_acc.append(metrics)
-            for g in groups:
-                await self.buffer.put(g)  # may wait for room: the index stays in flight meanwhile
-                self.done_indices.add(g.prompt_index)
-                self.in_flight.discard(g.prompt_index)
+            await self._deliver(groups)
+
+    def _accepted_groups(self) -> list[Group]:
+        """Groups generated and accepted but in no buffer: waiting for room, or held by the
+        deterministic train pump for a later chunk. Checkpoints save them (DESIGN §4: no prompt
+        is lost)."""
+        return [*self.pending.values(), *self.held.values()]
+
+    async def _deliver(self, groups: list[Group]) -> None:
+        """Put generated groups into the buffer, waiting for room (back-pressure). Until a group
+        is in the buffer it is *pending*: its index stays in flight (no pump claims it again) and
+        checkpoints save it with its tensors."""
+        for g in groups:
+            self.pending[g.prompt_index] = g
+        for g in groups:
+            await self.buffer.put(g)
+            # no await between the put and this bookkeeping: a checkpoint sees the group in
+            # exactly one place
+            del self.pending[g.prompt_index]
+            self.done_indices.add(g.prompt_index)
+            self.in_flight.discard(g.prompt_index)
 
     async def _wait_groups(self, n: int) -> list[Group]:
         cfg = self.config
@@ -381,10 +417,38 @@ class SingleController:
         return groups
 
     def _stall_report(self, what: str) -> str:
-        return (
-            f"watchdog: waited {self.config.watchdog_timeout_s:.0f}s for {what} at step {self.step} "
+        """Why the train pump waited in vain, from where every prompt of the schedule is."""
+        cfg = self.config
+        head = (
+            f"watchdog: waited {cfg.watchdog_timeout_s:.0f}s for {what} at step {self.step + 1} "
             f"(policy version {self.version}, synced {self.synced_version}); buffer holds {self.buffer.size} groups, "
-            f"{len(self.in_flight)} prompts in flight. A generation worker may be hung or dead."
+            f"{len(self.pending)} generated groups wait for buffer room, {len(self.generating)} prompts are being generated."
+        )
+        now = time.perf_counter()
+        if self.generating:
+            oldest = min(self.generating.values())
+            return head + (
+                f" Generation of prompts {sorted(self.generating)[:8]} has run for {now - oldest:.0f}s: a generation "
+                "worker may be hung or dead."
+            )
+        accounted = self.done_indices | self.in_flight | set(self.held)
+        total = cfg.num_steps * cfg.groups_per_step
+        missing = [i for i in range(total) if i not in accounted]
+        lost = [i for i in missing if i < self.cursor]
+        if lost:
+            return head + (
+                f" No generation is running, and prompts {lost[:8]} are neither trained, buffered nor in flight, "
+                "and below the generation cursor, so no worker will generate them: the controller lost track of them "
+                "(a bug; please report it with this message). Restart the run: it resumes from the last checkpoint."
+            )
+        if missing and self.synced_version < missing[0] // cfg.groups_per_step - cfg.buffer.max_staleness:
+            return head + (
+                f" The next prompt to generate ({missing[0]}) waits for policy version "
+                f"{missing[0] // cfg.groups_per_step - cfg.buffer.max_staleness}; nothing is being generated."
+            )
+        return head + (
+            " No generation is running and no prompt is missing: the wait cannot be explained by a hung worker "
+            "(a bug; please report it with this message)."
         )
 
     async def _policy_call(self, coro, what: str):
@@ -526,6 +590,9 @@ class SingleController:
         self.synced_version = -1
         self.done_indices: set[int] = set()
         self.in_flight: set[int] = set()
+        self.generating: dict[int, float] = {}  # prompt index -> start time of its request
+        self.pending: dict[int, Group] = {}  # generated, waiting for buffer room
+        self._restored_pending: list[Group] = []
         self.held: dict[int, Group] = {}
         self.gen_intervals: list[tuple[float, float]] = []
         self.train_intervals: list[tuple[float, float]] = []
@@ -537,7 +604,9 @@ class SingleController:
         self.step = 0
         random.seed(cfg.seed)
         start = await self._restore()
-        self.cursor = start * cfg.groups_per_step
+        # generation may run ahead of (and, with evictions, behind) the step boundary: restart at the
+        # lowest prompt index that is not done, so a prompt in flight at the checkpoint is regenerated
+        self.cursor = 0
         self.next_index = start * cfg.groups_per_step
         await self._sync_weights()
         self.logger = MetricsLogger(self.out, cfg.num_steps, start_step=start + 1, config=cfg.logging)
@@ -548,6 +617,8 @@ class SingleController:
         except (NotImplementedError, RuntimeError):  # not the main thread
             pass
         pumps = [asyncio.create_task(self._rollout_pump(a)) for a in self.gen_actors]
+        if self._restored_pending:
+            pumps.append(asyncio.create_task(self._deliver(self._restored_pending)))
         trainer = asyncio.create_task(self._train_pump(start))
         try:
             while True:
