@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+
+from splitrl.logging.console import guard_console
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = list(args.overrides) + extra
+    # before logging and the progress bar capture the streams: a console whose reader died
+    # (``| tee log`` + Ctrl-C) must not stop the final checkpoint
+    guard_console()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from splitrl.config import load_config
@@ -39,9 +45,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm.contrib.logging import logging_redirect_tqdm
 
+    # SIGTERM before the run's own handlers are up (start-up) or after: stop like Ctrl-C
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         with logging_redirect_tqdm():  # log lines above the progress bar, not through it
             result = train(config)
+    except KeyboardInterrupt:
+        sig = _terminated.signum or signal.SIGINT
+        print(f"splitrl: {signal.Signals(sig).name} before the first step: stopped, nothing to save", file=sys.stderr)
+        return 128 + int(sig)
     except StallError as e:
         print(f"splitrl: stopped: {e}", file=sys.stderr)
         # a hung worker thread cannot be joined: leave without waiting for it
@@ -60,7 +72,16 @@ def main(argv: list[str] | None = None) -> int:
         + (f"; last reward {last.get('rollout/reward_mean', float('nan')):.3f}" if last else "")
         + (" (stopped early; rerun the same command to resume)" if result.stopped_early else "")
     )
-    return 130 if result.interrupted else 0
+    # 130 after Ctrl-C (SIGINT), 143 after SIGTERM, as a shell reports a process they ended
+    return 128 + result.interrupt_signal if result.interrupt_signal else 0
+
+
+def _terminated(signum, frame) -> None:
+    _terminated.signum = signum
+    raise KeyboardInterrupt
+
+
+_terminated.signum = None
 
 
 if __name__ == "__main__":

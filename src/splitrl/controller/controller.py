@@ -20,6 +20,7 @@ timing decides which groups land in which step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ import random
 import shutil
 import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,6 +108,61 @@ def preflight(config: RunConfig) -> int:
     return int(json.loads((ckpt / "COMPLETE").read_text())["step"])
 
 
+# signals that stop a run cleanly: Ctrl-C, and what schedulers and container runtimes send
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _loopback_only_ray():
+    """Make the Ray cluster started inside a single-node one whose node address is 127.0.0.1:
+    its servers, workers and agents (and TransferQueue, which binds Ray's node address) then
+    listen on loopback only.
+
+    Ray 2.60 turns ``_node_ip_address="127.0.0.1"`` into the machine's external address (on
+    Linux, ``services.resolve_ip_for_localhost``); it keeps loopback only where clusters are
+    switched off, as on macOS. That switch is ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``: read at
+    import (hence the constant, for this process) and by every Ray process started here (hence
+    the environment, which they inherit).
+    """
+    from ray._private import ray_constants
+
+    env_key = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+    old_env, old_const = os.environ.get(env_key), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[env_key] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = old_const
+        if old_env is None:
+            os.environ.pop(env_key, None)
+        else:
+            os.environ[env_key] = old_env
+
+
+@contextlib.contextmanager
+def _children_ignore_sigint():
+    """Processes started inside inherit an ignored SIGINT (kept across exec; Python keeps it
+    too), so a terminal's Ctrl-C reaches only this process."""
+    try:
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: nothing to change
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _flush_console() -> None:
+    for stream in (sys.stderr, sys.stdout):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
 class StallError(RuntimeError):
     """Nothing progressed for ``watchdog_timeout_s``; the message says what was waited on."""
 
@@ -123,6 +180,9 @@ class RunResult:
     metrics: list[dict[str, float]] = field(default_factory=list)
     stopped_early: bool = False
     interrupted: bool = False
+    # the signal that stopped the run (SIGINT or SIGTERM), None when none did; the CLI exits with
+    # 128 + its number (130, 143)
+    interrupt_signal: int | None = None
 
 
 def _free_port() -> int:
@@ -162,31 +222,43 @@ class SingleController:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self._stop = asyncio.Event()
         self._interrupted = False
+        self._interrupt_signal: int | None = None
 
     # ============================================================================== set-up
     def _start_cluster(self) -> None:
+        """Start a local Ray cluster, or join the one named by ``ray_address`` / ``RAY_ADDRESS``.
+
+        A local cluster listens on loopback only (every Ray server, worker and agent, and
+        TransferQueue's sockets, bind the node address, here 127.0.0.1) and runs no dashboard:
+        nothing of a laptop run is reachable from the network. Joining a cluster is the explicit
+        case: then the cluster's own settings apply. The cluster's processes ignore Ctrl-C (the
+        terminal sends it to the whole process group): the controller decides how to stop, and
+        it still needs its workers to finish the step and write the checkpoint.
+        """
         if self.backend != "ray":
             return
         import ray
 
-        if not ray.is_initialized():
-            src = str(Path(__file__).resolve().parents[2])
-            # transferqueue's controller and storage units ask for a CPU each: give Ray logical
-            # CPUs beyond the physical ones (FINDINGS.md), or it waits forever
-            need = self.config.num_generation_workers + self.config.num_train_workers + 4
-            ray.init(
-                num_cpus=max(8, need),
-                include_dashboard=False,
-                log_to_driver=True,
-                runtime_env={
-                    "env_vars": {
-                        "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                        # TransferQueue caps its (de)serialization threads at this and warns on
-                        # every call when it exceeds the physical cores
-                        "TQ_NUM_THREADS": str(min(8, os.cpu_count() or 1)),
-                    }
-                },
-            )
+        if ray.is_initialized():
+            return
+        src = str(Path(__file__).resolve().parents[2])
+        runtime_env = {
+            "env_vars": {
+                "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                # TransferQueue caps its (de)serialization threads at this and warns on
+                # every call when it exceeds the physical cores
+                "TQ_NUM_THREADS": str(min(8, os.cpu_count() or 1)),
+            }
+        }
+        address = self.config.ray_address or os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
+            return
+        # transferqueue's controller and storage units ask for a CPU each: give Ray logical
+        # CPUs beyond the physical ones (FINDINGS.md), or it waits forever
+        need = self.config.num_generation_workers + self.config.num_train_workers + 4
+        with _children_ignore_sigint(), _loopback_only_ray():
+            ray.init(num_cpus=max(8, need), include_dashboard=False, log_to_driver=True, runtime_env=runtime_env)
 
     def _build(self) -> None:
         cfg = self.config
@@ -612,10 +684,11 @@ class SingleController:
         self.logger = MetricsLogger(self.out, cfg.num_steps, start_step=start + 1, config=cfg.logging)
         self.logger.save_config(cfg)
         loop = asyncio.get_running_loop()
-        try:
-            loop.add_signal_handler(signal.SIGINT, self._on_interrupt)
-        except (NotImplementedError, RuntimeError):  # not the main thread
-            pass
+        for sig in STOP_SIGNALS:
+            try:
+                loop.add_signal_handler(sig, self._on_interrupt, sig)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+                pass
         pumps = [asyncio.create_task(self._rollout_pump(a)) for a in self.gen_actors]
         if self._restored_pending:
             pumps.append(asyncio.create_task(self._deliver(self._restored_pending)))
@@ -639,19 +712,34 @@ class SingleController:
             for t in [trainer, *pumps]:
                 t.cancel()
             await asyncio.gather(trainer, *pumps, return_exceptions=True)
-            try:
-                loop.remove_signal_handler(signal.SIGINT)
-            except (NotImplementedError, RuntimeError):
-                pass
+            for sig in STOP_SIGNALS:
+                try:
+                    loop.remove_signal_handler(sig)
+                except (NotImplementedError, RuntimeError, ValueError):
+                    pass
             self.logger.close()
             self._shutdown()
         return RunResult(
-            str(self.out), start + len(self.history), self.history, self.stopped_early or self._interrupted, self._interrupted
+            str(self.out),
+            start + len(self.history),
+            self.history,
+            self.stopped_early or self._interrupted,
+            self._interrupted,
+            self._interrupt_signal,
         )
 
-    def _on_interrupt(self) -> None:
-        log.warning("Ctrl-C: finishing the current step, saving a checkpoint and stopping")
+    def _on_interrupt(self, sig: int = signal.SIGINT) -> None:
+        """SIGINT (Ctrl-C) and SIGTERM (schedulers, containers): the first finishes the open step,
+        writes a checkpoint and stops; a second one exits at once (exit code 128 + signal) without
+        a checkpoint — the previous checkpoint stays intact (they are written atomically)."""
+        name = signal.Signals(sig).name
+        if self._interrupted:
+            log.error("%s again: exiting now without a checkpoint (rerun to resume from the last one)", name)
+            _flush_console()
+            os._exit(128 + int(sig))
+        log.warning("%s: finishing the current step, saving a checkpoint and stopping (send it again to exit at once)", name)
         self._interrupted = True
+        self._interrupt_signal = int(sig)
         self._stop.set()
         self._wake_pumps()
 
