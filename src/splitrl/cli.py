@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
         return 0
-    from splitrl.controller.controller import StallError, StepFailed, train
+    from splitrl.controller.controller import CheckpointError, StallError, StepFailed, train
 
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -60,8 +60,16 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         sys.stdout.flush()
         os._exit(1)
-    except StepFailed as e:
+    except (StepFailed, CheckpointError) as e:
         print(f"splitrl: stopped: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a full disk or lost permissions while writing metrics or logs
+        where = f" ({e.filename})" if e.filename else ""
+        print(
+            f"splitrl: stopped: cannot write the run's files: {e.strerror or e}{where}. Fix it and rerun the same "
+            "command: it resumes from the newest intact checkpoint",
+            file=sys.stderr,
+        )
         return 1
     except ValueError as e:  # preflight: a data file, the tokenizer, a resume mismatch
         print(f"splitrl: {e}", file=sys.stderr)

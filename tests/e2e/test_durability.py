@@ -106,3 +106,116 @@ def test_the_watchdog_names_a_lost_prompt_instead_of_blaming_a_worker(tmp_path):
     hung = _stalled_controller(tmp_path, generating={5: time.perf_counter() - 30}, in_flight={5}, done_indices={0, 1, 2, 3, 4})
     report = hung._stall_report("2 groups")
     assert "[5]" in report and "hung or dead" in report and "lost" not in report
+
+
+# ---- item 9: checkpoints --------------------------------------------------------------------
+
+
+def _cfg(tmp_path, *extra):
+    return load_config(None, TINY + [f"output_dir={tmp_path}", "buffer.max_staleness=0", *extra])
+
+
+def test_damage_is_found_by_size_and_by_checksum(tmp_path):
+    """Kind: a checkpoint trusted because its marker exists. COMPLETE lists every file's size and
+    SHA-256; a truncated file, a changed byte and a missing file are each reported."""
+    from splitrl.controller.run_checkpoint import damage, write_complete
+
+    d = tmp_path / "step_000001"
+    (d / "policy").mkdir(parents=True)
+    (d / "trainer.pt").write_bytes(b"x" * 1000)
+    (d / "policy" / "model.safetensors").write_bytes(b"y" * 10)
+    write_complete(d, 1)
+    assert damage(d) is None
+    (d / "trainer.pt").write_bytes(b"x" * 500)
+    assert "trainer.pt has 500 bytes, 1000 were written" in damage(d)
+    (d / "trainer.pt").write_bytes(b"x" * 999 + b"z")
+    assert "trainer.pt does not match its SHA-256" in damage(d)
+    (d / "trainer.pt").write_bytes(b"x" * 1000)
+    (d / "policy" / "model.safetensors").unlink()
+    assert damage(d) == "policy/model.safetensors is missing"
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
+    """Kind: resume trusts a damaged checkpoint (before: a raw zip error from torch.load). The
+    newest checkpoint's trainer.pt is cut in half; resume warns, uses step 1 and runs steps 2-3."""
+    from splitrl.logging import read_metrics
+
+    first = C.train(_cfg(tmp_path, "num_steps=2", "checkpoint_every=1"))
+    assert first.steps_done == 2
+    trainer = tmp_path / "checkpoints" / "step_000002" / "trainer.pt"
+    trainer.write_bytes(trainer.read_bytes()[: trainer.stat().st_size // 2])
+    with caplog.at_level("WARNING"):
+        assert C.preflight(_cfg(tmp_path, "num_steps=3")) == 1
+    assert "step_000002 is damaged (trainer.pt has" in caplog.text and "falling back to step_000001" in caplog.text
+    second = C.train(_cfg(tmp_path, "num_steps=3", "checkpoint_every=1"))
+    assert second.steps_done == 3 and len(second.metrics) == 2  # steps 2 and 3 run again
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_a_full_disk_gives_one_clear_error_and_leaves_nothing_half_written(tmp_path, monkeypatch, capsys):
+    """Kind: a failed write leaves partial files that look like data. The disk fills up after the
+    first checkpoint: every later checkpoint file and atomic write fails with ENOSPC after writing
+    a few bytes. Expected: exit 1 with one line naming the cause and the intact checkpoint; no
+    ``*.tmp`` left, no step-2 directory, the step-1 checkpoint intact, no 0-byte metrics.png."""
+    import errno
+    import os
+
+    import torch
+
+    from splitrl import cli
+    from splitrl.controller.run_checkpoint import damage
+
+    full = {"on": False, "saves": 0}
+    real_save, real_fsync = torch.save, os.fsync
+
+    def enospc(name):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(name))
+
+    def save(obj, f, *a, **k):
+        full["saves"] += 1
+        if full["saves"] > 2:  # the first checkpoint writes two .pt files
+            full["on"] = True
+        if full["on"]:
+            with open(f, "wb") as fh:
+                fh.write(b"PK\x03\x04partial")
+            raise enospc(f)
+        return real_save(obj, f, *a, **k)
+
+    def fsync(fd):
+        if full["on"]:
+            raise enospc(f"fd {fd}")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr(os, "fsync", fsync)
+    old_term = signal.getsignal(signal.SIGTERM)
+    try:
+        rc = cli.main(["train", *TINY, f"output_dir={tmp_path}", "buffer.max_staleness=0", "num_steps=3", "checkpoint_every=1"])
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+    err = capsys.readouterr().err
+    assert rc == 1
+    stopped = [line for line in err.splitlines() if line.startswith("splitrl:")]
+    assert len(stopped) == 1 and "Traceback" not in err, err[-3000:]
+    assert "could not write the checkpoint of step 2" in stopped[0] and "No space left on device" in stopped[0]
+    assert "newest intact checkpoint is step_000001" in stopped[0]
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000001"]
+    assert damage(ckpts / "step_000001") is None
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
+    png = tmp_path / "metrics.png"
+    assert not png.exists() or png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_leftovers_of_a_killed_run_are_removed_on_start(tmp_path):
+    """Kind: half-written ``*.tmp`` folders and files left behind by a kill -9 stay forever."""
+    from splitrl.controller.run_checkpoint import remove_leftovers
+
+    (tmp_path / "checkpoints" / "step_000004.tmp" / "policy").mkdir(parents=True)
+    (tmp_path / ".metrics.png.123.tmp").write_bytes(b"")
+    (tmp_path / "metrics.jsonl.tmp").write_text("")
+    (tmp_path / "checkpoints" / "step_000003").mkdir()
+    gone = remove_leftovers(tmp_path)
+    assert len(gone) == 3
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_000003"]
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]

@@ -41,6 +41,16 @@ from splitrl.controller.advantages import advantage_metrics, compute_group_advan
 from splitrl.controller.buffer import ReplayBuffer, StepComposer, group_from_dict, group_to_dict, staleness_metrics
 from splitrl.controller.generation import GenerationWorker
 from splitrl.controller.policy_client import PolicyClient
+from splitrl.controller.run_checkpoint import (
+    TMP_SUFFIX,
+    CheckpointError,
+    checkpoint_step,
+    complete_checkpoints,
+    latest_intact_checkpoint,
+    remove_leftovers,
+    step_dir,
+    write_complete,
+)
 from splitrl.controller.train_actor import TOKEN_FIELDS, TrainActor
 from splitrl.dataplane import DataPlaneConfig, make_data_plane
 from splitrl.logging import MetricsLogger
@@ -52,18 +62,10 @@ log = logging.getLogger(__name__)
 RUN_CONFIG = "run_config.json"
 
 
-def complete_checkpoints(output_dir: str | Path) -> list[Path]:
-    """The complete checkpoint directories of a run, oldest first."""
-    root = Path(output_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.glob("step_*") if (p / "COMPLETE").exists())
-
-
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint directory of a run, or None."""
-    done = complete_checkpoints(output_dir)
-    return done[-1] if done else None
+    """The newest intact checkpoint directory of a run, or None (a damaged newer one is skipped
+    with a warning; see :mod:`splitrl.controller.run_checkpoint`)."""
+    return latest_intact_checkpoint(output_dir)
 
 
 def preflight(config: RunConfig) -> int:
@@ -105,7 +107,7 @@ def preflight(config: RunConfig) -> int:
                 f"{ckpt} was written by a different model config than this run's; resume needs the same "
                 "model. Use a new output_dir, or resume=false to start over in this one"
             )
-    return int(json.loads((ckpt / "COMPLETE").read_text())["step"])
+    return checkpoint_step(ckpt)
 
 
 # signals that stop a run cleanly: Ctrl-C, and what schedulers and container runtimes send
@@ -308,9 +310,34 @@ class SingleController:
 
     # ============================================================================ checkpoints
     async def _save_checkpoint(self, step: int) -> Path:
+        """Write the run's state at ``step`` (see :mod:`splitrl.controller.run_checkpoint`).
+
+        Raises:
+            CheckpointError: a write failed (a full disk, permissions); the partial checkpoint is
+                removed and the previous ones are untouched.
+        """
         t0 = time.perf_counter()
-        path = self.out / "checkpoints" / f"step_{step:06d}"
-        tmp = path.with_name(path.name + ".tmp")
+        path = step_dir(self.out, step)
+        tmp = path.with_name(path.name + TMP_SUFFIX)
+        try:
+            await self._write_checkpoint(step, tmp)
+            shutil.rmtree(path, ignore_errors=True)
+            tmp.rename(path)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            intact = latest_intact_checkpoint(self.out)
+            raise CheckpointError(
+                f"could not write the checkpoint of step {step} to {path}: {e.strerror or e} "
+                f"({e.filename or tmp}). "
+                + (f"The newest intact checkpoint is {intact.name}. " if intact else "No checkpoint is on disk yet. ")
+                + "Free space (or fix permissions) and rerun the same command to resume."
+            ) from e
+        for old in complete_checkpoints(self.out)[:-2]:  # keep the two newest
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint step %d written to %s in %.1fs", step, path, time.perf_counter() - t0)
+        return path
+
+    async def _write_checkpoint(self, step: int, tmp: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         # a consistent snapshot of the controller side: no await between these reads. Every state
@@ -345,19 +372,12 @@ class SingleController:
             tmp / "controller.pt",
         )
         (tmp / RUN_CONFIG).write_text(json.dumps(self.config.model_dump(mode="json"), indent=1))
-        (tmp / "COMPLETE").write_text(json.dumps({"step": step}))
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
-        for old in complete_checkpoints(self.out)[:-2]:  # keep the two newest
-            shutil.rmtree(old, ignore_errors=True)
-        log.info("checkpoint step %d written to %s in %.1fs", step, path, time.perf_counter() - t0)
-        return path
+        write_complete(tmp, step)  # last: sizes and checksums of everything above
 
     async def _restore(self) -> int:
-        dirs = complete_checkpoints(self.out) if self.config.resume else []
-        if not dirs:
+        path = latest_intact_checkpoint(self.out) if self.config.resume else None
+        if path is None:
             return 0
-        path = dirs[-1]
         state = torch.load(path / "controller.pt", weights_only=False)
         await self.policy.load_state_dict(torch.load(path / "trainer.pt", weights_only=False))
         self.buffer.load_state_dict(state["buffer"])
@@ -639,11 +659,12 @@ class SingleController:
             self.logger.log(step + 1, metrics)
             self.history.append(metrics)
             done = step + 1
-            if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.num_steps:
+            due = (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.num_steps
+            # a stop (Ctrl-C, SIGTERM) always leaves a checkpoint of the last finished step,
+            # checkpoint_every=0 (only at the end) included
+            if due or self._stop.is_set():
                 await self._save_checkpoint(done)
             if self._stop.is_set():
-                if done % max(1, cfg.checkpoint_every) != 0 and done != cfg.num_steps:
-                    await self._save_checkpoint(done)
                 self.stopped_early = done < cfg.num_steps
                 return
 
@@ -655,6 +676,7 @@ class SingleController:
             log.info("%s already holds a finished run (%d steps); nothing to do", self.out, done_before)
             return RunResult(str(self.out), done_before)
         self.out.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(self.out)  # half-written checkpoints and temp files of a killed run
         self._start_cluster()
         self._build()
         self._wake = asyncio.Event()
