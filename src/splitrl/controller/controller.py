@@ -323,19 +323,30 @@ class SingleController:
             await self._write_checkpoint(step, tmp)
             shutil.rmtree(path, ignore_errors=True)
             tmp.rename(path)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - every writer's failure: OSError, torch's and
+            # safetensors' own errors for a full disk (RuntimeError "file write failed", ...)
             shutil.rmtree(tmp, ignore_errors=True)
-            intact = latest_intact_checkpoint(self.out)
-            raise CheckpointError(
-                f"could not write the checkpoint of step {step} to {path}: {e.strerror or e} "
-                f"({e.filename or tmp}). "
-                + (f"The newest intact checkpoint is {intact.name}. " if intact else "No checkpoint is on disk yet. ")
-                + "Free space (or fix permissions) and rerun the same command to resume."
-            ) from e
+            raise CheckpointError(self._checkpoint_failure(step, path, e)) from e
         for old in complete_checkpoints(self.out)[:-2]:  # keep the two newest
             shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint step %d written to %s in %.1fs", step, path, time.perf_counter() - t0)
         return path
+
+    def _checkpoint_failure(self, step: int, path: Path, e: BaseException) -> str:
+        if isinstance(e, OSError):
+            cause = f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+        else:
+            cause = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        try:
+            free = f" {shutil.disk_usage(self.out).free / 2**30:.1f} GiB are free on that disk."
+        except OSError:
+            free = ""
+        intact = latest_intact_checkpoint(self.out)
+        return (
+            f"could not write the checkpoint of step {step} to {path}: {cause}.{free} "
+            + (f"The newest intact checkpoint is {intact.name}. " if intact else "No checkpoint is on disk yet. ")
+            + "Free space (or fix the cause) and rerun the same command to resume."
+        )
 
     async def _write_checkpoint(self, step: int, tmp: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
