@@ -81,6 +81,39 @@ def test_a_group_waiting_for_buffer_room_at_a_checkpoint_is_trained_exactly_once
     assert sorted(generated) == list(range(6)), generated  # the waiting groups were not generated again
 
 
+def test_a_stop_after_every_step_trains_every_prompt_exactly_once(tmp_path, monkeypatch):
+    """Kind: work lost or repeated across stops. Ctrl-C during every run's first step: four runs
+    of one step each (the last one also ends the schedule); the union of what they trained is
+    every prompt index of the 3 steps, each once."""
+    trained: list[int] = []
+    real_train, real_finish = PolicyClient.train_chunk, PolicyClient.finish
+    finishes = {"n": 0}
+
+    async def train_chunk(self, groups):
+        trained.extend(g.prompt_index for g in groups)
+        return await real_train(self, groups)
+
+    async def finish(self):
+        finishes["n"] += 1
+        if finishes["n"] == 1:
+            signal.raise_signal(signal.SIGINT)
+            await asyncio.sleep(0.1)
+        return await real_finish(self)
+
+    monkeypatch.setattr(PolicyClient, "train_chunk", train_chunk)
+    monkeypatch.setattr(PolicyClient, "finish", finish)
+    cfg = load_config(None, TINY + [f"output_dir={tmp_path}", *AHEAD])
+    done = []
+    for _ in range(4):
+        finishes["n"] = 0
+        res = C.train(cfg)
+        done.append(res.steps_done)
+        if res.steps_done == 3:
+            break
+    assert done == [1, 2, 3]
+    assert sorted(trained) == list(range(6)), trained
+
+
 def _stalled_controller(tmp_path, **state):
     cfg = load_config(None, TINY + [f"output_dir={tmp_path}", *AHEAD])
     c = C.SingleController(cfg)
