@@ -179,8 +179,14 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, 
     trainer.write_bytes(trainer.read_bytes()[: trainer.stat().st_size // 2])
     with caplog.at_level("WARNING"):
         assert C.preflight(_cfg(tmp_path, "num_steps=3")) == 1
-    assert "step_000002 is damaged (trainer.pt has" in caplog.text and "falling back to step_000001" in caplog.text
-    second = C.train(_cfg(tmp_path, "num_steps=3", "checkpoint_every=1"))
+    assert "step_000002 is damaged (trainer.pt has" in caplog.text and "resuming from step_000001" in caplog.text
+    # the same damage in a checkpoint of an older splitrl (COMPLETE without checksums): it is
+    # trusted until it fails to load, then skipped the same way
+    (trainer.parent / "COMPLETE").write_text('{"step": 2}')
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        second = C.train(_cfg(tmp_path, "num_steps=3", "checkpoint_every=1"))
+    assert "step_000002 is damaged (it does not load" in caplog.text
     assert second.steps_done == 3 and len(second.metrics) == 2  # steps 2 and 3 run again
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
 

@@ -46,7 +46,9 @@ from splitrl.controller.run_checkpoint import (
     CheckpointError,
     checkpoint_step,
     complete_checkpoints,
+    intact_checkpoints,
     latest_intact_checkpoint,
+    mark_damaged,
     remove_leftovers,
     step_dir,
     write_complete,
@@ -386,11 +388,20 @@ class SingleController:
         write_complete(tmp, step)  # last: sizes and checksums of everything above
 
     async def _restore(self) -> int:
-        path = latest_intact_checkpoint(self.out) if self.config.resume else None
-        if path is None:
+        if not self.config.resume:
             return 0
-        state = torch.load(path / "controller.pt", weights_only=False)
-        await self.policy.load_state_dict(torch.load(path / "trainer.pt", weights_only=False))
+        for path in intact_checkpoints(self.out):
+            try:
+                state = torch.load(path / "controller.pt", weights_only=False)
+                trainer = torch.load(path / "trainer.pt", weights_only=False)
+                break
+            except Exception as e:  # noqa: BLE001 - e.g. a checkpoint of an older splitrl without checksums
+                why = f"it does not load: {type(e).__name__}: {e}"
+                mark_damaged(path, why)
+                log.warning("checkpoint %s is damaged (%s); falling back to an older one", path.name, why)
+        else:
+            return 0
+        await self.policy.load_state_dict(trainer)
         self.buffer.load_state_dict(state["buffer"])
         if state["buffered_ids"]:
             self.data_plane.put(state["buffered_ids"], state["buffered_samples"])

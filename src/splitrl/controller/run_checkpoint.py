@@ -100,24 +100,32 @@ def damage(path: Path) -> str | None:
 _verified: dict[tuple[str, int], str | None] = {}
 
 
-def latest_intact_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest checkpoint that passes :func:`damage`, or None. Each damaged newer one is
-    skipped with a warning naming what is wrong with it and which checkpoint is used instead."""
-    skipped: list[tuple[Path, str]] = []
-    found = None
+def intact_checkpoints(output_dir: str | Path):
+    """Checkpoints that pass :func:`damage`, newest first (a generator: each is verified when
+    reached). Each damaged one passed over is logged with what is wrong with it."""
     for path in reversed(complete_checkpoints(output_dir)):
         key = (str(path), (path / COMPLETE).stat().st_mtime_ns)
         if key not in _verified:  # preflight and restore both ask; hash each checkpoint once
             _verified[key] = damage(path)
         why = _verified[key]
         if why is None:
-            found = path
-            break
-        skipped.append((path, why))
-    for path, why in skipped:
-        log.warning(
-            "checkpoint %s is damaged (%s); falling back to %s", path.name, why, found.name if found else "a fresh start"
-        )
+            yield path
+        else:
+            log.warning("checkpoint %s is damaged (%s); falling back to an older one", path.name, why)
+
+
+def mark_damaged(path: Path, why: str) -> None:
+    """Record that ``path`` failed to load although its files matched (e.g. a checkpoint of an
+    older splitrl without checksums): later calls skip it."""
+    _verified[(str(path), (path / COMPLETE).stat().st_mtime_ns)] = why
+
+
+def latest_intact_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest checkpoint that passes :func:`damage`, or None; a damaged newer one is skipped
+    with a warning naming what is wrong with it."""
+    found = next(intact_checkpoints(output_dir), None)
+    if found is not None and found != (complete_checkpoints(output_dir) or [None])[-1]:
+        log.warning("resuming from %s, the newest intact checkpoint", found.name)
     return found
 
 
