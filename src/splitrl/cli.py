@@ -45,8 +45,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    # SIGTERM before the run's own handlers are up (start-up) or after: stop like Ctrl-C
-    signal.signal(signal.SIGTERM, _terminated)
+    # SIGTERM before the run's own handlers are up (start-up): stop like Ctrl-C
+    try:
+        old_sigterm = signal.signal(signal.SIGTERM, _terminated)
+    except ValueError:  # not the main thread
+        old_sigterm = None
     try:
         with logging_redirect_tqdm():  # log lines above the progress bar, not through it
             result = train(config)
@@ -74,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # preflight: a data file, the tokenizer, a resume mismatch
         print(f"splitrl: {e}", file=sys.stderr)
         return 2
+    finally:
+        if old_sigterm is not None:
+            signal.signal(signal.SIGTERM, old_sigterm)
     last = result.metrics[-1] if result.metrics else {}
     print(
         f"splitrl: {result.steps_done} steps in {result.output_dir}"

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 from splitrl.distributed.utils import init_loopback_process_group
 
 psutil = pytest.importorskip("psutil")
+pytestmark = pytest.mark.dist
 
 
 def _rank(rank: int, port: int, queue) -> None:
