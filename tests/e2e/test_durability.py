@@ -48,8 +48,10 @@ def test_a_group_waiting_for_buffer_room_at_a_checkpoint_is_trained_exactly_once
             assert four_done.wait(60)
         out = real_generate(self, indices, group_size)
         generated.extend(indices)
-        four_done.set() if 4 in indices else None
-        one_done.set() if 1 in indices else None
+        if 4 in indices:
+            four_done.set()
+        if 1 in indices:
+            one_done.set()
         return out
 
     async def train_chunk(self, groups):

@@ -141,7 +141,10 @@ def remove_leftovers(output_dir: str | Path) -> list[Path]:
     root = checkpoint_root(out)
     if root.is_dir():
         for p in root.glob(f"*{TMP_SUFFIX}"):
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
             gone.append(p)
     if out.is_dir():
         for p in [*out.glob(f"*{TMP_SUFFIX}"), *out.glob(f".*{TMP_SUFFIX}")]:
