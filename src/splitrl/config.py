@@ -113,6 +113,8 @@ class RunConfig(BaseModel):
         rollout_dtype: dtype of the generation copy of the model.
         torch_threads: intra-op threads per actor (None: torch's default); on a 2-core machine 1
             lets generation and training use a core each.
+        ray_address: join this existing Ray cluster (``auto``, ``host:port``, ``ray://...``;
+            ``RAY_ADDRESS`` works too). None starts a local cluster that listens on 127.0.0.1 only.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -137,6 +139,7 @@ class RunConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     rollout_dtype: Literal["fp32", "bf16"] = "fp32"
     torch_threads: int | None = Field(1, ge=1)
+    ray_address: str | None = None
 
     # defaults: the CPU demo (FINDINGS.md: an entropy bonus and no std division keep the tiny
     # policy from collapsing to one answer)

@@ -13,6 +13,7 @@ display nor touches pyplot's global backend.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import re
@@ -38,6 +39,8 @@ def plot_metrics(jsonl_path: str | os.PathLike[str], png_path: str | os.PathLike
     Raises:
         FileNotFoundError: ``jsonl_path`` does not exist.
         ValueError: a line of the file is not a JSON object.
+        OSError: the PNG could not be written; ``png_path`` is then unchanged (written through a
+            temporary file and a rename).
     """
     # Imported here because logger.py imports this module and read_metrics lives there.
     from splitrl.logging.logger import read_metrics
@@ -93,7 +96,12 @@ def plot_records(records: Sequence[dict[str, Any]], png_path: str | os.PathLike[
 
     png_path = Path(png_path)
     png_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png_path, format="png", dpi=100)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    # one rename: a full disk leaves the old picture (or none), never a truncated PNG
+    from splitrl.logging.logger import write_atomically
+
+    write_atomically(png_path, buf.getvalue())
     return png_path
 
 
