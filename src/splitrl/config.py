@@ -8,8 +8,9 @@ validated on load — unknown keys, impossible combinations and missing files ra
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -61,11 +62,39 @@ def demo_model_config() -> ModelConfig:
     )
 
 
+# the truncated importance-sampling cap a run uses when max_staleness > 0 and loss.tis_cap is
+# left at "auto" (the value decoupled-PPO / TIS setups commonly use)
+DEFAULT_TIS_CAP = 2.0
+
+
+class RunLossConfig(GRPOLossConfig):
+    """The run's ``loss`` section: :class:`GRPOLossConfig`, with two settings that depend on the
+    rest of the run derived from it unless given (:meth:`RunConfig.trainer_loss_config` resolves
+    them; the section itself keeps what the user wrote).
+
+    Attributes:
+        temperature: ``null`` (default): ``rollout.temperature`` — the one source of truth of the
+            sampling temperature (DESIGN §5), so the trainer scores tokens at the temperature
+            they were sampled at. A value that differs from ``rollout.temperature`` is refused on
+            load. (Top-k / top-p change which tokens are drawn, not their logprobs, so they have
+            no trainer-side counterpart.)
+        tis_cap: ``auto`` (default): truncated importance weights min(exp(prev − gen), C) with
+            C = ``DEFAULT_TIS_CAP`` when ``buffer.max_staleness > 0`` (stale samples are then
+            corrected, as in decoupled PPO), off when it is 0. A number: on, with that cap.
+            ``null``: off — with ``max_staleness > 0`` the run warns that stale samples are
+            trained as if on-policy.
+    """
+
+    temperature: float | None = Field(None, gt=0.0)
+    tis_cap: Annotated[float, Field(gt=0.0)] | Literal["auto"] | None = "auto"
+
+
 class RunConfig(BaseModel):
     """Everything a ``splitrl train`` run needs.
 
     Attributes (run level; the rest are the components' configs):
-        seed: seed of the run (model init, per-sample sampling seeds).
+        seed: seed of the run's sampling (each sample's seed derives from it, the prompt index and
+            the sample index). The random init of the model has its own ``model.seed``.
         output_dir: metrics, TensorBoard, checkpoints, the resolved config and the plot.
         num_steps: optimizer steps of the run.
         groups_per_step / group_size: a step is ``groups_per_step`` prompts × ``group_size``
@@ -85,6 +114,8 @@ class RunConfig(BaseModel):
         rollout_dtype: dtype of the generation copy of the model.
         torch_threads: intra-op threads per actor (None: torch's default); on a 2-core machine 1
             lets generation and training use a core each.
+        ray_address: join this existing Ray cluster (``auto``, ``host:port``, ``ray://...``;
+            ``RAY_ADDRESS`` works too). None starts a local cluster that listens on 127.0.0.1 only.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -109,6 +140,7 @@ class RunConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     rollout_dtype: Literal["fp32", "bf16"] = "fp32"
     torch_threads: int | None = Field(1, ge=1)
+    ray_address: str | None = None
 
     # defaults: the CPU demo (FINDINGS.md: an entropy bonus and no std division keep the tiny
     # policy from collapsing to one answer)
@@ -116,7 +148,7 @@ class RunConfig(BaseModel):
     tokenizer: TokenizerConfig = Field(default_factory=lambda: TokenizerConfig(charset=DEMO_CHARSET))
     task: TaskConfig = Field(default_factory=demo_task_config)
     rollout: GenerationConfig = Field(default_factory=lambda: GenerationConfig(max_new_tokens=8, batch_size=256))
-    loss: GRPOLossConfig = Field(default_factory=lambda: GRPOLossConfig(entropy_coef=0.02))
+    loss: RunLossConfig = Field(default_factory=lambda: RunLossConfig(entropy_coef=0.02))
     train: TrainConfig = Field(
         default_factory=lambda: TrainConfig(
             # short samples: padded rows beat one long packed row (attention is quadratic in it)
@@ -196,6 +228,74 @@ class RunConfig(BaseModel):
         if task_path is not None and not Path(task_path).exists():
             raise ValueError(f"task.path={task_path!r} does not exist; point it at a JSONL / parquet file or a datasets directory")
         return self
+
+    @model_validator(mode="after")
+    def _check_semantics(self) -> "RunConfig":
+        """Settings that would train on something other than what the user meant, or on nothing."""
+        if self.loss.temperature is not None and self.loss.temperature != self.rollout.temperature:
+            raise ValueError(
+                f"loss.temperature={self.loss.temperature} differs from rollout.temperature="
+                f"{self.rollout.temperature}: the trainer would score the tokens at another temperature "
+                "than they were sampled at. The temperature is set once, by rollout.temperature; remove "
+                "loss.temperature (the trainer takes the rollout's)"
+            )
+        need = self.advantage.min_group_size()
+        if self.group_size < need:
+            raise ValueError(
+                f"group_size={self.group_size}: advantage.estimator={self.advantage.estimator} takes each "
+                f"sample's baseline from its group, so a group needs at least {need} samples (with 1 every "
+                f"advantage is 0 and nothing is learned); set group_size >= {need}"
+            )
+        D = self.model.mtp.mtp_num_layers
+        n_draft = self.rollout.num_draft_tokens
+        if self.rollout.speculative and n_draft is not None and n_draft > D:
+            raise ValueError(
+                f"rollout.num_draft_tokens={n_draft} > model.mtp.mtp_num_layers={D}: depth k drafts the "
+                f"k-th token, so at most {D} can be drafted; set rollout.num_draft_tokens <= {D} (or null: all)"
+            )
+        if self.train.device != "auto" and self.train.device != self.device:
+            raise ValueError(
+                f"train.device={self.train.device} differs from device={self.device}: a run places every "
+                "worker on its device, so train.device would be ignored; set device instead and remove train.device"
+            )
+        if self.rollout.top_k == 1:
+            raise ValueError(
+                "rollout.top_k=1 samples the same response for every sample of a group: every group has "
+                "zero reward variance, every advantage is 0 and nothing is learned; use top_k=0 (off) or >= 2"
+            )
+        return self
+
+    def tis_cap(self) -> float | None:
+        """The truncated-IS cap the trainer uses (None: no correction); see :class:`RunLossConfig`."""
+        if self.loss.tis_cap == "auto":
+            return DEFAULT_TIS_CAP if self.buffer.max_staleness > 0 else None
+        return self.loss.tis_cap
+
+    def trainer_loss_config(self) -> GRPOLossConfig:
+        """The loss every train worker runs: the ``loss`` section with ``temperature`` taken from
+        ``rollout.temperature`` and ``tis_cap`` resolved."""
+        data = self.loss.model_dump()
+        data.update(temperature=self.rollout.temperature, tis_cap=self.tis_cap())
+        return GRPOLossConfig(**data)
+
+    def off_policy_summary(self) -> tuple[int, str]:
+        """What the run does about stale samples, for the console at start: (logging level, text).
+
+        A warning when ``max_staleness > 0`` and the correction was turned off."""
+        stale = self.buffer.max_staleness
+        cap = self.tis_cap()
+        if stale > 0 and cap is None:
+            return logging.WARNING, (
+                f"off-policy correction OFF (loss.tis_cap=null) with buffer.max_staleness={stale}: samples up "
+                f"to {stale} policy version(s) old are trained as if on-policy (the recomputed PPO ratio is 1 "
+                "and no importance weight corrects them); remove loss.tis_cap (auto) to turn it on"
+            )
+        if cap is None:
+            return logging.INFO, "off-policy correction: none needed (buffer.max_staleness=0: every sample is on-policy)"
+        return logging.INFO, (
+            f"off-policy correction ON: truncated importance weights min(exp(prev - gen), {cap:g}) per token "
+            f"(buffer.max_staleness={stale}; loss.tis_cap sets the cap, null turns it off)"
+        )
 
 
 def _section(data: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any] | None:
