@@ -74,18 +74,31 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 def preflight(config: RunConfig) -> int:
     """Checks that need more than the config's own fields, run before any worker starts.
 
-    Builds the task (a data file that is missing or lacks its columns fails here), checks that
-    a character tokenizer covers the task's prompts, and, when resuming, that the checkpoint was
-    written by the same model. Returns the step to resume from (0: a fresh run).
+    Checks that ``output_dir`` can be written; verifies the model's config (head counts) and a
+    ``pretrained_path``'s weight files; builds the task (a data file that is missing, lacks its
+    columns or is not UTF-8 fails here) and the tokenizer, which must fit the model's vocabulary;
+    checks that a character tokenizer covers the task's prompts and that prompts fit the context
+    (rows of a data file that do not are left out: ``config.task`` is updated and a warning names
+    them); and, when resuming, that the checkpoint was written by the same model. Returns the
+    step to resume from (0: a fresh run).
 
     Raises:
         ValueError: naming what to fix.
     """
-    from splitrl.controller.generation import load_tokenizer
+    from splitrl.controller.checks import (
+        check_output_dir,
+        check_vocab,
+        fit_prompts_to_context,
+        load_checked_tokenizer,
+        model_hf_config,
+    )
     from splitrl.tasks import encode_prompt, make_task
 
+    check_output_dir(config.output_dir)
+    hf_cfg = model_hf_config(config)
     task = make_task(config.task)
-    tok = load_tokenizer(config.tokenizer, config.model.pretrained_path)
+    tok = load_checked_tokenizer(config)
+    check_vocab(config, tok, hf_cfg)
     if config.tokenizer.kind == "char":
         unk = tok.unk_token_id
         n = task.num_prompts or 64
@@ -98,12 +111,18 @@ def preflight(config: RunConfig) -> int:
                     f"{missing} are not in tokenizer.charset; widen tokenizer.charset (null = all printable "
                     "ASCII, then model.backbone.vocab_size >= 100) or use tokenizer.kind=pretrained"
                 )
+    task_config = fit_prompts_to_context(config, task, tok, hf_cfg)
+    if task_config is not config.task:
+        config.task = task_config  # the workers build the task from this: same prompts everywhere
     ckpt = latest_checkpoint(config.output_dir) if config.resume else None
     if ckpt is None:
         return 0
     saved_path = ckpt / RUN_CONFIG
     if saved_path.exists():
-        saved = json.loads(saved_path.read_text())
+        try:
+            saved = json.loads(saved_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{saved_path} cannot be read ({e}); resume=false starts over in this output_dir") from None
         now = config.model_dump(mode="json")
         if saved.get("model") != now["model"]:
             raise ValueError(

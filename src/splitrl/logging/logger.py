@@ -281,7 +281,7 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """
     path = Path(path)
     records = []
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for line_no, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
         if line.strip():
             records.append(_decode_non_finite(_parse_line(path, line_no, line)))
     return records
@@ -344,7 +344,7 @@ def _parse_line(path: Path, line_no: int, line: str) -> dict[str, Any]:
 
 def _lines_before_step(path: Path, start_step: int) -> list[str]:
     """The lines of an existing metrics file whose step is < ``start_step``, unchanged."""
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     kept = []
     for line_no, line in enumerate(lines, start=1):
         if not line.strip():
