@@ -54,11 +54,17 @@ class MTPDrafter:
         self.D = num_drafts
         self.cache = cache
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        # tests: called (seed_lo [B], counter [B], depth, logits [B, V]) at every draw (eager runs only)
+        self.probe = None
 
-    def _draw(self, hidden_BH: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor, counter: torch.Tensor):
+    def _draw(
+        self, hidden_BH: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor, counter: torch.Tensor, depth: int
+    ) -> torch.Tensor:
         logits = F.linear(hidden_BH, self.model.output_weight).float()
         if self.temperature != 1.0:
             logits = logits / self.temperature
+        if self.probe is not None:
+            self.probe(seed_lo, counter, depth, logits)
         return race_sample(filter_logits(logits, self.top_k, self.top_p), seed_lo, seed_hi, counter, STREAM_TARGET)
 
     def prefill(
@@ -103,7 +109,7 @@ class MTPDrafter:
                     k, e, query[:, None], last[:, None], last[:, None], (n_B - k)[:, None],
                     self.cache, int(self.cache.max_len), slots_B,
                 )[:, 0]  # fmt: skip
-            drafts.append(self._draw(query, seed_lo, seed_hi, torch.full_like(n_B, k)))
+            drafts.append(self._draw(query, seed_lo, seed_hi, torch.full_like(n_B, k), k))
             prev = out
         return torch.stack(drafts, dim=1), carry
 
@@ -164,7 +170,7 @@ class MTPDrafter:
             if k < D:
                 new_carry.append(window[rows, accepted_B])
             query = window[rows, accepted_B] if k == 1 else out[:, W]
-            drafts.append(self._draw(query, seed_lo, seed_hi, counter_B + (k - 1)))
+            drafts.append(self._draw(query, seed_lo, seed_hi, counter_B + (k - 1), k))
             prev = window
         carry_out = torch.stack(new_carry) if new_carry else carry
         return torch.stack(drafts, dim=1), carry_out
