@@ -251,6 +251,8 @@ class RolloutEngine:
                 raise ValueError(f"num_draft_tokens={n} exceeds the model's {D} MTP depths; use at most {D}")
             self.num_drafts = n
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.model = model.to(self.device).eval()
         self.fwd = DecoderForward(self.model)
         self.config = config
