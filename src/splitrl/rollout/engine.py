@@ -57,6 +57,8 @@ SYNC_EVERY = 16
 PREFILL_TOKENS = 16384
 # The speculative switch-off rule decides after this many verify iterations of a call.
 SWITCH_MIN_ITERATIONS = 32
+# Fuse the elementwise ops of the forward with torch.compile on CUDA (fewer kernel launches).
+COMPILE_KERNELS = True
 # Decode-step buckets: rows (slots 0..B-1) and cache prefix lengths.
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
@@ -208,6 +210,51 @@ class _SlotState:
         self.carry[:, dst] = self.carry[:, src]
 
 
+class _DeviceTimer:
+    """Seconds of the device work queued inside ``with`` (CUDA events; the wall clock on CPU).
+
+    With ``synchronize=False`` the CUDA reading (``seconds``) waits for the end event only when
+    read, so it can be read after a synchronization that happens anyway."""
+
+    def __init__(self, device: torch.device, synchronize: bool = True):
+        self.cuda = device.type == "cuda"
+        self.sync = synchronize
+        self._seconds = 0.0
+
+    def __enter__(self) -> _DeviceTimer:
+        if self.cuda:
+            if self.sync:
+                torch.cuda.synchronize()
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self.end.record()
+            if self.sync:
+                self.end.synchronize()
+        else:
+            self._seconds = time.perf_counter() - self.t0
+
+    @property
+    def seconds(self) -> float:
+        if self.cuda:
+            self.end.synchronize()
+            return self.start.elapsed_time(self.end) / 1e3
+        return self._seconds
+
+
+@dataclass
+class _SpecTiming:
+    """Device seconds of the verify iterations of a call, and what plain steps would have cost."""
+
+    spec_s: float = 0.0
+    plain_s: float = 0.0
+
+
 class RolloutEngine:
     """Samples responses from a :class:`PolicyModel` (DESIGN §4 "Rollouts").
 
@@ -217,10 +264,11 @@ class RolloutEngine:
         config: the sampling rules.
         device: where to run (default: where the model's parameters are).
 
-    Speculative switch-off (DESIGN §5): the engine times one plain step and one speculative
-    iteration of each bucket on the device (CUDA events around graph replays, after a
-    synchronize), and after ``SWITCH_MIN_ITERATIONS`` verify iterations of a call estimates
-    speedup = (1 + accepted drafts per iteration) · t_plain / t_spec. Below 1 it decodes the rest
+    Speculative switch-off (DESIGN §5): the engine times the verify iterations of a call on the
+    device (CUDA events around each chunk of graph replays, read after the host's sync) and, for
+    each bucket they ran in, a plain step (CUDA events around replays, after a synchronize; the
+    state is restored); after ``SWITCH_MIN_ITERATIONS`` iterations it estimates
+    speedup = (1 + accepted drafts per iteration) · Σ t_plain / Σ t_spec. Below 1 it decodes the rest
     of the call plainly (same tokens, see the module docstring) and the next calls too
     (``stats.speculative_next`` = False, logged) until the next weight sync
     (:meth:`load_state_dict`), whose new MTP heads may draft better.
@@ -254,7 +302,7 @@ class RolloutEngine:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.model = model.to(self.device).eval()
-        self.fwd = DecoderForward(self.model)
+        self.fwd = DecoderForward(self.model, compiled=self.device.type == "cuda" and COMPILE_KERNELS)
         self.config = config
         self.policy_version = 0
         self.last_stats: RolloutStats | None = None
@@ -268,7 +316,7 @@ class RolloutEngine:
         self._drafter: MTPDrafter | None = None
         self._graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
-        self._step_times: dict[tuple[int, int], tuple[float, float]] = {}
+        self._step_times: dict[tuple[int, int], float] = {}
         self._captures = 0
         prepare(vocab, self.device)
 
@@ -495,34 +543,19 @@ class RolloutEngine:
         self._captures += 1
         return graph
 
-    def _step_times_for(self, B: int, L: int, reps: int = 3) -> tuple[float, float]:
-        """Seconds of one plain step and one speculative iteration of bucket (B, L), timed on the
-        device (CUDA events after a synchronize; the wall clock on CPU); the state is restored."""
+    def _plain_step_time(self, B: int, L: int, reps: int = 3) -> float:
+        """Seconds of one plain step of bucket (B, L), timed on the device (CUDA events after a
+        synchronize; the wall clock on CPU), on the live state, which is restored afterwards."""
         key = (B, L)
         if key in self._step_times:
             return self._step_times[key]
         saved = self._state.snapshot()
-        times = []
-        for kind in ("plain", "spec"):
-            if self.use_cuda_graphs:
-                self._graph(kind, B, L)
-                torch.cuda.synchronize(self.device)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                self._run_steps(kind, B, L, reps)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3 / reps)
-            else:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                t0 = time.perf_counter()
-                self._run_steps(kind, B, L, reps)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                times.append((time.perf_counter() - t0) / reps)
-            self._state.restore(saved)
-        self._step_times[key] = (times[0], times[1])
+        if self.use_cuda_graphs:
+            self._graph("plain", B, L)
+        with _DeviceTimer(self.device) as timer:
+            self._run_steps("plain", B, L, reps)
+        self._state.restore(saved)
+        self._step_times[key] = timer.seconds / reps
         return self._step_times[key]
 
     # ----------------------------------------------------------------------------- prefill
@@ -585,6 +618,7 @@ class RolloutEngine:
         live_drafted = [0] * S
         live_accepted = [0] * S
         iterations = 0
+        timing = _SpecTiming()
         while True:
             free = [s for s in range(S) if item[s] is None]
             if waiting and free:
@@ -616,7 +650,12 @@ class RolloutEngine:
             top = max(len(prompts[item[s]]) + min(count[s] + n_steps * Q, max_new) for s in active)
             L = _length_bucket(top + 2 * D + 1, M)
             kind = "spec" if spec else "plain"
-            self._run_steps(kind, B, L, n_steps)
+            timer = _DeviceTimer(self.device, synchronize=False) if spec else None
+            if timer is not None:
+                with timer:
+                    self._run_steps(kind, B, L, n_steps)
+            else:
+                self._run_steps(kind, B, L, n_steps)
             stats.num_forwards += n_steps
             if spec:
                 iterations += n_steps
@@ -626,9 +665,14 @@ class RolloutEngine:
                 count[s], live_drafted[s], live_accepted[s] = host[1][s], host[2][s], host[3][s]
                 if host[0][s]:
                     finished.append(s)
+            if timer is not None:  # read after the sync above: no extra wait
+                timing.spec_s += timer.seconds
+                timing.plain_s += n_steps * self._plain_step_time(B, L)
             if finished:
                 yield from self._collect(finished, item, count, live_drafted, live_accepted, stats)
-            if spec and iterations >= SWITCH_MIN_ITERATIONS and self._should_switch_off(B, L, stats, live_drafted, live_accepted):
+            if spec and iterations >= SWITCH_MIN_ITERATIONS and self._should_switch_off(
+                timing, stats, live_drafted, live_accepted
+            ):
                 spec = False
                 stats.switched_off_at_iteration = iterations
         stats.wall_time_s = time.perf_counter() - start_time
@@ -636,13 +680,14 @@ class RolloutEngine:
         stats.graph_captures = self._captures - captures_before
         stats.speculative_next = cfg.speculative and self._speculative_active
 
-    def _should_switch_off(self, B: int, L: int, stats: RolloutStats, live_drafted, live_accepted) -> bool:
+    def _should_switch_off(self, timing: _SpecTiming, stats: RolloutStats, live_drafted, live_accepted) -> bool:
+        """Estimate speedup = (tokens per verify) · (plain step time) / (verify iteration time) over
+        the iterations so far, each bucket's plain time measured on the device; switch off below 1."""
         drafted = stats.drafted_tokens + sum(live_drafted)
-        if not drafted:
+        if not drafted or timing.spec_s <= 0:
             return False
-        t_plain, t_spec = self._step_times_for(B, L)
         per_iter = 1.0 + self.num_drafts * (stats.accepted_tokens + sum(live_accepted)) / drafted
-        stats.speculative_speedup = per_iter * t_plain / t_spec
+        stats.speculative_speedup = per_iter * timing.plain_s / timing.spec_s
         if stats.speculative_speedup >= 1.0:
             return False
         self._speculative_active = False

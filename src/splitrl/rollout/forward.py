@@ -20,17 +20,8 @@ import torch
 from torch import nn
 
 from splitrl.models.policy import PolicyModel
-from splitrl.rollout.kv import StaticKVCache, causal_attention
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _rope(x_BMHd: torch.Tensor, cos_BMd: torch.Tensor, sin_BMd: torch.Tensor) -> torch.Tensor:
-    # transformers' apply_rotary_pos_emb, with heads after positions
-    return x_BMHd * cos_BMd[:, :, None] + _rotate_half(x_BMHd) * sin_BMd[:, :, None]
+from splitrl.rollout.fused import Kernels
+from splitrl.rollout.kv import AttentionPlan, StaticKVCache, causal_attention
 
 
 def mtp_parts(model: PolicyModel, depth: int) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module, nn.Module]:
@@ -60,11 +51,16 @@ def check_supported(model: PolicyModel) -> None:
 class DecoderForward:
     """Prefill and cached decode through the backbone (and the MTP depths) of ``model``."""
 
-    def __init__(self, model: PolicyModel):
+    def __init__(self, model: PolicyModel, compiled: bool = False):
         check_supported(model)
         self.model = model
         self.layers = list(model.backbone.model.layers)
         self.final_norm = model.backbone.model.norm
+        self.k = Kernels(compiled, model.output_weight.device, model.output_weight.dtype)
+        self.silu = model.config.hidden_act == "silu"
+
+    def _norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.k.rms_norm(x, module.weight, module.variance_epsilon)
 
     # ------------------------------------------------------------------------------ one layer
     def _layer(
@@ -77,30 +73,30 @@ class DecoderForward:
         index: int,
         *,
         prefill_slots: torch.Tensor | None = None,
-        write_pos: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-        limit: torch.Tensor | None = None,
-        length: int = 0,
-        slots: torch.Tensor | None = None,
+        plan: AttentionPlan | None = None,
     ) -> torch.Tensor:
         attn = layer.self_attn
         B, M, _ = h.shape
         d = attn.head_dim
-        x = layer.input_layernorm(h)
+        x = self._norm(layer.input_layernorm, h)
         q = attn.q_proj(x).view(B, M, -1, d)
         k = attn.k_proj(x).view(B, M, -1, d)
         v = attn.v_proj(x).view(B, M, -1, d)
         if hasattr(attn, "q_norm"):  # Qwen3
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
+        q, k = self.k.rope(q, cos, sin), self.k.rope(k, cos, sin)
         if prefill_slots is not None:
             cache.write_prefix(index, prefill_slots, k, v)
             o = causal_attention(q, k, v, attn.scaling)
         else:
-            cache.write(index, write_pos, k, v, slots)
-            o = cache.attend(index, q, positions, limit, length, attn.scaling, slots)
-        h = h + attn.o_proj(o)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+            cache.write(index, plan, k, v)
+            o = cache.attend(index, q, plan, attn.scaling, self.k.masked_softmax)
+        post = layer.post_attention_layernorm
+        h, x = self.k.add_rms_norm(attn.o_proj(o), h, post.weight, post.variance_epsilon)
+        mlp = layer.mlp
+        if self.silu:
+            return h + mlp.down_proj(self.k.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+        return h + mlp(x)
 
     # ------------------------------------------------------------------------------ backbone
     def backbone_prefill(self, ids_BM: torch.Tensor, slots_B: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
@@ -112,7 +108,7 @@ class DecoderForward:
         cos, sin = self.model.rotary_emb(h, pos)
         for i, layer in enumerate(self.layers):
             h = self._layer(layer, h, cos, sin, cache, i, prefill_slots=slots_B)
-        return self.final_norm(h)
+        return self._norm(self.final_norm, h)
 
     def backbone_decode(
         self, ids_BQ: torch.Tensor, positions_BQ: torch.Tensor, cache: StaticKVCache, length: int
@@ -120,17 +116,15 @@ class DecoderForward:
         """h⁰ [B, Q, H] of Q new tokens per slot 0..B-1 (causal among them and over the cache)."""
         h = self.model.embed_tokens(ids_BQ)
         cos, sin = self.model.rotary_emb(h, positions_BQ)
+        plan = cache.plan(positions_BQ, positions_BQ, positions_BQ, length)  # shared by all layers
         for i, layer in enumerate(self.layers):
-            h = self._layer(
-                layer, h, cos, sin, cache, i,
-                write_pos=positions_BQ, positions=positions_BQ, limit=positions_BQ, length=length,
-            )  # fmt: skip
-        return self.final_norm(h)
+            h = self._layer(layer, h, cos, sin, cache, i, plan=plan)
+        return self._norm(self.final_norm, h)
 
     # ------------------------------------------------------------------------------ MTP
     def _mtp_input(self, depth: int, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         enorm, hnorm, fc, _, _ = mtp_parts(self.model, depth)
-        return fc(torch.cat([enorm(embeds), hnorm(hidden)], dim=-1))
+        return fc(torch.cat([self._norm(enorm, embeds), self._norm(hnorm, hidden)], dim=-1))
 
     def mtp_prefill(
         self, depth: int, embeds_BMH: torch.Tensor, hidden_BMH: torch.Tensor, slots_B: torch.Tensor, cache: StaticKVCache
@@ -140,7 +134,7 @@ class DecoderForward:
         x = self._mtp_input(depth, embeds_BMH, hidden_BMH)
         B, M, _ = x.shape
         cos, sin = self.model.rotary_emb(x, torch.arange(M, device=x.device).expand(B, M))
-        return norm(self._layer(layer, x, cos, sin, cache, depth - 1, prefill_slots=slots_B))
+        return self._norm(norm, self._layer(layer, x, cos, sin, cache, depth - 1, prefill_slots=slots_B))
 
     def mtp_decode(
         self,
@@ -159,8 +153,5 @@ class DecoderForward:
         _, _, _, layer, norm = mtp_parts(self.model, depth)
         x = self._mtp_input(depth, embeds_BQH, hidden_BQH)
         cos, sin = self.model.rotary_emb(x, positions_BQ)
-        h = self._layer(
-            layer, x, cos, sin, cache, depth - 1,
-            write_pos=write_pos_BQ, positions=write_pos_BQ, limit=limit_BQ, length=length, slots=slots_B,
-        )  # fmt: skip
-        return norm(h)
+        plan = cache.plan(write_pos_BQ, write_pos_BQ, limit_BQ, length, slots_B)
+        return self._norm(norm, self._layer(layer, x, cos, sin, cache, depth - 1, plan=plan))

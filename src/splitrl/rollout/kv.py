@@ -13,8 +13,29 @@ window entries) go to the last index, ``scratch``, which no context reaches.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+
+from splitrl.rollout.fused import masked_softmax
+
+
+@dataclass
+class AttentionPlan:
+    """Write indices and the additive mask of one forward (see :meth:`StaticKVCache.plan`).
+
+    Attributes:
+        flat_index: int64 [B*Q*Hk] rows of the cache layer viewed as [S*Hk*M, d].
+        mask: fp32 [B, 1, 1, Q, L], 0 where allowed, -inf elsewhere.
+        length: L, the cache prefix read.
+        slots: the rows' slots, or None for slots 0..B-1.
+    """
+
+    flat_index: torch.Tensor
+    mask: torch.Tensor
+    length: int
+    slots: torch.Tensor | None
 
 
 class StaticKVCache:
@@ -43,61 +64,62 @@ class StaticKVCache:
         self.k[layer, :, :, :M].index_copy_(0, slot_ids, k_BMHd.transpose(1, 2))
         self.v[layer, :, :, :M].index_copy_(0, slot_ids, v_BMHd.transpose(1, 2))
 
-    def write(
+    def plan(
         self,
-        layer: int,
-        positions_BQ: torch.Tensor,
-        k_BQHd: torch.Tensor,
-        v_BQHd: torch.Tensor,
-        slots_B: torch.Tensor | None = None,
-    ) -> None:
-        """Entry (b, q) to slot b (or ``slots_B[b]``) at index ``positions_BQ[b, q]`` (graph-safe:
-        one index_copy_)."""
-        B, Q, Hk, d = k_BQHd.shape
-        M = self.max_len
-        rows = torch.arange(B, device=positions_BQ.device) if slots_B is None else slots_B
-        rows = rows[:, None, None] * Hk
-        heads = torch.arange(Hk, device=positions_BQ.device)[None, None, :]
-        flat = ((rows + heads) * M + positions_BQ[:, :, None]).reshape(-1)  # [B*Q*Hk] into [S*Hk*M]
-        self.k[layer].view(-1, d).index_copy_(0, flat, k_BQHd.reshape(-1, d))
-        self.v[layer].view(-1, d).index_copy_(0, flat, v_BQHd.reshape(-1, d))
-
-    def attend(
-        self,
-        layer: int,
-        q_BQHd: torch.Tensor,
+        write_pos_BQ: torch.Tensor,
         positions_BQ: torch.Tensor,
         limit_BQ: torch.Tensor,
         length: int,
-        scale: float,
         slots_B: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Attention of the queries of slots 0..B-1 (or ``slots_B``, then with a copy) over their
-        first ``length`` entries.
+    ) -> AttentionPlan:
+        """Where a forward's Q entries per row go and what each may read (shared by all layers).
 
-        Query (b, q) reads indices j <= ``limit_BQ[b, q]`` and j = ``positions_BQ[b, q]``; ``limit``
-        must be >= 0 or the own index must have been written (at least one entry is allowed).
+        Entry (b, q) is written to slot b (or ``slots_B[b]``) at index ``write_pos_BQ[b, q]``; as a
+        query it reads the first ``length`` indices j with j <= ``limit_BQ[b, q]`` or
+        j = ``positions_BQ[b, q]`` (its own entry). At least one index must be allowed (``limit``
+        >= 0, or the own entry within ``length``).
+        """
+        B, Q = write_pos_BQ.shape
+        Hk, M = self.k.shape[2], self.max_len
+        device = write_pos_BQ.device
+        rows = torch.arange(B, device=device) if slots_B is None else slots_B
+        heads = torch.arange(Hk, device=device)
+        flat = ((rows[:, None, None] * Hk + heads) * M + write_pos_BQ[:, :, None]).reshape(-1)  # [B*Q*Hk]
+        j = torch.arange(length, device=device)
+        allowed = (j <= limit_BQ[..., None]) | (j == positions_BQ[..., None])  # [B, Q, L]
+        mask = torch.zeros(allowed.shape, dtype=torch.float32, device=device).masked_fill(~allowed, float("-inf"))
+        return AttentionPlan(flat, mask[:, None, None], length, slots_B)
+
+    def write(self, layer: int, plan: AttentionPlan, k_BQHd: torch.Tensor, v_BQHd: torch.Tensor) -> None:
+        """Store a forward's keys and values where ``plan`` says (graph-safe: one index_copy_ each)."""
+        d = k_BQHd.shape[-1]
+        self.k[layer].view(-1, d).index_copy_(0, plan.flat_index, k_BQHd.reshape(-1, d))
+        self.v[layer].view(-1, d).index_copy_(0, plan.flat_index, v_BQHd.reshape(-1, d))
+
+    def attend(self, layer: int, q_BQHd: torch.Tensor, plan: AttentionPlan, scale: float, softmax=None) -> torch.Tensor:
+        """Attention of the queries of slots 0..B-1 (or ``plan.slots``, then with a copy) over
+        their first ``plan.length`` entries, masked as :meth:`plan` says.
+
         Heads are grouped as in transformers' ``repeat_kv`` (query head h reads kv head h // G).
-        Scores and softmax in fp32, as the eager attention of transformers.
+        Softmax in fp32, as transformers' eager attention (``softmax`` = a fused equivalent of
+        :func:`splitrl.rollout.fused.masked_softmax`).
 
         Returns:
             [B, Q, H * d] in the query's dtype.
         """
         B, Q, H, d = q_BQHd.shape
-        if slots_B is None:
+        length = plan.length
+        if plan.slots is None:
             k = self.k[layer, :B, :, :length]  # [B, Hk, L, d], a view: no copy
             v = self.v[layer, :B, :, :length]
         else:
-            k = self.k[layer][slots_B, :, :length]
-            v = self.v[layer][slots_B, :, :length]
+            k = self.k[layer][plan.slots, :, :length]
+            v = self.v[layer][plan.slots, :, :length]
         Hk = k.shape[1]
         G = H // Hk
         q = q_BQHd.view(B, Q, Hk, G, d).permute(0, 2, 3, 1, 4).reshape(B, Hk, G * Q, d)
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [B, Hk, G*Q, L]
-        j = torch.arange(length, device=q.device)
-        allowed = (j <= limit_BQ[..., None]) | (j == positions_BQ[..., None])  # [B, Q, L]
-        scores = scores.view(B, Hk, G, Q, length).masked_fill(~allowed[:, None, None], float("-inf"))
-        probs = scores.softmax(-1).to(q.dtype).view(B, Hk, G * Q, length)
+        scores = torch.matmul(q, k.transpose(-1, -2)).view(B, Hk, G, Q, length)
+        probs = (softmax or masked_softmax)(scores, plan.mask, scale).view(B, Hk, G * Q, length)
         out = torch.matmul(probs, v)  # [B, Hk, G*Q, d]
         return out.view(B, Hk, G, Q, d).permute(0, 3, 1, 2, 4).reshape(B, Q, H * d)
 
