@@ -79,7 +79,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--speculative", action="store_true", help="also measure speculative decoding")
-    p.add_argument("--train-mtp-steps", type=int, default=150, help="MTP warm-up steps before speculation")
+    p.add_argument("--train-mtp-steps", type=int, default=200, help="MTP warm-up steps before speculation")
     p.add_argument("--no-graph-column", action="store_true", help="skip the eager (no CUDA graph) column")
     p.add_argument("--baselines", default="", help="comma list of hf-eager, hf-static")
     p.add_argument("--ragged", type=int, default=0, help="samples of the ragged EOS-driven scenario (0: skip)")
@@ -180,7 +180,7 @@ def train_mtp_heads(model: PolicyModel, args: argparse.Namespace, steps: int) ->
         p.requires_grad_(False)
     for p in params:
         p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=2e-3, weight_decay=0.0)
     hit = 0.0
     for step in range(steps):
         rows = torch.randint(0, n, (batch,), device=args.device)
@@ -193,7 +193,40 @@ def train_mtp_heads(model: PolicyModel, args: argparse.Namespace, steps: int) ->
             hit = float(100 * out.mtp_hit_sums[0] / out.mtp_counts[0])
     for p in model.parameters():
         p.requires_grad_(False)
-    return hit
+    return hit, seqs
+
+
+@torch.no_grad()
+def acceptance_rules(model: PolicyModel, seqs: torch.Tensor, prompt_len: int, temperature: float) -> tuple[float, float]:
+    """Depth-1 acceptance (%) over the response positions of ``seqs`` (teacher-forced): the rejection
+    rule's E[Σ min(p, q)] vs the coupled rule's P(race winner of q = race winner of p) (same noise)."""
+    from splitrl.models.policy import build_attention_mask
+    from splitrl.rollout.sampling import STREAM_TARGET, race_sample, seed_words
+
+    x = seqs[:32]
+    B, S = x.shape
+    pos = torch.arange(S, device=x.device).expand(B, S)
+    mask = build_attention_mask(torch.zeros_like(x), model.config._attn_implementation, model.output_weight.dtype)
+    emb = model.embed_tokens(x)
+    h0 = model.backbone.model(inputs_embeds=emb, attention_mask=mask, position_ids=pos).last_hidden_state
+    emb1 = torch.nn.functional.pad(emb[:, 1:], (0, 0, 0, 1))
+    h1 = model.mtp.depth_forward(
+        1, emb1, h0, attention_mask=mask, position_embeddings=model.rotary_emb(h0, pos), position_ids=pos
+    )
+    # p at position t+1 (predicts x_{t+2}) vs depth 1 at position t (reads x_{t+1}, predicts x_{t+2})
+    sl = slice(prompt_len - 1, S - 2)
+    p_logits = (h0[:, sl.start + 1 : sl.stop + 1] @ model.output_weight.T).float() / temperature
+    q_logits = (h1[:, sl] @ model.output_weight.T).float() / temperature
+    p, q = p_logits.softmax(-1), q_logits.softmax(-1)
+    rejection = float(torch.minimum(p, q).sum(-1).mean()) * 100
+    n = p_logits.shape[0] * p_logits.shape[1]
+    lo, hi = seed_words(list(range(n)), x.device)
+    c = torch.zeros(n, dtype=torch.int64, device=x.device)
+    V = p_logits.shape[-1]
+    same = race_sample(p_logits.reshape(n, V), lo, hi, c, STREAM_TARGET) == race_sample(
+        q_logits.reshape(n, V), lo, hi, c, STREAM_TARGET
+    )
+    return rejection, float(same.float().mean()) * 100
 
 
 @torch.no_grad()
@@ -340,10 +373,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.speculative and args.train_mtp_steps:
         t0 = time.perf_counter()
-        hit = train_mtp_heads(model, args, args.train_mtp_steps)
+        hit, seqs = train_mtp_heads(model, args, args.train_mtp_steps)
+        rejection, coupled = acceptance_rules(model, seqs, args.prompt_len, args.temperature)
         print(
             f"MTP warm-up: {args.train_mtp_steps} steps on the model's own samples, teacher-forced depth-1 "
-            f"acceptance {hit:.1f}% ({time.perf_counter() - t0:.0f} s)",
+            f"top-1 agreement {hit:.1f}%; depth-1 acceptance at T={args.temperature}: rejection rule "
+            f"E[sum min(p,q)] {rejection:.1f}%, coupled Gumbel rule (ours) {coupled:.1f}% "
+            f"({time.perf_counter() - t0:.0f} s)",
             flush=True,
         )
     baselines = [b for b in args.baselines.split(",") if b]
@@ -383,11 +419,11 @@ def main(argv: list[str] | None = None) -> None:
             + f" ({time.perf_counter() - t_start:.0f} s)",
             flush=True,
         )
+    if args.profile:
+        for batch in (1, 32, 256):
+            profile_decode(model, args, batch, args.profile)
     if args.ragged:
         ragged_scenario(model, args, args.speculative)
-    if args.profile:
-        for batch in (1, 32):
-            profile_decode(model, args, batch, args.profile)
 
 
 if __name__ == "__main__":

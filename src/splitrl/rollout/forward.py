@@ -67,6 +67,7 @@ class DecoderForward:
         self,
         layer: nn.Module,
         h: torch.Tensor,
+        delta: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache: StaticKVCache,
@@ -74,17 +75,27 @@ class DecoderForward:
         *,
         prefill_slots: torch.Tensor | None = None,
         plan: AttentionPlan | None = None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer on the residual stream h + delta (delta: the previous layer's MLP
+        output, added here so that the add and this layer's input norm are one fused op).
+
+        Returns (residual stream after attention, MLP output): the layer's output is their sum.
+        """
         attn = layer.self_attn
         B, M, _ = h.shape
         d = attn.head_dim
-        x = self._norm(layer.input_layernorm, h)
+        norm = layer.input_layernorm
+        if delta is None:
+            x = self.k.rms_norm(h, norm.weight, norm.variance_epsilon)
+        else:
+            h, x = self.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)
         q = attn.q_proj(x).view(B, M, -1, d)
         k = attn.k_proj(x).view(B, M, -1, d)
         v = attn.v_proj(x).view(B, M, -1, d)
         if hasattr(attn, "q_norm"):  # Qwen3
-            q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
-        q, k = self.k.rope(q, cos, sin), self.k.rope(k, cos, sin)
+            q, k = self.k.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon, cos, sin)
+        else:
+            q, k = self.k.qk_rope(q, k, cos, sin)
         if prefill_slots is not None:
             cache.write_prefix(index, prefill_slots, k, v)
             o = causal_attention(q, k, v, attn.scaling)
@@ -95,8 +106,16 @@ class DecoderForward:
         h, x = self.k.add_rms_norm(attn.o_proj(o), h, post.weight, post.variance_epsilon)
         mlp = layer.mlp
         if self.silu:
-            return h + mlp.down_proj(self.k.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
-        return h + mlp(x)
+            return h, mlp.down_proj(self.k.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+        return h, mlp(x)
+
+    def _stack(self, h, cos, sin, cache, **kw) -> torch.Tensor:
+        """The backbone's layers, then its final norm."""
+        delta = None
+        for i, layer in enumerate(self.layers):
+            h, delta = self._layer(layer, h, delta, cos, sin, cache, i, **kw)
+        norm = self.final_norm
+        return self.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)[1]
 
     # ------------------------------------------------------------------------------ backbone
     def backbone_prefill(self, ids_BM: torch.Tensor, slots_B: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
@@ -106,9 +125,7 @@ class DecoderForward:
         h = self.model.embed_tokens(ids_BM)
         pos = torch.arange(M, device=ids_BM.device).expand(B, M)
         cos, sin = self.model.rotary_emb(h, pos)
-        for i, layer in enumerate(self.layers):
-            h = self._layer(layer, h, cos, sin, cache, i, prefill_slots=slots_B)
-        return self._norm(self.final_norm, h)
+        return self._stack(h, cos, sin, cache, prefill_slots=slots_B)
 
     def backbone_decode(
         self, ids_BQ: torch.Tensor, positions_BQ: torch.Tensor, cache: StaticKVCache, length: int
@@ -117,9 +134,7 @@ class DecoderForward:
         h = self.model.embed_tokens(ids_BQ)
         cos, sin = self.model.rotary_emb(h, positions_BQ)
         plan = cache.plan(positions_BQ, positions_BQ, positions_BQ, length)  # shared by all layers
-        for i, layer in enumerate(self.layers):
-            h = self._layer(layer, h, cos, sin, cache, i, plan=plan)
-        return self._norm(self.final_norm, h)
+        return self._stack(h, cos, sin, cache, plan=plan)
 
     # ------------------------------------------------------------------------------ MTP
     def _mtp_input(self, depth: int, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -134,7 +149,8 @@ class DecoderForward:
         x = self._mtp_input(depth, embeds_BMH, hidden_BMH)
         B, M, _ = x.shape
         cos, sin = self.model.rotary_emb(x, torch.arange(M, device=x.device).expand(B, M))
-        return self._norm(norm, self._layer(layer, x, cos, sin, cache, depth - 1, prefill_slots=slots_B))
+        h, delta = self._layer(layer, x, None, cos, sin, cache, depth - 1, prefill_slots=slots_B)
+        return self.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)[1]
 
     def mtp_decode(
         self,
@@ -154,4 +170,5 @@ class DecoderForward:
         x = self._mtp_input(depth, embeds_BQH, hidden_BQH)
         cos, sin = self.model.rotary_emb(x, positions_BQ)
         plan = cache.plan(write_pos_BQ, write_pos_BQ, limit_BQ, length, slots_B)
-        return self._norm(norm, self._layer(layer, x, cos, sin, cache, depth - 1, plan=plan))
+        h, delta = self._layer(layer, x, None, cos, sin, cache, depth - 1, plan=plan)
+        return self.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)[1]

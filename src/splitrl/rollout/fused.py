@@ -33,6 +33,15 @@ def rope(x_BMHd: torch.Tensor, cos_BMd: torch.Tensor, sin_BMd: torch.Tensor) -> 
     return x_BMHd * cos_BMd[:, :, None] + rotated * sin_BMd[:, :, None]
 
 
+def qk_norm_rope(q, k, q_weight, k_weight, eps: float, cos, sin):
+    """Qwen3's per-head RMSNorm of queries and keys, then the rotary embedding of both."""
+    return rope(rms_norm(q, q_weight, eps), cos, sin), rope(rms_norm(k, k_weight, eps), cos, sin)
+
+
+def qk_rope(q, k, cos, sin):
+    return rope(q, cos, sin), rope(k, cos, sin)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
@@ -42,7 +51,7 @@ def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, scale: float) -> to
     return (scores.float() * scale + mask).softmax(-1).to(scores.dtype)
 
 
-_NAMES = ("rms_norm", "add_rms_norm", "rope", "silu_mul", "masked_softmax")
+_NAMES = ("rms_norm", "add_rms_norm", "rope", "qk_norm_rope", "qk_rope", "silu_mul", "masked_softmax")
 _COMPILED: dict[str, object] = {}
 
 
@@ -63,6 +72,8 @@ class Kernels:
                 fns["rms_norm"](x, w, 1e-6)
                 fns["add_rms_norm"](x, x, w, 1e-6)
                 fns["rope"](x[:, :, None], x, x)
+                fns["qk_norm_rope"](x[:, :, None], x[:, :, None], w, w, 1e-6, x, x)
+                fns["qk_rope"](x[:, :, None], x[:, :, None], x, x)
                 fns["silu_mul"](x, x)
                 fns["masked_softmax"](x, torch.zeros(8, device=device), 0.5)
                 _COMPILED.update(fns)
