@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -58,7 +59,7 @@ PREFILL_TOKENS = 16384
 # The speculative switch-off rule decides after this many verify iterations of a call.
 SWITCH_MIN_ITERATIONS = 32
 # Fuse the elementwise ops of the forward with torch.compile on CUDA (fewer kernel launches).
-COMPILE_KERNELS = True
+COMPILE_KERNELS = os.environ.get("SPLITRL_COMPILE_KERNELS", "1") != "0"
 # Decode-step buckets: rows (slots 0..B-1) and cache prefix lengths.
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 

@@ -66,7 +66,11 @@ class Kernels:
     def __init__(self, compiled: bool, device: torch.device | None = None, dtype: torch.dtype = torch.float32):
         if compiled and not _COMPILED:
             try:
-                fns = {n: torch.compile(globals()[n], dynamic=True, fullgraph=True) for n in _NAMES}
+                # one compilation per dtype / rank / size-1 specialization; dozens in a process
+                for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit"):
+                    if hasattr(torch._dynamo.config, knob):
+                        setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 512))
+                fns = {n: torch.compile(globals()[n], dynamic=True) for n in _NAMES}
                 x = torch.randn(2, 3, 8, device=device, dtype=dtype)
                 w = torch.ones(8, device=device, dtype=dtype)
                 fns["rms_norm"](x, w, 1e-6)
