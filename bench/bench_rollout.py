@@ -295,23 +295,28 @@ def ragged_scenario(model: PolicyModel, args: argparse.Namespace, spec_ok: bool)
         model, GenerationConfig(temperature=args.temperature, max_new_tokens=256, batch_size=64), args.device
     ).generate(prompts_for(model, 64, args.prompt_len, seed=7), list(range(64)))
     counts: dict[int, int] = {}
+    spread: dict[int, int] = {}  # in how many samples a token occurs
     for r in probe:
         for t in r.response_ids:
             counts[t] = counts.get(t, 0) + 1
+        for t in set(r.response_ids):
+            spread[t] = spread.get(t, 0) + 1
     total = sum(counts.values())
     target = total / args.ragged_mean_len
     stops, mass = [], 0
-    for t, c in sorted(counts.items(), key=lambda kv: kv[1]):  # rare tokens first: many stop ids
-        if mass + c > target:
+    # tokens that many samples emit, each rarely: every sample meets a stop at a similar rate
+    for t in sorted(counts, key=lambda t: (-spread[t], counts[t])):
+        if mass + counts[t] > target:
             continue
         stops.append(t)
-        mass += c
+        mass += counts[t]
     prompts = prompts_for(model, n, args.prompt_len, seed=8)
     seeds = list(range(20_000, 20_000 + n))
     base = dict(temperature=args.temperature, max_new_tokens=args.ragged_max_new, stop_token_ids=stops, batch_size=S)
     lines = []
     for name, spec in (("continuous", False), ("continuous + spec", True)) if spec_ok else (("continuous", False),):
         engine = RolloutEngine(model, GenerationConfig(speculative=spec, **base), args.device)
+        engine.speculative_switch_off = False
         engine.generate(prompts[:S], seeds[:S])
         sync(args.device)
         t0 = time.perf_counter()
@@ -400,14 +405,17 @@ def main(argv: list[str] | None = None) -> None:
             figures["no-graph"] = measure_engine(plain_engine, prompts, seeds, 1).tokens_per_s
         if args.speculative:
             spec_cfg = GenerationConfig(batch_size=batch, speculative=True, **common)
-            spec = measure_engine(RolloutEngine(model, spec_cfg, args.device), prompts, seeds, args.repeats)
+            spec_engine = RolloutEngine(model, spec_cfg, args.device)
+            spec_engine.speculative_switch_off = False  # measure speculation; the rule's estimate is printed
+            spec = measure_engine(spec_engine, prompts, seeds, args.repeats)
             figures["spec"] = spec.tokens_per_s
             per_depth = "/".join(f"{r:.0f}" for r in spec.acceptance_rate_per_depth)
             est = f"{spec.speculative_speedup:.2f}x" if spec.speculative_speedup is not None else "n/a"
             off = spec.switched_off_at_iteration
             notes.append(
                 f"spec {spec.tokens_per_s / plain.tokens_per_s:.2f}x plain, acceptance {spec.acceptance_rate:.1f}% "
-                f"(per depth {per_depth}), rule estimate {est}" + (f", switched off at iteration {off}" if off else "")
+                f"(per depth {per_depth}), switch-off rule estimate {est}"
+                + (f", switched off at iteration {off}" if off else "")
             )
         cells = " ".join(f"{figures[c]:>13.0f} ({100 * figures[c] / roof:>5.1f}%)    " for c in cols)
         print(

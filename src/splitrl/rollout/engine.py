@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 SYNC_EVERY = 16
 # Prefill token budget of one forward (rows of a refill are cut into forwards of at most this).
 PREFILL_TOKENS = 16384
+# Free slots are refilled once they are at least this fraction of the slots (or nothing runs):
+# a refill is an eager prefill, so a few larger ones cost less host time than many small ones.
+REFILL_MIN_FRACTION = 1 / 8
 # The speculative switch-off rule decides after this many verify iterations of a call.
 SWITCH_MIN_ITERATIONS = 32
 # Fuse the elementwise ops of the forward with torch.compile on CUDA (fewer kernel launches).
@@ -276,6 +279,8 @@ class RolloutEngine:
 
     Attributes:
         use_cuda_graphs: capture decode steps as CUDA graphs (CUDA only; default True there).
+        speculative_switch_off: apply the switch-off rule (default True); when False the rule's
+            estimate is still computed and reported (benchmarks measure speculation this way).
 
     Raises:
         ValueError: a stop token outside the vocabulary; ``speculative=True`` with a model without
@@ -308,6 +313,7 @@ class RolloutEngine:
         self.policy_version = 0
         self.last_stats: RolloutStats | None = None
         self.use_cuda_graphs = self.device.type == "cuda"
+        self.speculative_switch_off = True
         self._speculative_active = config.speculative
         self._warned_slow = False
         self._stop_ids = torch.tensor(sorted(set(config.stop_token_ids)), dtype=torch.int64, device=self.device)
@@ -622,7 +628,8 @@ class RolloutEngine:
         timing = _SpecTiming()
         while True:
             free = [s for s in range(S) if item[s] is None]
-            if waiting and free:
+            idle = len(free) == S
+            if waiting and free and (idle or len(free) >= min(len(waiting), max(1, int(S * REFILL_MIN_FRACTION)))):
                 take = free[: len(waiting)]
                 new = [waiting.popleft() for _ in take]
                 budget = max(1, PREFILL_TOKENS // max(len(prompts[i]) for i in new))
@@ -689,7 +696,7 @@ class RolloutEngine:
             return False
         per_iter = 1.0 + self.num_drafts * (stats.accepted_tokens + sum(live_accepted)) / drafted
         stats.speculative_speedup = per_iter * timing.plain_s / timing.spec_s
-        if stats.speculative_speedup >= 1.0:
+        if stats.speculative_speedup >= 1.0 or not self.speculative_switch_off:
             return False
         self._speculative_active = False
         level = logging.INFO if self._warned_slow else logging.WARNING  # afterwards: rollout/speculative_next
