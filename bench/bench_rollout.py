@@ -207,7 +207,9 @@ def train_mtp_heads(model: PolicyModel, args: argparse.Namespace, steps: int) ->
 
 
 @torch.no_grad()
-def acceptance_rules(model: PolicyModel, seqs: torch.Tensor, prompt_len: int, temperature: float) -> tuple[float, float]:
+def acceptance_rules(
+    model: PolicyModel, seqs: torch.Tensor, prompt_len: int, temperature: float
+) -> tuple[float, float]:
     """Depth-1 acceptance (%) over the response positions of ``seqs`` (teacher-forced): the rejection
     rule's E[Σ min(p, q)] vs the coupled rule's P(race winner of q = race winner of p) (same noise)."""
     from splitrl.models.policy import build_attention_mask
@@ -449,7 +451,8 @@ def main(argv: list[str] | None = None) -> None:
     for b in baselines:
         for batch in [int(x) for x in args.batch_sizes.split(",")]:
             t0 = time.perf_counter()
-            tps = measure_hf(model, prompts_for(model, batch, args.prompt_len), args.new_tokens, b == "hf-static", 1, args.device)
+            prompts = prompts_for(model, batch, args.prompt_len)
+            tps = measure_hf(model, prompts, args.new_tokens, b == "hf-static", 1, args.device)
             _, roof = roofline(model, batch, context, args.hbm_tb_s * 1e12)
             print(f"{b:>9} batch {batch:>4}: {tps:>9.0f} tok/s ({100 * tps / roof:.1f}% of roofline) "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)

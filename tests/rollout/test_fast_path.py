@@ -66,9 +66,11 @@ def test_results_do_not_depend_on_slots_refills_or_compaction(monkeypatch, model
     seeds = list(range(8))
     moves = []
     original = engine_mod.RolloutEngine._compact
-    monkeypatch.setattr(
-        engine_mod.RolloutEngine, "_compact", lambda self, active, *a: moves.append(list(active)) or original(self, active, *a)
-    )
+    def recording(self, active, *a):
+        moves.append(list(active))
+        return original(self, active, *a)
+
+    monkeypatch.setattr(engine_mod.RolloutEngine, "_compact", recording)
     wide = RolloutEngine(model, cfg, "cpu").generate(prompts, seeds)
     assert any(m != list(range(len(m))) for m in moves)  # some rows really moved
     monkeypatch.setattr(engine_mod, "SYNC_EVERY", 1)

@@ -218,7 +218,9 @@ class GenerationWorker:
                 r.response_ids, r.logprobs, r.finish_reason = r.response_ids[:n], r.logprobs[:n], "stop"
         texts = [self._decode(r.response_ids) for r in results]
         rewards = self.scorer.score([prompt] * len(results), texts)
-        group = Group(group_id=f"p{prompt_index}-v{version}", prompt_index=prompt_index, samples=[], policy_version=version)
+        group = Group(
+            group_id=f"p{prompt_index}-v{version}", prompt_index=prompt_index, samples=[], policy_version=version
+        )
         ids_out, tm_out, lp_out, sids = [], [], [], []
         P = len(p_ids)
         for j, (res, text, rew) in enumerate(zip(results, texts, rewards)):

@@ -45,7 +45,13 @@ class MTPDrafter:
     """
 
     def __init__(
-        self, forward: DecoderForward, num_drafts: int, cache: StaticKVCache, temperature: float, top_k: int, top_p: float
+        self,
+        forward: DecoderForward,
+        num_drafts: int,
+        cache: StaticKVCache,
+        temperature: float,
+        top_k: int,
+        top_p: float,
     ):
         model = forward.model
         assert model.mtp is not None and 1 <= num_drafts <= model.num_mtp_depths

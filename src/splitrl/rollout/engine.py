@@ -199,7 +199,8 @@ class _SlotState:
 
     def small(self) -> list[torch.Tensor]:
         """Everything a decode step changes besides caches and response buffers."""
-        return [getattr(self, n) for n in self.SMALL] + [self.reached_depth, self.accepted_depth, self.drafts, self.carry]
+        extra = [self.reached_depth, self.accepted_depth, self.drafts, self.carry]
+        return [getattr(self, n) for n in self.SMALL] + extra
 
     def snapshot(self) -> list[torch.Tensor]:
         return [t.clone() for t in self.small()]

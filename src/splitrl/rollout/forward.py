@@ -93,7 +93,8 @@ class DecoderForward:
         k = attn.k_proj(x).view(B, M, -1, d)
         v = attn.v_proj(x).view(B, M, -1, d)
         if hasattr(attn, "q_norm"):  # Qwen3
-            q, k = self.k.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon, cos, sin)
+            eps = attn.q_norm.variance_epsilon
+            q, k = self.k.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, eps, cos, sin)
         else:
             q, k = self.k.qk_rope(q, k, cos, sin)
         if prefill_slots is not None:
@@ -142,7 +143,12 @@ class DecoderForward:
         return fc(torch.cat([self._norm(enorm, embeds), self._norm(hnorm, hidden)], dim=-1))
 
     def mtp_prefill(
-        self, depth: int, embeds_BMH: torch.Tensor, hidden_BMH: torch.Tensor, slots_B: torch.Tensor, cache: StaticKVCache
+        self,
+        depth: int,
+        embeds_BMH: torch.Tensor,
+        hidden_BMH: torch.Tensor,
+        slots_B: torch.Tensor,
+        cache: StaticKVCache,
     ) -> torch.Tensor:
         """h^k [B, M, H] at positions 0..M-1 (valid entries must be a prefix of each row)."""
         _, _, _, layer, norm = mtp_parts(self.model, depth)
