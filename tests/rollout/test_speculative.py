@@ -259,3 +259,63 @@ def test_step_times_are_measured_without_changing_the_samples(monkeypatch):
         assert a.response_ids == b.response_ids
         assert (a.drafted_tokens, a.accepted_tokens) == (b.drafted_tokens, b.accepted_tokens)
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_every_mtp_cache_entry_matches_teacher_forcing(monkeypatch):
+    """Every entry the drafter writes as valid (prefill prefix, verify windows), at every depth (3
+    here), holds depth k's teacher-forced output h^k at its position: the static MTP caches are
+    filled exactly as training computes the MTP branch. Refills (5 samples, 2 slots) included."""
+    from splitrl.rollout.forward import DecoderForward
+
+    model = make_model(vocab=16, depths=3, hidden_size=32, intermediate_size=64)
+    writes = []  # (seed, depth, position, output)
+    context = {}
+    original_prefill, original_step = MTPDrafter.prefill, MTPDrafter.step
+    original_mtp_prefill, original_mtp_decode = DecoderForward.mtp_prefill, DecoderForward.mtp_decode
+
+    def prefill(self, h0, seq, n, slots, lo, hi):
+        context.update(seeds=lo.tolist(), n=n.tolist(), scratch=self.cache.scratch)
+        return original_prefill(self, h0, seq, n, slots, lo, hi)
+
+    def step(self, h0, t, a, p0, counter, carry, lo, hi, length):
+        context.update(seeds=lo.tolist(), n=None, scratch=self.cache.scratch)
+        return original_step(self, h0, t, a, p0, counter, carry, lo, hi, length)
+
+    def mtp_prefill(self, depth, embeds, hidden, slots, cache):
+        out = original_mtp_prefill(self, depth, embeds, hidden, slots, cache)
+        for r, (seed, n) in enumerate(zip(context["seeds"], context["n"])):
+            for t in range(n - depth + 1):  # valid prefix: x_{t+k} is committed
+                writes.append((seed, depth, t, out[r, t]))
+        return out
+
+    def mtp_decode(self, depth, embeds, hidden, positions, write, limit, cache, length, slots=None):
+        out = original_mtp_decode(self, depth, embeds, hidden, positions, write, limit, cache, length, slots)
+        if context["n"] is None:  # a verify window (the query, last column for k >= 2, reads a draft)
+            W = out.shape[1] - (1 if depth >= 2 else 0)
+            for r, seed in enumerate(context["seeds"]):
+                for j in range(W):
+                    if int(write[r, j]) != context["scratch"]:
+                        writes.append((seed, depth, int(write[r, j]), out[r, j]))
+        return out
+
+    monkeypatch.setattr(MTPDrafter, "prefill", prefill)
+    monkeypatch.setattr(MTPDrafter, "step", step)
+    monkeypatch.setattr(DecoderForward, "mtp_prefill", mtp_prefill)
+    monkeypatch.setattr(DecoderForward, "mtp_decode", mtp_decode)
+    monkeypatch.setattr(engine_mod, "SWITCH_MIN_ITERATIONS", 10**9)
+    engine = RolloutEngine(model, GenerationConfig(speculative=True, max_new_tokens=14, batch_size=2), "cpu")
+    prompts = random_prompts(5, 16, (1, 7), seed=10)
+    seeds = [20, 21, 22, 23, 24]
+    results = engine.generate(prompts, seeds)
+    full = {s: p + r.response_ids for s, p, r in zip(seeds, prompts, results)}
+    hidden = {s: teacher_forced_mtp_hidden(model, ids) for s, ids in full.items()}
+    first = {}
+    for seed, depth, t, out in writes:
+        first.setdefault((seed, depth, t), out)  # a finished row rewrites garbage until the host syncs
+    compared = [0, 0, 0]
+    for (seed, depth, t), out in first.items():
+        if t + depth > len(full[seed]) - 1:  # past the sample's last committed input: a finished row
+            continue
+        torch.testing.assert_close(out, hidden[seed][depth][t], atol=1e-5, rtol=1e-4)
+        compared[depth - 1] += 1
+    assert min(compared) > 20, compared
