@@ -69,11 +69,13 @@ def _rank_main(rank, world, store, case, out):
 CASES = [
     (LossType.SEQUENCE_LEVEL, 2, True, True),
     (LossType.TOKEN_LEVEL, 1, False, False),
+    # two gradient accumulators, both reduce-scattered by FSDP2 (splitrl.train.mtp_grads)
+    (LossType.SEQUENCE_LEVEL, 2, False, True),
 ]
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", CASES, ids=["seq-D2-detached-packed", "tok-D1-attached-padded"])
+@pytest.mark.parametrize("case", CASES, ids=["seq-D2-detached-packed", "tok-D1-attached-padded", "seq-D2-attached-packed"])
 def test_two_ranks_equal_one_process(tmp_path, case):
     if DEVICE == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")

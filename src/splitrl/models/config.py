@@ -41,7 +41,22 @@ class ModelCapabilities(BaseModel):
 
 
 class MTPConfig(BaseModel):
-    """Multi-Token Prediction heads (DESIGN.md §3 knobs)."""
+    """Multi-Token Prediction heads (DESIGN.md §3 knobs).
+
+    Attributes:
+        mtp_num_layers: D, the number of depths; 0 disables MTP entirely.
+        mtp_loss_scaling_factor: λ; each depth's loss weighs λ / D. 0 keeps the heads for metrics
+            only (their parameters stay out of the optimizer).
+        mtp_use_repeated_layer: one depth module (input norms, ``fc``, decoder layer, final
+            norm) applied D times and stored once, instead of D depth modules.
+        mtp_detach_heads: the MTP branch reads detached copies of the backbone's hidden state,
+            embeddings and output head, so the backbone trains on the main loss only. With
+            ``false`` the MTP loss also trains the backbone. Cost: with a ``SEQUENCE_LEVEL`` loss
+            and λ > 0 the backbone gradient mixes 1/N_s (policy loss) and 1/N_t (MTP loss), which
+            the train step keeps apart with a second backward pass per microbatch and one extra
+            fp32 gradient buffer of the policy parameters (``splitrl.train.mtp_grads``); every other
+            combination runs a single backward.
+    """
 
     model_config = ConfigDict(extra="forbid")
 

@@ -13,7 +13,9 @@ path is tested against. The gradient of a step is
 
 applied once at finish together with the unscaling of the fp16 loss scale and of the optional
 per-step loss multiplier; both are fixed at begin, so nothing a chunk does depends on counts that
-are only known at finish.
+are only known at finish. With attached heads the MTP loss also reaches the policy parameters:
+under TOKEN_LEVEL both parts share 1/N_t (one backward); under SEQUENCE_LEVEL the two parts are
+accumulated apart and combined at finish (:mod:`splitrl.train.mtp_grads`, a second backward).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from splitrl.loss.base import LossType, Normalizer, PolicyLoss
 from splitrl.models.policy import PolicyModel
 from splitrl.train.batch import MicroBatch, TrainBatch
 from splitrl.train.microbatch import MicrobatchConfig, build_microbatches, empty_microbatch
+from splitrl.train.mtp_grads import SeparateMTPGradients, needs_separate_mtp_gradients
 from splitrl.train.optim import DynamicLossScaler, OptimConfig, build_optimizer
 
 
@@ -58,25 +61,6 @@ class TrainConfig(BaseModel):
     fsdp_reshard_after_forward: bool = True
 
 
-def mtp_rejection(loss_type: LossType, model: PolicyModel) -> str | None:
-    """Why (loss type, MTP config) cannot be trained exactly, or None (DESIGN §3)."""
-    cfg = model.mtp_config
-    if (
-        loss_type == LossType.SEQUENCE_LEVEL
-        and cfg.mtp_num_layers > 0
-        and not cfg.mtp_detach_heads
-        and cfg.mtp_loss_scaling_factor > 0
-    ):
-        return (
-            "loss_type=SEQUENCE_LEVEL with mtp_detach_heads=false and mtp_loss_scaling_factor="
-            f"{cfg.mtp_loss_scaling_factor} > 0 mixes two denominators (N_s for the policy loss, N_t for "
-            "the MTP loss) inside the backbone gradient, which one scale at finish cannot separate. "
-            "Either set mtp_detach_heads=true, or use loss_type=TOKEN_LEVEL "
-            "(or mtp_loss_scaling_factor=0 to keep the heads for metrics only)."
-        )
-    return None
-
-
 @dataclass
 class _StepState:
     loss_fn: PolicyLoss
@@ -84,6 +68,8 @@ class _StepState:
     num_tokens: torch.Tensor  # float64 scalar, local N_t
     num_samples: torch.Tensor  # local N_s
     mtp_sums: torch.Tensor  # [3, D] float64: CE, hits, counts
+    # SEQUENCE_LEVEL + attached heads + λ > 0: the MTP share of the policy gradient, kept apart
+    separate_mtp: SeparateMTPGradients | None = None
     metric_sums: dict[str, torch.Tensor] = field(default_factory=dict)
     metric_specs: dict[str, tuple[Normalizer | None, str]] = field(default_factory=dict)
     num_microbatches: int = 0
@@ -167,8 +153,7 @@ class TrainWorker:
 
         Raises:
             RuntimeError: a step is already open.
-            ValueError: the loss / MTP combination is rejected (DESIGN §3), or a bad argument;
-                nothing has changed.
+            ValueError: a bad argument; nothing has changed.
         """
         if self._step is not None:
             raise RuntimeError(
@@ -176,9 +161,6 @@ class TrainWorker:
                 "abort_train_step() first"
             )
         loss_type = LossType(loss_fn.loss_type)
-        reason = mtp_rejection(loss_type, self.model)
-        if reason is not None:
-            raise ValueError(reason)
         if expected_num_tokens is not None and expected_num_tokens <= 0:
             raise ValueError(f"expected_num_tokens must be > 0, got {expected_num_tokens}")
         self._zero_grads()
@@ -190,6 +172,11 @@ class TrainWorker:
             num_tokens=zero.clone(),
             num_samples=zero.clone(),
             mtp_sums=torch.zeros(3, D, dtype=torch.float64),
+            separate_mtp=(
+                SeparateMTPGradients([p for _, p in self.main_params])
+                if needs_separate_mtp_gradients(loss_type, self.model)
+                else None
+            ),
         )
 
     def _validate_chunk(self, chunk: TrainBatch, loss_fn: PolicyLoss) -> None:
@@ -279,12 +266,17 @@ class TrainWorker:
         # module even when its loss has no path to them (an empty microbatch under a
         # sequence-level loss sums nothing); the zero-weighted anchor gives that path.
         total = lo.loss + 0.0 * out.logprobs.sum()
-        if model.mtp_trains:
-            lam = model.mtp_config.mtp_loss_scaling_factor
-            total = total + (lam / D) * torch.stack(out.mtp_ce_sums).sum()
         scale = st.loss_multiplier * (self.scaler.scale if self.scaler is not None else 1.0)
-        # one scalar, one backward: main and MTP gradients share the loss scale (DESIGN §3)
-        (total * scale).backward()
+        if st.separate_mtp is not None:
+            lam = model.mtp_config.mtp_loss_scaling_factor
+            mtp_total = (lam / D) * torch.stack(out.mtp_ce_sums).sum()
+            st.separate_mtp.backward(total * scale, mtp_total * scale)
+        else:
+            if model.mtp_trains:
+                lam = model.mtp_config.mtp_loss_scaling_factor
+                total = total + (lam / D) * torch.stack(out.mtp_ce_sums).sum()
+            # one scalar, one backward: main and MTP gradients share the loss scale (DESIGN §3)
+            (total * scale).backward()
 
         # every count and metric of the microbatch in one device-to-host copy (one sync on GPU)
         names = list(lo.metrics)
@@ -348,10 +340,15 @@ class TrainWorker:
         # --- one all-reduce for every sum, one each for the extrema
         names = sorted(st.metric_specs)
         sum_names = [k for k in names if st.metric_specs[k][1] == "sum"]
-        sq_main, sq_mtp = self._sq_norm(self.main_params), self._sq_norm(self.mtp_params)
+        sq_mtp = self._sq_norm(self.mtp_params)
+        if st.separate_mtp is None:
+            sq_main, sep = self._sq_norm(self.main_params), torch.zeros(3, dtype=torch.float64)
+        else:  # (Σa², Σb², Σa·b) of the two policy accumulators (see mtp_grads)
+            sq_main, sep = torch.zeros((), dtype=torch.float64), st.separate_mtp.local_sq_terms()
         sums = torch.cat(
             [
                 torch.stack([st.num_tokens, st.num_samples, sq_main, sq_mtp]),
+                sep,
                 st.mtp_sums.reshape(-1),
                 torch.stack([st.metric_sums[k] for k in sum_names]) if sum_names else torch.zeros(0, dtype=torch.float64),
             ]
@@ -364,8 +361,9 @@ class TrainWorker:
                 vals = du.all_reduce(torch.stack([st.metric_sums[k] for k in ks]), op)
                 extrema.update(dict(zip(ks, vals.tolist())))
         n_tokens, n_samples, sq_main, sq_mtp = sums[:4].tolist()
-        mtp_sums = sums[4 : 4 + 3 * D].reshape(3, D)
-        metric_sums = dict(zip(sum_names, sums[4 + 3 * D :].tolist()))
+        sq_a, sq_b, dot_ab = sums[4:7].tolist()
+        mtp_sums = sums[7 : 7 + 3 * D].reshape(3, D)
+        metric_sums = dict(zip(sum_names, sums[7 + 3 * D :].tolist()))
 
         main_denom = n_tokens if loss_type == LossType.TOKEN_LEVEL else n_samples
         raw_scale = st.loss_multiplier * (self.scaler.scale if self.scaler is not None else 1.0)
@@ -374,9 +372,15 @@ class TrainWorker:
 
         inv_main = 1.0 / (raw_scale * main_denom) if not empty else 0.0
         inv_mtp = 1.0 / (raw_scale * n_tokens) if n_tokens > 0 else 0.0
-        main_norm = math.sqrt(sq_main) * inv_main
         mtp_norm = math.sqrt(sq_mtp) * inv_mtp
-        nonfinite = not (math.isfinite(sq_main) and math.isfinite(sq_mtp))
+        if st.separate_mtp is not None:
+            # ‖a/N_s + b/N_t‖ of the combined policy gradient, from the all-reduced terms
+            sq = inv_main**2 * sq_a + inv_mtp**2 * sq_b + 2.0 * inv_main * inv_mtp * dot_ab
+            main_norm = math.sqrt(max(sq, 0.0)) if math.isfinite(sq) else sq
+            nonfinite = not all(math.isfinite(x) for x in (sq_a, sq_b, dot_ab, sq_mtp))
+        else:
+            main_norm = math.sqrt(sq_main) * inv_main
+            nonfinite = not (math.isfinite(sq_main) and math.isfinite(sq_mtp))
         optim = self.config.optim
         if self.detached_heads:
             main_coef = _clip_coef(main_norm, optim.max_grad_norm)
@@ -394,7 +398,10 @@ class TrainWorker:
         skipped = empty or nonfinite
         if not skipped:
             with torch.no_grad():
-                _scale_grads(self.main_params, inv_main * main_coef)
+                if st.separate_mtp is not None:
+                    st.separate_mtp.combine_into_grad(inv_main * main_coef, inv_mtp * main_coef)
+                else:
+                    _scale_grads(self.main_params, inv_main * main_coef)
                 _scale_grads(self.mtp_params, inv_mtp * mtp_coef)
             self.optimizer.step()
             self.scheduler.step()
