@@ -37,7 +37,7 @@ def test_fp16_with_loss_scaling_matches_fp32_including_mtp():
 
 
 def test_fp16_sequence_level_attached_heads_matches_fp32():
-    """Both backward passes of the separate-MTP path (splitrl.train.mtp_grads) are loss-scaled and
+    """Both backward passes of the side-loss path (splitrl.train.side_grads) are loss-scaled and
     unscaled alike. Tolerance as above: ‖g16 − g32‖ ≤ 2 % of ‖g32‖ over the policy and over the
     MTP parameters; metrics rtol 1e-2."""
     batch = make_batch(16, seed=1)

@@ -167,7 +167,7 @@ def test_only_sequence_level_with_attached_trained_heads_pays_a_second_backward(
         return orig(self, *a, **k)
 
     w.begin_train_step(make_loss(loss_type))
-    assert (w._step.separate_mtp is not None) == separate
+    assert (w._step.side is not None) == separate
     torch.Tensor.backward = counting_backward
     try:
         w.train_microbatch(make_batch(6))  # mbs=3: two microbatches
