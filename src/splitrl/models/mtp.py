@@ -232,6 +232,8 @@ def mtp_state_from_checkpoint(stored: dict[str, torch.Tensor], num_modules: int)
       every depth module, so the loaded model computes the same function as the saved one (the
       copies then train apart).
 
+    Values are passed through (tensors are cloned where copied), so a name → shape map works too.
+
     Returns:
         (in-memory tensors ``depths.{i}.*``, the layout's name). Tensors whose count does not fit
         ``num_modules`` are mapped as found; the caller compares names and reports the mismatch.
@@ -257,5 +259,5 @@ def mtp_state_from_checkpoint(stored: dict[str, torch.Tensor], num_modules: int)
             out[name] = t
     for i in layer_ids or [0]:
         for name, t in top.items():
-            out[f"depths.{i}.{name}"] = t.clone()
+            out[f"depths.{i}.{name}"] = t.clone() if isinstance(t, torch.Tensor) else t
     return out, "qwen3_next" if len(layer_ids) <= 1 else "shared"

@@ -336,7 +336,8 @@ class TrainWorker:
             metrics (floats): the loss's metrics, each divided by its own denominator;
             ``grad_norm`` (pre-clip; policy parameters, plus MTP ones with attached heads);
             ``mtp/grad_norm`` (detached heads); ``mtp/mtp_{k}_loss`` and
-            ``mtp/mtp_{k}_acceptance_rate`` (percent) for k = 1..D; MoE backbones:
+            ``mtp/mtp_{k}_acceptance_rate`` (percent) and ``mtp/mtp_{k}_num_tokens`` (the depth's
+            counted targets, Σ mask_k over the step) for k = 1..D; MoE backbones:
             ``moe/aux_loss`` (L_aux, valid-token-weighted over the microbatches, without the
             coefficient) and ``moe/expert_load_max`` (:mod:`splitrl.models.moe`); ``lr``; ``num_valid_tokens``
             (N_t), ``num_valid_samples`` (N_s); ``skipped_step`` (1 when no update was applied),
@@ -442,6 +443,8 @@ class TrainWorker:
             ce, hit, cnt = mtp_sums[:, k].tolist()
             metrics[f"mtp/mtp_{k + 1}_loss"] = ce / cnt if cnt else float("nan")
             metrics[f"mtp/mtp_{k + 1}_acceptance_rate"] = 100.0 * hit / cnt if cnt else float("nan")
+            # the count explains a NaN loss: depth k had no target inside any kept response
+            metrics[f"mtp/mtp_{k + 1}_num_tokens"] = cnt
         if model.is_moe:
             metrics["moe/aux_loss"] = moe_aux_sum / n_tokens if n_tokens else float("nan")
             metrics["moe/expert_load_max"] = moe_load_sum / n_tokens if n_tokens else float("nan")
