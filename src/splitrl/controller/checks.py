@@ -87,7 +87,9 @@ def model_hf_config(config: RunConfig) -> Any:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(f"{key}.{unknown[0]} is not a key of the {m.family} config{hint}; unknown keys: {unknown}")
         try:
-            hf_cfg = cls(**m.backbone)
+            from splitrl.models.config import TINY_MOE
+
+            hf_cfg = cls(**({**TINY_MOE, **m.backbone} if m.family == "qwen3_moe" else m.backbone))  # as built
         except Exception as e:  # noqa: BLE001 - transformers' own validators raise several kinds
             raise ValueError(f"{key} is rejected by transformers' {m.family} config: {e}") from None
     heads = getattr(hf_cfg, "num_attention_heads", None)
