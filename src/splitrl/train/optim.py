@@ -18,7 +18,8 @@ class OptimConfig(BaseModel):
         weight_decay: AdamW decay of matrices (norm weights and biases are not decayed).
         warmup_steps: linear warmup from lr/warmup_steps to lr.
         schedule: ``constant`` after warmup, or ``cosine`` decay to ``min_lr_ratio``·lr at
-            ``total_steps`` (required for cosine).
+            ``total_steps`` (required for cosine; a run config fills in its ``num_steps``
+            before this config validates).
         max_grad_norm: clip of the policy gradient norm (None: no clipping).
         mtp_max_grad_norm: clip of the MTP group with detached heads (None: same as
             ``max_grad_norm``; ``inf`` to disable for MTP only).
