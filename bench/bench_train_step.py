@@ -1,13 +1,33 @@
-"""Throughput of the split train step against the synchronous one, in one run.
+"""Throughput, MFU and memory of the train step against plain Hugging Face, in one run.
 
-Builds a Qwen3-shaped policy with MTP heads (random init), a step of ragged GRPO samples, and
-times: the synchronous step (one chunk), the split step fed as K chunks, and a plain Hugging Face
-forward/backward of the backbone alone (what a user already has: next-token CE, no MTP). Prints
-tokens/s, the ratios, model FLOPs utilization and peak memory, and the command that reproduces
-the figures.
+One run measures, on one device, with the same random-init Qwen3-shaped model and one step of
+ragged GRPO samples:
+
+- plain Hugging Face forward/backward + fused AdamW (what a user already has: fp32 weights under
+  bf16 autocast, next-token CE) on the *same padded rows* the microbatch builder makes, and on
+  full-length rows;
+- the splitrl synchronous step without MTP and with ``--mtp`` depths, on padded and on packed
+  rows, and the split step fed as 1, 4 and 16 chunks (packed, with MTP);
+- packed rows with the other attention kernel (``SpeedConfig.packed_attention``: flex / varlen);
+- the rows above run eager decoder layers; then the packed steps with MTP run again with
+  compiled decoder layers (``SpeedConfig.compile_layers``, the default on one GPU);
+- peak memory of one packed step with MTP at 16 k and 32 k tokens per microbatch, with and without
+  activation checkpointing.
+
+Tokens/s counts real tokens (no padding). MFU = model FLOPs / (time · peak), with model FLOPs of a
+step (Kaplan et al. 2020 "6N" for matrix products, plus attention):
+
+    F = 6 · T · P_mm  +  12 · n_h · d_h · (n_layers + D) · Σ_samples L_i (L_i + 1) / 2
+
+    P_mm = backbone matrix parameters per token (decoder layers + output head V·H; the embedding
+           lookup is not a matrix product) + D · (MTP decoder layer + eh_proj 2H·H + output head V·H)
+
+T = real tokens, L_i = sample lengths, n_h·d_h = query heads × head dim; the attention term is
+causal QKᵀ and PV (2 · 2 · n_h · d_h per attended pair, L(L+1)/2 pairs per sample) × 3 for forward
++ backward. Plain HF is counted with the same formula and D = 0. Peak: 989 TFLOP/s dense bf16 (H200).
 
     python bench/bench_train_step.py --device cuda --preset qwen3-0.6b --mtp 2
-    python bench/bench_train_step.py --device cpu --preset tiny
+    python bench/bench_train_step.py --device cpu --preset tiny --repeats 1
 """
 
 from __future__ import annotations
@@ -22,7 +42,9 @@ import torch
 
 from splitrl.loss import ClippedPGLoss, GRPOLossConfig
 from splitrl.models import ModelConfig, MTPConfig, PolicyModel
-from splitrl.train import MicrobatchConfig, OptimConfig, TrainBatch, TrainConfig, TrainWorker
+from splitrl.train import MicrobatchConfig, OptimConfig, SpeedConfig, TrainBatch, TrainConfig, TrainWorker
+from splitrl.train.microbatch import build_microbatches
+from splitrl.train.speed import compile_layers, set_activation_checkpointing
 
 PRESETS = {
     "tiny": dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -51,9 +73,9 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_it(fn, device: str, repeats: int) -> float:
-    fn()  # warm-up: the first calls pay one-time kernel selection (seconds on CPU)
-    fn()
+def time_it(fn, device: str, repeats: int, warmups: int = 1) -> float:
+    for _ in range(warmups):  # first calls pay kernel selection and compilation
+        fn()
     times = []
     for _ in range(repeats):
         sync(device)
@@ -64,92 +86,148 @@ def time_it(fn, device: str, repeats: int) -> float:
     return statistics.median(times)
 
 
+def model_flops(cfg: dict, lengths: list[int], D: int) -> float:
+    """F of the module docstring for one step over samples of the given lengths."""
+    H, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    hq, hkv, dh, ffn = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["intermediate_size"]
+    layer = H * (hq * dh) * 2 + H * (hkv * dh) * 2 + 3 * H * ffn
+    p_mm = L * layer + V * H + D * (layer + 2 * H * H + V * H)
+    T = sum(lengths)
+    attn = 12 * hq * dh * (L + D) * sum(n * (n + 1) / 2 for n in lengths)
+    return 6 * T * p_mm + attn
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    ap.add_argument("--mtp", type=int, default=2, help="MTP depths")
-    ap.add_argument("--precision", default=None, choices=["fp32", "bf16"], help="default: bf16 on cuda, fp32 on cpu")
+    ap.add_argument("--mtp", type=int, default=2, help="MTP depths of the MTP runs")
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--response", type=int, default=1792)
-    ap.add_argument("--chunks", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=16384, help="token budget per microbatch")
-    ap.add_argument("--no-pack", action="store_true", help="padded rows (one sample each) instead of packed rows")
+    ap.add_argument("--max-tokens", type=int, default=8192, help="token budget per microbatch of the throughput runs")
+    ap.add_argument("--memory-budgets", type=int, nargs="*", default=[16384, 32768])
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled-layer runs")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
-    precision = args.precision or ("bf16" if args.device == "cuda" else "fp32")
-    print("command:", "python bench/bench_train_step.py " + shlex.join(sys.argv[1:] if argv is None else argv))
-
-    backbone = PRESETS[args.preset]
-    model = PolicyModel.from_config(ModelConfig(backbone=backbone, mtp=MTPConfig(mtp_num_layers=args.mtp)))
-    n_params = sum(p.numel() for p in model.parameters())
-    n_backbone = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("mtp."))
-    cfg = TrainConfig(
-        precision=precision,
-        device=args.device,
-        microbatch=MicrobatchConfig(max_tokens_per_microbatch=args.max_tokens, pack_sequences=not args.no_pack),
-        optim=OptimConfig(lr=1e-6),
-    )
-    worker = TrainWorker(model, cfg)
-    loss = ClippedPGLoss(GRPOLossConfig())
-    batch = make_batch(args.samples, args.prompt, args.response, backbone["vocab_size"])
+    dev = args.device
+    precision = "bf16" if dev == "cuda" else "fp32"
+    print("command: python bench/bench_train_step.py " + shlex.join(sys.argv[1:] if argv is None else argv), flush=True)
+    cfg = PRESETS[args.preset]
+    batch = make_batch(args.samples, args.prompt, args.response, cfg["vocab_size"])
     tokens = batch.num_tokens
-    per = max(1, args.samples // args.chunks)
-    chunks = [batch.select(list(range(i, min(i + per, args.samples)))) for i in range(0, args.samples, per)]
+    peak_tf = PEAK_TFLOPS.get(dev)
+    results: dict[str, float] = {}
+    print(f"{args.preset}; {precision} on {dev}; step = {args.samples} samples, {tokens} tokens "
+          f"(lengths {min(batch.lengths)}-{max(batch.lengths)}); microbatch budget {args.max_tokens} tokens", flush=True)
 
-    def split_step():
+    def report(name: str, t: float, lengths: list[int], D: int) -> float:
+        tps = sum(lengths) / t
+        line = f"{name:<52} {t * 1e3:8.1f} ms/step {tps:9.0f} tokens/s"
+        if peak_tf:
+            line += f"  MFU {100 * model_flops(cfg, lengths, D) / t / (peak_tf * 1e12):5.1f}%"
+        print(line, flush=True)
+        results[name] = tps
+        return tps
+
+    # --- plain Hugging Face: the same padded rows, and full-length rows
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    hf = AutoModelForCausalLM.from_config(Qwen3Config(**cfg), dtype=torch.float32).to(dev)
+    opt = torch.optim.AdamW(hf.parameters(), lr=1e-6, fused=dev == "cuda")
+    padded = [mb.to(dev) for mb in build_microbatches(batch, MicrobatchConfig(max_tokens_per_microbatch=args.max_tokens))]
+    Lmax = args.prompt + args.response
+    full = torch.randint(0, cfg["vocab_size"], (max(1, tokens // Lmax), Lmax), device=dev)
+
+    def hf_step(rows):
+        for ids, labels in rows:
+            with torch.autocast(dev, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                out = hf(input_ids=ids, labels=labels)
+            out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    hf_padded = [(mb.input_ids, torch.where(mb.segment_ids >= 0, mb.input_ids, -100)) for mb in padded]
+    h_pad = report("plain HF, padded rows (same as splitrl's)", time_it(lambda: hf_step(hf_padded), dev, args.repeats), batch.lengths, 0)
+    report(f"plain HF, full rows ({full.shape[0]} x {Lmax})", time_it(lambda: hf_step([(full, full)]), dev, args.repeats), [Lmax] * full.shape[0], 0)
+    hf = opt = padded = hf_padded = full = None
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+
+    loss = ClippedPGLoss(GRPOLossConfig())
+
+    def chunks_of(k: int) -> list[TrainBatch]:
+        per = -(-args.samples // k)
+        return [batch.select(list(range(i, min(i + per, args.samples)))) for i in range(0, args.samples, per)]
+
+    def split_step(worker, chunks):
         worker.begin_train_step(loss)
         for c in chunks:
             worker.train_microbatch(c)
         worker.finish_train_step()
 
-    if args.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    t_sync = time_it(lambda: worker.train(batch, loss), args.device, args.repeats)
-    t_split = time_it(split_step, args.device, args.repeats)
-    peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else float("nan")
+    def set_layout(worker, pack: bool, budget: int):
+        worker.config.microbatch = MicrobatchConfig(max_tokens_per_microbatch=budget, pack_sequences=pack)
 
-    # what a user already has: the plain HF backbone, next-token CE, fused AdamW, same tokens
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    for D in (0, args.mtp):
+        model = PolicyModel.from_config(ModelConfig(backbone=cfg, mtp=MTPConfig(mtp_num_layers=D)))
+        worker = TrainWorker(model, TrainConfig(precision=precision, device=dev, optim=OptimConfig(lr=1e-6), speed=SpeedConfig(compile_layers=False)))
+        tag = f"splitrl, {D} MTP"
+        for pack in (False, True):
+            set_layout(worker, pack, args.max_tokens)
+            report(f"{tag}, {'packed' if pack else 'padded'}, sync", time_it(lambda: worker.train(batch, loss), dev, args.repeats), batch.lengths, D)
+        if dev == "cuda":
+            try:  # the other packed-attention kernel, for the choice of the default
+                model.packed_attention = "varlen"
+                report(f"{tag}, packed, sync, varlen attention", time_it(lambda: worker.train(batch, loss), dev, args.repeats), batch.lengths, D)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"  varlen attention failed: {type(e).__name__}: {e}"[:1500], flush=True)
+            model.packed_attention = "flex"
+        if D > 0:
+            for k in (1, 4, 16):
+                cs = chunks_of(k)
+                report(f"{tag}, packed, split {k} chunks", time_it(lambda: split_step(worker, cs), dev, args.repeats), batch.lengths, D)
+        if D > 0 and dev == "cuda":
+            for budget in args.memory_budgets:
+                big = make_batch(2 * args.samples, args.prompt, args.response, cfg["vocab_size"], seed=1)
+                set_layout(worker, True, budget)
+                for ckpt in (False, True):
+                    set_activation_checkpointing(model, ckpt)
+                    # optimizer state exists already: the first step at this budget shows the peak
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    t = time.perf_counter()
+                    worker.train(big, loss)
+                    torch.cuda.synchronize()
+                    t = time.perf_counter() - t
+                    print(f"  peak memory, packed, {D} MTP, {budget} tokens/microbatch, activation checkpointing "
+                          f"{'on ' if ckpt else 'off'}: {torch.cuda.max_memory_allocated() / 2**30:5.1f} GiB "
+                          f"({big.num_tokens / t:.0f} tokens/s)", flush=True)
+                set_activation_checkpointing(model, False)
+        if D == args.mtp:
+            summarize(results, h_pad, D)
+            if not args.no_compile and dev == "cuda":
+                try:
+                    compile_layers(model)
+                    set_layout(worker, True, args.max_tokens)
+                    c = report(f"{tag}, packed, sync, compiled layers", time_it(lambda: worker.train(batch, loss), dev, args.repeats, warmups=2), batch.lengths, D)
+                    cs = chunks_of(16)
+                    c16 = report(f"{tag}, packed, split 16 chunks, compiled layers", time_it(lambda: split_step(worker, cs), dev, args.repeats), batch.lengths, D)
+                    print(f"  compiled / eager layers ({tag}, packed, sync): {c / results[f'{tag}, packed, sync']:.3f}; "
+                          f"compiled split 16 / sync: {c16 / c:.3f}")
+                except Exception as e:  # noqa: BLE001 - report and keep the figures above
+                    print(f"  compiled layers failed: {type(e).__name__}: {e}"[:2000])
+        worker = model = None
+        if dev == "cuda":
+            torch.cuda.empty_cache()
 
-    worker = model = None  # free the policy before the HF baseline runs
-    if args.device == "cuda":
-        torch.cuda.empty_cache()
-    hf = AutoModelForCausalLM.from_config(Qwen3Config(**backbone), dtype=torch.float32).to(args.device)
-    opt = torch.optim.AdamW(hf.parameters(), lr=1e-6, fused=args.device == "cuda")
-    L = args.prompt + args.response
-    rows = max(1, tokens // L)
-    x = torch.randint(0, backbone["vocab_size"], (rows, L), device=args.device)
 
-    def hf_step():
-        with torch.autocast(args.device, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            out = hf(input_ids=x, labels=x)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    t_hf = time_it(hf_step, args.device, args.repeats)
-    hf_tokens = rows * L
-
-    def report(name, t, tok, params):
-        tps = tok / t
-        line = f"{name:<28} {t * 1e3:9.1f} ms/step  {tps:11.0f} tokens/s"
-        peak_tf = PEAK_TFLOPS.get(args.device)
-        if peak_tf:
-            line += f"  MFU {100 * 6 * params * tps / (peak_tf * 1e12):5.1f}%"
-        print(line)
-        return tps
-
-    print(f"model: {args.preset} + {args.mtp} MTP depths, {n_params / 1e6:.1f} M parameters "
-          f"({n_backbone / 1e6:.1f} M backbone); {precision} on {args.device}; step = {args.samples} samples, "
-          f"{tokens} tokens; split = {len(chunks)} chunks; microbatch budget {args.max_tokens} tokens, "
-          f"{'padded' if args.no_pack else 'packed'}")
-    s = report("splitrl sync step", t_sync, tokens, n_params)
-    p = report(f"splitrl split step ({len(chunks)} chunks)", t_split, tokens, n_params)
-    h = report("plain HF backbone (no MTP)", t_hf, hf_tokens, n_backbone)
-    print(f"split / sync throughput: {p / s:.3f}   splitrl sync / plain HF: {s / h:.3f}")
-    print(f"peak memory (splitrl steps): {peak:.1f} GiB")
+def summarize(r: dict[str, float], h_pad: float, D: int) -> None:
+    print("summary:")
+    print(f"  no MTP, splitrl padded / plain HF padded: {r['splitrl, 0 MTP, padded, sync'] / h_pad:.3f}")
+    print(f"  no MTP, splitrl packed / plain HF padded: {r['splitrl, 0 MTP, packed, sync'] / h_pad:.3f}")
+    print(f"  {D} MTP, split 16 chunks / sync (packed): "
+          f"{r[f'splitrl, {D} MTP, packed, split 16 chunks'] / r[f'splitrl, {D} MTP, packed, sync']:.3f}", flush=True)
 
 
 if __name__ == "__main__":

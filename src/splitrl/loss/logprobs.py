@@ -1,33 +1,134 @@
 """Logprobs of given targets without keeping the full logits alive.
 
-Legend: N = flattened positions, H = hidden size, V = vocabulary.
+Legend: N = flattened positions, H = hidden size, V = vocabulary, C = positions per chunk.
 
-The output head is applied chunk by chunk under activation checkpointing, so only one chunk of
-logits [chunk, V] exists at a time, in the forward and again in the backward (recomputed). This is
-what lets a 150 k-token vocabulary train on long rows without a [N, V] fp32 tensor.
+The output head is one autograd node that walks the positions in chunks of C: the forward keeps
+only per-position statistics (logprob, entropy, log-normalizer, argmax hit), and the backward
+recomputes each chunk's logits [C, V] and turns them straight into the logits' gradient. At no
+time does more than one chunk of logits exist, and no per-chunk autograd graph is recorded, so a
+150 k-token vocabulary trains on long rows without an [N, V] fp32 tensor.
+
+Per position, with z = (h · Wᵀ) / T upcast to fp32 and p = softmax(z):
+
+    logprob(t) = z_t − logsumexp(z)
+    entropy    = −Σ_v p_v log p_v
+    ∂logprob(t)/∂z_v = [v = t] − p_v
+    ∂entropy/∂z_v    = −p_v (log p_v + entropy)
+
+(the entropy gradient is the standard one of −Σ p log p under z ↦ softmax(z)). Logits are
+computed in the compute dtype (bf16 under autocast, exactly as ``F.linear`` under autocast does) and
+upcast to fp32 before any reduction; the weight gradient is accumulated in fp32 across chunks.
+
+On CUDA the per-chunk elementwise work (softmax statistics in the forward, the logits' gradient
+in the backward) is compiled into fused kernels when :func:`set_fused_kernels` is on; the CPU
+path runs the same functions eagerly.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+
+_USE_COMPILED = {"enabled": True}
 
 
-def _chunk_stats(
-    hidden_CH: torch.Tensor, weight_VH: torch.Tensor, targets_C: torch.Tensor, temperature: float, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    logits_CV = F.linear(hidden_CH, weight_VH).float()
+def set_fused_kernels(enabled: bool) -> None:
+    """Compile the per-chunk softmax statistics and gradients on CUDA (default on; CPU never compiles)."""
+    _USE_COMPILED["enabled"] = bool(enabled)
+
+
+def _stats(z_CV: torch.Tensor, targets_C: torch.Tensor, temperature: float, with_entropy: bool):
+    z = z_CV.to(torch.promote_types(z_CV.dtype, torch.float32))
     if temperature != 1.0:
-        logits_CV = logits_CV / temperature
-    logp_CV = torch.log_softmax(logits_CV, dim=-1)
-    logprobs_C = logp_CV.gather(-1, targets_C.unsqueeze(-1)).squeeze(-1)
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    lp = z.gather(-1, targets_C[:, None]).squeeze(-1) - lse
     if with_entropy:
-        entropy_C = -(logp_CV.exp() * logp_CV).sum(-1)
+        logp = z - lse[:, None]
+        ent = -(logp.exp() * logp).sum(-1)
     else:
-        entropy_C = torch.zeros_like(logprobs_C)
-    hit_C = (logits_CV.detach().argmax(-1) == targets_C).float()
-    return logprobs_C, entropy_C, hit_C
+        ent = torch.zeros_like(lse)
+    hit = (z.argmax(-1) == targets_C).float()
+    return lp, ent, hit, lse
+
+
+def _grad_logits(
+    z_CV: torch.Tensor,
+    targets_C: torch.Tensor,
+    lse_C: torch.Tensor,
+    ent_C: torch.Tensor,
+    g_lp_C: torch.Tensor,
+    g_ent_C: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+):
+    z = z_CV.to(torch.promote_types(z_CV.dtype, torch.float32))
+    if temperature != 1.0:
+        z = z / temperature
+    logp = z - lse_C[:, None]
+    p = logp.exp()
+    if with_entropy:
+        g = -p * (g_lp_C[:, None] + g_ent_C[:, None] * (logp + ent_C[:, None]))
+    else:
+        g = -p * g_lp_C[:, None]
+    onehot = torch.arange(z.shape[-1], device=z.device)[None, :] == targets_C[:, None]
+    g = g + onehot * g_lp_C[:, None]
+    if temperature != 1.0:
+        g = g / temperature  # dz/dlogits = 1/T
+    return g.to(z_CV.dtype)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _kernel(name: str, device: torch.device):
+    fn = {"stats": _stats, "grad": _grad_logits}[name]
+    if device.type != "cuda" or not _USE_COMPILED["enabled"]:
+        return fn
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(fn, dynamic=True)
+    return _COMPILED[name]
+
+
+class _ChunkedHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, targets_N, temperature, with_entropy, chunk_size, compute_dtype):
+        h = hidden_NH.to(compute_dtype)
+        w = weight_VH.to(compute_dtype)
+        N = h.shape[0]
+        f32 = dict(dtype=torch.promote_types(compute_dtype, torch.float32), device=h.device)
+        lp, ent, hit, lse = (torch.empty(N, **f32) for _ in range(4))
+        stats = _kernel("stats", h.device)
+        for s in range(0, N, chunk_size):
+            e = min(N, s + chunk_size)
+            z = F.linear(h[s:e], w)
+            lp[s:e], ent[s:e], hit[s:e], lse[s:e] = stats(z, targets_N[s:e], temperature, with_entropy)
+        ctx.save_for_backward(h, w, targets_N, lse, ent)
+        ctx.cfg = (temperature, with_entropy, chunk_size, hidden_NH.dtype, weight_VH.dtype)
+        ctx.mark_non_differentiable(hit)
+        return lp, ent, hit
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent, _g_hit):
+        h, w, targets, lse, ent = ctx.saved_tensors
+        temperature, with_entropy, chunk_size, h_dtype, w_dtype = ctx.cfg
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        N = h.shape[0]
+        acc = lse.dtype  # fp32 (fp64 when computing in fp64)
+        g_lp = torch.zeros(N, dtype=acc, device=h.device) if g_lp is None else g_lp.to(acc)
+        g_ent = torch.zeros(N, dtype=acc, device=h.device) if g_ent is None else g_ent.to(acc)
+        dh = torch.empty(N, h.shape[1], dtype=h_dtype, device=h.device) if need_h else None
+        dw = torch.zeros(w.shape, dtype=acc, device=w.device) if need_w else None
+        grad = _kernel("grad", h.device)
+        for s in range(0, N, chunk_size):
+            e = min(N, s + chunk_size)
+            z = F.linear(h[s:e], w)
+            gz = grad(z, targets[s:e], lse[s:e], ent[s:e], g_lp[s:e], g_ent[s:e], temperature, with_entropy)
+            if need_h:
+                dh[s:e] = gz @ w
+            if need_w:
+                dw += (gz.t() @ h[s:e]).to(acc)
+        return dh, (dw.to(w_dtype) if need_w else None), None, None, None, None, None
 
 
 def target_logprobs(
@@ -37,31 +138,37 @@ def target_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
-    chunk_size: int = 2048,
+    chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logprob of each target under softmax(hidden @ weightᵀ / temperature).
 
     Args:
-        hidden_NH: [N, H] hidden states (any float dtype; logits are upcast to fp32).
+        hidden_NH: [N, H] hidden states (any float dtype).
         weight_VH: [V, H] output-head weight.
         targets_N: [N] int64 target ids in [0, V).
         temperature: sampling temperature T (DESIGN §5: logprobs are of logits / T).
         with_entropy: also return the entropy of each distribution (differentiable).
-        chunk_size: positions per checkpointed chunk.
+        chunk_size: positions per chunk (default: 4096 on CUDA, 2048 elsewhere). Only memory and
+            the summation order of the weight gradient depend on it.
 
     Returns:
         (logprobs [N] fp32, entropy [N] fp32 (zeros unless ``with_entropy``),
-        hit [N] fp32 — 1.0 where argmax == target, not differentiable).
+        hit [N] fp32 — 1.0 where argmax == target, not differentiable). Logits are computed in the
+        autocast dtype when autocast is on, else in ``hidden_NH``'s dtype, and reduced in fp32.
+
+    Raises:
+        ValueError: ``temperature`` <= 0.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to define logprobs, got {temperature}")
-    need_grad = torch.is_grad_enabled() and (hidden_NH.requires_grad or weight_VH.requires_grad)
-    outs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    for start in range(0, max(hidden_NH.shape[0], 1), chunk_size):
-        h = hidden_NH[start : start + chunk_size]
-        t = targets_N[start : start + chunk_size]
-        if need_grad:
-            outs.append(checkpoint(_chunk_stats, h, weight_VH, t, temperature, with_entropy, use_reentrant=False))
-        else:
-            outs.append(_chunk_stats(h, weight_VH, t, temperature, with_entropy))
-    return tuple(torch.cat([o[i] for o in outs]) for i in range(3))  # type: ignore[return-value]
+    dev = hidden_NH.device.type
+    if torch.is_autocast_enabled(dev):
+        compute_dtype = torch.get_autocast_dtype(dev)
+    else:
+        compute_dtype = torch.promote_types(hidden_NH.dtype, weight_VH.dtype)
+    if chunk_size is None:
+        chunk_size = 4096 if dev == "cuda" else 2048
+    with torch.autocast(dev, enabled=False):
+        return _ChunkedHead.apply(
+            hidden_NH, weight_VH, targets_N, float(temperature), with_entropy, chunk_size, compute_dtype
+        )

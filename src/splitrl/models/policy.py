@@ -18,6 +18,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen3Config, Qwen3MoeConfig
 
 from splitrl.loss.logprobs import target_logprobs
+from splitrl.models.attention import packed_attention_mask
 from splitrl.models.config import SUPPORTED_FAMILIES, TINY_MOE, ModelCapabilities, ModelConfig, MTPConfig
 from splitrl.models.moe import router_statistics
 from splitrl.models.mtp import MTPBlock
@@ -149,6 +150,9 @@ class PolicyModel(nn.Module):
         self.mtp_config = mtp or MTPConfig()
         self.capabilities = capabilities or ModelCapabilities()
         self.mtp: MTPBlock | None = None
+        # packed rows on CUDA: per-sample causal attention without a dense [S, S] mask
+        # (``flex`` or ``varlen``, see ``splitrl.models.attention``); ``dense`` builds the mask
+        self.packed_attention = "flex"
         D = self.mtp_config.mtp_num_layers
         if D > 0:
             inner = backbone.model
@@ -243,20 +247,36 @@ class PolicyModel(nn.Module):
         return self.backbone.model.rotary_emb
 
     # --------------------------------------------------------------------------------- forward
-    def _backbone_hidden(self, input_ids, segment_ids, position_ids):
+    def _attention_mask(self, segment_ids, dtype, one_sample_per_row: bool | None):
+        attn_impl = self.config._attn_implementation
+        if attn_impl == "sdpa":
+            if one_sample_per_row is None:
+                one_sample_per_row = _one_sample_per_row_right_padded(segment_ids)  # host sync on GPU
+            if one_sample_per_row:
+                # plain causal attention is exact here (a real token never sees the padding after
+                # it) and lets SDPA pick its fused causal kernels instead of a dense [S, S] mask
+                return None
+            if segment_ids.is_cuda and self.packed_attention != "dense":
+                return packed_attention_mask(segment_ids, self.packed_attention)
+        return build_attention_mask(segment_ids, attn_impl, dtype)
+
+    def _backbone_hidden(self, input_ids, segment_ids, position_ids, one_sample_per_row: bool | None = None):
         """(embeddings [B, S, H], h⁰ [B, S, H] after the final norm, the attention mask used,
         the routers' logits — one [B·S, E] per MoE layer; empty for dense backbones)."""
         embeds = self.embed_tokens(input_ids)
-        attn_impl = self.config._attn_implementation
-        if attn_impl == "sdpa" and _one_sample_per_row_right_padded(segment_ids):
-            # plain causal attention is exact here (a real token never sees the padding after
-            # it) and lets SDPA pick its fused causal kernels instead of a dense [S, S] mask
-            mask = None
-        else:
-            mask = build_attention_mask(segment_ids, attn_impl, embeds.dtype)
+        mask = self._attention_mask(segment_ids, embeds.dtype, one_sample_per_row)
+        backbone_positions = position_ids
+        if mask is None:
+            # transformers reads a position-id reset as the start of a packed sample and then
+            # builds a dense mask (3.5x slower attention on the H200); padding after the sample
+            # keeps counting so that no reset is seen. Padding positions are never read.
+            S = position_ids.shape[1]
+            backbone_positions = torch.where(
+                segment_ids >= 0, position_ids, torch.arange(S, device=position_ids.device).expand_as(position_ids)
+            )
         moe = {"output_router_logits": True} if self.is_moe else {}
         base = self.backbone.model(
-            inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, use_cache=False, **moe
+            inputs_embeds=embeds, attention_mask=mask, position_ids=backbone_positions, use_cache=False, **moe
         )
         hidden0 = base.last_hidden_state  # after the final norm: the tensor lm_head reads
         return embeds, hidden0, mask, tuple(getattr(base, "router_logits", None) or ())
@@ -286,6 +306,7 @@ class PolicyModel(nn.Module):
         temperature: float = 1.0,
         with_entropy: bool = False,
         logprob_mask: torch.Tensor | None = None,
+        one_sample_per_row: bool | None = None,
     ) -> PolicyOutput:
         """Logprobs of the given tokens and, when D > 0, the per-depth MTP raw sums.
 
@@ -301,6 +322,9 @@ class PolicyModel(nn.Module):
             with_entropy: also compute the (differentiable) entropy at each position.
             logprob_mask: [B, S]; when given, logprobs and entropy are computed only where it is
                 nonzero (0 elsewhere), so the output head skips prompt and padding positions.
+            one_sample_per_row: the caller knows that every row holds one sample, right-padded
+                (True) or that rows are packed (False); None: read it from ``segment_ids`` (a
+                device-to-host sync on GPU).
 
         Returns:
             :class:`PolicyOutput`.
@@ -319,7 +343,7 @@ class PolicyModel(nn.Module):
         if D > 0 and mtp_loss_mask is None:
             raise ValueError("mtp_loss_mask [B, S] is required when the model has MTP heads (mtp_num_layers > 0)")
 
-        embeds, hidden0, mask, router_logits = self._backbone_hidden(input_ids, segment_ids, position_ids)
+        embeds, hidden0, mask, router_logits = self._backbone_hidden(input_ids, segment_ids, position_ids, one_sample_per_row)
 
         weight = self.output_weight
         H = hidden0.shape[-1]

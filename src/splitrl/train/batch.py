@@ -255,10 +255,20 @@ class MicroBatch:
         """[b, s] advantage of each position's sample."""
         return self.gather_samples(self.advantages)
 
-    def to(self, device: torch.device | str) -> "MicroBatch":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "MicroBatch":
+        """Every tensor field moved to ``device``; ``non_blocking`` overlaps copies from pinned memory."""
         moved = {
-            f.name: getattr(self, f.name).to(device)
+            f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
             for f in fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
         return replace(self, **moved)
+
+    def pin_memory(self) -> "MicroBatch":
+        """Copy with every CPU tensor in page-locked memory, so that a CUDA copy does not wait for the GPU."""
+        pinned = {
+            f.name: getattr(self, f.name).pin_memory()
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor) and getattr(self, f.name).device.type == "cpu"
+        }
+        return replace(self, **pinned)

@@ -34,9 +34,11 @@ from splitrl.distributed import utils as du
 from splitrl.loss.base import LossType, Normalizer, PolicyLoss
 from splitrl.models.policy import PolicyModel
 from splitrl.train.batch import MicroBatch, TrainBatch
-from splitrl.train.microbatch import MicrobatchConfig, build_microbatches, empty_microbatch
+from splitrl.train.microbatch import MicrobatchConfig, build_microbatches, build_ready_microbatches, empty_microbatch
+from splitrl.train.mixed_precision import ComputeWeights
 from splitrl.train.side_grads import SideLossGradients, needs_side_gradients
 from splitrl.train.optim import DynamicLossScaler, OptimConfig, build_optimizer
+from splitrl.train.speed import SpeedConfig, apply_speed_config
 
 
 class TrainConfig(BaseModel):
@@ -50,6 +52,7 @@ class TrainConfig(BaseModel):
         optim: AdamW, schedule and clipping (:class:`OptimConfig`).
         initial_loss_scale / loss_scale_growth_interval: fp16 loss scaler.
         fsdp_reshard_after_forward: FSDP2 frees a layer's gathered weights after its forward.
+        speed: compiled layers, activation checkpointing, fused head kernels (:class:`SpeedConfig`).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -61,6 +64,7 @@ class TrainConfig(BaseModel):
     initial_loss_scale: float = Field(2.0**16, gt=0.0)
     loss_scale_growth_interval: int = Field(2000, ge=1)
     fsdp_reshard_after_forward: bool = True
+    speed: SpeedConfig = Field(default_factory=SpeedConfig)
 
 
 @dataclass
@@ -77,6 +81,11 @@ class _StepState:
     metric_specs: dict[str, tuple[Normalizer | None, str]] = field(default_factory=dict)
     num_microbatches: int = 0
     num_chunks: int = 0
+    # per microbatch: its counts and metrics, still on the device; read back once, at finish
+    pending: list[tuple[torch.Tensor, list[str]]] = field(default_factory=list)
+    # coalesce_chunks: the samples of the last, unfilled microbatch, and a chunk to shape empty ones
+    carry: TrainBatch | None = None
+    template: TrainBatch | None = None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -105,6 +114,7 @@ class TrainWorker:
             raise ValueError("mixed precision keeps fp32 master weights: build the model in fp32")
         self.model = model.to(self.device)
         self.distributed = du.is_distributed()
+        apply_speed_config(self.model, cfg.speed, self.device, self.distributed)
         if self.distributed:
             from splitrl.distributed.fsdp import apply_fsdp2
 
@@ -115,6 +125,11 @@ class TrainWorker:
             self.main_params, self.mtp_params, cfg.optim, fused=self.device.type == "cuda"
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, cfg.optim.lr_factor)
+        # one rank: low-precision compute weights made once per step (FSDP2 casts its gathers itself)
+        self.compute_weights: ComputeWeights | None = None
+        if cfg.precision != "fp32" and not self.distributed and cfg.speed.compute_weight_copy:
+            dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float16
+            self.compute_weights = ComputeWeights(self.model, dtype)
         self.scaler = (
             DynamicLossScaler(cfg.initial_loss_scale, growth_interval=cfg.loss_scale_growth_interval)
             if cfg.precision == "fp16"
@@ -167,6 +182,8 @@ class TrainWorker:
         if expected_num_tokens is not None and expected_num_tokens <= 0:
             raise ValueError(f"expected_num_tokens must be > 0, got {expected_num_tokens}")
         self._zero_grads()
+        if self.compute_weights is not None:
+            self.compute_weights.refresh()  # the masters may have changed since (step, load)
         D = self.model.num_mtp_depths
         zero = torch.zeros((), dtype=torch.float64)
         self._step = _StepState(
@@ -221,7 +238,7 @@ class TrainWorker:
         if error is None:
             try:
                 self._validate_chunk(chunk, st.loss_fn)
-                mbs = build_microbatches(chunk, self.config.microbatch, self.model.capabilities)
+                mbs = self._cut(chunk, st)
             except Exception as e:  # noqa: BLE001 - every rank must learn of it before any collective
                 error = e
         agreed = du.all_reduce(torch.tensor([len(mbs), int(error is not None)], dtype=torch.float64), "max")
@@ -235,8 +252,44 @@ class TrainWorker:
         st.num_chunks += 1
         return {"num_microbatches": len(mbs), "num_samples": len(chunk), "num_tokens": chunk.num_tokens}
 
+    def _cut(self, chunk: TrainBatch, st: _StepState) -> list[MicroBatch]:
+        """The microbatches to run now (see ``MicrobatchConfig.coalesce_chunks``); no state changes on error."""
+        cfg, caps = self.config.microbatch, self.model.capabilities
+        if not cfg.coalesce_chunks:
+            return build_microbatches(chunk, cfg, caps)
+        mbs: list[MicroBatch] = []
+        carry = st.carry
+        if carry is not None and not _same_fields(carry, chunk):
+            mbs += build_microbatches(carry, cfg, caps)  # cannot share a microbatch: run it alone
+            carry = None
+        stream = chunk if carry is None else TrainBatch.concat([carry, chunk])
+        ready, rest = build_ready_microbatches(stream, cfg, caps)
+        st.carry, st.template = rest, chunk
+        return mbs + ready
+
+    def _flush(self, st: _StepState) -> None:
+        """Run the carried samples (collective: every rank agrees on the count, as per chunk)."""
+        if not self.config.microbatch.coalesce_chunks:
+            return
+        carry, st.carry = st.carry, None
+        mbs = build_microbatches(carry, self.config.microbatch, self.model.capabilities) if carry is not None else []
+        agreed = int(du.all_reduce(torch.tensor([len(mbs)], dtype=torch.float64), "max")[0])
+        if agreed > len(mbs):
+            mbs += [empty_microbatch(st.template, self.model.capabilities) for _ in range(agreed - len(mbs))]
+        for mb in mbs:
+            self._run_microbatch(mb, st)
+
     def _run_microbatch(self, mb: MicroBatch, st: _StepState) -> None:
-        mb = mb.to(self.device)
+        if self.device.type == "cuda":
+            # from pinned memory the copy is queued behind the running kernels instead of waiting for them
+            mb = mb.pin_memory().to(self.device, non_blocking=True)
+        else:
+            mb = mb.to(self.device)
+        cw = self.compute_weights
+        with cw.active() if cw is not None else contextlib.nullcontext():
+            self._forward_backward(mb, st)
+
+    def _forward_backward(self, mb: MicroBatch, st: _StepState) -> None:
         model = self.model
         D = model.num_mtp_depths
         with self._autocast():
@@ -248,6 +301,8 @@ class TrainWorker:
                 temperature=st.loss_fn.temperature,
                 with_entropy=st.loss_fn.needs_entropy,
                 logprob_mask=mb.loss_mask,
+                # known on the host: no device-to-host sync to find out
+                one_sample_per_row=not mb.packed or len(mb.sample_mask) <= 1,
             )
         error: Exception | None = None
         try:
@@ -287,7 +342,8 @@ class TrainWorker:
             # one scalar, one backward: main and MTP gradients share the loss scale (DESIGN §3)
             ((total if side is None else total + side) * scale).backward()
 
-        # every count and metric of the microbatch in one device-to-host copy (one sync on GPU)
+        # every count and metric of the microbatch stays on the device until finish: no sync here,
+        # so the host queues the next microbatch while this one runs
         names = list(lo.metrics)
         parts = [n_valid, mb.sample_mask.sum()]
         if model.is_moe:
@@ -295,27 +351,41 @@ class TrainWorker:
         if D > 0:
             parts += [*out.mtp_ce_sums, *out.mtp_hit_sums, *out.mtp_counts]
         parts += [lo.metrics[k].value for k in names]
-        host = torch.stack([p.detach().double().reshape(()) for p in parts]).cpu()
+        st.pending.append((torch.stack([p.detach().double().reshape(()) for p in parts]), names))
+        if not st.metric_specs:
+            st.metric_specs = {k: (m.normalizer, m.reduce) for k, m in lo.metrics.items()}
+        st.num_microbatches += 1
+
+    def _absorb_pending(self, st: _StepState) -> None:
+        """Add the microbatches' device-side counts and metrics into the step's host sums (one copy)."""
+        if not st.pending:
+            return
+        rows = torch.stack([v for v, _ in st.pending]).cpu()
+        names_of = [n for _, n in st.pending]
+        st.pending = []
+        D = self.model.num_mtp_depths
+        for host, names in zip(rows, names_of):
+            self._absorb(st, host, names, D, self.model.is_moe)
+
+    @staticmethod
+    def _absorb(st: _StepState, host: torch.Tensor, names: list[str], D: int, is_moe: bool) -> None:
         st.num_tokens += host[0]
         st.num_samples += host[1]
-        if model.is_moe:
+        if is_moe:
             st.moe_sums += host[2:4]
             host = torch.cat([host[:2], host[4:]])
         if D > 0:
             st.mtp_sums += host[2 : 2 + 3 * D].reshape(3, D)
-        if not st.metric_specs:
-            st.metric_specs = {k: (m.normalizer, m.reduce) for k, m in lo.metrics.items()}
         for k, v in zip(names, host[2 + 3 * D :]):
-            m = lo.metrics[k]
+            reduce = st.metric_specs[k][1]
             if k not in st.metric_sums:
                 st.metric_sums[k] = v
-            elif m.reduce == "sum":
+            elif reduce == "sum":
                 st.metric_sums[k] = st.metric_sums[k] + v
-            elif m.reduce == "min":
+            elif reduce == "min":
                 st.metric_sums[k] = torch.minimum(st.metric_sums[k], v)
             else:
                 st.metric_sums[k] = torch.maximum(st.metric_sums[k], v)
-        st.num_microbatches += 1
 
     def abort_train_step(self) -> None:
         """Drop the open step's gradients, counts and metrics; no optimizer step. Idempotent."""
@@ -350,6 +420,8 @@ class TrainWorker:
         st = self._step
         if st is None:
             raise RuntimeError("finish_train_step() called with no open step; call begin_train_step(loss_fn) first")
+        self._flush(st)
+        self._absorb_pending(st)
         model = self.model
         D = model.num_mtp_depths
         loss_type = LossType(st.loss_fn.loss_type)
@@ -516,6 +588,11 @@ class TrainWorker:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _same_fields(a: TrainBatch, b: TrainBatch) -> bool:
+    names = ("generation_logprobs", "prev_logprobs", "reference_logprobs", "sample_ids")
+    return all((getattr(a, n) is None) == (getattr(b, n) is None) for n in names)
 
 
 def _snapshot(tree):
