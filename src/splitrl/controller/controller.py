@@ -37,11 +37,12 @@ from splitrl.config import RunConfig
 from splitrl.controller.actors import spawn
 from splitrl.controller.advantages import advantage_metrics, compute_group_advantages
 from splitrl.controller.buffer import ReplayBuffer, StepComposer, staleness_metrics
-from splitrl.controller.generation import GenerationWorker
+from splitrl.controller.generation import GenerationWorker, load_tokenizer
 from splitrl.controller.policy_client import PolicyClient
 from splitrl.controller.train_actor import TOKEN_FIELDS, TrainActor
 from splitrl.dataplane import DataPlaneConfig, make_data_plane
 from splitrl.logging import MetricsLogger
+from splitrl.models.hf_files import write_inference_files
 from splitrl.types import Group
 
 log = logging.getLogger(__name__)
@@ -233,6 +234,7 @@ class SingleController:
             for _ in range(cfg.num_generation_workers)
         ]
         self.buffer = ReplayBuffer(cfg.buffer, on_evict=self._on_evict)
+        self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.pretrained_path)  # saved with checkpoints
 
     # ============================================================================ checkpoints
     async def _save_checkpoint(self, step: int) -> Path:
@@ -249,6 +251,7 @@ class SingleController:
         trainer = await self.policy.state_dict()
         torch.save(trainer, tmp / "trainer.pt")
         await self.policy.save_pretrained(str(tmp / "policy"))
+        write_inference_files(tmp / "policy", self.tokenizer, self.config.rollout)  # usable without splitrl
         torch.save(
             {
                 "step": step,

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from splitrl.dataplane import DataPlane
 from splitrl.models import ModelConfig, PolicyModel
+from splitrl.models.hf_files import rollout_stop_token_ids
 from splitrl.rollout import GenerationConfig, RolloutEngine
 from splitrl.tasks import RewardScorer, encode_prompt, make_task
 from splitrl.types import Group, SampleMeta
@@ -110,9 +111,7 @@ class GenerationWorker:
                 f"model vocab_size={vocab} is smaller than the tokenizer's {len(self.tokenizer)} tokens; "
                 f"set model.backbone.vocab_size >= {len(self.tokenizer)}"
             )
-        stop = list(generation.stop_token_ids)
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in stop:
-            stop.append(self.tokenizer.eos_token_id)
+        stop = rollout_stop_token_ids(generation, self.tokenizer)
         self.generation = generation.model_copy(update={"stop_token_ids": stop})
         model = PolicyModel.from_config(model_config)
         if dtype == "bf16":
