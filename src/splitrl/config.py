@@ -13,15 +13,17 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from splitrl._lazy import deferred_import_checks, import_checks_deferred
+from splitrl.config_help import explain_validation_error
 from splitrl.controller.advantages import AdvantageConfig
 from splitrl.controller.buffer import ReplayBufferConfig
-from splitrl.controller.generation import TokenizerConfig
 from splitrl.dataplane import DataPlaneConfig
 from splitrl.logging import LoggingConfig
 from splitrl.loss import GRPOLossConfig, LossType
 from splitrl.models import ModelConfig, MTPConfig
 from splitrl.rollout import GenerationConfig
 from splitrl.tasks import TaskConfig, default_task_config
+from splitrl.tasks.tokenizer import TokenizerConfig
 from splitrl.train import MicrobatchConfig, OptimConfig, TrainConfig
 
 
@@ -77,6 +79,7 @@ class RunConfig(BaseModel):
         checkpoint_every: steps between checkpoints (0: only at the end).
         resume: continue from the latest checkpoint in ``output_dir`` when there is one.
         on_chunk_failure: ``retry`` the step (up to ``max_step_retries`` times) or ``stop``.
+        max_step_retries: retries of a failed step with ``on_chunk_failure: retry``.
         watchdog_timeout_s: report a stall (and stop) when no step finishes for this long.
         reward_timeout_s: time limit of one answer check.
         mask_truncated: samples cut at the length limit get ``sample_mask = 0``.
@@ -166,7 +169,7 @@ class RunConfig(BaseModel):
             raise ValueError(f"output_dir={self.output_dir!r} is a file; give a directory (it is created if needed)")
         if any(p.exists() and not p.is_dir() for p in out.parents):
             raise ValueError(f"output_dir={self.output_dir!r} lies under a file; give a directory path")
-        if self.device == "cuda" or self.train.device == "cuda":
+        if (self.device == "cuda" or self.train.device == "cuda") and not import_checks_deferred():
             import torch
 
             if not torch.cuda.is_available():
@@ -237,13 +240,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
         data = loaded
-    data = _apply_overrides(data, _parse_overrides(overrides or []))
+    # keys, types and combinations first, without importing task libraries or torch: a typo is
+    # reported in a fraction of a second; the second pass adds the checks that import them
+    with deferred_import_checks():
+        data = _apply_overrides(data, _parse_overrides(overrides or []))
+        _validate(data)
+    return _validate(data)
+
+
+def _validate(data: dict[str, Any]) -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            loc = ".".join(str(x) for x in err["loc"])
-            lines.append(f"  {loc or '<root>'}: {err['msg']}")
-        raise ValueError("invalid config:\n" + "\n".join(lines)) from None
+        raise ValueError(explain_validation_error(e, RunConfig)) from None
 

@@ -6,34 +6,15 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Literal
-
 import torch
-from pydantic import BaseModel, ConfigDict
 
 from splitrl.dataplane import DataPlane
 from splitrl.models import ModelConfig, PolicyModel
 from splitrl.models.hf_files import rollout_stop_token_ids
 from splitrl.rollout import GenerationConfig, RolloutEngine
 from splitrl.tasks import RewardScorer, encode_prompt, make_task
+from splitrl.tasks.tokenizer import TokenizerConfig
 from splitrl.types import Group, SampleMeta
-
-
-class TokenizerConfig(BaseModel):
-    """Which tokenizer: the built-in character tokenizer of the CPU demo, or a local HF directory.
-
-    Attributes:
-        kind: ``char`` or ``pretrained``.
-        path: directory for ``pretrained`` (default: the model's ``pretrained_path``).
-        charset: the characters of a ``char`` tokenizer (default: all printable ASCII); the
-            model's ``vocab_size`` must be at least 4 + len(charset).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    kind: Literal["char", "pretrained"] = "char"
-    path: str | None = None
-    charset: str | None = None
 
 
 def load_tokenizer(config: TokenizerConfig, model_path: str | None = None):

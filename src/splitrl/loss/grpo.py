@@ -25,36 +25,10 @@ step runs with the weights of the step's start; no second forward is needed. Wit
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from splitrl.loss.base import LossOutput, LossType, Metric, Normalizer
-
-
-class GRPOLossConfig(BaseModel):
-    """Options of :class:`ClippedPGLoss` (see the module docstring for the formulas)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    loss_type: LossType = LossType.TOKEN_LEVEL
-    clip_eps_low: float = Field(0.2, ge=0.0, lt=1.0)
-    clip_eps_high: float = Field(0.2, ge=0.0)
-    dual_clip_c: float | None = Field(None, description="c > 1 enables dual clip for negative advantages")
-    ratio_level: Literal["token", "sequence"] = "token"
-    kl_coef: float = Field(0.0, ge=0.0)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    tis_cap: float | None = Field(None, gt=0.0, description="truncated IS cap C; None disables the correction")
-    recompute_prev_logprobs: bool = True
-    entropy_coef: float = Field(0.0, ge=0.0)
-    temperature: float = Field(1.0, gt=0.0)
-
-    @model_validator(mode="after")
-    def _check(self) -> "GRPOLossConfig":
-        if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
-            raise ValueError(f"dual_clip_c must be > 1 (got {self.dual_clip_c}); use None to disable dual clip")
-        return self
+from splitrl.loss.config import GRPOLossConfig  # noqa: F401 - defined there, torch-free
 
 
 def _masked_extreme(x: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:

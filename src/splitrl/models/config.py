@@ -12,6 +12,11 @@ SUPPORTED_FAMILIES = ("qwen3", "llama")
 class ModelCapabilities(BaseModel):
     """What a model does itself instead of the microbatch builder (DESIGN.md §3).
 
+    Attributes:
+        owns_sequence_packing: the model takes unpacked, padded samples and packs them itself.
+        owns_mtp_loss_mask_packing: the model also packs the MTP loss mask (needs the above).
+        slices_context_parallel_inputs: the model takes packed, unsharded rows and shards them.
+
     These flags travel unchanged through the synchronous and the split path.
 
     Raises:
@@ -41,7 +46,13 @@ class ModelCapabilities(BaseModel):
 
 
 class MTPConfig(BaseModel):
-    """Multi-Token Prediction heads (DESIGN.md §3 knobs)."""
+    """Multi-Token Prediction heads (DESIGN.md §3 knobs).
+
+    Attributes:
+        mtp_use_repeated_layer: one MTP layer applied D times instead of D layers.
+        mtp_detach_heads: the MTP branch reads detached backbone tensors, so MTP parameters get only
+            MTP gradients and the backbone only main-loss gradients.
+    """
 
     model_config = ConfigDict(extra="forbid")
 

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from splitrl.tasks.base import Task, TaskPrompt
@@ -79,6 +78,8 @@ class MathFileTask(Task):
     """
 
     def __init__(self, config: MathFileTaskConfig):
+        import numpy as np  # here, not at the top: validating a run config should not load it
+
         prompts, answers = _load_columns(config)
         if not prompts:
             raise ValueError(f"{config.path} holds no rows")

@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from splitrl._lazy import import_checks_deferred
 from splitrl.tasks.base import Task, TaskPrompt
 from splitrl.tasks.matching import extract_tagged_answer, position_match_fraction
 
@@ -129,13 +130,14 @@ class ReasoningGymTaskConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> ReasoningGymTaskConfig:
-        import reasoning_gym
+        if not import_checks_deferred():  # importing reasoning-gym takes seconds
+            import reasoning_gym
 
-        known = sorted(reasoning_gym.factory.DATASETS)
-        if self.dataset not in known:
-            close = difflib.get_close_matches(self.dataset, known, n=3)
-            hint = f"did you mean {close}?" if close else f"known generators: {known}"
-            raise ValueError(f"reasoning-gym has no generator {self.dataset!r}; {hint}")
+            known = sorted(reasoning_gym.factory.DATASETS)
+            if self.dataset not in known:
+                close = difflib.get_close_matches(self.dataset, known, n=3)
+                hint = f"did you mean {close}?" if close else f"known generators: {known}"
+                raise ValueError(f"reasoning-gym has no generator {self.dataset!r}; {hint}")
         reserved = {"seed", "size"} & set(self.dataset_config)
         if reserved:
             raise ValueError(

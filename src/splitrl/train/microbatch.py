@@ -13,28 +13,10 @@ and then laid out exactly as the tokens are, so that the two paths cannot disagr
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from splitrl.models.config import ModelCapabilities
 from splitrl.train.batch import _OPTIONAL_TOKEN_FIELDS, MicroBatch, TrainBatch
-
-
-class MicrobatchConfig(BaseModel):
-    """How a chunk is cut into microbatches.
-
-    Attributes:
-        micro_batch_size: samples per microbatch (used when no token budget is set).
-        max_tokens_per_microbatch: token budget per microbatch (real tokens when packing, padded
-            tokens b·s otherwise); a single sample longer than the budget gets a microbatch alone.
-        pack_sequences: lay a microbatch out as one packed row (per-sample attention and
-            positions), unless the model owns packing.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    micro_batch_size: int = Field(4, ge=1)
-    max_tokens_per_microbatch: int | None = Field(None, ge=2)
-    pack_sequences: bool = False
+from splitrl.train.config import MicrobatchConfig  # noqa: F401 - defined there, torch-free
 
 
 def _cost(lengths: list[int], packed: bool) -> int:

@@ -21,41 +21,16 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from splitrl.distributed import utils as du
 from splitrl.loss.base import LossType, Normalizer, PolicyLoss
 from splitrl.models.policy import PolicyModel
 from splitrl.train.batch import MicroBatch, TrainBatch
+from splitrl.train.config import TrainConfig  # noqa: F401 - defined there, torch-free
 from splitrl.train.microbatch import MicrobatchConfig, build_microbatches, empty_microbatch
 from splitrl.train.optim import DynamicLossScaler, OptimConfig, build_optimizer
-
-
-class TrainConfig(BaseModel):
-    """Configuration of a :class:`TrainWorker`.
-
-    Attributes:
-        precision: ``fp32``; ``bf16`` (fp32 master weights and optimizer state, bf16 compute,
-            fp32 gradient reduction); ``fp16`` (the same with fp16 compute and dynamic loss scaling).
-        device: ``auto`` (CUDA when present), ``cpu`` or ``cuda``.
-        microbatch: how chunks are cut (:class:`MicrobatchConfig`).
-        optim: AdamW, schedule and clipping (:class:`OptimConfig`).
-        initial_loss_scale / loss_scale_growth_interval: fp16 loss scaler.
-        fsdp_reshard_after_forward: FSDP2 frees a layer's gathered weights after its forward.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    microbatch: MicrobatchConfig = Field(default_factory=MicrobatchConfig)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    initial_loss_scale: float = Field(2.0**16, gt=0.0)
-    loss_scale_growth_interval: int = Field(2000, ge=1)
-    fsdp_reshard_after_forward: bool = True
 
 
 def mtp_rejection(loss_type: LossType, model: PolicyModel) -> str | None:

@@ -1,0 +1,2 @@
+def add_eval_commands(sub):
+    pass
