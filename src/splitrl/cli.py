@@ -38,9 +38,11 @@ def main(argv: list[str] | None = None) -> int:
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return print_reference(args.filter)
-    if args.command != "train":
-        if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command != "train":  # generate / eval (splitrl.cli_eval)
+        bad = [x for x in extra if x.startswith("-") or "=" not in x]
+        if bad:
+            parser.error(f"unrecognized arguments: {' '.join(bad)}")
+        args.overrides = list(args.overrides) + extra
         return args.run(args)
     unknown = [x for x in extra if x.startswith("-") or "=" not in x]
     if unknown:

@@ -49,6 +49,18 @@ def cut_at_stop_string(ids: list[int], decode, stop_strings: list[str]) -> int |
     return None
 
 
+def decode_response(tokenizer, ids: list[int]) -> str:
+    """The text of generated ids, special tokens dropped.
+
+    A model whose vocabulary is larger than the tokenizer's (padded embeddings, a random-init
+    model) can sample ids the tokenizer has no text for: they decode as unknown (dropped when the
+    tokenizer has no unknown token)."""
+    n = len(tokenizer)
+    unk = tokenizer.unk_token_id
+    ids = [i if i < n else unk for i in ids if i < n or unk is not None]
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def sample_id(prompt_index: int, sample_index: int, version: int) -> str:
     return f"p{prompt_index}-s{sample_index}-v{version}"
 
@@ -116,12 +128,7 @@ class GenerationWorker:
         return version
 
     def _decode(self, ids: list[int]) -> str:
-        # a model whose vocabulary is larger than the tokenizer's (padded embeddings, a random-init
-        # model) can sample ids the tokenizer has no text for: they decode as unknown
-        n = len(self.tokenizer)
-        unk = self.tokenizer.unk_token_id
-        ids = [i if i < n else unk for i in ids if i < n or unk is not None]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return decode_response(self.tokenizer, ids)
 
     def prompt_of(self, prompt_index: int):
         n = self.task.num_prompts
