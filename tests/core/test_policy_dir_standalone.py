@@ -105,24 +105,3 @@ def test_pretrained_tokenizer_is_written_back_with_its_chat_template(tmp_path):
     assert again.apply_chat_template(msgs, tokenize=False) == "[user]604>[assistant]"
     cfg = json.loads((tmp_path / "policy" / "generation_config.json").read_text())
     assert cfg["eos_token_id"] == 2
-
-
-def test_controller_checkpoint_policy_dir_has_tokenizer_and_stops(tmp_path):
-    """The checkpoint a run writes carries the files (one step of the local backend)."""
-    from splitrl.config import load_config
-    from splitrl.controller.controller import train
-
-    cfg = load_config(None, [
-        "groups_per_step=2", "group_size=2", "min_groups_per_chunk=1", "generation_groups_per_call=2",
-        "rollout.max_new_tokens=4", "rollout.stop_token_ids=[7]", "logging.progress_bar=false",
-        "logging.tensorboard=false", "backend=local", "dataplane.kind=inprocess", "num_steps=1",
-        f"output_dir={tmp_path}",
-    ])
-    train(cfg)
-    policy = tmp_path / "checkpoints" / "step_000001" / "policy"
-    tok = AutoTokenizer.from_pretrained(policy)
-    ref = build_char_tokenizer(DEMO_CHARSET)
-    assert tok.get_vocab() == ref.get_vocab()
-    assert tok(PROMPTS[0])["input_ids"] == ref(PROMPTS[0])["input_ids"]
-    gen = json.loads((policy / "generation_config.json").read_text())
-    assert gen["eos_token_id"] == [7, 2] and gen["max_new_tokens"] == 4

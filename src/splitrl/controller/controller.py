@@ -175,6 +175,7 @@ class SingleController:
             # transferqueue's controller and storage units ask for a CPU each: give Ray logical
             # CPUs beyond the physical ones (FINDINGS.md), or it waits forever
             need = self.config.num_generation_workers + self.config.num_train_workers + 4
+            log.info("start-up: starting a local Ray cluster")
             ray.init(
                 num_cpus=max(8, need),
                 include_dashboard=False,
@@ -192,7 +193,12 @@ class SingleController:
     def _build(self) -> None:
         cfg = self.config
         dp_cfg = cfg.dataplane if self.backend == "ray" else DataPlaneConfig(kind="inprocess")
+        log.info("start-up: starting the %s data plane", dp_cfg.kind)
         self.data_plane = make_data_plane(dp_cfg)
+        log.info(
+            "start-up: starting %d train worker(s) and %d generation worker(s) on %s; each imports torch and "
+            "builds the model", cfg.num_train_workers, cfg.num_generation_workers, self.device,
+        )
         train_cfg = cfg.train.model_copy(update={"device": self.device})
         world = cfg.num_train_workers
         port = _free_port()
@@ -539,10 +545,17 @@ class SingleController:
         self.stopped_early = False
         self.step = 0
         random.seed(cfg.seed)
+        t_ready = time.perf_counter()
+        log.info("start-up: waiting for the workers to load the model")
         start = await self._restore()
         self.cursor = start * cfg.groups_per_step
         self.next_index = start * cfg.groups_per_step
         await self._sync_weights()
+        log.info(
+            "start-up: workers ready and weights synced in %.1fs; generating the first rollouts (step %d: %d prompts "
+            "x %d samples), then training",
+            time.perf_counter() - t_ready, start + 1, cfg.groups_per_step, cfg.group_size,
+        )
         self.logger = MetricsLogger(self.out, cfg.num_steps, start_step=start + 1, config=cfg.logging)
         self.logger.save_config(cfg)
         loop = asyncio.get_running_loop()
