@@ -18,6 +18,7 @@ from splitrl.config_help import explain_validation_error
 from splitrl.controller.advantages import AdvantageConfig
 from splitrl.controller.buffer import ReplayBufferConfig
 from splitrl.dataplane import DataPlaneConfig
+from splitrl.eval_config import EvalConfig
 from splitrl.logging import LoggingConfig
 from splitrl.loss import GRPOLossConfig, LossType
 from splitrl.models import ModelConfig, MTPConfig
@@ -87,6 +88,7 @@ class RunConfig(BaseModel):
         rollout_dtype: dtype of the generation copy of the model.
         torch_threads: intra-op threads per actor (None: torch's default); on a 2-core machine 1
             lets generation and training use a core each.
+        eval: held-out evaluation during training (:class:`~splitrl.eval_config.EvalConfig`).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -130,6 +132,7 @@ class RunConfig(BaseModel):
     buffer: ReplayBufferConfig = Field(default_factory=lambda: ReplayBufferConfig(capacity_groups=64, max_staleness=1))
     dataplane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":

@@ -41,6 +41,7 @@ from splitrl.controller.generation import GenerationWorker, load_tokenizer
 from splitrl.controller.policy_client import PolicyClient
 from splitrl.controller.train_actor import TOKEN_FIELDS, TrainActor
 from splitrl.dataplane import DataPlaneConfig, make_data_plane
+from splitrl.eval_config import plan_eval
 from splitrl.logging import MetricsLogger
 from splitrl.models.hf_files import write_inference_files
 from splitrl.types import Group
@@ -497,6 +498,29 @@ class SingleController:
         self.wait_s = 0.0
         return out
 
+    async def _evaluate(self) -> dict[str, float]:
+        """``eval/*`` metrics of the current weights on the held-out prompts, split over the
+        generation workers (each runs its share as its next call)."""
+        from splitrl.evaluation import summarize
+
+        ecfg = self.config.eval
+        t0 = time.perf_counter()
+        n = len(self.gen_actors)
+        shares = [(a, self.eval_indices[i::n]) for i, a in enumerate(self.gen_actors) if self.eval_indices[i::n]]
+        futures = [
+            a.submit("evaluate", ecfg.task, share, ecfg.num_samples, ecfg.seed, ecfg.correct_threshold, ecfg.greedy)
+            for a, share in shares
+        ]
+        parts = await self._policy_call(asyncio.gather(*futures), "evaluate")
+        out: dict[str, float] = {}
+        for name, prefix, k in (("sampled", "eval/", ecfg.num_samples), ("greedy", "eval/greedy/", 1)):
+            if name in parts[0]:
+                samples = [s for p in parts for s in p[name][0]]
+                drafted, accepted = sum(p[name][1] for p in parts), sum(p[name][2] for p in parts)
+                out.update(summarize(samples, k, [*ecfg.ks, k], prefix, drafted, accepted))
+        out["timing/eval_s"] = time.perf_counter() - t0
+        return out
+
     async def _train_pump(self, start_step: int) -> None:
         cfg = self.config
         for step in range(start_step, cfg.num_steps):
@@ -505,10 +529,14 @@ class SingleController:
             train_metrics, groups = await self._run_step(step)
             self.version += 1
             sync_s = await self._sync_weights()
+            # held-out evaluation with the weights just synced, queued on the generation workers
+            # before the rollout pumps resume: training waits for the evaluation only
+            eval_metrics = await self._evaluate() if cfg.eval.due(step + 1, cfg.num_steps) else {}
             self.data_plane.delete([s.sample_id for g in groups for s in g.samples])
             if train_metrics.get("num_valid_tokens", 0) > 0:
                 self.expected_tokens = int(train_metrics["num_valid_tokens"])
             metrics = self._step_metrics(train_metrics, groups, time.perf_counter() - t0, sync_s)
+            metrics.update(eval_metrics)
             self.logger.log(step + 1, metrics)
             self.history.append(metrics)
             done = step + 1
@@ -524,6 +552,7 @@ class SingleController:
     async def run(self) -> RunResult:
         cfg = self.config
         done_before = preflight(cfg)
+        self.eval_indices = plan_eval(cfg) if cfg.eval.enabled else []  # raises before anything starts
         if done_before >= cfg.num_steps:
             log.info("%s already holds a finished run (%d steps); nothing to do", self.out, done_before)
             return RunResult(str(self.out), done_before)

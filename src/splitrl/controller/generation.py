@@ -206,8 +206,47 @@ class GenerationWorker:
                 metrics[f"reached_depth_{k}"] = float(r)
         return groups, metrics
 
+    def evaluate(self, task_config, prompt_indices: list[int], num_samples: int, seed: int,
+                 correct_threshold: float, greedy: bool) -> dict[str, tuple]:
+        """Held-out evaluation with the current weights (DESIGN §5 rollouts, same engine rules).
+
+        Args:
+            task_config: the evaluated task (None: the training task).
+            prompt_indices: this worker's share of the held-out prompts.
+            num_samples: sampled responses per prompt; ``greedy`` adds one greedy (top_k=1) each.
+
+        Returns:
+            ``{"sampled": (samples, drafted, accepted), "greedy": (...)}`` (``greedy`` only when
+            asked), as :func:`splitrl.evaluation.sample_and_score` returns them; the controller
+            merges the workers' shares with :func:`splitrl.evaluation.summarize`.
+        """
+        from splitrl.evaluation import sample_and_score
+
+        task, scorer = self.task, self.scorer
+        if task_config is not None and task_config != self.task.config:
+            if getattr(self, "_eval_task_config", None) != task_config:
+                if getattr(self, "_eval_scorer", None) is not None:
+                    self._eval_scorer.close()
+                self._eval_task = make_task(task_config)
+                self._eval_scorer = RewardScorer(self._eval_task, timeout_s=self.scorer.timeout_s)
+                self._eval_scorer.start()
+                self._eval_task_config = task_config
+            task, scorer = self._eval_task, self._eval_scorer
+        model = self.engine.model
+        device = next(model.parameters()).device
+        runs = {"sampled": (self.generation, num_samples)}
+        if greedy:
+            runs["greedy"] = (self.generation.model_copy(update={"top_k": 1}), 1)
+        return {
+            name: sample_and_score(model, self.tokenizer, task, gen, prompt_indices, num_samples=n, seed=seed,
+                                   device=device, correct_threshold=correct_threshold, scorer=scorer)
+            for name, (gen, n) in runs.items()
+        }
+
     def close(self) -> None:
         self.scorer.close()
+        if getattr(self, "_eval_scorer", None) is not None:
+            self._eval_scorer.close()
 
     def ping(self) -> int:
         return self.engine.policy_version
