@@ -131,9 +131,12 @@ def heldout_start(num_task_prompts: int | None, config, trained_task, start_inde
                "training prompts; evaluate a separate file (task.path=... or task.split=test)")
 
 
-def _sampling(config, args: argparse.Namespace):
+def _sampling(config, args: argparse.Namespace, policy_dir: Path):
+    from splitrl.models.hf_files import model_eos_token_ids
+
     gen = config.rollout
-    update: dict[str, Any] = {}
+    # the directory's own stop tokens (end-of-turn of a chat model, those a run saved)
+    update: dict[str, Any] = {"stop_token_ids": list(dict.fromkeys(gen.stop_token_ids + model_eos_token_ids(policy_dir)))}
     for name in ("temperature", "top_k", "top_p", "max_new_tokens"):
         value = getattr(args, name, None)
         if value is not None:
@@ -159,7 +162,7 @@ def run_eval(args: argparse.Namespace) -> int:
     ks = sorted({int(k) for k in args.k.split(",")} | {args.num_samples})
     common = dict(seed=args.seed, device=device, correct_threshold=args.correct_threshold,
                   reward_timeout_s=config.reward_timeout_s)
-    gen = _sampling(config, args)
+    gen = _sampling(config, args, policy_dir)
     result = evaluate(model, tokenizer, task, gen, indices, num_samples=args.num_samples, ks=ks, **common)
     metrics = dict(result.metrics)
     samples = list(result.samples)
@@ -189,8 +192,8 @@ def run_generate(args: argparse.Namespace) -> int:
         prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         raise ValueError("no prompts: give --prompt TEXT (repeatable) or prompt lines on stdin")
-    config, _, _, model, tokenizer = load_policy_and_config(args)
-    gen = _sampling(config, args)
+    config, _, policy_dir, model, tokenizer = load_policy_and_config(args)
+    gen = _sampling(config, args, policy_dir)
     n = args.num_samples
     if args.greedy:
         gen, n = gen.model_copy(update={"top_k": 1}), 1

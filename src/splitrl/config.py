@@ -159,6 +159,11 @@ class RunConfig(BaseModel):
                 f"buffer.capacity_groups={self.buffer.capacity_groups} < min_groups_per_chunk="
                 f"{self.min_groups_per_chunk}: the train pump would wait forever; raise the capacity"
             )
+        if self.train.mtp_warmup_steps and (mtp.mtp_num_layers == 0 or mtp.mtp_loss_scaling_factor == 0):
+            raise ValueError(
+                f"train.mtp_warmup_steps={self.train.mtp_warmup_steps} trains only the MTP heads: set "
+                "model.mtp.mtp_num_layers >= 1 and model.mtp.mtp_loss_scaling_factor > 0, or train.mtp_warmup_steps=0"
+            )
         if self.rollout.speculative and mtp.mtp_num_layers == 0:
             raise ValueError("rollout.speculative=true needs MTP heads: set model.mtp.mtp_num_layers >= 1")
         if self.backend == "local" and self.num_train_workers > 1:

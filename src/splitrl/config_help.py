@@ -187,7 +187,11 @@ def config_keys(model_cls: type[BaseModel], defaults: dict[str, Any] | None = No
 
 
 def _walk(cls: type[BaseModel], defaults: dict[str, Any] | None, prefix: str, when: str, out: list[KeyDoc]) -> None:
-    docs = attribute_docs(cls)
+    docs: dict[str, str] = {}
+    for klass in cls.__mro__:  # a field documented on a base class (TaskOptions) counts too
+        if isinstance(klass, type) and issubclass(klass, BaseModel) and klass is not BaseModel:
+            for name, text in attribute_docs(klass).items():
+                docs.setdefault(name, text)
     # a section's own keys first, then its subsections, so that every key prints under its section
     fields = sorted(
         cls.model_fields.items(),

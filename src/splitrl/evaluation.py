@@ -133,7 +133,7 @@ def sample_and_score(
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     engine = make_engine(model, tokenizer, generation, device)
     prompts = [task.get_prompt(i) for i in prompt_indices]
-    ids = [encode_prompt(p, tokenizer) for p in prompts]
+    ids = [encode_prompt(p, tokenizer, getattr(task.config, "chat_template", None)) for p in prompts]
     owners = [(g, j) for g in range(len(prompts)) for j in range(num_samples)]
     flat = [ids[g] for g, _ in owners]
     seeds = [sample_seed(seed, prompt_indices[g], j) for g, j in owners]

@@ -81,12 +81,13 @@ def preflight(config: RunConfig) -> int:
 
     task = make_task(config.task)
     tok = load_tokenizer(config.tokenizer, config.model.pretrained_path)
+    encode_prompt(task.get_prompt(0), tok, task.config.chat_template)  # task.chat_template=true needs a template
     if config.tokenizer.kind == "char":
         unk = tok.unk_token_id
         n = task.num_prompts or 64
         for i in range(min(64, n)):
             p = task.get_prompt(i)
-            if unk in encode_prompt(p, tok) or unk in tok(p.answer, add_special_tokens=False)["input_ids"]:
+            if unk in encode_prompt(p, tok, task.config.chat_template) or unk in tok(p.answer, add_special_tokens=False)["input_ids"]:
                 missing = sorted(set(p.text + p.answer) - set(tok.convert_ids_to_tokens(range(len(tok)))))
                 raise ValueError(
                     f"the character tokenizer cannot spell prompt {i} of the task ({p.text!r}): characters "
@@ -258,7 +259,7 @@ class SingleController:
         trainer = await self.policy.state_dict()
         torch.save(trainer, tmp / "trainer.pt")
         await self.policy.save_pretrained(str(tmp / "policy"))
-        write_inference_files(tmp / "policy", self.tokenizer, self.config.rollout)  # usable without splitrl
+        write_inference_files(tmp / "policy", self.tokenizer, self.config.rollout, self.config.model.pretrained_path)
         torch.save(
             {
                 "step": step,

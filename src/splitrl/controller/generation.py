@@ -104,7 +104,7 @@ class GenerationWorker:
                 f"model vocab_size={vocab} is smaller than the tokenizer's {len(self.tokenizer)} tokens; "
                 f"set model.backbone.vocab_size >= {len(self.tokenizer)}"
             )
-        stop = rollout_stop_token_ids(generation, self.tokenizer)
+        stop = rollout_stop_token_ids(generation, self.tokenizer, model_config.pretrained_path)
         self.generation = generation.model_copy(update={"stop_token_ids": stop})
         model = PolicyModel.from_config(model_config)
         if dtype == "bf16":
@@ -143,7 +143,7 @@ class GenerationWorker:
         t0 = time.perf_counter()
         version = self.engine.policy_version
         prompts = [self.prompt_of(i) for i in prompt_indices]
-        prompt_ids = [encode_prompt(p, self.tokenizer) for p in prompts]
+        prompt_ids = [encode_prompt(p, self.tokenizer, self.task.config.chat_template) for p in prompts]
         flat_ids, seeds, owners = [], [], []
         for g, (i, ids) in enumerate(zip(prompt_indices, prompt_ids)):
             for j in range(group_size):

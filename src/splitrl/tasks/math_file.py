@@ -20,12 +20,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from splitrl.tasks.base import Task, TaskPrompt
+from splitrl.tasks.base import Task, TaskOptions, TaskPrompt
 
 _PROMPT_SLOT = "{prompt}"
 
 
-class MathFileTaskConfig(BaseModel):
+class MathFileTaskConfig(TaskOptions):
     """Prompts and answers from a local file.
 
     Attributes:

@@ -6,11 +6,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from splitrl.tasks.base import Task, TaskPrompt
+from splitrl.tasks.base import Task, TaskOptions, TaskPrompt
 from splitrl.tasks.matching import position_match_fraction
 
 
-class ReverseDigitsTaskConfig(BaseModel):
+class ReverseDigitsTaskConfig(TaskOptions):
     """Reverse a string of random digits: prompt ``"604>"``, answer ``"406"``.
 
     Attributes:

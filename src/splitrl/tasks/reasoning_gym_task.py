@@ -36,7 +36,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from splitrl._lazy import import_checks_deferred
-from splitrl.tasks.base import Task, TaskPrompt
+from splitrl.tasks.base import Task, TaskOptions, TaskPrompt
 from splitrl.tasks.matching import extract_tagged_answer, position_match_fraction
 
 
@@ -97,7 +97,7 @@ _SOURCE_FORMAT = _CompactFormat(
 )
 
 
-class ReasoningGymTaskConfig(BaseModel):
+class ReasoningGymTaskConfig(TaskOptions):
     """A reasoning-gym generator by name, with its own config.
 
     Attributes:

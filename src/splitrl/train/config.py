@@ -86,6 +86,10 @@ class TrainConfig(BaseModel):
         optim: AdamW, schedule and clipping (:class:`OptimConfig`).
         initial_loss_scale / loss_scale_growth_interval: fp16 loss scaler.
         fsdp_reshard_after_forward: FSDP2 frees a layer's gathered weights after its forward.
+        mtp_warmup_steps: the first this many steps train only the MTP heads (on the policy's own
+            samples): the policy's gradients are dropped before the optimizer step, so its weights
+            and AdamW state stay as they were (fresh heads of a pretrained model get a head start
+            before RL moves the policy). Needs MTP heads with ``mtp_loss_scaling_factor > 0``.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -97,3 +101,4 @@ class TrainConfig(BaseModel):
     initial_loss_scale: float = Field(2.0**16, gt=0.0)
     loss_scale_growth_interval: int = Field(2000, ge=1)
     fsdp_reshard_after_forward: bool = True
+    mtp_warmup_steps: int = Field(0, ge=0)

@@ -83,6 +83,11 @@ class TrainWorker:
     def __init__(self, model: PolicyModel, config: TrainConfig | None = None) -> None:
         self.config = config or TrainConfig()
         cfg = self.config
+        if cfg.mtp_warmup_steps and not model.mtp_trains:
+            raise ValueError(
+                f"mtp_warmup_steps={cfg.mtp_warmup_steps} trains only the MTP heads, but this model has none that "
+                "train: set model.mtp.mtp_num_layers >= 1 and mtp_loss_scaling_factor > 0, or mtp_warmup_steps=0"
+            )
         if cfg.device == "auto":
             self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         else:
@@ -365,11 +370,19 @@ class TrainWorker:
             main_coef = mtp_coef = _clip_coef(total_norm, optim.max_grad_norm)
             metrics["grad_norm"] = total_norm
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer.param_groups else 0.0
+        warmup = self.steps_finished < self.config.mtp_warmup_steps
+        if warmup and not self.detached_heads:  # the heads' own norm: the policy's grads are dropped
+            mtp_limit = optim.mtp_max_grad_norm if optim.mtp_max_grad_norm is not None else optim.max_grad_norm
+            mtp_coef = _clip_coef(mtp_norm, mtp_limit)
 
         skipped = empty or nonfinite
         if not skipped:
             with torch.no_grad():
-                _scale_grads(self.main_params, inv_main * main_coef)
+                if warmup:  # MTP warmup: AdamW skips parameters without a gradient (no decay, no state)
+                    for _, p in self.main_params:
+                        p.grad = None
+                else:
+                    _scale_grads(self.main_params, inv_main * main_coef)
                 _scale_grads(self.mtp_params, inv_mtp * mtp_coef)
             self.optimizer.step()
             self.scheduler.step()
@@ -400,6 +413,7 @@ class TrainWorker:
                 "skipped_step": float(skipped),
                 "empty_step": float(empty),
                 "nonfinite_grad": float(nonfinite),
+                "mtp_warmup": float(warmup),
             }
         )
         if self.scaler is not None:
