@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
 from splitrl.tasks.base import Task, TaskOptions, TaskPrompt
 

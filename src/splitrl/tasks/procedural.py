@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from splitrl.tasks.base import Task, TaskOptions, TaskPrompt
 from splitrl.tasks.matching import position_match_fraction

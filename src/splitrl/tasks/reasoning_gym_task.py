@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from splitrl._lazy import import_checks_deferred
 from splitrl.tasks.base import Task, TaskOptions, TaskPrompt

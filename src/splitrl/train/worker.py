@@ -29,8 +29,8 @@ from splitrl.loss.base import LossType, Normalizer, PolicyLoss
 from splitrl.models.policy import PolicyModel
 from splitrl.train.batch import MicroBatch, TrainBatch
 from splitrl.train.config import TrainConfig  # noqa: F401 - defined there, torch-free
-from splitrl.train.microbatch import MicrobatchConfig, build_microbatches, empty_microbatch
-from splitrl.train.optim import DynamicLossScaler, OptimConfig, build_optimizer
+from splitrl.train.microbatch import build_microbatches, empty_microbatch
+from splitrl.train.optim import DynamicLossScaler, build_optimizer
 
 
 def mtp_rejection(loss_type: LossType, model: PolicyModel) -> str | None:
