@@ -9,7 +9,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
+
+from splitrl.logging.console import guard_console
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = list(args.overrides) + extra
+    # before logging and the progress bar capture the streams: a console whose reader died
+    # (``| tee log`` + Ctrl-C) must not stop the final checkpoint
+    guard_console()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from splitrl.config import load_config
@@ -62,32 +68,61 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
         return 0
-    from splitrl.controller.controller import StallError, StepFailed, train
+    from splitrl.controller.controller import CheckpointError, StallError, StepFailed, train
 
     from tqdm.contrib.logging import logging_redirect_tqdm
 
+    # SIGTERM before the run's own handlers are up (start-up): stop like Ctrl-C
+    try:
+        old_sigterm = signal.signal(signal.SIGTERM, _terminated)
+    except ValueError:  # not the main thread
+        old_sigterm = None
     try:
         with logging_redirect_tqdm():  # log lines above the progress bar, not through it
             result = train(config)
+    except KeyboardInterrupt:
+        sig = _terminated.signum or signal.SIGINT
+        print(f"splitrl: {signal.Signals(sig).name} before the first step: stopped, nothing to save", file=sys.stderr)
+        return 128 + int(sig)
     except StallError as e:
         print(f"splitrl: stopped: {e}", file=sys.stderr)
         # a hung worker thread cannot be joined: leave without waiting for it
         sys.stderr.flush()
         sys.stdout.flush()
         os._exit(1)
-    except StepFailed as e:
+    except (StepFailed, CheckpointError) as e:
         print(f"splitrl: stopped: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a full disk or lost permissions while writing metrics or logs
+        where = f" ({e.filename})" if e.filename else ""
+        print(
+            f"splitrl: stopped: cannot write the run's files: {e.strerror or e}{where}. Fix it and rerun the same "
+            "command: it resumes from the newest intact checkpoint",
+            file=sys.stderr,
+        )
         return 1
     except ValueError as e:  # preflight: a data file, the tokenizer, a resume mismatch
         print(f"splitrl: {e}", file=sys.stderr)
         return 2
+    finally:
+        if old_sigterm is not None:
+            signal.signal(signal.SIGTERM, old_sigterm)
     last = result.metrics[-1] if result.metrics else {}
     print(
         f"splitrl: {result.steps_done} steps in {result.output_dir}"
-        + (f"; last reward {last.get('rollout/reward_mean', float('nan')):.3f}" if last else "")
+        + (f"; last reward {last.get('train/reward', float('nan')):.3f}" if last else "")
         + (" (stopped early; rerun the same command to resume)" if result.stopped_early else "")
     )
-    return 130 if result.interrupted else 0
+    # 130 after Ctrl-C (SIGINT), 143 after SIGTERM, as a shell reports a process they ended
+    return 128 + result.interrupt_signal if result.interrupt_signal else 0
+
+
+def _terminated(signum, frame) -> None:
+    _terminated.signum = signum
+    raise KeyboardInterrupt
+
+
+_terminated.signum = None
 
 
 if __name__ == "__main__":

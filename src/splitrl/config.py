@@ -7,8 +7,10 @@ validated on load — unknown keys, impossible combinations and missing files ra
 
 from __future__ import annotations
 
+import copy
+import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -63,11 +65,39 @@ def demo_model_config() -> ModelConfig:
     )
 
 
+# the truncated importance-sampling cap a run uses when max_staleness > 0 and loss.tis_cap is
+# left at "auto" (the value decoupled-PPO / TIS setups commonly use)
+DEFAULT_TIS_CAP = 2.0
+
+
+class RunLossConfig(GRPOLossConfig):
+    """The run's ``loss`` section: :class:`GRPOLossConfig`, with two settings that depend on the
+    rest of the run derived from it unless given (:meth:`RunConfig.trainer_loss_config` resolves
+    them; the section itself keeps what the user wrote).
+
+    Attributes:
+        temperature: ``null`` (default): ``rollout.temperature`` — the one source of truth of the
+            sampling temperature (DESIGN §5), so the trainer scores tokens at the temperature
+            they were sampled at. A value that differs from ``rollout.temperature`` is refused on
+            load. (Top-k / top-p change which tokens are drawn, not their logprobs, so they have
+            no trainer-side counterpart.)
+        tis_cap: ``auto`` (default): truncated importance weights min(exp(prev − gen), C) with
+            C = ``DEFAULT_TIS_CAP`` when ``buffer.max_staleness > 0`` (stale samples are then
+            corrected, as in decoupled PPO), off when it is 0. A number: on, with that cap.
+            ``null``: off — with ``max_staleness > 0`` the run warns that stale samples are
+            trained as if on-policy.
+    """
+
+    temperature: float | None = Field(None, gt=0.0)
+    tis_cap: Annotated[float, Field(gt=0.0)] | Literal["auto"] | None = "auto"
+
+
 class RunConfig(BaseModel):
     """Everything a ``splitrl train`` run needs.
 
     Attributes (run level; the rest are the components' configs):
-        seed: seed of the run (model init, per-sample sampling seeds).
+        seed: seed of the run's sampling (each sample's seed derives from it, the prompt index and
+            the sample index). The random init of the model has its own ``model.seed``.
         output_dir: metrics, TensorBoard, checkpoints, the resolved config and the plot.
         num_steps: optimizer steps of the run.
         groups_per_step / group_size: a step is ``groups_per_step`` prompts × ``group_size``
@@ -88,6 +118,8 @@ class RunConfig(BaseModel):
         rollout_dtype: dtype of the generation copy of the model.
         torch_threads: intra-op threads per actor (None: torch's default); on a 2-core machine 1
             lets generation and training use a core each.
+        ray_address: join this existing Ray cluster (``auto``, ``host:port``, ``ray://...``;
+            ``RAY_ADDRESS`` works too). None starts a local cluster that listens on 127.0.0.1 only.
         eval: held-out evaluation during training (:class:`~splitrl.eval_config.EvalConfig`).
     """
 
@@ -113,6 +145,7 @@ class RunConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     rollout_dtype: Literal["fp32", "bf16"] = "fp32"
     torch_threads: int | None = Field(1, ge=1)
+    ray_address: str | None = None
 
     # defaults: the CPU demo (FINDINGS.md: an entropy bonus and no std division keep the tiny
     # policy from collapsing to one answer)
@@ -120,7 +153,7 @@ class RunConfig(BaseModel):
     tokenizer: TokenizerConfig = Field(default_factory=lambda: TokenizerConfig(charset=DEMO_CHARSET))
     task: TaskConfig = Field(default_factory=demo_task_config)
     rollout: GenerationConfig = Field(default_factory=lambda: GenerationConfig(max_new_tokens=8, batch_size=256))
-    loss: GRPOLossConfig = Field(default_factory=lambda: GRPOLossConfig(entropy_coef=0.02))
+    loss: RunLossConfig = Field(default_factory=lambda: RunLossConfig(entropy_coef=0.02))
     train: TrainConfig = Field(
         default_factory=lambda: TrainConfig(
             # short samples: padded rows beat one long packed row (attention is quadratic in it)
@@ -133,6 +166,26 @@ class RunConfig(BaseModel):
     dataplane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _run_level_defaults(cls, data: Any) -> Any:
+        """Fill the component fields whose default is a run-level value *before* the components
+        validate: a component's own check cannot see the run (``OptimConfig`` refuses cosine
+        without ``total_steps``), so filling them afterwards comes too late.
+
+        - ``train.optim.total_steps`` (cosine schedule) defaults to ``num_steps``;
+        - ``dataplane.kind`` defaults to ``inprocess`` with ``backend=local`` (the only one it runs).
+        """
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        optim = _section(data, ("train", "optim"))
+        if optim is not None and optim.get("schedule") == "cosine" and optim.get("total_steps") is None:
+            optim["total_steps"] = data.get("num_steps", cls.model_fields["num_steps"].default)
+        if data.get("backend") == "local":
+            _set_unless_given(data, "dataplane", "kind", "inprocess")
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
@@ -185,47 +238,221 @@ class RunConfig(BaseModel):
         task_path = getattr(self.task, "path", None)
         if task_path is not None and not Path(task_path).exists():
             raise ValueError(f"task.path={task_path!r} does not exist; point it at a JSONL / parquet file or a datasets directory")
-        if self.train.optim.schedule == "cosine" and self.train.optim.total_steps is None:
-            self.train.optim.total_steps = self.num_steps
         return self
 
+    @model_validator(mode="after")
+    def _check_semantics(self) -> "RunConfig":
+        """Settings that would train on something other than what the user meant, or on nothing."""
+        if self.loss.temperature is not None and self.loss.temperature != self.rollout.temperature:
+            raise ValueError(
+                f"loss.temperature={self.loss.temperature} differs from rollout.temperature="
+                f"{self.rollout.temperature}: the trainer would score the tokens at another temperature "
+                "than they were sampled at. The temperature is set once, by rollout.temperature; remove "
+                "loss.temperature (the trainer takes the rollout's)"
+            )
+        need = self.advantage.min_group_size()
+        if self.group_size < need:
+            raise ValueError(
+                f"group_size={self.group_size}: advantage.estimator={self.advantage.estimator} takes each "
+                f"sample's baseline from its group, so a group needs at least {need} samples (with 1 every "
+                f"advantage is 0 and nothing is learned); set group_size >= {need}"
+            )
+        D = self.model.mtp.mtp_num_layers
+        n_draft = self.rollout.num_draft_tokens
+        if self.rollout.speculative and n_draft is not None and n_draft > D:
+            raise ValueError(
+                f"rollout.num_draft_tokens={n_draft} > model.mtp.mtp_num_layers={D}: depth k drafts the "
+                f"k-th token, so at most {D} can be drafted; set rollout.num_draft_tokens <= {D} (or null: all)"
+            )
+        if self.train.device != "auto" and self.train.device != self.device:
+            raise ValueError(
+                f"train.device={self.train.device} differs from device={self.device}: a run places every "
+                "worker on its device, so train.device would be ignored; set device instead and remove train.device"
+            )
+        if self.rollout.top_k == 1:
+            raise ValueError(
+                "rollout.top_k=1 samples the same response for every sample of a group: every group has "
+                "zero reward variance, every advantage is 0 and nothing is learned; use top_k=0 (off) or >= 2"
+            )
+        return self
 
-def _parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    nested: dict[str, Any] = {}
+    def tis_cap(self) -> float | None:
+        """The truncated-IS cap the trainer uses (None: no correction); see :class:`RunLossConfig`."""
+        if self.loss.tis_cap == "auto":
+            return DEFAULT_TIS_CAP if self.buffer.max_staleness > 0 else None
+        return self.loss.tis_cap
+
+    def trainer_loss_config(self) -> GRPOLossConfig:
+        """The loss every train worker runs: the ``loss`` section with ``temperature`` taken from
+        ``rollout.temperature`` and ``tis_cap`` resolved."""
+        data = self.loss.model_dump()
+        data.update(temperature=self.rollout.temperature, tis_cap=self.tis_cap())
+        return GRPOLossConfig(**data)
+
+    def off_policy_summary(self) -> tuple[int, str]:
+        """What the run does about stale samples, for the console at start: (logging level, text).
+
+        A warning when ``max_staleness > 0`` and the correction was turned off."""
+        stale = self.buffer.max_staleness
+        cap = self.tis_cap()
+        if stale > 0 and cap is None:
+            return logging.WARNING, (
+                f"off-policy correction OFF (loss.tis_cap=null) with buffer.max_staleness={stale}: samples up "
+                f"to {stale} policy version(s) old are trained as if on-policy (the recomputed PPO ratio is 1 "
+                "and no importance weight corrects them); remove loss.tis_cap (auto) to turn it on"
+            )
+        if cap is None:
+            return logging.INFO, "off-policy correction: none needed (buffer.max_staleness=0: every sample is on-policy)"
+        return logging.INFO, (
+            f"off-policy correction ON: truncated importance weights min(exp(prev - gen), {cap:g}) per token "
+            f"(buffer.max_staleness={stale}; loss.tis_cap sets the cap, null turns it off)"
+        )
+
+
+def _section(data: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any] | None:
+    """The raw mapping at ``path`` in ``data``, copied on the way down so the caller's input is
+    not changed; None where the path is absent (the component's default applies) or holds a
+    built config object (already validated)."""
+    node = data
+    for k in path:
+        child = node.get(k)
+        if not isinstance(child, dict):
+            return None
+        node[k] = child = dict(child)
+        node = child
+    return node
+
+
+def _default_section(section: str) -> dict[str, Any] | None:
+    """The run's default for a top-level section as raw data (the demo model, not a bare
+    ``ModelConfig``), holding only the keys that default sets: a key left to the component's
+    own default stays absent, so a run-level default can still fill it."""
+    field = RunConfig.model_fields.get(section)
+    value = None if field is None else field.get_default(call_default_factory=True)
+    if not isinstance(value, BaseModel):
+        return None
+    out = value.model_dump(mode="json", exclude_unset=True)
+    if section in _tagged_sections():
+        out.setdefault("kind", value.kind)  # the tag says which config class the rest belongs to
+    return out
+
+
+def _set_unless_given(data: dict[str, Any], section: str, key: str, value: Any) -> None:
+    """Set ``data[section][key] = value`` unless the user set that key; an absent section starts
+    from the run's default for it."""
+    node = data.get(section)
+    if node is None:
+        node = _default_section(section) or {}
+    elif not isinstance(node, dict) or node.get(key) is not None:
+        return
+    data[section] = {**node, key: value}
+
+
+def _load_yaml(text: str, source: str, column_offset: int = 0) -> Any:
+    """``yaml.safe_load`` whose syntax errors name ``source`` (a file or an override) and the line.
+
+    ``column_offset`` is added to columns on the first line (an override's value starts after
+    ``key=``, and the column should point into what the user typed).
+
+    Raises:
+        ValueError: ``<source> line L, column C: <what the parser expected>``.
+    """
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+
+        def at(m) -> str:
+            return f"line {m.line + 1}, column {m.column + 1 + (column_offset if m.line == 0 else 0)}"
+
+        where = f" {at(mark)}" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e)
+        context, start = getattr(e, "context", None), getattr(e, "context_mark", None)
+        if context and start is not None and start is not mark:
+            what += f"; {context} at {at(start)}"
+        raise ValueError(f"{source}{where}: not valid YAML ({what})") from None
+
+
+def read_utf8(path: Path, what: str) -> str:
+    """The text of ``path``; an undecodable byte or an unreadable file raises a ``ValueError``
+    naming ``what`` (e.g. ``config file 'run.yaml'``) and the line of the byte."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{what}: cannot read it ({e.strerror or e})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ValueError(
+            f"{what} line {line}: byte 0x{raw[e.start]:02x} is not UTF-8; save the file as UTF-8"
+        ) from None
+
+
+# An override is (key path, value, the text the user wrote).
+_Override = tuple[list[str], Any, str]
+
+
+def _parse_overrides(overrides: list[str]) -> list[_Override]:
+    out = []
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like key.path=value")
         key, raw = item.split("=", 1)
-        keys = key.strip().split(".")
-        node = nested
-        for k in keys[:-1]:
-            child = node.setdefault(k, {})
-            if not isinstance(child, dict):
-                raise ValueError(f"override {item!r}: {k!r} was set to a value above, not a section")
-            node = child
-        node[keys[-1]] = yaml.safe_load(raw)
-    return nested
-
-
-def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in top.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        keys = [k.strip() for k in key.strip().split(".")]
+        if not all(keys):
+            raise ValueError(f"override {item!r}: empty key in {key!r}; write key.path=value")
+        out.append((keys, _load_yaml(raw, f"override {item!r}", column_offset=len(key) + 1), item))
     return out
 
 
-def _apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """Deep-merge overrides into the file's data. A section the file does not set starts from
-    its default (so ``task.scoring=partial_chars`` keeps the default task's other keys), unless
-    the override changes the section's ``kind`` (``task.kind=math_file``): then it starts empty."""
-    default = None
-    for section, value in overrides.items():
-        if isinstance(value, dict) and section not in data:
-            default = default or RunConfig().model_dump(mode="json")
-            base = default.get(section)
-            if isinstance(base, dict) and ("kind" not in value or value["kind"] == base.get("kind")):
-                data[section] = base
-    return _merge(data, overrides)
+def _tagged_sections() -> set[str]:
+    """Top-level sections whose ``kind`` selects the config class (a tagged union): another kind
+    has other fields, so the old kind's keys do not carry over."""
+    return {name for name, f in RunConfig.model_fields.items() if getattr(f, "discriminator", None) == "kind"}
+
+
+def _apply_overrides(data: dict[str, Any], overrides: list[_Override]) -> dict[str, Any]:
+    """Apply overrides in order onto the file's data (a deep copy is returned).
+
+    - ``a.b=value`` sets one key and keeps the section's other keys. A section the file does not
+      set starts from the run's default (``task.scoring=partial_chars`` keeps the default task's
+      other keys).
+    - ``a={...}`` (a whole mapping as the value) replaces the section: nothing of the file's or
+      the default's section is kept (``task={kind: reverse_digits, num_digits: 8}``).
+    - ``task.kind=other`` changes a tagged section's kind: the section keeps only the keys that
+      overrides set, since the old kind's fields belong to another config class.
+
+    Raises:
+        ValueError: an override goes through a key that holds a value, not a section.
+    """
+    data = copy.deepcopy(data)
+    tagged = _tagged_sections()
+    set_by_override: set[tuple[str, ...]] = set()
+    for keys, value, item in overrides:
+        if len(keys) > 1 and data.get(keys[0]) is None:  # absent, or an empty `section:` line
+            default = _default_section(keys[0])
+            if default is not None:
+                data[keys[0]] = default
+        node = data
+        for depth, k in enumerate(keys[:-1]):
+            if node.get(k) is None:
+                node[k] = {}
+            child = node[k]
+            if not isinstance(child, dict):
+                raise ValueError(f"override {item!r}: {'.'.join(keys[: depth + 1])} holds a value, not a section")
+            node = child
+        last = keys[-1]
+        if len(keys) == 2 and last == "kind" and keys[0] in tagged and node.get("kind") != value:
+            whole = (keys[0],) in set_by_override
+            kept = {k: v for k, v in node.items() if whole or (keys[0], k) in set_by_override}
+            node.clear()
+            node.update(kept)
+        node[last] = copy.deepcopy(value)
+        path = tuple(keys)
+        # a replaced section forgets what earlier overrides set inside it
+        set_by_override = {p for p in set_by_override if p[: len(path)] != path} | {path}
+    return data
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
@@ -233,10 +460,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
     Args:
         path: a YAML file (None: the embedded default).
-        overrides: ``key.path=value`` strings; values are parsed as YAML (``3``, ``true``, ``[1,2]``).
+        overrides: ``key.path=value`` strings, applied in order; values are parsed as YAML
+            (``3``, ``true``, ``[1,2]``); a mapping value replaces the whole section (see
+            :func:`_apply_overrides`).
 
     Raises:
-        ValueError: a missing file, a malformed override, or any validation error (unknown key,
+        ValueError: a missing or unreadable file, YAML or UTF-8 errors (naming the file or the
+            override and the line), a malformed override, or any validation error (unknown key,
             wrong type, impossible combination), naming the key.
     """
     data: dict[str, Any] = {}
@@ -244,7 +474,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         p = Path(path)
         if not p.is_file():
             raise ValueError(f"config file {str(p)!r} does not exist")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        what = f"config file {str(p)!r}"
+        loaded = _load_yaml(read_utf8(p, what), what) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
         data = loaded

@@ -71,6 +71,7 @@ def mtp_metrics(terms, D):
         cnt = sum(float(s["depths"][k][2].sum()) for s in terms if s["depths"][k] is not None and s["depths"][k][0].numel())
         out[f"mtp/mtp_{k + 1}_loss"] = ce / cnt
         out[f"mtp/mtp_{k + 1}_acceptance_rate"] = 100 * hit / cnt
+        out[f"mtp/mtp_{k + 1}_num_tokens"] = cnt
     return out
 
 

@@ -6,12 +6,15 @@ Tolerance: gradients rtol 1e-4 with an absolute floor of 1e-5 × the tensor's ma
 fp32 computations — padded/packed SDPA vs per-sample causal attention); metrics rtol 1e-5.
 """
 
+import math
+
 import pytest
 import torch
 from _reference import mtp_metrics, mtp_raw_sum, per_sample_terms, sequence_level_pg
 from _utils import capture_grads, make_batch, make_model, make_worker, partition, run_split
 
 from splitrl.loss import ClippedPGLoss, GRPOLossConfig, LossType
+from splitrl.train import TrainBatch
 
 
 def _close(a, b, name):
@@ -61,7 +64,8 @@ def test_mtp_metrics_are_token_weighted_over_the_step(chunks):
     m = run_split(w, ClippedPGLoss(), [partition(batch, chunks)])[0]
     mtp_keys = sorted(k for k in m if k.startswith("mtp/"))
     assert mtp_keys == sorted(
-        ["mtp/grad_norm", "mtp/mtp_1_loss", "mtp/mtp_1_acceptance_rate", "mtp/mtp_2_loss", "mtp/mtp_2_acceptance_rate"]
+        ["mtp/grad_norm"]
+        + [f"mtp/mtp_{k}_{m}" for k in (1, 2) for m in ("loss", "acceptance_rate", "num_tokens")]
     )
     for k, v in ref.items():
         assert m[k] == pytest.approx(v, rel=1e-5), k
@@ -88,3 +92,21 @@ def test_attached_token_level_gradients_include_mtp_in_backbone():
     ref_model.zero_grad()
     main.backward()
     assert float((grads[0][emb] - ref_model.get_parameter(emb).grad).abs().max()) > 1e-6
+
+
+def test_an_empty_depth_reports_its_zero_count():
+    """Kind guarded: an unexplained NaN metric (issue 6, item 14). 2-token prompts and 1-token
+    responses leave depth 2 no target inside a kept response: its loss is NaN and its count says
+    why; depth 1 counts one target per kept sample."""
+    g = torch.Generator().manual_seed(3)
+    n, kept = 6, 4
+    batch = TrainBatch(
+        input_ids=[torch.randint(0, 100, (3,), generator=g) for _ in range(n)],
+        token_mask=[torch.tensor([0.0, 0.0, 1.0]) for _ in range(n)],
+        advantages=torch.randn(n, generator=g),
+        sample_mask=torch.tensor([1.0] * kept + [0.0] * (n - kept)),
+    )
+    m = make_worker(make_model(D=2)).train(batch, ClippedPGLoss())
+    assert m["mtp/mtp_1_num_tokens"] == kept
+    assert m["mtp/mtp_2_num_tokens"] == 0
+    assert math.isnan(m["mtp/mtp_2_loss"]) and math.isfinite(m["mtp/mtp_1_loss"])

@@ -24,7 +24,7 @@ def test_run_logs_every_metric_and_artifacts(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     for key in (
         "train/loss", "train/grad_norm", "train/lr", "train/mtp/mtp_1_loss", "train/mtp/mtp_1_acceptance_rate",
-        "train/mtp/grad_norm", "train/reward", "rollout/reward_mean", "rollout/response_length_mean",
+        "train/mtp/grad_norm", "train/reward", "train/mtp/mtp_1_num_tokens", "rollout/response_length_mean",
         "rollout/truncation_rate", "buffer/staleness_mean", "buffer/evicted_groups_total", "timing/generation_s",
         "timing/train_s", "timing/weight_sync_s", "timing/exposed_wait_s", "train/entropy",
     ):
@@ -108,10 +108,10 @@ def test_kl_to_reference_and_speculative_rollouts(tmp_path):
     kl = [m["train/kl"] for m in res.metrics]
     assert abs(kl[0]) < 1e-6
     assert kl[-1] > 1e-6
-    for m in res.metrics:
-        if "rollout/acceptance_rate" in m:
-            assert 0.0 <= m["rollout/acceptance_rate"] <= 100.0
-    assert any("rollout/acceptance_rate" in m for m in res.metrics)
+    # logged every step; NaN for a step in which nothing was drafted
+    acc = [m["rollout/acceptance_rate"] for m in res.metrics]
+    assert all(0.0 <= a <= 100.0 for a in acc if not math.isnan(a))
+    assert any(not math.isnan(a) for a in acc)
 
 
 def test_preflight_catches_data_tokenizer_and_resume_mismatches(tmp_path):

@@ -18,7 +18,7 @@ def step_metrics(step: int, run: int = 0) -> dict:
     return {
         "train/loss": 1.5 / (step + 1) + run,
         "train/mtp/mtp_1_acceptance_rate": 40.0 + step,
-        "rollout/reward_mean": 0.125 * step,
+        "train/reward": 0.125 * step,
         "buffer/evicted_groups": step * 2,
     }
 
@@ -205,7 +205,7 @@ def test_save_config_accepts_pydantic_models_and_rejects_unrepresentable_values(
 def test_progress_postfix_shows_the_headline_metrics():
     metrics = {
         "train/loss": 0.012345,
-        "rollout/reward_mean": 0.5,
+        "train/reward": 0.5,
         "train/mtp/mtp_1_acceptance_rate": 61.27,
         "train/mtp/mtp_2_acceptance_rate": 30.0,
         "rollout/tokens_per_s": 1520.4,
@@ -224,8 +224,8 @@ def test_progress_postfix_shows_the_headline_metrics():
 def test_progress_bar_counts_from_the_resume_step(tmp_path, capsys):
     config = LoggingConfig(tensorboard=False, jsonl=False, plot=False)
     with MetricsLogger(tmp_path, total_steps=10, start_step=6, config=config) as logger:
-        logger.log(6, {"rollout/reward_mean": 0.75, "train/loss": 2.0})
-        logger.log(7, {"rollout/reward_mean": 0.875, "train/loss": 1.0})
+        logger.log(6, {"train/reward": 0.75, "train/loss": 2.0})
+        logger.log(7, {"train/reward": 0.875, "train/loss": 1.0})
     err = capsys.readouterr().err
     assert "8/10" in err
     assert "step=7, reward=0.875, loss=1" in err

@@ -27,7 +27,7 @@ def test_plot_with_mtp_has_reward_and_acceptance_panels(tmp_path):
     records = [
         {
             "step": s,
-            "rollout/reward_mean": s / 10,
+            "train/reward": s / 10,
             "train/mtp/mtp_1_acceptance_rate": 50.0 + s,
             "train/mtp/mtp_2_acceptance_rate": "nan" if s == 3 else 30.0 + s,
         }
@@ -59,5 +59,5 @@ def test_close_writes_the_plot(tmp_path, jsonl):
     config = LoggingConfig(tensorboard=False, progress_bar=False, jsonl=jsonl)
     with MetricsLogger(tmp_path, total_steps=3, config=config) as logger:
         for step in range(3):
-            logger.log(step, {"rollout/reward_mean": 0.5, "train/mtp/mtp_1_acceptance_rate": 70.0})
+            logger.log(step, {"train/reward": 0.5, "train/mtp/mtp_1_acceptance_rate": 70.0})
     assert png_size(tmp_path / "metrics.png") == (800, 600)

@@ -54,6 +54,11 @@ class AdvantageConfig(BaseModel):
     normalize_std: bool = True
     eps: float = Field(default=1e-6, ge=0.0)
 
+    def min_group_size(self) -> int:
+        """The smallest group the estimator gets a signal from. Both baselines come from the
+        group: with one sample, ``grpo`` gives A = r − r = 0 and ``rloo`` has no other sample."""
+        return 2
+
 
 def compute_group_advantages(groups: Sequence[Group], config: AdvantageConfig) -> dict[str, float]:
     """Fill ``group.advantages`` (one float per sample, sample order) for every group.

@@ -13,8 +13,9 @@ and is not thread-safe: the synchronous methods are atomic with respect to that 
 never await.
 
 Checkpoints: ``state_dict()`` holds the buffered groups as plain (JSON-serializable) dicts and the
-counters; ``load_state_dict()`` restores them exactly. Puts that are waiting for space at checkpoint
-time are in-flight rollouts and are not part of the state (DESIGN §4: they are regenerated).
+counters; ``load_state_dict()`` restores them exactly. Groups whose ``put`` is still waiting for
+space are not in the buffer and so not in its state: the controller keeps and saves them itself
+(``SingleController._accepted_groups``), so that no accepted rollout is lost across a resume.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ timing decides which groups land in which step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ import random
 import shutil
 import signal
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,9 +38,22 @@ import torch
 from splitrl.config import RunConfig
 from splitrl.controller.actors import spawn
 from splitrl.controller.advantages import advantage_metrics, compute_group_advantages
-from splitrl.controller.buffer import ReplayBuffer, StepComposer, staleness_metrics
+from splitrl.controller.buffer import ReplayBuffer, StepComposer, group_from_dict, group_to_dict, staleness_metrics
 from splitrl.controller.generation import GenerationWorker, load_tokenizer
+from splitrl.controller.health import RunHealth
 from splitrl.controller.policy_client import PolicyClient
+from splitrl.controller.run_checkpoint import (
+    TMP_SUFFIX,
+    CheckpointError,
+    checkpoint_step,
+    complete_checkpoints,
+    intact_checkpoints,
+    latest_intact_checkpoint,
+    mark_damaged,
+    remove_leftovers,
+    step_dir,
+    write_complete,
+)
 from splitrl.controller.train_actor import TOKEN_FIELDS, TrainActor
 from splitrl.dataplane import DataPlaneConfig, make_data_plane
 from splitrl.eval_config import plan_eval
@@ -52,35 +67,40 @@ log = logging.getLogger(__name__)
 RUN_CONFIG = "run_config.json"
 
 
-def complete_checkpoints(output_dir: str | Path) -> list[Path]:
-    """The complete checkpoint directories of a run, oldest first."""
-    root = Path(output_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.glob("step_*") if (p / "COMPLETE").exists())
-
-
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint directory of a run, or None."""
-    done = complete_checkpoints(output_dir)
-    return done[-1] if done else None
+    """The newest intact checkpoint directory of a run, or None (a damaged newer one is skipped
+    with a warning; see :mod:`splitrl.controller.run_checkpoint`)."""
+    return latest_intact_checkpoint(output_dir)
 
 
 def preflight(config: RunConfig) -> int:
     """Checks that need more than the config's own fields, run before any worker starts.
 
-    Builds the task (a data file that is missing or lacks its columns fails here), checks that
-    a character tokenizer covers the task's prompts, and, when resuming, that the checkpoint was
-    written by the same model. Returns the step to resume from (0: a fresh run).
+    Checks that ``output_dir`` can be written; verifies the model's config (head counts) and a
+    ``pretrained_path``'s weight files; builds the task (a data file that is missing, lacks its
+    columns or is not UTF-8 fails here) and the tokenizer, which must fit the model's vocabulary;
+    checks that a character tokenizer covers the task's prompts and that prompts fit the context
+    (rows of a data file that do not are left out: ``config.task`` is updated and a warning names
+    them); and, when resuming, that the checkpoint was written by the same model. Returns the
+    step to resume from (0: a fresh run).
 
     Raises:
         ValueError: naming what to fix.
     """
-    from splitrl.controller.generation import load_tokenizer
+    from splitrl.controller.checks import (
+        check_output_dir,
+        check_vocab,
+        fit_prompts_to_context,
+        load_checked_tokenizer,
+        model_hf_config,
+    )
     from splitrl.tasks import encode_prompt, make_task
 
+    check_output_dir(config.output_dir)
+    hf_cfg = model_hf_config(config)
     task = make_task(config.task)
-    tok = load_tokenizer(config.tokenizer, config.model.pretrained_path)
+    tok = load_checked_tokenizer(config)
+    check_vocab(config, tok, hf_cfg)
     encode_prompt(task.get_prompt(0), tok, task.config.chat_template)  # task.chat_template=true needs a template
     if config.tokenizer.kind == "char":
         unk = tok.unk_token_id
@@ -94,19 +114,80 @@ def preflight(config: RunConfig) -> int:
                     f"{missing} are not in tokenizer.charset; widen tokenizer.charset (null = all printable "
                     "ASCII, then model.backbone.vocab_size >= 100) or use tokenizer.kind=pretrained"
                 )
+    task_config = fit_prompts_to_context(config, task, tok, hf_cfg)
+    if task_config is not config.task:
+        config.task = task_config  # the workers build the task from this: same prompts everywhere
     ckpt = latest_checkpoint(config.output_dir) if config.resume else None
     if ckpt is None:
         return 0
     saved_path = ckpt / RUN_CONFIG
     if saved_path.exists():
-        saved = json.loads(saved_path.read_text())
+        try:
+            saved = json.loads(saved_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{saved_path} cannot be read ({e}); resume=false starts over in this output_dir") from None
         now = config.model_dump(mode="json")
         if saved.get("model") != now["model"]:
             raise ValueError(
                 f"{ckpt} was written by a different model config than this run's; resume needs the same "
                 "model. Use a new output_dir, or resume=false to start over in this one"
             )
-    return int(json.loads((ckpt / "COMPLETE").read_text())["step"])
+    return checkpoint_step(ckpt)
+
+
+# signals that stop a run cleanly: Ctrl-C, and what schedulers and container runtimes send
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _loopback_only_ray():
+    """Make the Ray cluster started inside a single-node one whose node address is 127.0.0.1:
+    its servers, workers and agents (and TransferQueue, which binds Ray's node address) then
+    listen on loopback only.
+
+    Ray 2.60 turns ``_node_ip_address="127.0.0.1"`` into the machine's external address (on
+    Linux, ``services.resolve_ip_for_localhost``); it keeps loopback only where clusters are
+    switched off, as on macOS. That switch is ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``: read at
+    import (hence the constant, for this process) and by every Ray process started here (hence
+    the environment, which they inherit).
+    """
+    from ray._private import ray_constants
+
+    env_key = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+    old_env, old_const = os.environ.get(env_key), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[env_key] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = old_const
+        if old_env is None:
+            os.environ.pop(env_key, None)
+        else:
+            os.environ[env_key] = old_env
+
+
+@contextlib.contextmanager
+def _children_ignore_sigint():
+    """Processes started inside inherit an ignored SIGINT (kept across exec; Python keeps it
+    too), so a terminal's Ctrl-C reaches only this process."""
+    try:
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: nothing to change
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+def _flush_console() -> None:
+    for stream in (sys.stderr, sys.stdout):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
 
 
 class StallError(RuntimeError):
@@ -126,6 +207,9 @@ class RunResult:
     metrics: list[dict[str, float]] = field(default_factory=list)
     stopped_early: bool = False
     interrupted: bool = False
+    # the signal that stopped the run (SIGINT or SIGTERM), None when none did; the CLI exits with
+    # 128 + its number (130, 143)
+    interrupt_signal: int | None = None
 
 
 def _free_port() -> int:
@@ -165,32 +249,44 @@ class SingleController:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self._stop = asyncio.Event()
         self._interrupted = False
+        self._interrupt_signal: int | None = None
 
     # ============================================================================== set-up
     def _start_cluster(self) -> None:
+        """Start a local Ray cluster, or join the one named by ``ray_address`` / ``RAY_ADDRESS``.
+
+        A local cluster listens on loopback only (every Ray server, worker and agent, and
+        TransferQueue's sockets, bind the node address, here 127.0.0.1) and runs no dashboard:
+        nothing of a laptop run is reachable from the network. Joining a cluster is the explicit
+        case: then the cluster's own settings apply. The cluster's processes ignore Ctrl-C (the
+        terminal sends it to the whole process group): the controller decides how to stop, and
+        it still needs its workers to finish the step and write the checkpoint.
+        """
         if self.backend != "ray":
             return
         import ray
 
-        if not ray.is_initialized():
-            src = str(Path(__file__).resolve().parents[2])
-            # transferqueue's controller and storage units ask for a CPU each: give Ray logical
-            # CPUs beyond the physical ones (FINDINGS.md), or it waits forever
-            need = self.config.num_generation_workers + self.config.num_train_workers + 4
-            log.info("start-up: starting a local Ray cluster")
-            ray.init(
-                num_cpus=max(8, need),
-                include_dashboard=False,
-                log_to_driver=True,
-                runtime_env={
-                    "env_vars": {
-                        "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                        # TransferQueue caps its (de)serialization threads at this and warns on
-                        # every call when it exceeds the physical cores
-                        "TQ_NUM_THREADS": str(min(8, os.cpu_count() or 1)),
-                    }
-                },
-            )
+        if ray.is_initialized():
+            return
+        src = str(Path(__file__).resolve().parents[2])
+        runtime_env = {
+            "env_vars": {
+                "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                # TransferQueue caps its (de)serialization threads at this and warns on
+                # every call when it exceeds the physical cores
+                "TQ_NUM_THREADS": str(min(8, os.cpu_count() or 1)),
+            }
+        }
+        address = self.config.ray_address or os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
+            return
+        # transferqueue's controller and storage units ask for a CPU each: give Ray logical
+        # CPUs beyond the physical ones (FINDINGS.md), or it waits forever
+        need = self.config.num_generation_workers + self.config.num_train_workers + 4
+        log.info("start-up: starting a local Ray cluster")
+        with _children_ignore_sigint(), _loopback_only_ray():
+            ray.init(num_cpus=max(8, need), include_dashboard=False, log_to_driver=True, runtime_env=runtime_env)
 
     def _build(self) -> None:
         cfg = self.config
@@ -210,7 +306,7 @@ class SingleController:
                 TrainActor,
                 cfg.model,
                 train_cfg,
-                cfg.loss,
+                cfg.trainer_loss_config(),  # temperature and tis_cap resolved from the run
                 self.data_plane,
                 rank=r,
                 world_size=world,
@@ -246,15 +342,60 @@ class SingleController:
 
     # ============================================================================ checkpoints
     async def _save_checkpoint(self, step: int) -> Path:
+        """Write the run's state at ``step`` (see :mod:`splitrl.controller.run_checkpoint`).
+
+        Raises:
+            CheckpointError: a write failed (a full disk, permissions); the partial checkpoint is
+                removed and the previous ones are untouched.
+        """
         t0 = time.perf_counter()
-        path = self.out / "checkpoints" / f"step_{step:06d}"
-        tmp = path.with_name(path.name + ".tmp")
+        path = step_dir(self.out, step)
+        tmp = path.with_name(path.name + TMP_SUFFIX)
+        try:
+            await self._write_checkpoint(step, tmp)
+            shutil.rmtree(path, ignore_errors=True)
+            tmp.rename(path)
+        except Exception as e:  # noqa: BLE001 - every writer's failure: OSError, torch's and
+            # safetensors' own errors for a full disk (RuntimeError "file write failed", ...)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(self._checkpoint_failure(step, path, e)) from e
+        for old in complete_checkpoints(self.out)[:-2]:  # keep the two newest
+            shutil.rmtree(old, ignore_errors=True)
+        log.info("checkpoint step %d written to %s in %.1fs", step, path, time.perf_counter() - t0)
+        return path
+
+    def _checkpoint_failure(self, step: int, path: Path, e: BaseException) -> str:
+        if isinstance(e, OSError):
+            cause = f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+        else:
+            cause = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        try:
+            free = f" {shutil.disk_usage(self.out).free / 2**30:.1f} GiB are free on that disk."
+        except OSError:
+            free = ""
+        intact = latest_intact_checkpoint(self.out)
+        return (
+            f"could not write the checkpoint of step {step} to {path}: {cause}.{free} "
+            + (f"The newest intact checkpoint is {intact.name}. " if intact else "No checkpoint is on disk yet. ")
+            + "Free space (or fix the cause) and rerun the same command to resume."
+        )
+
+    async def _write_checkpoint(self, step: int, tmp: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        # a consistent snapshot of the controller side: no await between these reads
+        # a consistent snapshot of the controller side: no await between these reads. Every state
+        # a prompt can be in here is either saved or regenerated on resume (see _restore):
+        #   trained ............... done_indices
+        #   buffered .............. the buffer's state
+        #   accepted, not buffered  pending_groups: generated and waiting for buffer room, or held
+        #                           by the deterministic train pump for a later chunk
+        #   being generated ....... not saved: not done, so regenerated (the cursor restarts at
+        #                           the lowest prompt index that is not done)
+        #   evicted / never claimed likewise not done: regenerated
         buffer_state = self.buffer.state_dict()
         done = sorted(self.done_indices)
-        buffered_ids = [s["sample_id"] for g in buffer_state["groups"] for s in g["samples"]]
+        accepted = [group_to_dict(g) for g in self._accepted_groups()]
+        buffered_ids = [s["sample_id"] for g in [*buffer_state["groups"], *accepted] for s in g["samples"]]
         samples = self.data_plane.get(buffered_ids, TOKEN_FIELDS) if buffered_ids else {}
         trainer = await self.policy.state_dict()
         torch.save(trainer, tmp / "trainer.pt")
@@ -266,6 +407,7 @@ class SingleController:
                 "version": self.version,
                 "done_indices": done,
                 "buffer": buffer_state,
+                "pending_groups": accepted,
                 "buffered_ids": buffered_ids,
                 "buffered_samples": samples,
                 "expected_tokens": self.expected_tokens,
@@ -274,25 +416,31 @@ class SingleController:
             tmp / "controller.pt",
         )
         (tmp / RUN_CONFIG).write_text(json.dumps(self.config.model_dump(mode="json"), indent=1))
-        (tmp / "COMPLETE").write_text(json.dumps({"step": step}))
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)
-        for old in complete_checkpoints(self.out)[:-2]:  # keep the two newest
-            shutil.rmtree(old, ignore_errors=True)
-        log.info("checkpoint step %d written to %s in %.1fs", step, path, time.perf_counter() - t0)
-        return path
+        write_complete(tmp, step)  # last: sizes and checksums of everything above
 
     async def _restore(self) -> int:
-        dirs = complete_checkpoints(self.out) if self.config.resume else []
-        if not dirs:
+        if not self.config.resume:
             return 0
-        path = dirs[-1]
-        state = torch.load(path / "controller.pt", weights_only=False)
-        await self.policy.load_state_dict(torch.load(path / "trainer.pt", weights_only=False))
+        for path in intact_checkpoints(self.out):
+            try:
+                state = torch.load(path / "controller.pt", weights_only=False)
+                trainer = torch.load(path / "trainer.pt", weights_only=False)
+                break
+            except Exception as e:  # noqa: BLE001 - e.g. a checkpoint of an older splitrl without checksums
+                why = f"it does not load: {type(e).__name__}: {e}"
+                mark_damaged(path, why)
+                log.warning("checkpoint %s is damaged (%s); falling back to an older one", path.name, why)
+        else:
+            return 0
+        await self.policy.load_state_dict(trainer)
         self.buffer.load_state_dict(state["buffer"])
         if state["buffered_ids"]:
             self.data_plane.put(state["buffered_ids"], state["buffered_samples"])
         self.done_indices = set(state["done_indices"])
+        # accepted groups that were waiting for buffer room (or held): delivered again by run()
+        self._restored_pending = [group_from_dict(g) for g in state.get("pending_groups", [])]
+        for g in self._restored_pending:
+            self.in_flight.add(g.prompt_index)
         self.version = int(state["version"])
         self.expected_tokens = int(state.get("expected_tokens", self.expected_tokens))
         random.setstate(state["rng"]["python"])
@@ -355,19 +503,41 @@ class SingleController:
                 await asyncio.sleep(0.01)
                 continue
             t0 = time.perf_counter()
+            for j in indices:
+                self.generating[j] = t0
             try:
                 groups, metrics = await actor.call("generate_groups", indices, cfg.group_size)
             except BaseException:
                 for j in indices:
                     self.in_flight.discard(j)
                 raise
+            finally:
+                for j in indices:
+                    self.generating.pop(j, None)
             t1 = time.perf_counter()
             self.gen_intervals.append((t0, t1))
             self.rollout_acc.append(metrics)
-            for g in groups:
-                await self.buffer.put(g)  # may wait for room: the index stays in flight meanwhile
-                self.done_indices.add(g.prompt_index)
-                self.in_flight.discard(g.prompt_index)
+            await self._deliver(groups)
+
+    def _accepted_groups(self) -> list[Group]:
+        """Groups generated and accepted but in no buffer: waiting for room, or held by the
+        deterministic train pump for a later chunk. Checkpoints save them (DESIGN §4: no prompt
+        is lost)."""
+        return [*self.pending.values(), *self.held.values()]
+
+    async def _deliver(self, groups: list[Group]) -> None:
+        """Put generated groups into the buffer, waiting for room (back-pressure). Until a group
+        is in the buffer it is *pending*: its index stays in flight (no pump claims it again) and
+        checkpoints save it with its tensors."""
+        for g in groups:
+            self.pending[g.prompt_index] = g
+        for g in groups:
+            await self.buffer.put(g)
+            # no await between the put and this bookkeeping: a checkpoint sees the group in
+            # exactly one place
+            del self.pending[g.prompt_index]
+            self.done_indices.add(g.prompt_index)
+            self.in_flight.discard(g.prompt_index)
 
     async def _wait_groups(self, n: int) -> list[Group]:
         cfg = self.config
@@ -392,10 +562,38 @@ class SingleController:
         return groups
 
     def _stall_report(self, what: str) -> str:
-        return (
-            f"watchdog: waited {self.config.watchdog_timeout_s:.0f}s for {what} at step {self.step} "
+        """Why the train pump waited in vain, from where every prompt of the schedule is."""
+        cfg = self.config
+        head = (
+            f"watchdog: waited {cfg.watchdog_timeout_s:.0f}s for {what} at step {self.step + 1} "
             f"(policy version {self.version}, synced {self.synced_version}); buffer holds {self.buffer.size} groups, "
-            f"{len(self.in_flight)} prompts in flight. A generation worker may be hung or dead."
+            f"{len(self.pending)} generated groups wait for buffer room, {len(self.generating)} prompts are being generated."
+        )
+        now = time.perf_counter()
+        if self.generating:
+            oldest = min(self.generating.values())
+            return head + (
+                f" Generation of prompts {sorted(self.generating)[:8]} has run for {now - oldest:.0f}s: a generation "
+                "worker may be hung or dead."
+            )
+        accounted = self.done_indices | self.in_flight | set(self.held)
+        total = cfg.num_steps * cfg.groups_per_step
+        missing = [i for i in range(total) if i not in accounted]
+        lost = [i for i in missing if i < self.cursor]
+        if lost:
+            return head + (
+                f" No generation is running, and prompts {lost[:8]} are neither trained, buffered nor in flight, "
+                "and below the generation cursor, so no worker will generate them: the controller lost track of them "
+                "(a bug; please report it with this message). Restart the run: it resumes from the last checkpoint."
+            )
+        if missing and self.synced_version < missing[0] // cfg.groups_per_step - cfg.buffer.max_staleness:
+            return head + (
+                f" The next prompt to generate ({missing[0]}) waits for policy version "
+                f"{missing[0] // cfg.groups_per_step - cfg.buffer.max_staleness}; nothing is being generated."
+            )
+        return head + (
+            " No generation is running and no prompt is missing: the wait cannot be explained by a hung worker "
+            "(a bug; please report it with this message)."
         )
 
     async def _policy_call(self, coro, what: str):
@@ -466,23 +664,28 @@ class SingleController:
         out = {f"train/{k}" if not k.startswith("timing/") else k: v for k, v in train.items()}
         samples = [s for g in groups for s in g.samples]
         lengths = [s.response_len for s in samples]
-        out.update({f"rollout/{k}": v for k, v in advantage_metrics(groups).items()})
-        out["rollout/reward_mean"] = sum(s.reward for s in samples) / max(1, len(samples))
-        out["train/reward"] = out["rollout/reward_mean"]
+        rollout = advantage_metrics(groups)
+        # the mean reward under one name (DESIGN §3 lists it as train/reward)
+        out["train/reward"] = rollout.pop("reward/mean")
+        out.update({f"rollout/{k}": v for k, v in rollout.items()})
         out["rollout/response_length_mean"] = sum(lengths) / max(1, len(lengths))
         out["rollout/response_length_max"] = float(max(lengths, default=0))
         out["rollout/truncation_rate"] = sum(s.truncated for s in samples) / max(1, len(samples))
         out["rollout/reward_timeout_rate"] = sum(s.reward_timed_out for s in samples) / max(1, len(samples))
+        crashed = sum(s.info.get("reward_error") is not None and not s.reward_timed_out for s in samples)
+        out["rollout/reward_error_rate"] = crashed / max(1, len(samples))
         acc = self.rollout_acc
         self.rollout_acc = []
         gen_tokens = sum(m["generated_tokens"] for m in acc)
         gen_s = sum(m["generation_s"] for m in acc)
-        if gen_s > 0:
-            out["rollout/tokens_per_s"] = gen_tokens / gen_s
-        drafted = sum(m["drafted_tokens"] for m in acc)
-        if drafted:
-            out["rollout/acceptance_rate"] = 100.0 * sum(m["accepted_tokens"] for m in acc) / drafted
-            out["rollout/speculative_active"] = float(acc[-1]["speculative_active"])
+        # every step's record has the same keys: NaN where a step has no value (no generation
+        # call finished since the last step; speculation switched itself off)
+        out["rollout/tokens_per_s"] = gen_tokens / gen_s if gen_s > 0 else float("nan")
+        if self.config.rollout.speculative:
+            drafted = sum(m["drafted_tokens"] for m in acc)
+            accepted = sum(m["accepted_tokens"] for m in acc)
+            out["rollout/acceptance_rate"] = 100.0 * accepted / drafted if drafted else float("nan")
+            out["rollout/speculative_active"] = float(acc[-1]["speculative_active"]) if acc else float("nan")
         out.update(staleness_metrics(groups, self.version - 1))  # keys carry their buffer/ prefix
         out["buffer/size"] = float(self.buffer.size)
         out["buffer/evicted_groups_total"] = float(self.buffer.num_evicted_groups)
@@ -539,13 +742,15 @@ class SingleController:
             metrics = self._step_metrics(train_metrics, groups, time.perf_counter() - t0, sync_s)
             metrics.update(eval_metrics)
             self.logger.log(step + 1, metrics)
+            self.health.check(step + 1, metrics)
             self.history.append(metrics)
             done = step + 1
-            if (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.num_steps:
+            due = (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.num_steps
+            # a stop (Ctrl-C, SIGTERM) always leaves a checkpoint of the last finished step,
+            # checkpoint_every=0 (only at the end) included
+            if due or self._stop.is_set():
                 await self._save_checkpoint(done)
             if self._stop.is_set():
-                if done % max(1, cfg.checkpoint_every) != 0 and done != cfg.num_steps:
-                    await self._save_checkpoint(done)
                 self.stopped_early = done < cfg.num_steps
                 return
 
@@ -554,10 +759,13 @@ class SingleController:
         cfg = self.config
         done_before = preflight(cfg)
         self.eval_indices = plan_eval(cfg) if cfg.eval.enabled else []  # raises before anything starts
+        log.log(*cfg.off_policy_summary())
+        self.health = RunHealth(cfg.reward_timeout_s, loss_scaling=cfg.train.precision == "fp16")
         if done_before >= cfg.num_steps:
             log.info("%s already holds a finished run (%d steps); nothing to do", self.out, done_before)
             return RunResult(str(self.out), done_before)
         self.out.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(self.out)  # half-written checkpoints and temp files of a killed run
         self._start_cluster()
         self._build()
         self._wake = asyncio.Event()
@@ -565,6 +773,9 @@ class SingleController:
         self.synced_version = -1
         self.done_indices: set[int] = set()
         self.in_flight: set[int] = set()
+        self.generating: dict[int, float] = {}  # prompt index -> start time of its request
+        self.pending: dict[int, Group] = {}  # generated, waiting for buffer room
+        self._restored_pending: list[Group] = []
         self.held: dict[int, Group] = {}
         self.gen_intervals: list[tuple[float, float]] = []
         self.train_intervals: list[tuple[float, float]] = []
@@ -578,7 +789,9 @@ class SingleController:
         t_ready = time.perf_counter()
         log.info("start-up: waiting for the workers to load the model")
         start = await self._restore()
-        self.cursor = start * cfg.groups_per_step
+        # generation may run ahead of (and, with evictions, behind) the step boundary: restart at the
+        # lowest prompt index that is not done, so a prompt in flight at the checkpoint is regenerated
+        self.cursor = 0
         self.next_index = start * cfg.groups_per_step
         await self._sync_weights()
         log.info(
@@ -589,11 +802,14 @@ class SingleController:
         self.logger = MetricsLogger(self.out, cfg.num_steps, start_step=start + 1, config=cfg.logging)
         self.logger.save_config(cfg)
         loop = asyncio.get_running_loop()
-        try:
-            loop.add_signal_handler(signal.SIGINT, self._on_interrupt)
-        except (NotImplementedError, RuntimeError):  # not the main thread
-            pass
+        for sig in STOP_SIGNALS:
+            try:
+                loop.add_signal_handler(sig, self._on_interrupt, sig)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+                pass
         pumps = [asyncio.create_task(self._rollout_pump(a)) for a in self.gen_actors]
+        if self._restored_pending:
+            pumps.append(asyncio.create_task(self._deliver(self._restored_pending)))
         trainer = asyncio.create_task(self._train_pump(start))
         try:
             while True:
@@ -614,19 +830,34 @@ class SingleController:
             for t in [trainer, *pumps]:
                 t.cancel()
             await asyncio.gather(trainer, *pumps, return_exceptions=True)
-            try:
-                loop.remove_signal_handler(signal.SIGINT)
-            except (NotImplementedError, RuntimeError):
-                pass
+            for sig in STOP_SIGNALS:
+                try:
+                    loop.remove_signal_handler(sig)
+                except (NotImplementedError, RuntimeError, ValueError):
+                    pass
             self.logger.close()
             self._shutdown()
         return RunResult(
-            str(self.out), start + len(self.history), self.history, self.stopped_early or self._interrupted, self._interrupted
+            str(self.out),
+            start + len(self.history),
+            self.history,
+            self.stopped_early or self._interrupted,
+            self._interrupted,
+            self._interrupt_signal,
         )
 
-    def _on_interrupt(self) -> None:
-        log.warning("Ctrl-C: finishing the current step, saving a checkpoint and stopping")
+    def _on_interrupt(self, sig: int = signal.SIGINT) -> None:
+        """SIGINT (Ctrl-C) and SIGTERM (schedulers, containers): the first finishes the open step,
+        writes a checkpoint and stops; a second one exits at once (exit code 128 + signal) without
+        a checkpoint — the previous checkpoint stays intact (they are written atomically)."""
+        name = signal.Signals(sig).name
+        if self._interrupted:
+            log.error("%s again: exiting now without a checkpoint (rerun to resume from the last one)", name)
+            _flush_console()
+            os._exit(128 + int(sig))
+        log.warning("%s: finishing the current step, saving a checkpoint and stopping (send it again to exit at once)", name)
         self._interrupted = True
+        self._interrupt_signal = int(sig)
         self._stop.set()
         self._wake_pumps()
 

@@ -144,6 +144,15 @@ class GenerationWorker:
         version = self.engine.policy_version
         prompts = [self.prompt_of(i) for i in prompt_indices]
         prompt_ids = [encode_prompt(p, self.tokenizer, self.task.config.chat_template) for p in prompts]
+        max_pos = getattr(self.engine.model.config, "max_position_embeddings", None)
+        for i, ids in zip(prompt_indices, prompt_ids):
+            if max_pos is not None and len(ids) + self.generation.max_new_tokens > max_pos:
+                # preflight checks a generated task's first prompts only; name this one, not its batch slot
+                raise ValueError(
+                    f"prompt {i} of the task ({len(ids)} tokens) + rollout.max_new_tokens="
+                    f"{self.generation.max_new_tokens} exceeds the model's max_position_embeddings={max_pos}; "
+                    "lower rollout.max_new_tokens or make the task's prompts shorter"
+                )
         flat_ids, seeds, owners = [], [], []
         for g, (i, ids) in enumerate(zip(prompt_indices, prompt_ids)):
             for j in range(group_size):

@@ -48,14 +48,16 @@ class TrainActor:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         if world_size > 1:
-            import torch.distributed as dist
+            from splitrl.distributed.utils import init_loopback_process_group
 
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ["MASTER_PORT"] = str(master_port)
             backend = "nccl" if torch.cuda.is_available() else "gloo"
             if backend == "nccl":
                 torch.cuda.set_device(rank % torch.cuda.device_count())
-            dist.init_process_group(backend, rank=rank, world_size=world_size)
+            # the workers of one host meet on loopback (the rendezvous store would listen on
+            # every interface otherwise)
+            init_loopback_process_group(backend, rank, world_size, master_port)
         self.rank = rank
         self.loss = ClippedPGLoss(loss_config)
         self.data_plane = data_plane

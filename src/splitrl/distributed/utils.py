@@ -36,3 +36,29 @@ def all_reduce(t: torch.Tensor, op: str = "sum") -> torch.Tensor:
     dist.all_reduce(buf, op=ops[op])
     t.copy_(buf.to(t.device))
     return t
+
+
+def init_loopback_process_group(backend: str, rank: int, world_size: int, port: int, timeout_s: float = 600.0) -> None:
+    """Start the default process group of ``world_size`` ranks on this host, with its rendezvous
+    store listening on 127.0.0.1 only.
+
+    ``init_process_group`` with ``MASTER_ADDR=127.0.0.1`` still makes rank 0's TCPStore listen on
+    every interface (``::``); here rank 0 binds the listening socket itself and hands it to the
+    store (``master_listen_fd``), so nothing of the rendezvous is reachable from the network.
+
+    Raises:
+        OSError: rank 0 cannot bind ``127.0.0.1:port``.
+    """
+    import socket
+    from datetime import timedelta
+
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(max(128, world_size))
+        store = dist.TCPStore("127.0.0.1", port, world_size, True, timeout, master_listen_fd=sock.detach())
+    else:
+        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)

@@ -2,7 +2,7 @@
 
 The controller calls :meth:`MetricsLogger.log` once per optimizer step with one flat dict of
 scalars whose keys name their source (``train/loss``, ``train/mtp/mtp_1_acceptance_rate``,
-``rollout/reward_mean``, ``timing/train_s``, ...). Everything a run writes lands in one output
+``train/reward``, ``timing/train_s``, ...). Everything a run writes lands in one output
 directory::
 
     out_dir/
@@ -50,7 +50,7 @@ _JSON_TO_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 # Progress-bar fields: label -> metric keys tried in order (the first one present is shown).
 _POSTFIX_FIELDS: dict[str, tuple[str, ...]] = {
-    "reward": ("rollout/reward_mean", "train/reward"),
+    "reward": ("train/reward",),
     "loss": ("train/loss",),
     "mtp_acc": ("train/mtp/mtp_1_acceptance_rate",),
     "tok/s": ("rollout/tokens_per_s", "train/tokens_per_s"),
@@ -195,8 +195,19 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(step, values)
         if self._bar is not None:
-            self._bar.set_postfix(progress_postfix(step, values), refresh=False)
-            self._bar.update(1)
+            postfix = progress_postfix(step, values)
+            self._console(lambda: (self._bar.set_postfix(postfix, refresh=False), self._bar.update(1)))
+
+    def _console(self, call) -> None:
+        """Run a progress-bar call; a console nobody reads any more (a closed pipe, a dead
+        terminal) turns the bar off instead of stopping the run before its checkpoint."""
+        try:
+            call()
+        except (OSError, ValueError) as err:
+            bar, self._bar = self._bar, None
+            if bar is not None:
+                bar.disable = True  # its close() must not write either
+            warnings.warn(f"progress bar turned off: the console cannot be written ({err})", stacklevel=3)
 
     def save_config(self, config: Mapping[str, Any] | BaseModel) -> Path:
         """Write the resolved run config to ``out_dir/config.yaml`` (keys in their given order).
@@ -221,7 +232,7 @@ class MetricsLogger:
                 "model.model_dump(mode='json') for a pydantic config"
             ) from err
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(text, encoding="utf-8")
+        write_atomically(self.config_path, text.encode("utf-8"))
         if self._writer is not None:  # TensorBoard's text tab renders markdown
             self._writer.add_text("config", f"```yaml\n{text}```", global_step=self.start_step)
             self._writer.flush()
@@ -240,7 +251,7 @@ class MetricsLogger:
             return
         self._closed = True
         if self._bar is not None:
-            self._bar.close()
+            self._console(self._bar.close)
         if self._jsonl is not None:
             self._jsonl.close()
         if self._writer is not None:
@@ -248,10 +259,15 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.close()
         if self.config.plot:
-            if self.config.jsonl:
-                plot_metrics(self.metrics_path, self.plot_path)
-            else:
-                plot_records(self._records, self.plot_path)
+            # written to a temporary file and renamed (plot.py): a full disk leaves the previous
+            # picture or none, never a truncated one, and costs a warning, not the run's exit
+            try:
+                if self.config.jsonl:
+                    plot_metrics(self.metrics_path, self.plot_path)
+                else:
+                    plot_records(self._records, self.plot_path)
+            except OSError as err:
+                warnings.warn(f"{self.plot_path} not written: {err}", stacklevel=2)
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -283,7 +299,7 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """
     path = Path(path)
     records = []
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for line_no, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
         if line.strip():
             records.append(_decode_non_finite(_parse_line(path, line_no, line)))
     return records
@@ -346,7 +362,7 @@ def _parse_line(path: Path, line_no: int, line: str) -> dict[str, Any]:
 
 def _lines_before_step(path: Path, start_step: int) -> list[str]:
     """The lines of an existing metrics file whose step is < ``start_step``, unchanged."""
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     kept = []
     for line_no, line in enumerate(lines, start=1):
         if not line.strip():
@@ -368,6 +384,25 @@ def _lines_before_step(path: Path, start_step: int) -> list[str]:
 
 def _rewrite_atomically(path: Path, lines: list[str]) -> None:
     # Replace in one rename so an interruption here cannot lose the steps being kept.
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomically(path, "".join(line + "\n" for line in lines).encode("utf-8"))
+
+
+def write_atomically(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same directory and one rename:
+    readers see the old file or the whole new one, never a partial one.
+
+    Raises:
+        OSError: the write failed (e.g. ENOSPC); the temporary file is removed and ``path`` is
+            unchanged.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -1,7 +1,7 @@
 """The end-of-run picture: reward and MTP acceptance rate per step, as a PNG.
 
 Panels (top to bottom, each only when its keys were logged):
-- reward: ``rollout/reward_mean`` and/or ``train/reward``, plus the held-out evaluation's
+- reward: ``train/reward`` (the step's mean reward), plus the held-out evaluation's
   ``eval/reward_mean``, ``eval/pass@k`` and ``eval/greedy/...`` as points at the steps evaluated;
 - acceptance (percent, 0-100): one line per MTP depth k from ``train/mtp/mtp_{k}_acceptance_rate``
   (teacher-forced, training side), plus dashed lines for any ``rollout/...acceptance_rate`` key
@@ -14,6 +14,7 @@ display nor touches pyplot's global backend.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import re
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-REWARD_KEYS = ("rollout/reward_mean", "train/reward")
+REWARD_KEYS = ("train/reward",)
 _MTP_ACCEPTANCE = re.compile(r"^train/mtp/mtp_(\d+)_acceptance_rate$")
 _ROLLOUT_ACCEPTANCE = re.compile(r"^rollout/.*acceptance_rate$")
 _EVAL_REWARD = re.compile(r"^eval/(greedy/)?(reward_mean|pass@\d+)$")
@@ -41,6 +42,8 @@ def plot_metrics(jsonl_path: str | os.PathLike[str], png_path: str | os.PathLike
     Raises:
         FileNotFoundError: ``jsonl_path`` does not exist.
         ValueError: a line of the file is not a JSON object.
+        OSError: the PNG could not be written; ``png_path`` is then unchanged (written through a
+            temporary file and a rename).
     """
     # Imported here because logger.py imports this module and read_metrics lives there.
     from splitrl.logging.logger import read_metrics
@@ -79,7 +82,12 @@ def plot_records(records: Sequence[dict[str, Any]], png_path: str | os.PathLike[
 
     png_path = Path(png_path)
     png_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png_path, format="png", dpi=100)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    # one rename: a full disk leaves the old picture (or none), never a truncated PNG
+    from splitrl.logging.logger import write_atomically
+
+    write_atomically(png_path, buf.getvalue())
     return png_path
 
 
@@ -90,7 +98,7 @@ def plot_series(records: Sequence[dict[str, Any]]) -> list[tuple[str, list[tuple
     only the steps that have them, drawn as points.
     """
     keys = {key for record in records for key in record}
-    # the first reward key present: the controller logs the same number under both names
+    # the first reward key present (one today; a tuple so that a renamed key can be read back)
     reward_keys = [key for key in REWARD_KEYS if key in keys][:1]
     mtp_keys = sorted(
         (key for key in keys if _MTP_ACCEPTANCE.match(key)),

@@ -27,11 +27,14 @@ class GRPOLossConfig(BaseModel):
         ratio_level: ``token`` ratios (PPO) or one ``sequence`` ratio per sample (GSPO).
         kl_coef: β, weight of the KL to the reference policy (0: no reference model is run).
         kl_estimator: ``k1``, ``k2`` or ``k3`` (Schulman 2020).
-        tis_cap: truncated importance-sampling cap C on exp(prev − gen); None disables the correction.
+        tis_cap: truncated importance-sampling cap C on exp(prev − gen); None disables the correction
+            (a run turns it on by default when samples can be stale, see
+            ``splitrl.config.RunLossConfig``).
         recompute_prev_logprobs: prev logprobs are the trainer's at the step's start (else the
             rollout engine's).
         entropy_coef: α, weight of the entropy bonus.
-        temperature: the sampling temperature the logprobs are taken at (logits / T).
+        temperature: the T of the distribution the tokens were sampled from (logprobs are of
+            logits / T); it must be the sampler's, and a run derives it from ``rollout.temperature``.
     """
 
     model_config = ConfigDict(extra="forbid")

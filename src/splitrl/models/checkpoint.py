@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from splitrl.models.config import ModelCapabilities, MTPConfig
+from splitrl.models.config import SUPPORTED_FAMILIES, ModelCapabilities, MTPConfig
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,157 @@ def _weight_files(path: Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
 
+_SAFETENSORS_ITEMSIZE = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
+
+
+def safetensors_header(file: Path) -> dict[str, dict]:
+    """The tensor entries (``{name: {dtype, shape, data_offsets}}``) of a safetensors file, after
+    checking that the file holds every byte its header promises.
+
+    The format is an 8-byte little-endian header length, a JSON header, then the data; a copy cut
+    short (an interrupted download or copy) has a header that points past the end of the file.
+
+    Raises:
+        ValueError: naming the file: unreadable, truncated, or a header that is not the format's.
+    """
+    try:
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 2 or 8 + n > size:
+                raise ValueError(f"{file} is not a safetensors file or is truncated ({size} bytes)")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise ValueError(f"{file}: cannot read it ({e.strerror or e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} has a corrupt safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file} has a corrupt safetensors header (not a JSON object)")
+    header.pop("__metadata__", None)
+    end = 0
+    for name, entry in header.items():
+        try:
+            start, stop = entry["data_offsets"]
+            nbytes = _SAFETENSORS_ITEMSIZE.get(entry["dtype"], 0)
+            for d in entry["shape"]:
+                nbytes *= int(d)
+        except (TypeError, KeyError, ValueError):
+            raise ValueError(f"{file} has a corrupt safetensors header (entry {name!r}: {entry!r})") from None
+        if entry["dtype"] in _SAFETENSORS_ITEMSIZE and stop - start != nbytes:
+            raise ValueError(f"{file} has a corrupt safetensors header ({name!r} holds {stop - start} bytes, its shape needs {nbytes})")
+        end = max(end, stop)
+    if 8 + n + end > size:
+        raise ValueError(
+            f"{file} is truncated: {size} bytes, its header needs {8 + n + end}; copy or download it again"
+        )
+    return header
+
+
+def verify_pretrained(path: str | os.PathLike, key: str = "model.pretrained_path", mtp: MTPConfig | None = None) -> None:
+    """Check a Hugging Face model directory without loading its weights: ``config.json`` parses,
+    every weight file is there and whole, and the backbone's tensors are all stored with the
+    shapes the config gives. Cheap (file headers and a meta-device model), so it runs in preflight
+    and before every load.
+
+    Args:
+        path: the directory.
+        key: the config key that named it (used in messages).
+        mtp: when given, stored MTP tensors must also fit these knobs (as :func:`load_pretrained`
+            requires).
+
+    Raises:
+        ValueError: naming ``key``, the file and what is wrong.
+    """
+    path = Path(path)
+    where = f"{key}={str(path)!r}"
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{where} is not a Hugging Face model directory (no config.json); check the path")
+    try:
+        hf_cfg = AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - transformers raises several kinds for a bad config.json
+        raise ValueError(f"{where}: config.json cannot be read ({type(e).__name__}: {e})") from None
+    index = path / f"{WEIGHTS_NAME}.index.json"
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{where}: {index.name} is corrupt ({e})") from None
+        missing_files = [n for n in names if not (path / n).is_file()]
+        if missing_files:
+            raise ValueError(f"{where}: {index.name} lists weight files that are missing: {missing_files[:4]}")
+    files = _weight_files(path)
+    if not files:
+        bins = sorted(path.glob("pytorch_model*.bin"))
+        if not bins:
+            raise ValueError(f"{where} holds no weights (no *.safetensors or pytorch_model*.bin)")
+        import zipfile
+
+        for b in bins:  # torch.save archives are zip files; a cut-off one has no central directory
+            if not zipfile.is_zipfile(b):
+                raise ValueError(f"{where}: {b.name} is truncated or corrupt (not a readable torch archive)")
+        return
+    stored: dict[str, list[int]] = {}
+    for f in files:
+        try:
+            stored.update({k: v["shape"] for k, v in safetensors_header(f).items()})
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+    policy = _meta_policy(hf_cfg, mtp)
+    if policy is None:
+        return
+    expected = {k: tuple(v.shape) for k, v in policy.backbone.state_dict().items()}
+    if getattr(hf_cfg, "tie_word_embeddings", False):
+        expected.pop("lm_head.weight", None)
+    # checkpoints of the bare backbone (no lm_head, no ``model.`` prefix) load too
+    renamed = {("model." + k if "model." + k in expected and k not in expected else k): v for k, v in stored.items()}
+    missing = sorted(k for k in expected if k not in renamed)
+    if missing:
+        raise ValueError(
+            f"{where}: {len(missing)} backbone tensor(s) are missing from the weight files (e.g. {missing[:4]}); "
+            "they would start from random init. Copy the complete checkpoint"
+        )
+    wrong = [(k, renamed[k], list(shape)) for k, shape in expected.items() if list(renamed[k]) != list(shape)]
+    if wrong:
+        k, got, want = wrong[0]
+        raise ValueError(
+            f"{where}: {len(wrong)} tensor(s) do not fit config.json (e.g. {k} is {got}, config.json gives {want})"
+        )
+    stored_mtp = {k[len("mtp.") :] for k in stored if k.startswith("mtp.")}
+    if policy.mtp is not None and stored_mtp and stored_mtp != set(policy.mtp.state_dict()):
+        raise ValueError(f"{where}: " + _mtp_mismatch(path, mtp, stored_mtp, set(policy.mtp.state_dict()), hf_cfg))
+
+
+def _meta_policy(hf_cfg, mtp: MTPConfig | None):
+    """The policy ``hf_cfg`` and ``mtp`` describe, built on the meta device (no memory, no
+    init) for its tensor names and shapes; None for a model type this package cannot build."""
+    from splitrl.models.policy import PolicyModel
+
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(hf_cfg)]
+    except KeyError:
+        return None
+    if getattr(hf_cfg, "model_type", None) not in SUPPORTED_FAMILIES:
+        return None
+    with torch.device("meta"):
+        return PolicyModel(cls(hf_cfg), mtp)
+
+
+def _mtp_mismatch(path, mtp: MTPConfig, stored: set[str], expected: set[str], hf_cfg) -> str:
+    missing = sorted(expected - stored)[:4]
+    extra = sorted(stored - expected)[:4]
+    return (
+        f"MTP tensors in {path} do not fit mtp_num_layers={mtp.mtp_num_layers}, "
+        f"mtp_use_repeated_layer={mtp.mtp_use_repeated_layer} (missing e.g. {missing}, unexpected e.g. "
+        f"{extra}); set the MTP knobs to those the checkpoint was saved with "
+        f"(config.json: mtp_num_hidden_layers={getattr(hf_cfg, 'mtp_num_hidden_layers', None)})"
+    )
+
+
 def read_mtp_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """All ``mtp.*`` tensors of a directory's safetensors files (sharded or not), prefix stripped."""
     out: dict[str, torch.Tensor] = {}
@@ -104,14 +255,14 @@ def load_pretrained(
         a directory without them (a plain HF model) leaves freshly initialized heads.
 
     Raises:
-        ValueError: missing directory or config, or stored MTP tensors that do not fit the
-            requested MTP shape (e.g. a different number of depths).
+        ValueError: missing directory or config, missing / truncated / corrupt weight files
+            (:func:`verify_pretrained`), or stored MTP tensors that do not fit the requested MTP
+            shape (e.g. a different number of depths).
     """
     from splitrl.models.policy import PolicyModel
 
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{path} is not a Hugging Face model directory (no config.json); check pretrained_path")
+    verify_pretrained(path, key="pretrained_path")
     hf_cfg = AutoConfig.from_pretrained(str(path))
     saved = getattr(hf_cfg, "splitrl", None) or {}
     if mtp is None:
@@ -144,14 +295,7 @@ def load_pretrained(
         return model
     expected = set(model.mtp.state_dict())
     if set(stored) != expected:
-        missing = sorted(expected - set(stored))[:4]
-        extra = sorted(set(stored) - expected)[:4]
-        raise ValueError(
-            f"MTP tensors in {path} do not fit mtp_num_layers={mtp.mtp_num_layers}, "
-            f"mtp_use_repeated_layer={mtp.mtp_use_repeated_layer} (missing e.g. {missing}, unexpected e.g. "
-            f"{extra}); set the MTP knobs to those the checkpoint was saved with "
-            f"(config.json: mtp_num_hidden_layers={getattr(hf_cfg, 'mtp_num_hidden_layers', None)})"
-        )
+        raise ValueError(_mtp_mismatch(path, mtp, set(stored), expected, hf_cfg))
     model.mtp.load_state_dict(stored, strict=True)
     return model
 

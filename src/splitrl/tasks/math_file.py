@@ -39,6 +39,9 @@ class MathFileTaskConfig(TaskOptions):
             e.g. ``\\boxed{}``, are kept as they are).
         shuffle: serve rows in an order permuted by ``seed`` instead of file order.
         seed: seed of that permutation.
+        skip_rows: rows (0-indexed, in file order, blank JSONL lines not counted) left out of
+            the task. Preflight adds the rows whose prompt does not fit the model's context
+            (and warns, naming them), so every process serves the same prompts.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -51,6 +54,7 @@ class MathFileTaskConfig(TaskOptions):
     prompt_template: str = _PROMPT_SLOT
     shuffle: bool = False
     seed: int = Field(0, ge=0)
+    skip_rows: list[int] = Field(default_factory=list)
 
     @field_validator("path")
     @classmethod
@@ -74,27 +78,33 @@ class MathFileTask(Task):
     Raises:
         ValueError: at construction, when the path does not exist, its type is not supported,
             a column is missing (the message lists the columns found), a directory holds several
-            splits and ``split`` is not set, or the file has no rows.
+            splits and ``split`` is not set, the file has no rows, or ``skip_rows`` leaves none.
     """
 
     def __init__(self, config: MathFileTaskConfig):
         import numpy as np  # here, not at the top: validating a run config should not load it
 
-        prompts, answers = _load_columns(config)
+        prompts, answers, labels = _load_columns(config)
         if not prompts:
             raise ValueError(f"{config.path} holds no rows")
         self.config = config
         self._prompts = prompts
         self._answers = answers
-        self._order = (
-            np.random.default_rng(config.seed).permutation(len(prompts))
-            if config.shuffle
-            else np.arange(len(prompts))
-        )
+        self._labels = labels
+        skip = set(config.skip_rows)
+        kept = np.array([r for r in range(len(prompts)) if r not in skip], dtype=np.int64)
+        if kept.size == 0:
+            raise ValueError(f"{config.path}: skip_rows leaves none of its {len(prompts)} rows")
+        self._order = np.random.default_rng(config.seed).permutation(kept) if config.shuffle else kept
+
+    def row_label(self, row: int) -> str:
+        """Where row ``row`` (0-indexed) is in the file, for messages: ``line N`` of a JSONL file,
+        else ``row N``."""
+        return self._labels[row] if self._labels is not None else f"row {row}"
 
     @property
     def num_prompts(self) -> int:
-        return len(self._prompts)
+        return len(self._order)
 
     def _make_prompt(self, index: int) -> TaskPrompt:
         row = int(self._order[index])
@@ -115,17 +125,17 @@ class MathFileTask(Task):
         return float(verify(gold, predicted, timeout_seconds=None))
 
 
-def _load_columns(config: MathFileTaskConfig) -> tuple[list[str], list[str]]:
+def _load_columns(config: MathFileTaskConfig) -> tuple[list[str], list[str], list[str] | None]:
     path = Path(config.path)
     columns = [config.prompt_column, config.answer_column]
     if not path.exists():
         raise ValueError(f"math_file path {str(path)!r} does not exist")
     if path.is_dir():
-        found, read = _saved_dataset_reader(path, config.split)
+        found, read, labels = _saved_dataset_reader(path, config.split)
     elif path.suffix == ".parquet":
-        found, read = _parquet_reader(path)
+        found, read, labels = _parquet_reader(path)
     elif path.suffix == ".jsonl":
-        found, read = _jsonl_reader(path)
+        found, read, labels = _jsonl_reader(path)
     else:
         raise ValueError(
             f"math_file path {str(path)!r}: unsupported file type {path.suffix!r}; use a .jsonl "
@@ -138,17 +148,25 @@ def _load_columns(config: MathFileTaskConfig) -> tuple[list[str], list[str]]:
                 "Set prompt_column / answer_column to the right names"
             )
     prompts, answers = read(columns)
-    return [str(p) for p in prompts], [str(a) for a in answers]
+    return [str(p) for p in prompts], [str(a) for a in answers], labels
 
 
-# Each reader returns (column names found, read(columns) -> one list per column).
-_Reader = tuple[set[str], Callable[[list[str]], list[list]]]
+# Each reader returns (column names found, read(columns) -> one list per column, where each row
+# is in the file for messages, or None: "row N").
+_Reader = tuple[set[str], Callable[[list[str]], list[list]], list[str] | None]
 
 
 def _jsonl_reader(path: Path) -> _Reader:
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(
+                    f"{str(path)!r} line {number} is not UTF-8 (byte 0x{raw[exc.start]:02x} at column "
+                    f"{exc.start + 1}); save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -169,17 +187,28 @@ def _jsonl_reader(path: Path) -> _Reader:
                     raise ValueError(f"{str(path)!r} line {number} has no key {column!r}")
         return [[row[column] for _, row in rows] for column in columns]
 
-    return found, read
+    return found, read, [f"line {number}" for number, _ in rows]
 
 
 def _parquet_reader(path: Path) -> _Reader:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
+    def unreadable(exc: Exception) -> ValueError:
+        return ValueError(f"{str(path)!r} cannot be read as parquet ({exc}); check that the file is whole")
+
     def read(columns: list[str]) -> list[list]:
-        table = pq.read_table(path, columns=columns)
+        try:
+            table = pq.read_table(path, columns=columns)
+        except (OSError, pa.ArrowException) as exc:
+            raise unreadable(exc) from None
         return [table.column(column).to_pylist() for column in columns]
 
-    return set(pq.read_schema(path).names), read
+    try:
+        names = set(pq.read_schema(path).names)
+    except (OSError, pa.ArrowException) as exc:
+        raise unreadable(exc) from None
+    return names, read, None
 
 
 def _saved_dataset_reader(path: Path, split: str | None) -> _Reader:
@@ -200,4 +229,4 @@ def _saved_dataset_reader(path: Path, split: str | None) -> _Reader:
         loaded = loaded[split]
     elif split is not None:
         raise ValueError(f"{str(path)!r} holds one dataset without splits; remove `split`")
-    return set(loaded.column_names), lambda columns: [list(loaded[c]) for c in columns]
+    return set(loaded.column_names), lambda columns: [list(loaded[c]) for c in columns], None

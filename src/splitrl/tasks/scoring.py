@@ -21,6 +21,7 @@ import logging
 import math
 import multiprocessing
 import pickle
+import signal
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -257,6 +258,11 @@ class _Worker:
 
 
 def _worker_main(conn: Connection, task_bytes: bytes) -> None:
+    # A terminal's Ctrl-C reaches this process too (the whole foreground process group gets it);
+    # dying here would score the checks in flight 0 while the run finishes its step. The parent
+    # owns the shutdown: it closes the pipe or kills this process. (SIGTERM stays: multiprocessing
+    # ends daemonic children with it at exit.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # This process enforces no limit itself (the parent kills it), so math-verify's warning
     # that its own signal-based timeout is off is noise here.
     logging.getLogger("math_verify").setLevel(logging.ERROR)

@@ -34,7 +34,9 @@ class TrainBatch:
         advantages: [B] float32, one advantage per sample (GRPO).
         sample_mask: [B] float32, 1 = counts, 0 = filtered out (default: all ones).
         generation_logprobs / prev_logprobs / reference_logprobs: optional, B tensors [L_i]
-            float32 aligned with ``input_ids`` (values on prompt tokens are ignored).
+            float32 aligned with ``input_ids``. Values where :meth:`loss_mask` is 0 (prompt,
+            position 0, filtered samples) are never read — they may be -inf or NaN; the
+            microbatch builder replaces them with 0.
         sample_ids: optional ids (for logging and balancing), B strings.
     """
 
@@ -64,6 +66,14 @@ class TrainBatch:
     def num_tokens(self) -> int:
         return sum(self.lengths)
 
+    def loss_mask(self, i: int) -> torch.Tensor:
+        """[L_i] float32 mask of the positions of sample i that the loss reads:
+        ``token_mask · sample_mask`` with position 0 zeroed (nothing predicts it). The one
+        definition that validation, the microbatch builder and N_t share."""
+        mask = self.token_mask[i].float() * self.sample_mask[i]
+        mask[0] = 0.0
+        return mask
+
     def validate(self) -> None:
         """Check shapes and dtypes.
 
@@ -81,8 +91,17 @@ class TrainBatch:
             t = getattr(self, name)
             if t.shape != (B,):
                 raise ValueError(f"{name} must have shape [B]=[{B}], got {tuple(t.shape)}")
-            if not torch.isfinite(t).all():
-                raise ValueError(f"{name} holds non-finite values; filter those samples (sample_mask=0) instead")
+        if not torch.isfinite(self.sample_mask).all():
+            raise ValueError("sample_mask holds non-finite values; it must be 1.0 (counts) or 0.0 (filtered out)")
+        # a filtered sample's values are never read (the builder replaces them), so only counted
+        # samples must be finite
+        bad = ~torch.isfinite(self.advantages) & (self.sample_mask != 0)
+        if bad.any():
+            i = int(bad.nonzero()[0])
+            raise ValueError(
+                f"advantages[{i}] is {float(self.advantages[i])} on a counted sample; fix the rewards or "
+                "filter that sample out (sample_mask=0)"
+            )
         if self.sample_ids is not None and len(self.sample_ids) != B:
             raise ValueError(f"sample_ids has {len(self.sample_ids)} entries for {B} samples")
         for i, (ids, tm) in enumerate(zip(self.input_ids, self.token_mask)):
@@ -92,6 +111,8 @@ class TrainBatch:
                 raise ValueError(f"input_ids[{i}] must be an integer tensor, got {ids.dtype}")
             if tm.shape != ids.shape:
                 raise ValueError(f"token_mask[{i}] has shape {tuple(tm.shape)}, input_ids[{i}] {tuple(ids.shape)}")
+            if not ((tm == 0) | (tm == 1)).all():
+                raise ValueError(f"token_mask[{i}] must hold only 0.0 and 1.0 (1 = generated token)")
         for name in _OPTIONAL_TOKEN_FIELDS:
             vals = getattr(self, name)
             if vals is None:
@@ -101,10 +122,14 @@ class TrainBatch:
             for i, (v, ids) in enumerate(zip(vals, self.input_ids)):
                 if v.shape != ids.shape:
                     raise ValueError(f"{name}[{i}] has shape {tuple(v.shape)}, input_ids[{i}] {tuple(ids.shape)}")
-                if not torch.isfinite(v[self.token_mask[i] > 0]).all():
+                # only where the loss reads them: prompt, padding and filtered samples may hold
+                # anything (-inf, NaN); the builder replaces those values
+                bad = ~torch.isfinite(v) & (self.loss_mask(i) > 0)
+                if bad.any():
+                    t = int(bad.nonzero()[0])
                     raise ValueError(
-                        f"{name}[{i}] holds non-finite values on trainable tokens; mask that sample out "
-                        "(sample_mask=0) or fix the logprobs"
+                        f"{name}[{i}] is {float(v[t])} at token {t}, a trained token of a counted sample; fix "
+                        "the logprobs or filter that sample out (sample_mask=0)"
                     )
 
     def select(self, indices: list[int]) -> "TrainBatch":
@@ -182,8 +207,9 @@ class MicroBatch:
             first position); Σ loss_mask over a step is N_t.
         mtp_loss_mask: [b, s] float32, the *unshifted* ``token_mask * sample_mask`` (DESIGN §3),
             built per sample before cutting/packing.
-        advantages: [n] float32; sample_mask: [n] float32.
-        generation_logprobs / prev_logprobs / reference_logprobs: [b, s] float32 or None.
+        advantages: [n] float32 (0.0 for filtered samples); sample_mask: [n] float32.
+        generation_logprobs / prev_logprobs / reference_logprobs: [b, s] float32 or None; 0.0
+            wherever ``loss_mask`` is 0 (always finite there).
         packed: rows hold several samples.
         capabilities: the model's flags, unchanged.
     """

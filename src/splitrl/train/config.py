@@ -35,7 +35,8 @@ class OptimConfig(BaseModel):
         weight_decay: AdamW decay of matrices (norm weights and biases are not decayed).
         warmup_steps: linear warmup from lr/warmup_steps to lr.
         schedule: ``constant`` after warmup, or ``cosine`` decay to ``min_lr_ratio``·lr at
-            ``total_steps`` (required for cosine).
+            ``total_steps`` (required for cosine; a run config fills in its ``num_steps``
+            before this config validates).
         betas / eps: AdamW's.
         total_steps: the step at which the cosine decay ends (default for a run: ``num_steps``).
         min_lr_ratio: the cosine schedule's final LR as a fraction of ``lr``.

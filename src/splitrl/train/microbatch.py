@@ -8,6 +8,10 @@ row. The masks are derived per sample *before* cutting or packing:
     mtp_loss_mask_i = token_mask_i · sample_mask_i  (unshifted; the MTP loss shifts it once)
 
 and then laid out exactly as the tokens are, so that the two paths cannot disagree.
+
+Masked values are replaced here, once: token-aligned logprobs where ``loss_mask`` is 0 and the
+advantages of filtered samples become 0, so that a -inf or NaN the loss never reads (prompt
+logprobs, a filtered sample's failed logprobs) cannot turn a masked sum into NaN.
 """
 
 from __future__ import annotations
@@ -45,9 +49,13 @@ def plan_microbatches(lengths: list[int], config: MicrobatchConfig, packed: bool
 
 def _sample_masks(batch: TrainBatch, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     mtp_mask = batch.token_mask[i].float() * batch.sample_mask[i]
-    loss_mask = mtp_mask.clone()
-    loss_mask[0] = 0.0
-    return loss_mask, mtp_mask
+    return batch.loss_mask(i), mtp_mask
+
+
+def _clean(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``values`` where ``keep`` is nonzero, 0 elsewhere. Replaced, not multiplied: a masked
+    -inf or NaN (a prompt position, a filtered sample) times 0 is NaN and poisons every sum."""
+    return torch.where(keep > 0, values.float(), torch.zeros((), dtype=torch.float32))
 
 
 def _layout(batch: TrainBatch, idx: list[int], packed: bool, capabilities: ModelCapabilities) -> MicroBatch:
@@ -73,9 +81,10 @@ def _layout(batch: TrainBatch, idx: list[int], packed: bool, capabilities: Model
             segment_ids[r, sl] = seg
             position_ids[r, sl] = torch.arange(L)
             sample_index[r, sl] = local[i]
-            loss_mask[r, sl], mtp_loss_mask[r, sl] = _sample_masks(batch, i)
+            sample_loss_mask, mtp_loss_mask[r, sl] = _sample_masks(batch, i)
+            loss_mask[r, sl] = sample_loss_mask
             for n, t in extras.items():
-                t[r, sl] = getattr(batch, n)[i].float()
+                t[r, sl] = _clean(getattr(batch, n)[i], sample_loss_mask)
             pos += L
     sel = torch.as_tensor(idx, dtype=torch.long)
     return MicroBatch(
@@ -85,7 +94,7 @@ def _layout(batch: TrainBatch, idx: list[int], packed: bool, capabilities: Model
         sample_index=sample_index,
         loss_mask=loss_mask,
         mtp_loss_mask=mtp_loss_mask,
-        advantages=batch.advantages[sel],
+        advantages=_clean(batch.advantages[sel], batch.sample_mask[sel]),
         sample_mask=batch.sample_mask[sel],
         packed=packed,
         capabilities=capabilities,

@@ -310,7 +310,8 @@ class TrainWorker:
             metrics (floats): the loss's metrics, each divided by its own denominator;
             ``grad_norm`` (pre-clip; policy parameters, plus MTP ones with attached heads);
             ``mtp/grad_norm`` (detached heads); ``mtp/mtp_{k}_loss`` and
-            ``mtp/mtp_{k}_acceptance_rate`` (percent) for k = 1..D; ``lr``; ``num_valid_tokens``
+            ``mtp/mtp_{k}_acceptance_rate`` (percent) and ``mtp/mtp_{k}_num_tokens`` (the depth's
+            counted targets, Σ mask_k over the step) for k = 1..D; ``lr``; ``num_valid_tokens``
             (N_t), ``num_valid_samples`` (N_s); ``skipped_step`` (1 when no update was applied),
             ``empty_step`` (the loss denominator was 0), ``nonfinite_grad``; ``loss_scale``
             (fp16). Metrics whose denominator is 0 are NaN.
@@ -405,6 +406,8 @@ class TrainWorker:
             ce, hit, cnt = mtp_sums[:, k].tolist()
             metrics[f"mtp/mtp_{k + 1}_loss"] = ce / cnt if cnt else float("nan")
             metrics[f"mtp/mtp_{k + 1}_acceptance_rate"] = 100.0 * hit / cnt if cnt else float("nan")
+            # the count explains a NaN loss: depth k had no target inside any kept response
+            metrics[f"mtp/mtp_{k + 1}_num_tokens"] = cnt
         metrics.update(
             {
                 "lr": lr,

@@ -1,0 +1,156 @@
+"""Run checkpoints on disk: written whole or not at all, verified before they are trusted.
+
+Layout: ``output_dir/checkpoints/step_{k:06d}/`` with ``trainer.pt``, ``controller.pt``,
+``policy/`` (a Hugging Face directory), ``run_config.json`` and, written last, ``COMPLETE``::
+
+    {"step": k, "files": {"trainer.pt": {"size": 1234, "sha256": "..."}, "policy/config.json": ...}}
+
+A checkpoint is written into ``step_{k:06d}.tmp/`` and renamed into place once ``COMPLETE`` is
+in it, so a crash or a full disk leaves either the whole checkpoint or none. Loading trusts a
+checkpoint only when every file listed in ``COMPLETE`` is there with its size and SHA-256 (a
+file truncated after the fact, a partly synced disk, a hand-edited directory); a damaged newest
+checkpoint is skipped with a warning and the previous intact one is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+COMPLETE = "COMPLETE"
+TMP_SUFFIX = ".tmp"
+_CHUNK = 1 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (the message says where, why, and what is intact)."""
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def step_dir(output_dir: str | Path, step: int) -> Path:
+    return checkpoint_root(output_dir) / f"step_{step:06d}"
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Checkpoint directories with a ``COMPLETE`` marker, oldest first (not yet verified)."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(TMP_SUFFIX) and (p / COMPLETE).exists())
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def manifest(directory: Path) -> dict[str, dict[str, int | str]]:
+    """Size (bytes) and SHA-256 of every file under ``directory``, by relative POSIX path."""
+    out = {}
+    for p in sorted(directory.rglob("*")):
+        if p.is_file() and p.name != COMPLETE:
+            out[p.relative_to(directory).as_posix()] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+    return out
+
+
+def write_complete(directory: Path, step: int) -> None:
+    """Write the ``COMPLETE`` marker with the manifest of everything already in ``directory``."""
+    text = json.dumps({"step": step, "files": manifest(directory)}, indent=1)
+    with open(directory / COMPLETE, "w") as f:
+        f.write(text)
+
+
+def damage(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be trusted, or None when it is intact.
+
+    A ``COMPLETE`` without a file list (written by an older splitrl) is trusted as before.
+    """
+    try:
+        record = json.loads((path / COMPLETE).read_text())
+        int(record["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{COMPLETE} is unreadable ({type(e).__name__}: {e})"
+    files = record.get("files")
+    if files is None:
+        return None
+    for name, want in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        size = f.stat().st_size
+        if size != want["size"]:
+            return f"{name} has {size} bytes, {want['size']} were written"
+    for name, want in files.items():  # sizes first: they are cheap and catch truncation
+        if _sha256(path / name) != want["sha256"]:
+            return f"{name} does not match its SHA-256 (the file changed after it was written)"
+    return None
+
+
+_verified: dict[tuple[str, int], str | None] = {}
+
+
+def intact_checkpoints(output_dir: str | Path):
+    """Checkpoints that pass :func:`damage`, newest first (a generator: each is verified when
+    reached). Each damaged one passed over is logged with what is wrong with it."""
+    for path in reversed(complete_checkpoints(output_dir)):
+        key = (str(path), (path / COMPLETE).stat().st_mtime_ns)
+        if key not in _verified:  # preflight and restore both ask; hash each checkpoint once
+            _verified[key] = damage(path)
+        why = _verified[key]
+        if why is None:
+            yield path
+        else:
+            log.warning("checkpoint %s is damaged (%s); falling back to an older one", path.name, why)
+
+
+def mark_damaged(path: Path, why: str) -> None:
+    """Record that ``path`` failed to load although its files matched (e.g. a checkpoint of an
+    older splitrl without checksums): later calls skip it."""
+    _verified[(str(path), (path / COMPLETE).stat().st_mtime_ns)] = why
+
+
+def latest_intact_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest checkpoint that passes :func:`damage`, or None; a damaged newer one is skipped
+    with a warning naming what is wrong with it."""
+    found = next(intact_checkpoints(output_dir), None)
+    if found is not None and found != (complete_checkpoints(output_dir) or [None])[-1]:
+        log.warning("resuming from %s, the newest intact checkpoint", found.name)
+    return found
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(json.loads((path / COMPLETE).read_text())["step"])
+
+
+def remove_leftovers(output_dir: str | Path) -> list[Path]:
+    """Delete what interrupted writes leave behind: ``checkpoints/*.tmp`` directories and
+    ``*.tmp`` files of atomic writes in ``output_dir``. Returns what was removed."""
+    out = Path(output_dir)
+    gone = []
+    root = checkpoint_root(out)
+    if root.is_dir():
+        for p in root.glob(f"*{TMP_SUFFIX}"):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+            gone.append(p)
+    if out.is_dir():
+        for p in [*out.glob(f"*{TMP_SUFFIX}"), *out.glob(f".*{TMP_SUFFIX}")]:
+            if p.is_file():
+                p.unlink(missing_ok=True)
+                gone.append(p)
+    if gone:
+        log.info("removed %d leftover(s) of interrupted writes: %s", len(gone), ", ".join(p.name for p in gone))
+    return gone

@@ -1,0 +1,139 @@
+"""Loading a run config (issue 6, items 5, 6, 11): run-level defaults reach components before
+they validate, a whole-section override replaces the section, and malformed input (YAML syntax,
+non-UTF-8 bytes, an unwritable output_dir) names the file / override and the line in one message."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from splitrl.cli import main
+from splitrl.config import RunConfig, load_config
+from splitrl.tasks import ReverseDigitsTaskConfig, make_task
+
+GPU_EXAMPLE = Path(__file__).parents[2] / "examples" / "qwen3_0p6b_gpu.yaml"
+
+
+def _one_line_error(capsys, argv, code):
+    assert main(argv) == code
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    return err
+
+
+# ------------------------------------------------------------------ kind: run-level default order
+def test_run_level_default_reaches_a_component_before_its_own_check():
+    """Kind: a component validator runs before the run-level default it depends on is filled (or
+    the default never reaches the component). ``schedule=cosine`` without ``total_steps`` decays
+    over the run's ``num_steps``; ``backend=local`` without a data-plane kind uses the in-process one
+    (the only one it runs)."""
+    cfg = load_config(None, ["train.optim.schedule=cosine", "num_steps=7", "train.optim.min_lr_ratio=0.1"])
+    optim = cfg.train.optim
+    assert optim.total_steps == 7
+    assert optim.lr_factor(0) == pytest.approx(1.0)
+    assert optim.lr_factor(7) == pytest.approx(0.1)  # the decay ends at the run's last step
+    assert load_config(None, ["train.optim.schedule=cosine", "train.optim.total_steps=50"]).train.optim.total_steps == 50
+    # the same through RunConfig directly (the programmatic path): the demo's num_steps
+    assert RunConfig.model_validate({"train": {"optim": {"schedule": "cosine"}}}).train.optim.total_steps == 300
+
+    # a dotted override into a section starts from the demo's section without freezing the keys
+    # the run fills
+    cfg = load_config(None, ["train.optim.schedule=cosine", "num_steps=9"])
+    assert cfg.train.optim.total_steps == 9 and cfg.train.optim.lr == 5e-4  # the demo's lr kept
+    assert load_config(None, ["backend=local", "dataplane.transferqueue.num_storage_units=1"]).dataplane.kind == "inprocess"
+
+    assert load_config(None, ["backend=local"]).dataplane.kind == "inprocess"
+    with pytest.raises(ValueError, match="dataplane.kind=transferqueue needs backend=ray"):
+        load_config(None, ["backend=local", "dataplane.kind=transferqueue"])
+
+
+def test_a_dotted_override_of_a_default_value_changes_nothing():
+    """Every section the file does not set starts from the run's default: setting one of its keys
+    to the value it already has gives the default run config, section by section."""
+    default = RunConfig()
+    for name in RunConfig.model_fields:
+        section = getattr(default, name)
+        if not isinstance(section, BaseModel):
+            continue
+        key = next(k for k in type(section).model_fields if k != "kind")
+        value = section.model_dump(mode="json")[key]
+        assert load_config(None, [f"{name}.{key}={yaml.safe_dump(value, default_flow_style=True).strip()}"]) == default, name
+
+
+# ------------------------------------------------------------- kind: section override merges
+def test_whole_section_override_replaces_the_files_section():
+    """Kind: a whole mapping given for a section was merged key by key into the file's section,
+    so another task kind inherited the old kind's keys and failed."""
+    cfg = load_config(GPU_EXAMPLE, ["device=cpu", "task={kind: reverse_digits, num_digits: 8}"])
+    assert cfg.task == ReverseDigitsTaskConfig(num_digits=8)
+    assert make_task(cfg.task).get_prompt(0).text  # a working task, not a hybrid
+    # a whole mapping for a nested section replaces that section too
+    cfg = load_config(GPU_EXAMPLE, ["device=cpu", "train.optim={lr: 1.0e-5}"])
+    assert (cfg.train.optim.lr, cfg.train.optim.warmup_steps, cfg.train.optim.weight_decay) == (1e-5, 0, 0.0)  # not the file's 2, 0.01
+    assert cfg.train.precision == "bf16"  # the rest of the file's train section stays
+    # dotted keys still set one key and keep the file's others
+    cfg = load_config(GPU_EXAMPLE, ["device=cpu", "task.scoring=partial"])
+    assert (cfg.task.dataset, cfg.task.scoring, cfg.task.compact_prompts) == ("basic_arithmetic", "partial", True)
+    # a dotted kind change keeps only the keys overrides set, in either order
+    for order in (["task.kind=reverse_digits", "task.num_digits=8"], ["task.num_digits=8", "task.kind=reverse_digits"]):
+        assert load_config(GPU_EXAMPLE, ["device=cpu", *order]).task == ReverseDigitsTaskConfig(num_digits=8)
+    # later overrides win: a key set inside a replaced section
+    cfg = load_config(None, ["task={kind: reverse_digits}", "task.num_digits=5"])
+    assert cfg.task == ReverseDigitsTaskConfig(num_digits=5)
+
+
+# ------------------------------------------------------------ kind: unlocated syntax / bytes
+def test_yaml_syntax_errors_name_the_file_or_override_and_the_line(tmp_path, capsys):
+    """Kind: a parser error surfaced as a raw yaml traceback without saying which input it was."""
+    bad = tmp_path / "run.yaml"
+    bad.write_text("num_steps: 3\nmodel:\n  backbone: {hidden_size: 64\n")
+    with pytest.raises(ValueError, match=r"config file '.*run\.yaml' line 4, column 1: not valid YAML.*line 3"):
+        load_config(bad)
+    err = _one_line_error(capsys, ["train", "--config", str(bad)], 2)
+    assert err.startswith("splitrl: config file") and "run.yaml' line 4" in err and len(err.splitlines()) == 1
+    with pytest.raises(ValueError, match=r"override 'task=\{kind: x' line 1, column 14: not valid YAML"):
+        load_config(None, ["task={kind: x"])
+    err = _one_line_error(capsys, ["train", "num_steps=[1"], 2)
+    assert err.startswith("splitrl: override 'num_steps=[1' line 1") and len(err.splitlines()) == 1
+
+
+def test_non_utf8_input_names_the_file_and_line(tmp_path, capsys):
+    """Kind: undecodable bytes raised a bare UnicodeDecodeError naming neither file nor line."""
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_bytes(b"num_steps: 3\n# caf\xe9\nseed: 1\n")
+    with pytest.raises(ValueError, match=r"config file '.*run\.yaml' line 2: byte 0xe9 is not UTF-8"):
+        load_config(cfg_file)
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(b'{"problem": "1+1", "answer": "2"}\n\n{"problem": "caf\xe9", "answer": "3"}\n')
+    with pytest.raises(ValueError, match=r"data\.jsonl' line 3 is not UTF-8 \(byte 0xe9 at column 17\)"):
+        make_task({"kind": "math_file", "path": str(data)})
+    parquet = tmp_path / "data.parquet"
+    parquet.write_bytes(b"PAR1" + b"\x00" * 64)  # a cut-off file
+    with pytest.raises(ValueError, match=r"data\.parquet' cannot be read as parquet"):
+        make_task({"kind": "math_file", "path": str(parquet)})
+    err = _one_line_error(
+        capsys, ["train", "task.kind=math_file", f"task.path={data}", f"output_dir={tmp_path / 'run'}", "backend=local"], 2
+    )
+    assert "data.jsonl' line 3 is not UTF-8" in err and len(err.splitlines()) == 1
+
+
+def test_output_dir_filesystem_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    """Kind: an OSError under output_dir (cannot create, cannot write, fails mid-run) ended in a
+    traceback; it is one line naming output_dir (preflight) or the file (during the run)."""
+    from splitrl.controller.checks import check_output_dir
+
+    with pytest.raises(ValueError, match=r"output_dir='/proc/splitrl_x/run': cannot create it"):
+        check_output_dir("/proc/splitrl_x/run")
+    err = _one_line_error(capsys, ["train", "output_dir=/proc/splitrl_x/run", "backend=local"], 2)
+    assert err.startswith("splitrl: output_dir='/proc/splitrl_x/run': cannot create it") and len(err.splitlines()) == 1
+
+    from splitrl.controller import controller
+
+    def full_disk(config):
+        raise OSError(28, "No space left on device", str(tmp_path / "metrics.jsonl"))
+
+    monkeypatch.setattr(controller, "train", full_disk)
+    err = _one_line_error(capsys, ["train", f"output_dir={tmp_path}", "backend=local"], 1)
+    assert err.startswith("splitrl: stopped:") and len(err.splitlines()) == 1
+    assert str(tmp_path / "metrics.jsonl") in err and "No space left on device" in err

@@ -1,0 +1,207 @@
+"""Preflight checks that need the model but no worker (issue 6, item 10): each bad setting stops
+the run before any worker starts, with a message naming the key to change."""
+
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from splitrl.config import demo_model_config, load_config
+from splitrl.controller.controller import preflight
+from splitrl.models import PolicyModel
+from splitrl.models.checkpoint import load_pretrained
+from splitrl.tasks import make_task
+
+LOCAL = ["backend=local", "logging.tensorboard=false"]
+
+
+def _cfg(tmp_path, *extra):
+    return load_config(None, LOCAL + [f"output_dir={tmp_path / 'run'}", *extra])
+
+
+# --------------------------------------------------------------- kind: model/tokenizer mismatch
+def test_tokenizer_larger_than_vocab_is_refused_in_preflight(tmp_path):
+    """Kind: a tokenizer with ids the embedding has no row for (found only inside a worker)."""
+    with pytest.raises(ValueError, match=r"model.backbone.vocab_size=10 is smaller than the tokenizer's 22 tokens"):
+        preflight(_cfg(tmp_path, "model.backbone.vocab_size=10"))
+    with pytest.raises(ValueError, match=r"rollout.stop_token_ids \[22\] are not below the model's vocab_size=22"):
+        preflight(_cfg(tmp_path, "rollout.stop_token_ids=[2, 22]"))
+
+
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ("model.backbone.num_key_value_heads=3", r"model.backbone: num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+        ("model.family=llama", None),  # control: the demo backbone is fine for llama too
+    ],
+)
+def test_head_counts_that_do_not_divide_are_refused_in_preflight(tmp_path, override, match):
+    """Kind: attention shapes that only fail in the first forward, inside a worker."""
+    if match is None:
+        assert preflight(_cfg(tmp_path, override)) == 0
+        return
+    with pytest.raises(ValueError, match=match):
+        preflight(_cfg(tmp_path, override))
+
+
+def test_misspelt_backbone_key_is_refused_in_preflight(tmp_path):
+    """Kind: transformers keeps any keyword as an attribute, so a misspelt key was ignored and the
+    model built with the default value."""
+    with pytest.raises(ValueError, match=r"model.backbone.num_hiden_layers is not a key of the qwen3 config \(did you mean 'num_hidden_layers'\?\)"):
+        preflight(_cfg(tmp_path, "model.backbone.num_hiden_layers=3"))
+
+
+def test_backbone_transformers_rejects_is_named(tmp_path):
+    """Kind: transformers' own config validation (llama: hidden_size / heads) surfaced as a
+    non-ValueError traceback."""
+    cfg = _cfg(tmp_path, "model.family=llama", "model.backbone.num_attention_heads=3", "model.backbone.num_key_value_heads=1",
+               "model.backbone.head_dim=null")
+    with pytest.raises(ValueError, match=r"model.backbone"):
+        preflight(cfg)
+
+
+# ------------------------------------------------------------- kind: damaged pretrained weights
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("policy")
+    PolicyModel.from_config(demo_model_config()).save_pretrained(str(path))
+    return path
+
+
+def _copy(src, dst):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_intact_pretrained_directory_passes(tmp_path, saved_model):
+    assert preflight(_cfg(tmp_path, f"model.pretrained_path={saved_model}")) == 0
+
+
+def test_pretrained_tokenizer_directory_without_tokenizer_files_is_refused(tmp_path, saved_model):
+    """Kind: transformers builds an empty tokenizer (1 token, every text -> []) from a directory
+    without tokenizer files; every prompt would then be empty."""
+    with pytest.raises(ValueError, match=r"model.pretrained_path \(tokenizer.path unset\)=.* has no tokenizer files"):
+        preflight(_cfg(tmp_path, f"model.pretrained_path={saved_model}", "tokenizer.kind=pretrained"))
+    with pytest.raises(ValueError, match=r"tokenizer.path=.* has no tokenizer files"):
+        preflight(_cfg(tmp_path, f"model.pretrained_path={saved_model}", "tokenizer.kind=pretrained", f"tokenizer.path={tmp_path}"))
+    # control: the same directory with the demo tokenizer saved into it
+    from splitrl.config import DEMO_CHARSET
+    from splitrl.tasks import build_char_tokenizer
+
+    d = _copy(saved_model, tmp_path / "with_tokenizer")
+    build_char_tokenizer(DEMO_CHARSET).save_pretrained(str(d))
+    assert preflight(_cfg(tmp_path, f"model.pretrained_path={d}", "tokenizer.kind=pretrained")) == 0
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt_header", "no_weights", "missing_tensor", "missing_shard"])
+def test_damaged_pretrained_weights_are_refused_in_preflight(tmp_path, saved_model, damage):
+    """Kind: missing / truncated / corrupt weight files, found 30-50 s later in a worker (or, for a
+    missing tensor, never: transformers initializes it at random with a log line)."""
+    d = _copy(saved_model, tmp_path / "policy")
+    weights = d / "model.safetensors"
+    if damage == "truncated":
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) - 1000])
+        match = r"model.safetensors is truncated: \d+ bytes, its header needs \d+"
+    elif damage == "corrupt_header":
+        data = bytearray(weights.read_bytes())
+        data[8:24] = b"\xff" * 16
+        weights.write_bytes(bytes(data))
+        match = r"corrupt safetensors header"
+    elif damage == "no_weights":
+        weights.unlink()
+        match = r"holds no weights"
+    elif damage == "missing_tensor":
+        sd = load_file(str(weights))
+        del sd["model.layers.1.mlp.down_proj.weight"]
+        save_file(sd, str(weights), metadata={"format": "pt"})
+        match = r"1 backbone tensor\(s\) are missing .*model.layers.1.mlp.down_proj.weight"
+    else:
+        (d / "model.safetensors.index.json").write_text(
+            json.dumps({"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors"}})
+        )
+        match = r"lists weight files that are missing: \['model-00001-of-00002.safetensors'\]"
+    with pytest.raises(ValueError, match=r"model.pretrained_path='.*policy'.*" + match):
+        preflight(_cfg(tmp_path, f"model.pretrained_path={d}"))
+    with pytest.raises(ValueError, match=match):  # the workers' own load refuses it the same way
+        load_pretrained(d)
+
+
+def test_pretrained_directory_that_does_not_fit_the_model_knobs_is_refused_in_preflight(tmp_path, saved_model):
+    """Kind: a checkpoint whose MTP depths or family the run cannot build, found at worker start."""
+    with pytest.raises(ValueError, match=r"model.pretrained_path=.*MTP tensors in .* do not fit mtp_num_layers=2"):
+        preflight(_cfg(tmp_path, f"model.pretrained_path={saved_model}", "model.mtp.mtp_num_layers=2"))
+    d = _copy(saved_model, tmp_path / "policy")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"model.pretrained_path=.*model_type 'gpt2' is not supported"):
+        preflight(_cfg(tmp_path, f"model.pretrained_path={d}"))
+
+
+# ------------------------------------------------------------------- kind: prompt vs context
+def test_generated_prompt_longer_than_context_is_refused_in_preflight(tmp_path):
+    """Kind: prompt + max_new_tokens beyond max_position_embeddings, found at generation time and
+    reported as 'prompt 0' of a batch."""
+    with pytest.raises(ValueError, match=r"prompt 0 of the task \(\d+ tokens.*rollout.max_new_tokens=250 exceed the model's max_position_embeddings=256"):
+        preflight(_cfg(tmp_path, "rollout.max_new_tokens=250"))
+    with pytest.raises(ValueError, match=r"no prompt fits: rollout.max_new_tokens=300 leaves no room"):
+        preflight(_cfg(tmp_path, "rollout.max_new_tokens=300"))
+
+
+def test_overlong_data_rows_are_left_out_counted_and_named(tmp_path, caplog):
+    """Kind: one overlong row of a data file crashed the run at the step that reached it; it is
+    left out in preflight (warned, counted, its line named) and every process serves the rest."""
+    rows = [("What is 1+1?", "2"), ("x" * 199 + "?", "0"), ("What is 2+3?", "5"), ("", None), ("y" * 300, "1"), ("What is 3+3?", "6")]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join("\n" if a is None else json.dumps({"problem": p, "answer": a}) + "\n" for p, a in rows))
+    cfg = _cfg(
+        tmp_path, "task.kind=math_file", f"task.path={data}", "tokenizer.charset=null", "model.backbone.vocab_size=100",
+        "rollout.max_new_tokens=56",  # 200 + 56 = 256 fits exactly; 300 + 56 does not
+        "model.backbone.max_position_embeddings=256",
+    )
+    with caplog.at_level(logging.WARNING):
+        assert preflight(cfg) == 0
+    assert cfg.task.skip_rows == [3]  # file order, blank line not counted: the "y" * 300 row
+    warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+    assert "1 of 5 rows left out" in warning and "line 5 (300 tokens)" in warning and "exceed the model's max_position_embeddings=256" in warning
+    task = make_task(cfg.task)  # what the generation workers build from the run's config
+    assert task.num_prompts == 4
+    assert [task.get_prompt(i).answer for i in range(4)] == ["2", "0", "5", "6"]
+    assert preflight(cfg) == 0 and cfg.task.skip_rows == [3]  # a second preflight (resume) agrees
+    # nothing fits: an error, not an empty task
+    cfg = _cfg(tmp_path, "task.kind=math_file", f"task.path={data}", "tokenizer.charset=null",
+               "model.backbone.vocab_size=100", "rollout.max_new_tokens=250")
+    with pytest.raises(ValueError, match=r"no row of task.path=.* fits"):
+        preflight(cfg)
+
+
+def test_a_run_over_a_file_with_an_overlong_row_trains_every_other_row(tmp_path, monkeypatch):
+    """Kind: the overlong row crashed the run when its step came ("prompt 0 ... exceeds"); the
+    run now trains on the rows that fit, each of them, and none other."""
+    from splitrl.controller import generation
+    from splitrl.controller.controller import train
+
+    rows = [("1+1", "2"), ("y" * 300, "1"), ("2+3", "5"), ("3+3", "6")]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in rows))
+    seen: list[str] = []
+    real = generation.GenerationWorker.generate_groups
+
+    def recording(self, indices, group_size):
+        seen.extend(self.prompt_of(i).text for i in indices)
+        return real(self, indices, group_size)
+
+    cfg = _cfg(
+        tmp_path, "task.kind=math_file", f"task.path={data}", "tokenizer.charset=null", "model.backbone.vocab_size=100",
+        "num_steps=3", "groups_per_step=2", "group_size=2", "min_groups_per_chunk=1", "generation_groups_per_call=1",
+        "rollout.max_new_tokens=4", "buffer.max_staleness=0", "logging.progress_bar=false", "reward_timeout_s=10",
+    )
+    monkeypatch.setattr(generation.GenerationWorker, "generate_groups", recording)
+    res = train(cfg)
+    assert res.steps_done == 3
+    assert sorted(seen) == sorted(["1+1", "2+3", "3+3", "1+1", "2+3", "3+3"])  # 6 prompts: the 3 rows, twice

@@ -1,0 +1,149 @@
+"""Run-level semantics that used to be silently wrong (issue 6, items 1, 2, 12).
+
+- one source of truth for the sampling temperature (kind: one setting, two unlinked places);
+- stale samples get the truncated importance-sampling correction by default (kind: stale samples
+  trained as on-policy);
+- settings that can never learn are refused, and runs that learn nothing say so (kind: silent bad
+  training).
+"""
+
+import logging
+
+import pytest
+import torch
+
+from splitrl.config import DEFAULT_TIS_CAP, load_config
+from splitrl.controller.health import RunHealth
+from splitrl.loss import ClippedPGLoss
+from splitrl.models import PolicyModel
+from splitrl.rollout import RolloutEngine
+
+
+# ------------------------------------------------------------------ item 1: one temperature
+def test_the_trainer_takes_the_rollout_temperature():
+    cfg = load_config(None, ["rollout.temperature=0.6", "loss.entropy_coef=0.05"])
+    assert cfg.trainer_loss_config().temperature == 0.6
+    # an equal value is allowed; the section keeps what the user wrote
+    same = load_config(None, ["rollout.temperature=0.6", "loss.temperature=0.6"])
+    assert same.trainer_loss_config().temperature == 0.6
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["rollout.temperature=0.6", "loss.temperature=1.0"], ["loss.temperature=0.6"]],
+)
+def test_a_second_different_temperature_is_refused_on_load(overrides):
+    with pytest.raises(ValueError, match=r"loss.temperature=.* differs from rollout.temperature=.*remove loss.temperature"):
+        load_config(None, overrides)
+
+
+def test_trainer_logprobs_equal_the_rollout_engines_at_the_configured_temperature():
+    """Real numbers: tokens sampled at T = 0.6 by the rollout engine are scored by the trainer's
+    forward at the loss's temperature; the two logprobs agree (fp32, same weights; tolerance
+    1e-4 nats for a KV-cached vs a full forward). At T = 1 they would differ by ~0.2 nats/token."""
+    cfg = load_config(None, ["rollout.temperature=0.6", "rollout.max_new_tokens=12"])
+    model = PolicyModel.from_config(cfg.model).eval()
+    engine = RolloutEngine(model, cfg.rollout, device="cpu")
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [4, 12, 13, 14, 15]]
+    results = engine.generate(prompts, seeds=[1, 2, 3])
+    loss = ClippedPGLoss(cfg.trainer_loss_config())
+    worst = 0.0
+    with torch.no_grad():
+        for p, r in zip(prompts, results):
+            ids = torch.tensor([p + r.response_ids])
+            mask = torch.zeros(ids.shape)
+            out = model(ids, mtp_loss_mask=mask, temperature=loss.temperature)
+            trainer = out.logprobs[0, len(p) :]
+            worst = max(worst, float((trainer - torch.tensor(r.logprobs)).abs().max()))
+            at_one = model(ids, mtp_loss_mask=mask, temperature=1.0).logprobs[0, len(p) :]
+            assert float((at_one - torch.tensor(r.logprobs)).abs().mean()) > 0.01
+    assert worst < 1e-4
+
+
+# ------------------------------------------------------------------ item 2: stale samples
+def test_stale_samples_get_truncated_is_weights_by_default():
+    cfg = load_config(None, ["buffer.max_staleness=1"])
+    assert cfg.trainer_loss_config().tis_cap == DEFAULT_TIS_CAP
+    level, text = cfg.off_policy_summary()
+    assert level == logging.INFO and "correction ON" in text and f"{DEFAULT_TIS_CAP:g}" in text
+    # the cap is a config value
+    assert load_config(None, ["loss.tis_cap=3.5"]).trainer_loss_config().tis_cap == 3.5
+    # on-policy runs need none (and may still turn it on)
+    on_policy = load_config(None, ["buffer.max_staleness=0"])
+    assert on_policy.trainer_loss_config().tis_cap is None
+    assert on_policy.off_policy_summary()[0] == logging.INFO
+    assert load_config(None, ["buffer.max_staleness=0", "loss.tis_cap=2"]).trainer_loss_config().tis_cap == 2.0
+
+
+def test_turning_the_correction_off_with_stale_samples_is_a_warning():
+    cfg = load_config(None, ["buffer.max_staleness=2", "loss.tis_cap=null"])
+    assert cfg.trainer_loss_config().tis_cap is None
+    level, text = cfg.off_policy_summary()
+    assert level == logging.WARNING
+    assert "OFF" in text and "max_staleness=2" in text and "as if on-policy" in text
+
+
+def test_the_example_configs_keep_their_meaning(tmp_path):
+    cfg = load_config("examples/cpu_demo.yaml", [f"output_dir={tmp_path}"])
+    assert cfg.trainer_loss_config().temperature == cfg.rollout.temperature
+    assert cfg.trainer_loss_config().tis_cap == DEFAULT_TIS_CAP  # max_staleness 1
+
+
+# ------------------------------------------------------------------ item 12: silent bad training
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_group_size_one_is_refused(estimator):
+    with pytest.raises(ValueError, match="group_size=1.*at least 2"):
+        load_config(None, ["group_size=1", f"advantage.estimator={estimator}"])
+    assert load_config(None, ["group_size=2", f"advantage.estimator={estimator}"]).group_size == 2
+
+
+def test_settings_a_run_would_ignore_or_fail_on_late_are_refused():
+    with pytest.raises(ValueError, match="num_draft_tokens=3 > model.mtp.mtp_num_layers=1"):
+        load_config(None, ["rollout.speculative=true", "rollout.num_draft_tokens=3"])
+    with pytest.raises(ValueError, match="train.device=cpu differs from device=auto"):
+        load_config(None, ["train.device=cpu"])
+    assert load_config(None, ["device=cpu", "train.device=cpu"]).train.device == "cpu"
+
+
+def test_greedy_rollouts_are_refused():
+    with pytest.raises(ValueError, match="top_k=1.*zero reward variance"):
+        load_config(None, ["rollout.top_k=1"])
+
+
+HEALTHY = {
+    "rollout/reward_timeout_rate": 0.0,
+    "rollout/reward_error_rate": 0.0,
+    "rollout/reward/zero_variance_group_fraction": 0.25,
+    "train/empty_step": 0.0,
+    "train/nonfinite_grad": 0.0,
+}
+
+
+def test_health_warns_about_runs_that_learn_nothing(caplog):
+    health = RunHealth(reward_timeout_s=5.0)
+    with caplog.at_level(logging.WARNING):
+        assert health.check(1, HEALTHY) == []
+        timeouts = health.check(2, dict(HEALTHY, **{"rollout/reward_timeout_rate": 1.0}))
+        collapsed = health.check(3, dict(HEALTHY, **{"rollout/reward/zero_variance_group_fraction": 1.0}))
+        empty = health.check(4, dict(HEALTHY, **{"train/empty_step": 1.0}))
+        nonfinite = health.check(5, dict(HEALTHY, **{"train/nonfinite_grad": 1.0}))
+    assert len(timeouts) == 1 and "100% of the answer checks timed out" in timeouts[0] and "reward_timeout_s=5" in timeouts[0]
+    assert len(collapsed) == 1 and "100% of the groups" in collapsed[0]
+    assert len(empty) == 1 and "nothing to learn from" in empty[0]
+    assert len(nonfinite) == 1 and "not finite" in nonfinite[0]
+    assert [r.levelno for r in caplog.records] == [logging.WARNING] * 4
+
+
+def test_health_repeats_a_persistent_warning_at_10_100_steps():
+    health = RunHealth(reward_timeout_s=5.0)
+    bad = dict(HEALTHY, **{"rollout/reward_error_rate": 0.7})
+    warned_at = [s for s in range(1, 121) if health.check(s, bad)]
+    assert warned_at == [1, 10, 100]
+    assert health.check(121, HEALTHY) == []
+    assert health.check(122, bad) != []  # a new streak warns again
+
+
+def test_fp16_loss_scaling_skips_are_warned_only_when_they_persist():
+    health = RunHealth(reward_timeout_s=5.0, loss_scaling=True)
+    bad = dict(HEALTHY, **{"train/nonfinite_grad": 1.0})
+    assert [s for s in range(1, 12) if health.check(s, bad)] == [3, 10]

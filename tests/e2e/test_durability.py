@@ -1,0 +1,268 @@
+"""Nothing lost across stops (issue 6, items 7-9): accepted rollouts survive a checkpoint, an
+interrupt still checkpoints, a damaged or unwritable checkpoint is handled. Local backend."""
+
+import asyncio
+import signal
+import threading
+
+import pytest
+from _tiny import TINY_STEP
+
+from splitrl.config import load_config
+from splitrl.controller import controller as C
+from splitrl.controller import generation
+from splitrl.controller.policy_client import PolicyClient
+
+TINY = TINY_STEP + ["backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false"]
+
+# the settings of issue 6 item 7: generation runs two steps ahead into a buffer of two groups
+AHEAD = [
+    "num_generation_workers=2",
+    "generation_groups_per_call=1",
+    "groups_per_step=2",
+    "group_size=2",
+    "min_groups_per_chunk=1",
+    "buffer.capacity_groups=2",
+    "buffer.max_staleness=2",
+    "checkpoint_every=1",
+    "num_steps=3",
+    "watchdog_timeout_s=20",
+]
+
+
+def test_a_group_waiting_for_buffer_room_at_a_checkpoint_is_trained_exactly_once(tmp_path, monkeypatch):
+    """Kind: accepted work outside every saved structure. Prompt 1 is held back until prompt 4 is
+    generated, so at the first checkpoint it waits for buffer room (buffer full with 3 and 4, prompt
+    5 waiting too); an interrupt stops the run there. The resumed run must train every prompt index
+    of the 3 steps exactly once (before the fix: prompt 1 was in neither the done set nor the
+    buffer, never trained, and the last step waited for the watchdog)."""
+    generated: list[int] = []
+    trained: list[int] = []
+    four_done, one_done = threading.Event(), threading.Event()
+    first_run = {"on": True, "finishes": 0}
+    real_generate = generation.GenerationWorker.generate_groups
+    real_train, real_finish = PolicyClient.train_chunk, PolicyClient.finish
+
+    def generate(self, indices, group_size):
+        if first_run["on"] and 1 in indices:
+            assert four_done.wait(60)
+        out = real_generate(self, indices, group_size)
+        generated.extend(indices)
+        if 4 in indices:
+            four_done.set()
+        if 1 in indices:
+            one_done.set()
+        return out
+
+    async def train_chunk(self, groups):
+        trained.extend(g.prompt_index for g in groups)
+        return await real_train(self, groups)
+
+    async def finish(self):
+        first_run["finishes"] += 1
+        if first_run["on"] and first_run["finishes"] == 1:
+            # step 1 ends only once prompt 1 is generated and waits for room; then Ctrl-C
+            while not one_done.is_set():
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)
+            signal.raise_signal(signal.SIGINT)
+            await asyncio.sleep(0.1)
+        return await real_finish(self)
+
+    monkeypatch.setattr(generation.GenerationWorker, "generate_groups", generate)
+    monkeypatch.setattr(PolicyClient, "train_chunk", train_chunk)
+    monkeypatch.setattr(PolicyClient, "finish", finish)
+    cfg = load_config(None, TINY + [f"output_dir={tmp_path}", *AHEAD])
+    first = C.train(cfg)
+    assert first.interrupted and first.steps_done == 1
+    assert sorted(trained) == [0, 2]
+    first_run["on"] = False
+    second = C.train(cfg)
+    assert second.steps_done == 3
+    assert sorted(trained) == list(range(6)), trained  # every prompt index trained exactly once
+    assert sorted(generated) == list(range(6)), generated  # the waiting groups were not generated again
+
+
+def test_a_stop_after_every_step_trains_every_prompt_exactly_once(tmp_path, monkeypatch):
+    """Kind: work lost or repeated across stops. Ctrl-C during every run's first step: four runs
+    of one step each (the last one also ends the schedule); the union of what they trained is
+    every prompt index of the 3 steps, each once."""
+    trained: list[int] = []
+    real_train, real_finish = PolicyClient.train_chunk, PolicyClient.finish
+    finishes = {"n": 0}
+
+    async def train_chunk(self, groups):
+        trained.extend(g.prompt_index for g in groups)
+        return await real_train(self, groups)
+
+    async def finish(self):
+        finishes["n"] += 1
+        if finishes["n"] == 1:
+            signal.raise_signal(signal.SIGINT)
+            await asyncio.sleep(0.1)
+        return await real_finish(self)
+
+    monkeypatch.setattr(PolicyClient, "train_chunk", train_chunk)
+    monkeypatch.setattr(PolicyClient, "finish", finish)
+    cfg = load_config(None, TINY + [f"output_dir={tmp_path}", *AHEAD])
+    done = []
+    for _ in range(4):
+        finishes["n"] = 0
+        res = C.train(cfg)
+        done.append(res.steps_done)
+        if res.steps_done == 3:
+            break
+    assert done == [1, 2, 3]
+    assert sorted(trained) == list(range(6)), trained
+
+
+def _stalled_controller(tmp_path, **state):
+    cfg = load_config(None, TINY + [f"output_dir={tmp_path}", *AHEAD])
+    c = C.SingleController(cfg)
+    c.buffer = C.ReplayBuffer(cfg.buffer)
+    defaults = dict(
+        step=2, version=2, synced_version=2, cursor=5, done_indices={0, 2, 3, 4}, in_flight=set(),
+        generating={}, pending={}, held={},
+    )
+    for k, v in {**defaults, **state}.items():
+        setattr(c, k, v)
+    return c
+
+
+def test_the_watchdog_names_a_lost_prompt_instead_of_blaming_a_worker(tmp_path):
+    """Kind: a stall report that guesses. With no generation running and prompt 1 accounted for
+    nowhere, the report names prompt 1 as lost and does not say a worker hung; with a request
+    running it names the prompts being generated and the worker."""
+    lost = _stalled_controller(tmp_path)._stall_report("2 groups")
+    assert "[1]" in lost and "lost track" in lost
+    assert "hung" not in lost
+    import time
+
+    hung = _stalled_controller(tmp_path, generating={5: time.perf_counter() - 30}, in_flight={5}, done_indices={0, 1, 2, 3, 4})
+    report = hung._stall_report("2 groups")
+    assert "[5]" in report and "hung or dead" in report and "lost" not in report
+
+
+# ---- item 9: checkpoints --------------------------------------------------------------------
+
+
+def _cfg(tmp_path, *extra):
+    return load_config(None, TINY + [f"output_dir={tmp_path}", "buffer.max_staleness=0", *extra])
+
+
+def test_damage_is_found_by_size_and_by_checksum(tmp_path):
+    """Kind: a checkpoint trusted because its marker exists. COMPLETE lists every file's size and
+    SHA-256; a truncated file, a changed byte and a missing file are each reported."""
+    from splitrl.controller.run_checkpoint import damage, write_complete
+
+    d = tmp_path / "step_000001"
+    (d / "policy").mkdir(parents=True)
+    (d / "trainer.pt").write_bytes(b"x" * 1000)
+    (d / "policy" / "model.safetensors").write_bytes(b"y" * 10)
+    write_complete(d, 1)
+    assert damage(d) is None
+    (d / "trainer.pt").write_bytes(b"x" * 500)
+    assert "trainer.pt has 500 bytes, 1000 were written" in damage(d)
+    (d / "trainer.pt").write_bytes(b"x" * 999 + b"z")
+    assert "trainer.pt does not match its SHA-256" in damage(d)
+    (d / "trainer.pt").write_bytes(b"x" * 1000)
+    (d / "policy" / "model.safetensors").unlink()
+    assert damage(d) == "policy/model.safetensors is missing"
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
+    """Kind: resume trusts a damaged checkpoint (before: a raw zip error from torch.load). The
+    newest checkpoint's trainer.pt is cut in half; resume warns, uses step 1 and runs steps 2-3."""
+    from splitrl.logging import read_metrics
+
+    first = C.train(_cfg(tmp_path, "num_steps=2", "checkpoint_every=1"))
+    assert first.steps_done == 2
+    trainer = tmp_path / "checkpoints" / "step_000002" / "trainer.pt"
+    trainer.write_bytes(trainer.read_bytes()[: trainer.stat().st_size // 2])
+    with caplog.at_level("WARNING"):
+        assert C.preflight(_cfg(tmp_path, "num_steps=3")) == 1
+    assert "step_000002 is damaged (trainer.pt has" in caplog.text and "resuming from step_000001" in caplog.text
+    # the same damage in a checkpoint of an older splitrl (COMPLETE without checksums): it is
+    # trusted until it fails to load, then skipped the same way
+    (trainer.parent / "COMPLETE").write_text('{"step": 2}')
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        second = C.train(_cfg(tmp_path, "num_steps=3", "checkpoint_every=1"))
+    assert "step_000002 is damaged (it does not load" in caplog.text
+    assert second.steps_done == 3 and len(second.metrics) == 2  # steps 2 and 3 run again
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("writer_error", ["oserror", "torch"])
+def test_a_full_disk_gives_one_clear_error_and_leaves_nothing_half_written(tmp_path, monkeypatch, capsys, writer_error):
+    """Kind: a failed write leaves partial files that look like data. The disk fills up after the
+    first checkpoint: every later checkpoint file and atomic write fails after writing a few bytes,
+    with OSError ENOSPC, or as torch.save reports it (RuntimeError "file write failed").
+    Expected: exit 1 with one line naming the cause and the intact checkpoint; no ``*.tmp`` left,
+    no step-2 directory, the step-1 checkpoint intact, no 0-byte metrics.png."""
+    import errno
+    import os
+
+    import torch
+
+    from splitrl import cli
+    from splitrl.controller.run_checkpoint import damage
+
+    full = {"on": False, "saves": 0}
+    real_save, real_fsync = torch.save, os.fsync
+
+    def enospc(name):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(name))
+
+    def save(obj, f, *a, **k):
+        full["saves"] += 1
+        if full["saves"] > 2:  # the first checkpoint writes two .pt files
+            full["on"] = True
+        if full["on"]:
+            with open(f, "wb") as fh:
+                fh.write(b"PK\x03\x04partial")
+            if writer_error == "torch":
+                raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0\n"
+                                   "PytorchStreamWriter failed writing file data/0: file write failed")
+            raise enospc(f)
+        return real_save(obj, f, *a, **k)
+
+    def fsync(fd):
+        if full["on"]:
+            raise enospc(f"fd {fd}")
+        return real_fsync(fd)
+
+    monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr(os, "fsync", fsync)
+    old_term = signal.getsignal(signal.SIGTERM)
+    try:
+        rc = cli.main(["train", *TINY, f"output_dir={tmp_path}", "buffer.max_staleness=0", "num_steps=3", "checkpoint_every=1"])
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+    err = capsys.readouterr().err
+    assert rc == 1
+    stopped = [line for line in err.splitlines() if line.startswith("splitrl:")]
+    assert len(stopped) == 1 and "Traceback" not in err, err[-3000:]
+    assert "could not write the checkpoint of step 2" in stopped[0]
+    assert ("No space left on device" if writer_error == "oserror" else "file write failed") in stopped[0]
+    assert "newest intact checkpoint is step_000001" in stopped[0]
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000001"]
+    assert damage(ckpts / "step_000001") is None
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
+    png = tmp_path / "metrics.png"
+    assert not png.exists() or png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_leftovers_of_a_killed_run_are_removed_on_start(tmp_path):
+    """Kind: half-written ``*.tmp`` folders and files left behind by a kill -9 stay forever."""
+    from splitrl.controller.run_checkpoint import remove_leftovers
+
+    (tmp_path / "checkpoints" / "step_000004.tmp" / "policy").mkdir(parents=True)
+    (tmp_path / ".metrics.png.123.tmp").write_bytes(b"")
+    (tmp_path / "metrics.jsonl.tmp").write_text("")
+    (tmp_path / "checkpoints" / "step_000003").mkdir()
+    gone = remove_leftovers(tmp_path)
+    assert len(gone) == 3
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_000003"]
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]

@@ -1,0 +1,117 @@
+"""Issue 6 item 8: a run stopped by a signal finishes its step, writes a checkpoint and exits
+with 128 + the signal's number, even when nobody reads its console any more; a second signal
+exits at once. Each test runs ``splitrl train`` (local backend) in a subprocess of its own."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from _tiny import TINY_STEP
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+RUN = TINY_STEP + ["backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false", "num_steps=1000"]
+
+
+def _start(out: Path, *extra: str, code: str | None = None, **popen) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    args = [*RUN, f"output_dir={out}", *extra]
+    cmd = [sys.executable, "-c", (code or "") + f"\nimport sys\nfrom splitrl.cli import main\nsys.exit(main({['train', *args]!r}))"]
+    # a session of its own: killpg then reaches the run and its children, as a terminal's Ctrl-C does
+    return subprocess.Popen(cmd, env=env, start_new_session=True, **popen)
+
+
+def _wait_for(pred, timeout: float, proc: subprocess.Popen) -> None:
+    t0 = time.monotonic()
+    while not pred():
+        assert proc.poll() is None, f"the run exited early with {proc.returncode}"
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(0.2)
+
+
+def _steps_logged(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return sum(1 for line in path.read_text().splitlines() if line.strip()) if path.exists() else 0
+
+
+def _checkpoints(out: Path) -> dict[str, int]:
+    root = out / "checkpoints"
+    if not root.is_dir():
+        return {}
+    return {p.name: json.loads((p / "COMPLETE").read_text())["step"] for p in root.iterdir() if (p / "COMPLETE").exists()}
+
+
+def test_ctrl_c_through_a_dead_pipe_still_checkpoints(tmp_path):
+    """Kind: a dead console stops the final checkpoint. ``splitrl train 2>&1 | tee log`` + Ctrl-C:
+    the terminal interrupts tee too, so every later write of the run fails with EPIPE."""
+    out = tmp_path / "run"
+    proc = _start(out, "checkpoint_every=1000", "logging.progress_bar=true", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(lambda: _steps_logged(out) >= 1, 180, proc)
+        proc.stdout.close()  # the reader (tee) is gone
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rc == 130
+    steps = _steps_logged(out)
+    assert _checkpoints(out) == {f"step_{steps:06d}": steps}, (steps, _checkpoints(out))
+
+
+def test_sigterm_stops_like_ctrl_c(tmp_path):
+    """Kind: a signal other than Ctrl-C kills the run without a checkpoint (SIGTERM is what
+    schedulers and containers send). checkpoint_every=0: the stop's checkpoint is the only one."""
+    out = tmp_path / "run"
+    log = open(tmp_path / "log", "w")
+    proc = _start(out, "checkpoint_every=0", stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(lambda: _steps_logged(out) >= 1, 180, proc)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rc == 143, (tmp_path / "log").read_text()[-2000:]
+    steps = _steps_logged(out)
+    assert _checkpoints(out) == {f"step_{steps:06d}": steps}
+    assert "SIGTERM: finishing the current step" in (tmp_path / "log").read_text()
+
+
+SLOW_STEP = """
+import asyncio, pathlib
+from splitrl.controller.policy_client import PolicyClient
+_real = PolicyClient.finish
+async def _slow_finish(self):
+    pathlib.Path({marker!r}).touch()
+    await asyncio.sleep(120)  # a long step
+    return await _real(self)
+PolicyClient.finish = _slow_finish
+"""
+
+
+def test_a_second_interrupt_exits_at_once(tmp_path):
+    """Kind: an interrupt that cannot be escalated. The first Ctrl-C waits for a 120 s step to
+    finish; the second one must end the process within seconds, with no checkpoint written."""
+    out, marker = tmp_path / "run", tmp_path / "in_step"
+    log = open(tmp_path / "log", "w")
+    proc = _start(out, "checkpoint_every=0", code=SLOW_STEP.format(marker=str(marker)), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait_for(marker.exists, 180, proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(1.0)
+        assert proc.poll() is None  # the first one waits for the step
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=20)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rc == 130 and time.monotonic() - t0 < 20
+    assert _checkpoints(out) == {}
+    assert "SIGINT again: exiting now" in (tmp_path / "log").read_text()
+
+
