@@ -1,22 +1,32 @@
-"""Rollout throughput of the splitrl engine: plain decoding, and speculative vs plain with MTP heads.
+"""Rollout throughput: splitrl plain and speculative vs Hugging Face ``generate`` (eager, and static
+cache + compile), at fixed lengths and in a ragged, EOS-driven scenario; optional profile.
 
-Random-init models (no hub access), fixed-length responses (no stop tokens), so every row decodes
-``--new-tokens`` tokens. tokens/s = generated tokens / wall time of the whole ``generate`` call
-(prefill included). With random weights the MTP drafts are only as good as chance makes them:
-read the speculative numbers together with the acceptance they were measured at.
+Random-init models (no hub access). Fixed-length rows have no stop tokens: every row decodes
+``--new-tokens`` tokens. tokens/s = generated tokens / wall time of the whole call (prefill
+included), best of ``--repeats`` calls after a warm-up call on the same engine (CUDA-graph capture
+happens in the warm-up). HBM roofline: one decode step reads every backbone weight once
+(2 bytes each in bf16) and the KV cache of every row (2 · layers · kv_heads · head_dim · 2 bytes per
+cached token, at the mean context prompt + new/2), at ``--hbm-tb-s`` (4.3 TB/s measured on the H200);
+roofline tokens/s = batch / (bytes per step / bandwidth).
+
+Speculation is measured with MTP heads trained on the model's own samples (``--train-mtp-steps``
+of AdamW on the MTP parameters only, over sequences the engine sampled from the model) and printed
+with the acceptance reached. Speculative and plain decoding emit the same tokens (DESIGN §5), so a
+speedup is a pure speed figure.
 
     python bench/bench_rollout.py                                   # tiny model, CPU
-    python bench/bench_rollout.py --device cuda --preset qwen3-0.6b --batch-sizes 1,32,256 --speculative
-    python bench/bench_rollout.py --device cuda --preset qwen3-0.6b --check   # fp32 exactness on the device
+    python bench/bench_rollout.py --device cuda --preset qwen3-0.6b --batch-sizes 1,32,256 \\
+        --prompt-len 128 --new-tokens 128 --speculative --baselines hf-eager,hf-static --ragged 1024 --check
 
-Measured 2026-11-29 on one H200 (torch 2.11, transformers 5.17, bf16, SDPA, random init, prompt
-128 + 128 new tokens, T = 1; `--device cuda --preset qwen3-0.6b --check --batch-sizes 1,32,256
---prompt-len 128 --new-tokens 128 --speculative`): fp32 check max |Δ logprob| 2.9e-6, greedy
-speculative = plain 6/6 rows; plain 29.8 / 1231 / 8259 tokens/s at batch 1 / 32 / 256
-(FINDINGS.md: HF `generate` 16.7 / 462 / 3945); speculative with D = 2 random heads (acceptance
-~54 %) 48.8 / 1340 / 4846 tokens/s, i.e. 1.64x / 1.09x / 0.59x. Decoding is bound by the CPU's
-kernel launches (HF eager layers, ~30 ms a step at batch 1), which is why drafting pays at small
-batches; at batch 256 the engine's own estimate (0.80x) switches speculation off.
+Measured 2026-11-30 on one H200 (torch 2.11, bf16, `--device cuda --preset qwen3-0.6b --batch-sizes
+1,32,256 --prompt-len 128 --new-tokens 128 --speculative --no-graph-column --check --ragged 1024
+--profile profile.txt --baselines hf-static`): plain 350 / 10,381 / 42,018 tokens/s at batch 1 / 32 /
+256 (9.9 / 14.3 / 26.1 % of the roofline); profile: 2.2 / 2.5 / 5.7 ms of kernels per step, GPU busy
+75 / 75 / 88 % of the wall time; small-M GEMMs (cuBLAS nvjet) are ~60 % of the kernel time at batch 1.
+That run's speculative column is plain speed: the warm-up call's switch-off rule turned speculation
+off (fixed since: the bench now measures speculation with ``speculative_switch_off = False``). The
+first run, before kernel fusion: plain 187 / 5,279 / 24,362, eager (no graphs) 32 / 1,007 / 7,342,
+HF eager 38 / 1,137 / 8,044, speculative 1.36x / 1.15x / 0.90x plain at 43 % acceptance.
 """
 
 from __future__ import annotations
@@ -71,9 +81,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    p.add_argument(
-        "--mtp-depths", type=int, default=2, help="MTP depths of the model (drafted tokens when speculative)"
-    )
+    p.add_argument("--mtp-depths", type=int, default=2, help="MTP depths (drafted tokens when speculative)")
     p.add_argument("--init-range", type=float, default=0.02, help="init std; larger gives peakier distributions")
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--prompt-len", type=int, default=64)
@@ -81,16 +89,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--speculative", action="store_true", help="also measure speculative decoding")
+    p.add_argument("--train-mtp-steps", type=int, default=200, help="MTP warm-up steps before speculation")
+    p.add_argument("--no-graph-column", action="store_true", help="skip the eager (no CUDA graph) column")
+    p.add_argument("--baselines", default="", help="comma list of hf-eager, hf-static")
+    p.add_argument("--ragged", type=int, default=0, help="samples of the ragged EOS-driven scenario (0: skip)")
+    p.add_argument("--ragged-max-new", type=int, default=512)
+    p.add_argument("--ragged-batch", type=int, default=256)
+    p.add_argument("--ragged-mean-len", type=float, default=120.0, help="target mean response length")
     p.add_argument("--repeats", type=int, default=2, help="timed calls per setting (best is reported)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU")
+    p.add_argument("--hbm-tb-s", type=float, default=4.3, help="HBM bandwidth for the roofline (TB/s)")
     p.add_argument("--check", action="store_true", help="first check fp32 exactness on the device")
+    p.add_argument("--profile", default="", help="write a torch.profiler summary of plain decode here")
     return p.parse_args(argv)
 
 
 def build_model(args: argparse.Namespace, dtype: torch.dtype) -> PolicyModel:
     backbone = dict(
         PRESETS[args.preset],
-        max_position_embeddings=max(4096, args.prompt_len + args.new_tokens),
+        max_position_embeddings=max(4096, args.prompt_len + max(args.new_tokens, args.ragged_max_new)),
         tie_word_embeddings=True,
         rms_norm_eps=1e-6,
         initializer_range=args.init_range,
@@ -99,35 +116,143 @@ def build_model(args: argparse.Namespace, dtype: torch.dtype) -> PolicyModel:
     return PolicyModel.from_config(cfg).to(device=args.device, dtype=dtype)
 
 
-def measure(model: PolicyModel, cfg: GenerationConfig, batch: int, args: argparse.Namespace):
-    """Best of ``repeats`` timed calls after one warm-up call (each on a fresh engine, so a
-    speculative run is never switched off by the warm-up's own measurement)."""
-    rng = random.Random(0)
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def roofline(model: PolicyModel, batch: int, context: float, bandwidth: float) -> tuple[float, float]:
+    """(bytes one decode step reads, roofline tokens/s) for ``batch`` rows at mean ``context``."""
+    c = model.config
+    elt = next(model.parameters()).element_size()
+    weights = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("mtp.")) * elt
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv = batch * context * c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * elt
+    step = weights + kv
+    return step, batch / (step / bandwidth)
+
+
+def prompts_for(model: PolicyModel, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
     vocab = model.config.vocab_size
-    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
-    seeds = list(range(batch))
-    RolloutEngine(model, cfg, args.device).generate(prompts, seeds)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+
+def measure_engine(engine: RolloutEngine, prompts, seeds, repeats: int):
+    engine.generate(prompts, seeds)  # warm-up: CUDA graphs are captured here
     best = None
-    for _ in range(args.repeats):
-        engine = RolloutEngine(model, cfg, args.device)
+    for _ in range(repeats):
         engine.generate(prompts, seeds)
-        stats = engine.last_stats
-        if best is None or stats.tokens_per_s > best.tokens_per_s:
-            best = stats
+        if best is None or engine.last_stats.tokens_per_s > best.tokens_per_s:
+            best = engine.last_stats
     return best
+
+
+def measure_hf(model: PolicyModel, prompts, new_tokens: int, static: bool, repeats: int, device: str) -> float:
+    """tokens/s of transformers' ``generate`` on the backbone (greedy: sampling costs the same)."""
+    hf = model.backbone
+    ids = torch.tensor(prompts, device=device)
+    kwargs = dict(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        attention_mask=torch.ones_like(ids),
+    )
+    if static:
+        kwargs["cache_implementation"] = "static"  # transformers compiles the decode step
+    hf.generate(ids, **kwargs)
+    best = 0.0
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        out = hf.generate(ids, **kwargs)
+        sync(device)
+        best = max(best, (out.shape[1] - ids.shape[1]) * ids.shape[0] / (time.perf_counter() - t0))
+    return best
+
+
+def train_mtp_heads(model: PolicyModel, args: argparse.Namespace, steps: int) -> float:
+    """Fit the MTP heads to the model's own samples (the backbone stays frozen); returns the last
+    teacher-forced depth-1 acceptance (%)."""
+    n, batch = 256, 32
+    cfg = GenerationConfig(
+        temperature=args.temperature, top_k=args.top_k, max_new_tokens=args.new_tokens, batch_size=128
+    )
+    prompts = prompts_for(model, n, args.prompt_len, seed=1)
+    results = RolloutEngine(model, cfg, args.device).generate(prompts, list(range(10_000, 10_000 + n)))
+    seqs = torch.tensor([p + r.response_ids for p, r in zip(prompts, results)], device=args.device)
+    mask = torch.zeros_like(seqs, dtype=torch.float32)
+    mask[:, args.prompt_len :] = 1.0
+    params = [p for name, p in model.named_parameters() if name.startswith("mtp.")]
+    frozen = [p for name, p in model.named_parameters() if not name.startswith("mtp.")]
+    for p in frozen:
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=2e-3, weight_decay=0.0)
+    hit = 0.0
+    for step in range(steps):
+        rows = torch.randint(0, n, (batch,), device=args.device)
+        out = model(seqs[rows], mtp_loss_mask=mask[rows], logprob_mask=torch.zeros_like(mask[rows]))
+        loss = sum(out.mtp_ce_sums) / sum(out.mtp_counts)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step == steps - 1:
+            hit = float(100 * out.mtp_hit_sums[0] / out.mtp_counts[0])
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return hit, seqs
+
+
+@torch.no_grad()
+def acceptance_rules(
+    model: PolicyModel, seqs: torch.Tensor, prompt_len: int, temperature: float
+) -> tuple[float, float]:
+    """Depth-1 acceptance (%) over the response positions of ``seqs`` (teacher-forced): the rejection
+    rule's E[Σ min(p, q)] vs the coupled rule's P(race winner of q = race winner of p) (same noise)."""
+    from splitrl.models.policy import build_attention_mask
+    from splitrl.rollout.sampling import STREAM_TARGET, race_sample, seed_words
+
+    x = seqs[:32]
+    B, S = x.shape
+    pos = torch.arange(S, device=x.device).expand(B, S)
+    mask = build_attention_mask(torch.zeros_like(x), model.config._attn_implementation, model.output_weight.dtype)
+    emb = model.embed_tokens(x)
+    h0 = model.backbone.model(inputs_embeds=emb, attention_mask=mask, position_ids=pos).last_hidden_state
+    emb1 = torch.nn.functional.pad(emb[:, 1:], (0, 0, 0, 1))
+    h1 = model.mtp.depth_forward(
+        1, emb1, h0, attention_mask=mask, position_embeddings=model.rotary_emb(h0, pos), position_ids=pos
+    )
+    # p at position t+1 (predicts x_{t+2}) vs depth 1 at position t (reads x_{t+1}, predicts x_{t+2})
+    sl = slice(prompt_len - 1, S - 2)
+    p_logits = (h0[:, sl.start + 1 : sl.stop + 1] @ model.output_weight.T).float() / temperature
+    q_logits = (h1[:, sl] @ model.output_weight.T).float() / temperature
+    p, q = p_logits.softmax(-1), q_logits.softmax(-1)
+    rejection = float(torch.minimum(p, q).sum(-1).mean()) * 100
+    n = p_logits.shape[0] * p_logits.shape[1]
+    lo, hi = seed_words(list(range(n)), x.device)
+    c = torch.zeros(n, dtype=torch.int64, device=x.device)
+    V = p_logits.shape[-1]
+    same = race_sample(p_logits.reshape(n, V), lo, hi, c, STREAM_TARGET) == race_sample(
+        q_logits.reshape(n, V), lo, hi, c, STREAM_TARGET
+    )
+    return rejection, float(same.float().mean()) * 100
 
 
 @torch.no_grad()
 def check_exactness(args: argparse.Namespace) -> None:
-    """fp32 on the device: logprobs equal PolicyModel.forward's teacher-forced ones, and greedy
-    speculative decoding emits the plain greedy tokens."""
+    """fp32 on the device: logprobs equal PolicyModel.forward's teacher-forced ones, and speculative
+    decoding emits the plain tokens (greedy and sampled)."""
     model = build_model(args, torch.float32)
     rng = random.Random(1)
     vocab = model.config.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 24))] for _ in range(6)]
     seeds = list(range(6))
     common = dict(max_new_tokens=24, batch_size=4)
-    results = RolloutEngine(model, GenerationConfig(temperature=0.8, **common), args.device).generate(prompts, seeds)
+    sampled = GenerationConfig(temperature=0.8, **common)
+    results = RolloutEngine(model, sampled, args.device).generate(prompts, seeds)
     worst = 0.0
     for prompt, res in zip(prompts, results):
         ids = torch.tensor([prompt + res.response_ids], device=args.device)
@@ -135,15 +260,105 @@ def check_exactness(args: argparse.Namespace) -> None:
             0, len(prompt) :
         ]
         worst = max(worst, float((ref.cpu() - torch.tensor(res.logprobs)).abs().max()))
-    greedy = GenerationConfig(top_k=1, **common)
-    plain = RolloutEngine(model, greedy, args.device).generate(prompts, seeds)
-    spec = RolloutEngine(model, greedy.model_copy(update={"speculative": True}), args.device).generate(prompts, seeds)
-    same = sum(p.response_ids == s.response_ids for p, s in zip(plain, spec))
-    print(f"check (fp32): max |logprob - teacher-forced| = {worst:.2e}; ", end="")
-    print(f"greedy speculative == plain for {same}/{len(plain)} rows")
+    print(f"check (fp32, {args.device}): max |logprob - teacher-forced| = {worst:.2e}", end="")
+    for name, cfg in (("greedy", GenerationConfig(top_k=1, **common)), ("sampled T=0.8", sampled)):
+        plain = RolloutEngine(model, cfg, args.device).generate(prompts, seeds)
+        spec = RolloutEngine(model, cfg.model_copy(update={"speculative": True}), args.device).generate(prompts, seeds)
+        same = sum(p.response_ids == s.response_ids for p, s in zip(plain, spec))
+        print(f"; {name} speculative == plain for {same}/{len(plain)} rows", end="")
+    print(flush=True)
     del model
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
+
+
+def profile_decode(model: PolicyModel, args: argparse.Namespace, batch: int, path: str) -> None:
+    """Kernel time vs wall time of plain decode at ``batch`` (after warm-up), with the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cfg = GenerationConfig(temperature=args.temperature, max_new_tokens=args.new_tokens, batch_size=batch)
+    engine = RolloutEngine(model, cfg, args.device)
+    prompts = prompts_for(model, batch, args.prompt_len)
+    seeds = list(range(batch))
+    engine.generate(prompts, seeds)
+    sync(args.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        engine.generate(prompts, seeds)
+        sync(args.device)
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
+    table = events.table(sort_by="self_device_time_total", row_limit=15)
+    summary = (
+        f"profile plain decode batch {batch}: wall {wall * 1e3:.1f} ms, GPU kernel time {kernel_us / 1e3:.1f} ms "
+        f"({100 * kernel_us / 1e6 / wall:.0f}% busy), {engine.last_stats.num_forwards} decode steps"
+    )
+    print(summary, flush=True)
+    with open(path, "a") as f:
+        f.write(summary + "\n" + table + "\n\n")
+
+
+def ragged_scenario(model: PolicyModel, args: argparse.Namespace, spec_ok: bool) -> None:
+    """1,024-ish samples whose lengths are set by stop tokens: a set of tokens chosen so that a
+    sampled token stops with probability ~1 / mean_len (from the model's own token frequencies)."""
+    n, S = args.ragged, args.ragged_batch
+    probe = RolloutEngine(
+        model, GenerationConfig(temperature=args.temperature, max_new_tokens=256, batch_size=64), args.device
+    ).generate(prompts_for(model, 64, args.prompt_len, seed=7), list(range(64)))
+    counts: dict[int, int] = {}
+    spread: dict[int, int] = {}  # in how many samples a token occurs
+    for r in probe:
+        for t in r.response_ids:
+            counts[t] = counts.get(t, 0) + 1
+        for t in set(r.response_ids):
+            spread[t] = spread.get(t, 0) + 1
+    total = sum(counts.values())
+    target = total / args.ragged_mean_len
+    stops, mass = [], 0
+    # tokens that many samples emit, each rarely: every sample meets a stop at a similar rate
+    for t in sorted(counts, key=lambda t: (-spread[t], counts[t])):
+        if mass + counts[t] > target:
+            continue
+        stops.append(t)
+        mass += counts[t]
+    prompts = prompts_for(model, n, args.prompt_len, seed=8)
+    seeds = list(range(20_000, 20_000 + n))
+    base = dict(temperature=args.temperature, max_new_tokens=args.ragged_max_new, stop_token_ids=stops, batch_size=S)
+    lines = []
+    for name, spec in (("continuous", False), ("continuous + spec", True)) if spec_ok else (("continuous", False),):
+        engine = RolloutEngine(model, GenerationConfig(speculative=spec, **base), args.device)
+        engine.speculative_switch_off = False
+        engine.generate(prompts[:S], seeds[:S])
+        sync(args.device)
+        t0 = time.perf_counter()
+        res = engine.generate(prompts, seeds)
+        sync(args.device)
+        wall = time.perf_counter() - t0
+        toks = sum(len(r.response_ids) for r in res)
+        extra = ""
+        if spec:
+            st = engine.last_stats
+            extra = f", acceptance {st.acceptance_rate:.1f}%, switched off at {st.switched_off_at_iteration}"
+        lines.append(f"  splitrl {name:<18} {toks / wall:>10.0f} tok/s ({wall:.2f} s){extra}")
+        lengths = sorted(len(r.response_ids) for r in res)
+    # static batching with the same engine: each batch of S waits for its longest sample
+    engine = RolloutEngine(model, GenerationConfig(**base), args.device)
+    sync(args.device)
+    t0 = time.perf_counter()
+    toks = 0
+    for b in range(0, n, S):
+        toks += sum(len(r.response_ids) for r in engine.generate(prompts[b : b + S], seeds[b : b + S]))
+    sync(args.device)
+    wall = time.perf_counter() - t0
+    lines.append(f"  splitrl static batches of {S:<4} {toks / wall:>8.0f} tok/s ({wall:.2f} s)")
+    q = lambda f: lengths[min(len(lengths) - 1, int(f * len(lengths)))]  # noqa: E731
+    print(
+        f"ragged: {n} samples, prompt {args.prompt_len}, {len(stops)} stop ids, max_new {args.ragged_max_new}, "
+        f"slots {S}; response length mean {sum(lengths) / n:.0f}, p50 {q(0.5)}, p90 {q(0.9)}, p99 {q(0.99)}, "
+        f"max {lengths[-1]}"
+    )
+    print("\n".join(lines), flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,10 +372,12 @@ def main(argv: list[str] | None = None) -> None:
         if args.dtype
         else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     )
-    print(f"command: python bench/bench_rollout.py {shlex.join(argv)}")
+    print(f"command: python bench/bench_rollout.py {shlex.join(argv)}", flush=True)
     if args.check:
         check_exactness(args)
     model = build_model(args, dtype)
+    for p in model.parameters():
+        p.requires_grad_(False)
     n_params = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("mtp."))
     device_name = (
         torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({torch.get_num_threads()} threads)"
@@ -168,26 +385,77 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"device {device_name}, {dtype}, preset {args.preset} ({n_params / 1e6:.1f} M backbone params, "
         f"D={args.mtp_depths}), prompt {args.prompt_len} + {args.new_tokens} new tokens, "
-        f"T={args.temperature}, top_k={args.top_k}, torch {torch.__version__}"
+        f"T={args.temperature}, top_k={args.top_k}, torch {torch.__version__}",
+        flush=True,
     )
-    header = f"{'batch':>6} {'plain tok/s':>12}"
-    if args.speculative:
-        header += f" {'spec tok/s':>11} {'speedup':>8} {'accept %':>9} {'per depth %':>16} {'engine est.':>12}"
-    print(header)
+    if args.speculative and args.train_mtp_steps:
+        t0 = time.perf_counter()
+        hit, seqs = train_mtp_heads(model, args, args.train_mtp_steps)
+        rejection, coupled = acceptance_rules(model, seqs, args.prompt_len, args.temperature)
+        print(
+            f"MTP warm-up: {args.train_mtp_steps} steps on the model's own samples, teacher-forced depth-1 "
+            f"top-1 agreement {hit:.1f}%; depth-1 acceptance at T={args.temperature}: rejection rule "
+            f"E[sum min(p,q)] {rejection:.1f}%, coupled Gumbel rule (ours) {coupled:.1f}% "
+            f"({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
+    baselines = [b for b in args.baselines.split(",") if b]
+    context = args.prompt_len + args.new_tokens / 2
+    cols = ["plain"] + ([] if args.no_graph_column else ["no-graph"]) + (["spec"] if args.speculative else [])
+    print(f"{'batch':>5} {'roofline':>9} " + " ".join(f"{c + ' tok/s (%roof)':>24}" for c in cols) + "  notes")
     common = dict(temperature=args.temperature, top_k=args.top_k, max_new_tokens=args.new_tokens, stop_token_ids=[])
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        t0 = time.perf_counter()
-        plain = measure(model, GenerationConfig(batch_size=batch, **common), batch, args)
-        line = f"{batch:>6} {plain.tokens_per_s:>12.1f}"
+        t_start = time.perf_counter()
+        step_bytes, roof = roofline(model, batch, context, args.hbm_tb_s * 1e12)
+        prompts, seeds = prompts_for(model, batch, args.prompt_len), list(range(batch))
+        figures, notes = {}, []
+        plain_engine = RolloutEngine(model, GenerationConfig(batch_size=batch, **common), args.device)
+        plain = measure_engine(plain_engine, prompts, seeds, args.repeats)
+        figures["plain"] = plain.tokens_per_s
+        if not args.no_graph_column:
+            plain_engine.use_cuda_graphs = False
+            figures["no-graph"] = measure_engine(plain_engine, prompts, seeds, 1).tokens_per_s
         if args.speculative:
-            spec = measure(model, GenerationConfig(batch_size=batch, speculative=True, **common), batch, args)
+            spec_cfg = GenerationConfig(batch_size=batch, speculative=True, **common)
+            spec_engine = RolloutEngine(model, spec_cfg, args.device)
+            spec_engine.speculative_switch_off = False  # measure speculation; the rule's estimate is printed
+            spec = measure_engine(spec_engine, prompts, seeds, args.repeats)
+            figures["spec"] = spec.tokens_per_s
             per_depth = "/".join(f"{r:.0f}" for r in spec.acceptance_rate_per_depth)
             est = f"{spec.speculative_speedup:.2f}x" if spec.speculative_speedup is not None else "n/a"
-            line += (
-                f" {spec.tokens_per_s:>11.1f} {spec.tokens_per_s / plain.tokens_per_s:>7.2f}x"
-                f" {spec.acceptance_rate:>9.1f} {per_depth:>16} {est:>12}"
+            off = spec.switched_off_at_iteration
+            notes.append(
+                f"spec {spec.tokens_per_s / plain.tokens_per_s:.2f}x plain, acceptance {spec.acceptance_rate:.1f}% "
+                f"(per depth {per_depth}), switch-off rule estimate {est}"
+                + (f", switched off at iteration {off}" if off else "")
             )
-        print(line + f"   ({time.perf_counter() - t0:.0f} s)", flush=True)
+        cells = " ".join(f"{figures[c]:>13.0f} ({100 * figures[c] / roof:>5.1f}%)    " for c in cols)
+        print(
+            f"{batch:>5} {roof:>9.0f} {cells}  step reads {step_bytes / 1e9:.2f} GB; "
+            + "; ".join(notes)
+            + f" ({time.perf_counter() - t_start:.0f} s)",
+            flush=True,
+        )
+    try:  # a failing extra must not cost the figures after it
+        if args.profile:
+            for batch in (1, 32, 256):
+                profile_decode(model, args, batch, args.profile)
+    except Exception as err:  # noqa: BLE001
+        print(f"profile failed: {err!r}", flush=True)
+    try:
+        if args.ragged:
+            ragged_scenario(model, args, args.speculative)
+    except Exception as err:  # noqa: BLE001
+        print(f"ragged scenario failed: {err!r}", flush=True)
+    # transformers' generate last (its compilation takes minutes): same model, prompts and lengths
+    for b in baselines:
+        for batch in [int(x) for x in args.batch_sizes.split(",")]:
+            t0 = time.perf_counter()
+            prompts = prompts_for(model, batch, args.prompt_len)
+            tps = measure_hf(model, prompts, args.new_tokens, b == "hf-static", 1, args.device)
+            _, roof = roofline(model, batch, context, args.hbm_tb_s * 1e12)
+            print(f"{b:>9} batch {batch:>4}: {tps:>9.0f} tok/s ({100 * tps / roof:.1f}% of roofline) "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

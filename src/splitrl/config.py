@@ -22,7 +22,7 @@ from splitrl.controller.buffer import ReplayBufferConfig
 from splitrl.dataplane import DataPlaneConfig
 from splitrl.eval_config import EvalConfig
 from splitrl.logging import LoggingConfig
-from splitrl.loss import GRPOLossConfig, LossType
+from splitrl.loss import GRPOLossConfig
 from splitrl.models import ModelConfig, MTPConfig
 from splitrl.rollout import GenerationConfig
 from splitrl.tasks import TaskConfig, default_task_config
@@ -190,18 +190,6 @@ class RunConfig(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
         mtp = self.model.mtp
-        if (
-            self.loss.loss_type == LossType.SEQUENCE_LEVEL
-            and mtp.mtp_num_layers > 0
-            and not mtp.mtp_detach_heads
-            and mtp.mtp_loss_scaling_factor > 0
-        ):
-            raise ValueError(
-                "loss.loss_type=sequence_level with model.mtp.mtp_detach_heads=false and "
-                f"model.mtp.mtp_loss_scaling_factor={mtp.mtp_loss_scaling_factor} > 0 cannot be trained exactly "
-                "(two denominators inside the backbone gradient). Set model.mtp.mtp_detach_heads=true, or "
-                "loss.loss_type=token_level (or mtp_loss_scaling_factor=0 for metrics-only heads)."
-            )
         if self.min_groups_per_chunk > self.groups_per_step:
             raise ValueError(
                 f"min_groups_per_chunk={self.min_groups_per_chunk} > groups_per_step={self.groups_per_step}; "

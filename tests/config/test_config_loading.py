@@ -136,4 +136,4 @@ def test_output_dir_filesystem_errors_are_one_line(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(controller, "train", full_disk)
     err = _one_line_error(capsys, ["train", f"output_dir={tmp_path}", "backend=local"], 1)
     assert err.startswith("splitrl: stopped:") and len(err.splitlines()) == 1
-    assert str(tmp_path / "metrics.jsonl") in err and "No space left on device" in err
+    assert "No space left on device" in err and str(tmp_path / "metrics.jsonl") in err

@@ -34,10 +34,13 @@ def per_sample_terms(model, batch, temperature=1.0):
                 depths.append(None)
                 continue
             pe = model.backbone.model.rotary_emb(h_prev[:, :n], pos[:, :n])
-            layer = model.mtp.layers[0 if model.mtp.repeated else k - 1]
-            u = torch.cat([model.mtp.pre_fc_norm_embedding(e[:, k : k + n]), model.mtp.pre_fc_norm_hidden(h_prev[:, :n])], -1)
-            x = layer(model.mtp.fc(u), attention_mask=None, position_embeddings=pe, position_ids=pos[:, :n])
-            h_k = model.mtp.norm(x)
+            # depth k's own modules (one set for every depth when repeated), composed here by hand
+            dm = model.mtp.depths[0 if model.mtp.repeated else k - 1]
+            u = torch.cat([dm.pre_fc_norm_embedding(e[:, k : k + n]), dm.pre_fc_norm_hidden(h_prev[:, :n])], -1)
+            x = dm.layer(F.linear(u, dm.fc.weight), attention_mask=None, position_embeddings=pe, position_ids=pos[:, :n])
+            if isinstance(x, tuple):
+                x = x[0]
+            h_k = dm.norm(x)
             # position t targets x_{t+k+1}: valid for t <= L-k-2
             m = n - 1
             if m <= 0:

@@ -51,6 +51,9 @@ CASES = [
     (LossType.SEQUENCE_LEVEL, 1, True, False, False),
     (LossType.SEQUENCE_LEVEL, 2, True, False, True),
     (LossType.SEQUENCE_LEVEL, 2, True, True, False),
+    # attached heads under a sequence-level loss: two gradient accumulators combined at finish
+    (LossType.SEQUENCE_LEVEL, 2, False, False, True),
+    (LossType.SEQUENCE_LEVEL, 1, False, True, False),
 ]
 
 CHUNKINGS = {

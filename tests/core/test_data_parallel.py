@@ -50,8 +50,8 @@ def _init_rank(rank, world, store):
 def _rank_main(rank, world, store, case, out):
     _init_rank(rank, world, store)
     try:
-        loss_type, D, detach, pack = case
-        w = make_worker(make_model(D=D, detach=detach), lr=LR, mbs=2, pack=pack)
+        loss_type, D, detach, pack, moe = case
+        w = make_worker(_model(D, detach, moe), lr=LR, mbs=1 if moe else 2, pack=pack)
         grads = capture_grads(w)
         metrics = []
         for batch, chunks in _steps():
@@ -66,23 +66,35 @@ def _rank_main(rank, world, store, case, out):
         dist.destroy_process_group()
 
 
+def _model(D, detach, moe):
+    if moe:  # Qwen3-MoE with the router aux loss on (splitrl/models/moe.py)
+        return make_model(D=D, detach=detach, family="qwen3_moe", router_aux_loss_coef=0.05)
+    return make_model(D=D, detach=detach)
+
+
 CASES = [
-    (LossType.SEQUENCE_LEVEL, 2, True, True),
-    (LossType.TOKEN_LEVEL, 1, False, False),
+    (LossType.SEQUENCE_LEVEL, 2, True, True, False),
+    (LossType.TOKEN_LEVEL, 1, False, False, False),
+    # two gradient accumulators, both reduce-scattered by FSDP2 (splitrl.train.side_grads)
+    (LossType.SEQUENCE_LEVEL, 2, False, True, False),
+    # router aux loss: one sample per microbatch fixes the routing statistics' composition
+    (LossType.SEQUENCE_LEVEL, 1, True, False, True),
 ]
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("case", CASES, ids=["seq-D2-detached-packed", "tok-D1-attached-padded"])
+@pytest.mark.parametrize(
+    "case", CASES, ids=["seq-D2-detached-packed", "tok-D1-attached-padded", "seq-D2-attached-packed", "seq-D1-moe-aux"]
+)
 def test_two_ranks_equal_one_process(tmp_path, case):
     if DEVICE == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    loss_type, D, detach, pack = case
+    loss_type, D, detach, pack, moe = case
     out = tmp_path / "rank0.pt"
     mp.start_processes(_rank_main, args=(2, str(tmp_path / "store"), case, str(out)), nprocs=2, join=True, start_method="spawn")
     res = torch.load(out, weights_only=False)
 
-    ref = make_worker(make_model(D=D, detach=detach), lr=LR, mbs=16)
+    ref = make_worker(_model(D, detach, moe), lr=LR, mbs=1 if moe else 16)
     ref_grads = capture_grads(ref)
     ref_metrics = [ref.train(batch, make_loss(loss_type)) for batch, _ in _steps()]
     for i, (g, rg) in enumerate(zip(res["grads"], ref_grads)):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from _utils import capture_grads, make_batch, make_loss, make_model, make_worker, params, partition
 
-from splitrl.loss import ClippedPGLoss
+from splitrl.loss import ClippedPGLoss, GRPOLossConfig, LossType
 
 
 def _rel(a, b):
@@ -36,6 +36,30 @@ def test_fp16_with_loss_scaling_matches_fp32_including_mtp():
         assert m16[k] == pytest.approx(m32[k], rel=1e-2), k
 
 
+def test_fp16_sequence_level_attached_heads_matches_fp32():
+    """Both backward passes of the side-loss path (splitrl.train.side_grads) are loss-scaled and
+    unscaled alike. Tolerance as above: ‖g16 − g32‖ ≤ 2 % of ‖g32‖ over the policy and over the
+    MTP parameters; metrics rtol 1e-2."""
+    batch = make_batch(16, seed=1)
+    loss = make_loss(LossType.SEQUENCE_LEVEL)
+    w32 = make_worker(make_model(D=2, detach=False, lam=0.3), max_grad_norm=None)
+    w16 = make_worker(make_model(D=2, detach=False, lam=0.3), precision="fp16", max_grad_norm=None)
+    g32, g16 = capture_grads(w32), capture_grads(w16)
+    m32 = w32.train(batch, loss)
+    w16.begin_train_step(loss, expected_num_tokens=batch.num_tokens)
+    for c in partition(batch, [7, 9]):
+        w16.train_microbatch(c)
+    m16 = w16.finish_train_step()
+    assert m16["skipped_step"] == 0.0 and m16["loss_scale"] == 2.0**16
+    for group in ("main", "mtp"):
+        names = [n for n in g32[0] if n.startswith("mtp.") == (group == "mtp")]
+        a = torch.cat([g16[0][n].flatten() for n in names])
+        b = torch.cat([g32[0][n].flatten() for n in names])
+        assert _rel(a, b) <= 2e-2, group
+    for k in ("loss", "mtp/mtp_1_loss", "mtp/mtp_2_loss", "grad_norm"):
+        assert m16[k] == pytest.approx(m32[k], rel=1e-2), k
+
+
 class _PoisonedLoss(ClippedPGLoss):
     """Multiplies the loss by inf: a non-finite gradient, as an fp16 overflow would produce."""
 
@@ -45,13 +69,14 @@ class _PoisonedLoss(ClippedPGLoss):
         return out
 
 
-def test_nonfinite_gradient_skips_update_and_lowers_scale():
-    w = make_worker(make_model(D=1), precision="fp16")
-    w.train(make_batch(8, seed=0), make_loss())
+@pytest.mark.parametrize("loss_type,detach", [(LossType.TOKEN_LEVEL, True), (LossType.SEQUENCE_LEVEL, False)])
+def test_nonfinite_gradient_skips_update_and_lowers_scale(loss_type, detach):
+    w = make_worker(make_model(D=1, detach=detach), precision="fp16")
+    w.train(make_batch(8, seed=0), make_loss(loss_type))
     before = params(w.model)
     opt_before = {i: {k: v.clone() for k, v in s.items()} for i, s in w.optimizer.state.items()}
     scale, epoch = w.scaler.scale, w.scheduler.last_epoch
-    m = w.train(make_batch(8, seed=1), _PoisonedLoss())
+    m = w.train(make_batch(8, seed=1), _PoisonedLoss(GRPOLossConfig(loss_type=loss_type)))
     assert m["skipped_step"] == 1.0 and m["nonfinite_grad"] == 1.0 and m["empty_step"] == 0.0
     assert w.scaler.scale == scale / 2 and m["loss_scale"] == scale / 2
     assert w.scheduler.last_epoch == epoch  # the LR schedule did not step either
@@ -61,7 +86,7 @@ def test_nonfinite_gradient_skips_update_and_lowers_scale():
         for k, v in s.items():
             assert torch.equal(v, opt_before[i][k])
     assert all(p.grad is None for p in w.model.parameters())
-    m = w.train(make_batch(8, seed=2), make_loss())
+    m = w.train(make_batch(8, seed=2), make_loss(loss_type))
     assert m["skipped_step"] == 0.0
 
 

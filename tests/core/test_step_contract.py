@@ -1,6 +1,7 @@
-"""DESIGN §2 invariants 3–5 and §3's rejected combination: state machine, abort, empty steps."""
+"""DESIGN §2 invariants 3–5 and §3's two-denominator combination: state machine, abort, empty steps."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -42,23 +43,26 @@ def _assert_same(a, b):
     assert sa == sb and ca == cb and na == nb
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
-def test_abort_mid_step_restores_everything_and_next_step_is_fresh(precision):
+@pytest.mark.parametrize(
+    "precision,loss_type,detach",
+    [("fp32", LossType.TOKEN_LEVEL, True), ("fp16", LossType.TOKEN_LEVEL, True), ("fp32", LossType.SEQUENCE_LEVEL, False)],
+)
+def test_abort_mid_step_restores_everything_and_next_step_is_fresh(precision, loss_type, detach):
     b0, b1 = make_batch(16, seed=0), make_batch(16, seed=1)
-    w = make_worker(make_model(D=2), precision=precision)
-    ref = make_worker(make_model(D=2), precision=precision)
-    w.train(b0, make_loss())
-    ref.train(b0, make_loss())
+    w = make_worker(make_model(D=2, detach=detach), precision=precision)
+    ref = make_worker(make_model(D=2, detach=detach), precision=precision)
+    w.train(b0, make_loss(loss_type))
+    ref.train(b0, make_loss(loss_type))
     before = _snapshot(w)
-    w.begin_train_step(make_loss())
+    w.begin_train_step(make_loss(loss_type))
     w.train_microbatch(b1.select(list(range(8))))
     assert any(p.grad is not None for p in w.model.parameters())
     w.abort_train_step()
     w.abort_train_step()  # idempotent
     assert all(p.grad is None for p in w.model.parameters())
     _assert_same(_snapshot(w), before)
-    m = w.train(b1, make_loss())
-    m_ref = ref.train(b1, make_loss())
+    m = w.train(b1, make_loss(loss_type))
+    m_ref = ref.train(b1, make_loss(loss_type))
     assert_metrics_close(m, m_ref, rtol=0, atol=0)
     for n, p in params(w.model).items():
         assert torch.equal(p, params(ref.model)[n]), n
@@ -141,17 +145,37 @@ def test_step_with_zero_denominator_makes_no_update_and_says_so(loss_type):
     assert m2["skipped_step"] == 0.0
 
 
-def test_sequence_level_attached_mtp_is_rejected_before_any_change():
-    w = make_worker(make_model(D=1, detach=False, lam=0.1))
-    before = _snapshot(w)
-    with pytest.raises(ValueError) as e:
-        w.begin_train_step(make_loss(LossType.SEQUENCE_LEVEL))
-    msg = str(e.value)
-    for needle in ("SEQUENCE_LEVEL", "mtp_detach_heads", "mtp_loss_scaling_factor", "TOKEN_LEVEL"):
-        assert needle in msg
-    assert not w.step_open
-    _assert_same(_snapshot(w), before)
-    w.train(make_batch(6), make_loss(LossType.TOKEN_LEVEL))  # the worker stays usable
+@pytest.mark.parametrize(
+    "loss_type,D,detach,lam,separate",
+    [
+        (LossType.SEQUENCE_LEVEL, 1, False, 0.1, True),  # the one combination that mixes N_s and N_t
+        (LossType.SEQUENCE_LEVEL, 1, True, 0.1, False),
+        (LossType.SEQUENCE_LEVEL, 1, False, 0.0, False),
+        (LossType.SEQUENCE_LEVEL, 0, False, 0.1, False),
+        (LossType.TOKEN_LEVEL, 1, False, 0.1, False),
+    ],
+)
+def test_only_sequence_level_with_attached_trained_heads_pays_a_second_backward(loss_type, D, detach, lam, separate):
+    """Formerly rejected (DESIGN §3); now trained exactly (tests/core/test_mtp_normalization.py),
+    and only that combination runs two backward passes per microbatch."""
+    w = make_worker(make_model(D=D, detach=detach, lam=lam))
+    calls = []
+    orig = torch.Tensor.backward
+
+    def counting_backward(self, *a, **k):
+        calls.append(1)
+        return orig(self, *a, **k)
+
+    w.begin_train_step(make_loss(loss_type))
+    assert (w._step.side is not None) == separate
+    torch.Tensor.backward = counting_backward
+    try:
+        w.train_microbatch(make_batch(6))  # mbs=3: two microbatches
+    finally:
+        torch.Tensor.backward = orig
+    assert len(calls) == (4 if separate else 2)
+    m = w.finish_train_step()
+    assert m["skipped_step"] == 0.0 and math.isfinite(m["grad_norm"])
 
 
 def test_lambda_zero_trains_policy_keeps_heads_and_reports_metrics():

@@ -38,3 +38,32 @@ def test_generation_worker_ends_responses_at_stop_strings():
             ids = dp.get([smp.sample_id], ["input_ids", "generation_logprobs"])
             assert ids["input_ids"][0].numel() == smp.prompt_len + smp.response_len
             assert ids["generation_logprobs"][0].numel() == smp.prompt_len + smp.response_len
+
+
+def test_generation_worker_hands_each_group_over_when_its_last_sample_ends():
+    """Groups are scored and stored as they complete (continuous batching), before the call ends."""
+    import pytest
+
+    from splitrl.config import load_config
+    from splitrl.controller.generation import GenerationWorker
+    from splitrl.dataplane import InProcessDataPlane
+
+    cfg = load_config(None, ["rollout.max_new_tokens=6", "rollout.batch_size=4"])
+    dp = InProcessDataPlane()
+    worker = GenerationWorker(cfg.model, cfg.rollout, cfg.task, cfg.tokenizer, dp, reward_timeout_s=10)
+    seen = []
+
+    def on_group(group):
+        seen.append(group)
+        assert len(group.samples) == 4
+        dp.get([s.sample_id for s in group.samples], ["input_ids"])  # already stored
+        if len(seen) == 1:  # the last group is still being generated: nothing of it is stored
+            with pytest.raises(KeyError):
+                dp.get(["p2-s3-v0"], ["input_ids"])
+
+    try:
+        groups, _ = worker.generate_groups([0, 1, 2], 4, on_group=on_group)
+    finally:
+        worker.close()
+    assert [g.prompt_index for g in groups] == [0, 1, 2]
+    assert sorted(g.prompt_index for g in seen) == [0, 1, 2]

@@ -61,3 +61,36 @@ def teacher_forced_mtp_hidden(model: PolicyModel, ids: list[int]) -> list[torch.
         h = model.mtp.depth_forward(k, emb_k, h, attention_mask=mask, position_embeddings=pe, position_ids=pos)
         out.append(h[0])
     return out
+
+
+@torch.no_grad()
+def reference_sample(
+    model: PolicyModel,
+    prompt: list[int],
+    seed: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    max_new_tokens: int = 16,
+    stop_token_ids: tuple[int, ...] = (),
+) -> tuple[list[int], list[float], str]:
+    """The sampling definition, step by step with a full forward per token (no cache, no batch):
+    token c = race_sample(filter(logits / T), seed, c); logprob of the unfiltered softmax(logits / T)."""
+    from splitrl.rollout.sampling import STREAM_TARGET, filter_logits, race_sample, seed_words
+
+    lo, hi = seed_words([seed], torch.device("cpu"))
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    while True:
+        ids = torch.tensor([prompt + tokens])
+        hidden = model.backbone.model(input_ids=ids).last_hidden_state[:, -1]
+        logits = (hidden @ model.output_weight.T).float() / temperature
+        c = torch.tensor([len(tokens)])
+        y = int(race_sample(filter_logits(logits, top_k, top_p), lo, hi, c, STREAM_TARGET)[0])
+        tokens.append(y)
+        logprobs.append(float(logits.log_softmax(-1)[0, y]))
+        if y in stop_token_ids:
+            return tokens, logprobs, "stop"
+        if len(tokens) >= max_new_tokens:
+            return tokens, logprobs, "length"

@@ -47,9 +47,14 @@ def check_output_dir(output_dir: str) -> None:
 
 
 def model_hf_config(config: RunConfig) -> Any:
-    """The transformers config of the run's policy (from ``model.backbone`` or from
-    ``model.pretrained_path``, whose weight files are verified too), after checking that its
-    attention head counts divide.
+    """The transformers config of the run's policy, after checking what a worker would only find
+    when it builds the model.
+
+    From ``model.backbone``: every key must be one the family's config knows (transformers keeps a
+    misspelt one silently) and transformers must accept the values. From ``model.pretrained_path``:
+    the weight files must be whole and fit the config and ``model.mtp`` (see
+    :func:`splitrl.models.checkpoint.verify_pretrained`), and the family must be supported. Both:
+    the attention head counts must divide.
 
     Raises:
         ValueError: naming ``model.backbone`` / ``model.pretrained_path``.
@@ -61,7 +66,6 @@ def model_hf_config(config: RunConfig) -> Any:
         from transformers import AutoConfig
 
         from splitrl.models.checkpoint import verify_pretrained
-
         from splitrl.models.config import SUPPORTED_FAMILIES
 
         verify_pretrained(m.pretrained_path, mtp=m.mtp)
@@ -83,7 +87,9 @@ def model_hf_config(config: RunConfig) -> Any:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(f"{key}.{unknown[0]} is not a key of the {m.family} config{hint}; unknown keys: {unknown}")
         try:
-            hf_cfg = cls(**m.backbone)
+            from splitrl.models.config import TINY_MOE
+
+            hf_cfg = cls(**({**TINY_MOE, **m.backbone} if m.family == "qwen3_moe" else m.backbone))  # as built
         except Exception as e:  # noqa: BLE001 - transformers' own validators raise several kinds
             raise ValueError(f"{key} is rejected by transformers' {m.family} config: {e}") from None
     heads = getattr(hf_cfg, "num_attention_heads", None)

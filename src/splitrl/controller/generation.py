@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
+
 import torch
 
 from splitrl.dataplane import DataPlane
@@ -134,8 +136,13 @@ class GenerationWorker:
         n = self.task.num_prompts
         return self.task.get_prompt(prompt_index % n if n else prompt_index)
 
-    def generate_groups(self, prompt_indices: list[int], group_size: int) -> tuple[list[Group], dict[str, float]]:
+    def generate_groups(
+        self, prompt_indices: list[int], group_size: int, on_group: Callable[[Group], None] | None = None
+    ) -> tuple[list[Group], dict[str, float]]:
         """Generate, score and store ``group_size`` samples for each prompt index.
+
+        Each group is scored and put in the data plane as soon as its last sample finishes (the
+        engine refills slots as samples end), and handed to ``on_group`` right then.
 
         Returns:
             (groups in the order of ``prompt_indices``, rollout metrics of the call).
@@ -159,32 +166,69 @@ class GenerationWorker:
                 flat_ids.append(ids)
                 seeds.append(sample_seed(self.run_seed, i, j))
                 owners.append((g, j))
-        results = self.engine.generate(flat_ids, seeds)
-        gen_s = time.perf_counter() - t0
+        results: list = [None] * len(flat_ids)
+        pending = [group_size] * len(prompt_indices)
+        groups: list[Group | None] = [None] * len(prompt_indices)
+        timeouts = errors = 0
+        score_s = 0.0
+        for k, res in self.engine.generate_stream(flat_ids, seeds):
+            results[k] = res
+            g = owners[k][0]
+            pending[g] -= 1
+            if pending[g]:
+                continue
+            t_score = time.perf_counter()
+            group, n_timeouts, n_errors = self._finish_group(
+                prompt_indices[g], prompts[g], prompt_ids[g], results[g * group_size : (g + 1) * group_size], version
+            )
+            score_s += time.perf_counter() - t_score
+            groups[g] = group
+            timeouts += n_timeouts
+            errors += n_errors
+            if on_group is not None:
+                on_group(group)
+        gen_s = time.perf_counter() - t0 - score_s
+        stats = results[0].stats if results else None
+        metrics = {
+            "generated_tokens": float(sum(len(r.response_ids) for r in results)),
+            "generation_s": gen_s,
+            "scoring_s": score_s,
+            "reward_timeouts": float(timeouts),
+            "reward_errors": float(errors),
+            "drafted_tokens": float(sum(r.drafted_tokens for r in results)),
+            "accepted_tokens": float(sum(r.accepted_tokens for r in results)),
+            "speculative_active": float(stats.speculative_active) if stats else 0.0,
+        }
+        if stats is not None and stats.speculative_active:
+            for k, (a, r) in enumerate(zip(stats.accepted_per_depth, stats.reached_per_depth), start=1):
+                metrics[f"accepted_depth_{k}"] = float(a)
+                metrics[f"reached_depth_{k}"] = float(r)
+        return groups, metrics  # type: ignore[return-value]
+
+    def _finish_group(self, prompt_index: int, prompt, p_ids: list[int], results: list, version: int):
+        """Cut stop strings, score, put the samples' tensors in the data plane; returns
+        (group, reward timeouts, reward errors)."""
         stops = self.generation.stop_strings
         for r in results:
             n = cut_at_stop_string(r.response_ids, self._decode, stops)
             if n is not None:
                 r.response_ids, r.logprobs, r.finish_reason = r.response_ids[:n], r.logprobs[:n], "stop"
         texts = [self._decode(r.response_ids) for r in results]
-        rewards = self.scorer.score([prompts[g] for g, _ in owners], texts)
-        score_s = time.perf_counter() - t0 - gen_s
-
+        rewards = self.scorer.score([prompt] * len(results), texts)
+        group = Group(
+            group_id=f"p{prompt_index}-v{version}", prompt_index=prompt_index, samples=[], policy_version=version
+        )
         ids_out, tm_out, lp_out, sids = [], [], [], []
-        groups = [
-            Group(group_id=f"p{i}-v{version}", prompt_index=i, samples=[], policy_version=version)
-            for i in prompt_indices
-        ]
-        for (g, j), res, text, rew in zip(owners, results, texts, rewards):
-            p_ids = prompt_ids[g]
-            P, R = len(p_ids), len(res.response_ids)
-            sid = sample_id(prompt_indices[g], j, version)
+        P = len(p_ids)
+        for j, (res, text, rew) in enumerate(zip(results, texts, rewards)):
+            R = len(res.response_ids)
+            sid = sample_id(prompt_index, j, version)
             sids.append(sid)
             ids_out.append(torch.tensor(p_ids + res.response_ids, dtype=torch.long))
             tm_out.append(torch.cat([torch.zeros(P), torch.ones(R)]))
             lp_out.append(torch.cat([torch.zeros(P), torch.tensor(res.logprobs, dtype=torch.float32)]))
             truncated = res.finish_reason == "length"
-            groups[g].samples.append(
+            group.samples.append(
                 SampleMeta(
                     sample_id=sid,
                     reward=float(rew.reward),
@@ -198,22 +242,9 @@ class GenerationWorker:
                 )
             )
         self.data_plane.put(sids, {"input_ids": ids_out, "token_mask": tm_out, "generation_logprobs": lp_out})
-        stats = results[0].stats if results else None
-        metrics = {
-            "generated_tokens": float(sum(len(r.response_ids) for r in results)),
-            "generation_s": gen_s,
-            "scoring_s": score_s,
-            "reward_timeouts": float(sum(r.timed_out for r in rewards)),
-            "reward_errors": float(sum(r.error is not None and not r.timed_out for r in rewards)),
-            "drafted_tokens": float(sum(r.drafted_tokens for r in results)),
-            "accepted_tokens": float(sum(r.accepted_tokens for r in results)),
-            "speculative_active": float(stats.speculative_active) if stats else 0.0,
-        }
-        if stats is not None and stats.speculative_active:
-            for k, (a, r) in enumerate(zip(stats.accepted_per_depth, stats.reached_per_depth), start=1):
-                metrics[f"accepted_depth_{k}"] = float(a)
-                metrics[f"reached_depth_{k}"] = float(r)
-        return groups, metrics
+        timeouts = sum(r.timed_out for r in rewards)
+        errors = sum(r.error is not None and not r.timed_out for r in rewards)
+        return group, timeouts, errors
 
     def evaluate(self, task_config, prompt_indices: list[int], num_samples: int, seed: int,
                  correct_threshold: float, greedy: bool) -> dict[str, tuple]:

@@ -2,7 +2,9 @@
 
 Stock transformers classes drop unknown tensors on load, so the MTP tensors are written and read
 explicitly: they sit in ``model.safetensors`` next to the backbone's, under ``mtp.*`` (Qwen3-Next
-names), and ``config.json`` carries ``mtp_num_hidden_layers`` plus our knobs under ``splitrl``.
+names; with several depth modules indexed by depth, see :mod:`splitrl.models.mtp`), and
+``config.json`` carries ``mtp_num_hidden_layers`` (the number of stored depth modules) plus our
+knobs under ``splitrl``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from splitrl.models.config import SUPPORTED_FAMILIES, ModelCapabilities, MTPConfig
+from splitrl.models.mtp import mtp_checkpoint_names, mtp_state_from_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +33,13 @@ def _full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def checkpoint_tensors(policy_sd: dict[str, torch.Tensor], tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
     """``PolicyModel`` state-dict names to checkpoint names: ``backbone.*`` become the Hugging
-    Face names, ``mtp.*`` stay; with tied embeddings ``lm_head.weight`` is left out, as
-    transformers does."""
+    Face names, ``mtp.depths.*`` the Qwen3-Next-style names of :func:`mtp_checkpoint_names`; with
+    tied embeddings ``lm_head.weight`` is left out, as transformers does."""
     out = {k[len("backbone.") :]: v.contiguous() for k, v in policy_sd.items() if k.startswith("backbone.")}
     if tie_word_embeddings:
         out.pop("lm_head.weight", None)
-    out.update({k: v.contiguous() for k, v in policy_sd.items() if k.startswith("mtp.")})
+    block = {k[len("mtp.") :]: v for k, v in policy_sd.items() if k.startswith("mtp.")}
+    out.update({f"mtp.{k}": v.contiguous() for k, v in mtp_checkpoint_names(block).items()})
     return out
 
 
@@ -60,7 +64,7 @@ def save_pretrained(model, path: str | os.PathLike, state_dict: dict[str, torch.
     cfg_path = path / "config.json"
     cfg = json.loads(cfg_path.read_text())
     mtp = model.mtp_config
-    cfg["mtp_num_hidden_layers"] = 0 if model.mtp is None else len(model.mtp.layers)
+    cfg["mtp_num_hidden_layers"] = 0 if model.mtp is None else model.mtp.num_modules
     cfg["splitrl"] = {"mtp": mtp.model_dump(), "capabilities": model.capabilities.model_dump()}
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True))
 
@@ -193,7 +197,10 @@ def verify_pretrained(path: str | os.PathLike, key: str = "model.pretrained_path
         raise ValueError(
             f"{where}: {len(wrong)} tensor(s) do not fit config.json (e.g. {k} is {got}, config.json gives {want})"
         )
-    stored_mtp = {k[len("mtp.") :] for k in stored if k.startswith("mtp.")}
+    stored_mtp = {k[len("mtp.") :]: v for k, v in stored.items() if k.startswith("mtp.")}
+    if policy.mtp is not None and stored_mtp:
+        # checkpoint names to in-memory names (shared-depth layouts are converted on load)
+        stored_mtp = set(mtp_state_from_checkpoint(stored_mtp, policy.mtp.num_modules)[0])
     if policy.mtp is not None and stored_mtp and stored_mtp != set(policy.mtp.state_dict()):
         raise ValueError(f"{where}: " + _mtp_mismatch(path, mtp, stored_mtp, set(policy.mtp.state_dict()), hf_cfg))
 
@@ -252,7 +259,11 @@ def load_pretrained(
 
     Returns:
         A :class:`PolicyModel` in fp32. MTP tensors found in the directory are loaded exactly;
-        a directory without them (a plain HF model) leaves freshly initialized heads.
+        a directory without them (a plain HF model) leaves freshly initialized heads. A directory
+        whose depths share ``fc``, the input norms and the final norm (splitrl checkpoints
+        written before per-depth modules, or Qwen3-Next with ``mtp_num_hidden_layers`` > 1) is
+        converted exactly: the shared tensors are copied into every depth module (a warning
+        says so), and a later save writes the per-depth layout.
 
     Raises:
         ValueError: missing directory or config, missing / truncated / corrupt weight files
@@ -293,9 +304,17 @@ def load_pretrained(
     if not stored:
         log.warning("%s has no MTP tensors: the %d MTP depth(s) start from random init", path, mtp.mtp_num_layers)
         return model
+    stored, layout = mtp_state_from_checkpoint(stored, model.mtp.num_modules)
     expected = set(model.mtp.state_dict())
     if set(stored) != expected:
         raise ValueError(_mtp_mismatch(path, mtp, set(stored), expected, hf_cfg))
+    if layout == "shared":
+        log.warning(
+            "%s stores MTP depths that share fc / pre_fc_norm_* / norm (the layout before per-depth MTP "
+            "modules): copied into each of the %d depth modules; saving writes the per-depth layout",
+            path,
+            model.mtp.num_modules,
+        )
     model.mtp.load_state_dict(stored, strict=True)
     return model
 
@@ -305,31 +324,29 @@ def export_deepseek_v3(model, path: str | os.PathLike) -> None:
 
     Depth k (1-indexed) becomes ``model.layers.{L+k-1}`` with ``enorm``, ``hnorm``, ``eh_proj``,
     ``shared_head.norm``, ``shared_head.head`` and ``embed_tokens`` (copies of the backbone's), plus
-    the depth's decoder-layer tensors; ``num_nextn_predict_layers`` = D. Shared tensors (norms, fc,
-    a repeated layer) are copied into every depth.
+    the depth's decoder-layer tensors; ``num_nextn_predict_layers`` = D. Each depth's tensors come
+    from its own depth module; a repeated module is copied into every depth.
     """
     if model.mtp is None:
         raise ValueError("export_deepseek_v3 needs a model with MTP heads (mtp_num_layers > 0)")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     sd = _full_state_dict(model.backbone)
-    mtp_sd = _full_state_dict(model.mtp)
     L = model.config.num_hidden_layers
     emb = sd["model.embed_tokens.weight"]
     head = sd.get("lm_head.weight", emb)
     for k in range(1, model.num_mtp_depths + 1):
         pre = f"model.layers.{L + k - 1}."
-        layer_idx = 0 if model.mtp.repeated else k - 1
-        sd[pre + "enorm.weight"] = mtp_sd["pre_fc_norm_embedding.weight"].clone()
-        sd[pre + "hnorm.weight"] = mtp_sd["pre_fc_norm_hidden.weight"].clone()
-        sd[pre + "eh_proj.weight"] = mtp_sd["fc.weight"].clone()
-        sd[pre + "shared_head.norm.weight"] = mtp_sd["norm.weight"].clone()
+        depth_sd = _full_state_dict(model.mtp.depth_module(k))
+        sd[pre + "enorm.weight"] = depth_sd["pre_fc_norm_embedding.weight"]
+        sd[pre + "hnorm.weight"] = depth_sd["pre_fc_norm_hidden.weight"]
+        sd[pre + "eh_proj.weight"] = depth_sd["fc.weight"]
+        sd[pre + "shared_head.norm.weight"] = depth_sd["norm.weight"]
         sd[pre + "shared_head.head.weight"] = head.clone()
         sd[pre + "embed_tokens.weight"] = emb.clone()
-        lp = f"layers.{layer_idx}."
-        for name, t in mtp_sd.items():
-            if name.startswith(lp):
-                sd[pre + name[len(lp) :]] = t.clone()
+        for name, t in depth_sd.items():
+            if name.startswith("layer."):
+                sd[pre + name[len("layer.") :]] = t
     sd = {k: v.contiguous() for k, v in sd.items()}
     save_file(sd, str(path / WEIGHTS_NAME), metadata={"format": "pt"})
     model.backbone.config.save_pretrained(str(path))

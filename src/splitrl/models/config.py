@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SUPPORTED_FAMILIES = ("qwen3", "llama")
+SUPPORTED_FAMILIES = ("qwen3", "llama", "qwen3_moe")
 
 
 class ModelCapabilities(BaseModel):
@@ -49,9 +49,18 @@ class MTPConfig(BaseModel):
     """Multi-Token Prediction heads (DESIGN.md §3 knobs).
 
     Attributes:
-        mtp_use_repeated_layer: one MTP layer applied D times instead of D layers.
-        mtp_detach_heads: the MTP branch reads detached backbone tensors, so MTP parameters get only
-            MTP gradients and the backbone only main-loss gradients.
+        mtp_num_layers: D, the number of depths; 0 disables MTP entirely.
+        mtp_loss_scaling_factor: λ; each depth's loss weighs λ / D. 0 keeps the heads for metrics
+            only (their parameters stay out of the optimizer).
+        mtp_use_repeated_layer: one depth module (input norms, ``fc``, decoder layer, final
+            norm) applied D times and stored once, instead of D depth modules.
+        mtp_detach_heads: the MTP branch reads detached copies of the backbone's hidden state,
+            embeddings and output head, so the backbone trains on the main loss only. With
+            ``false`` the MTP loss also trains the backbone. Cost: with a ``SEQUENCE_LEVEL`` loss
+            and λ > 0 the backbone gradient mixes 1/N_s (policy loss) and 1/N_t (MTP loss), which
+            the train step keeps apart with a second backward pass per microbatch and one extra
+            fp32 gradient buffer of the policy parameters (``splitrl.train.side_grads``); every other
+            combination runs a single backward.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -68,9 +77,13 @@ class ModelConfig(BaseModel):
     Attributes:
         pretrained_path: local directory written by ``save_pretrained`` (ours or stock Hugging
             Face); when set, ``family`` and ``backbone`` are ignored and read from the directory.
-        family: backbone family for random init (``qwen3`` or ``llama``).
+        family: backbone family for random init: ``qwen3``, ``llama`` or ``qwen3_moe``
+            (transformers' Qwen3-MoE; its router load-balancing loss enters the step with
+            ``router_aux_loss_coef`` of the backbone config, see :mod:`splitrl.models.moe`).
         backbone: keyword arguments of the family's transformers config (hidden_size,
-            num_hidden_layers, ...). The default is a tiny model that trains in seconds on CPU.
+            num_hidden_layers, ...). The default is a tiny model that trains in seconds on CPU;
+            for ``qwen3_moe`` the MoE keys missing from it are taken from ``TINY_MOE`` (4 experts,
+            2 per token), not from transformers' defaults (128 experts).
         attn_implementation: ``sdpa`` (default) or ``eager``.
         seed: seed of the random init.
     """
@@ -78,7 +91,7 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     pretrained_path: str | None = None
-    family: Literal["qwen3", "llama"] = "qwen3"
+    family: Literal["qwen3", "llama", "qwen3_moe"] = "qwen3"
     backbone: dict[str, Any] = Field(default_factory=lambda: dict(TINY_BACKBONE))
     mtp: MTPConfig = Field(default_factory=MTPConfig)
     capabilities: ModelCapabilities = Field(default_factory=ModelCapabilities)
@@ -97,4 +110,13 @@ TINY_BACKBONE: dict[str, Any] = {
     "max_position_embeddings": 512,
     "tie_word_embeddings": True,
     "rms_norm_eps": 1e-6,
+}
+
+# MoE keys of the tiny qwen3_moe preset (merged under ModelConfig.backbone when missing there)
+TINY_MOE: dict[str, Any] = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "norm_topk_prob": True,
+    "router_aux_loss_coef": 0.01,
 }

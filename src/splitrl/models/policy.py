@@ -15,15 +15,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen3Config, Qwen3MoeConfig
 
 from splitrl.loss.logprobs import target_logprobs
-from splitrl.models.config import SUPPORTED_FAMILIES, ModelCapabilities, ModelConfig, MTPConfig
+from splitrl.models.config import SUPPORTED_FAMILIES, TINY_MOE, ModelCapabilities, ModelConfig, MTPConfig
+from splitrl.models.moe import router_statistics
 from splitrl.models.mtp import MTPBlock
 
 log = logging.getLogger(__name__)
 
-_FAMILY_CONFIGS = {"qwen3": Qwen3Config, "llama": LlamaConfig}
+_FAMILY_CONFIGS = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}
 
 
 @dataclass
@@ -38,6 +39,9 @@ class PolicyOutput:
             branch trains (λ > 0 and grad enabled).
         mtp_hit_sums: D scalars, Σ_t [argmax = target]·mask_k(t) (not differentiable).
         mtp_counts: D scalars, Σ_t mask_k(t).
+        moe_aux: MoE backbones: L_aux of this forward's rows (:mod:`splitrl.models.moe`), fp32
+            scalar, differentiable; None otherwise.
+        moe_load_max: MoE backbones: busiest expert's share of assignments (no gradient).
     """
 
     logprobs: torch.Tensor
@@ -45,6 +49,8 @@ class PolicyOutput:
     mtp_ce_sums: list[torch.Tensor] = field(default_factory=list)
     mtp_hit_sums: list[torch.Tensor] = field(default_factory=list)
     mtp_counts: list[torch.Tensor] = field(default_factory=list)
+    moe_aux: torch.Tensor | None = None
+    moe_load_max: torch.Tensor | None = None
 
 
 # FSDP2 finds the tensors of a module's output by pytree flattening; registering the dataclass
@@ -172,7 +178,10 @@ class PolicyModel(nn.Module):
                 capabilities=config.capabilities,
                 attn_implementation=config.attn_implementation,
             )
-        hf_cfg = _FAMILY_CONFIGS[config.family](**config.backbone)
+        kwargs = dict(config.backbone)
+        if config.family == "qwen3_moe":
+            kwargs = {**TINY_MOE, **kwargs}
+        hf_cfg = _FAMILY_CONFIGS[config.family](**kwargs)
         hf_cfg._attn_implementation = config.attn_implementation
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
@@ -203,6 +212,15 @@ class PolicyModel(nn.Module):
         return self.mtp_config.mtp_num_layers
 
     @property
+    def is_moe(self) -> bool:
+        return getattr(self.config, "num_experts", 0) > 0 and self.config.model_type == "qwen3_moe"
+
+    @property
+    def moe_aux_loss_coef(self) -> float:
+        """The router load-balancing loss weight (backbone config ``router_aux_loss_coef``); 0 for dense backbones."""
+        return float(getattr(self.config, "router_aux_loss_coef", 0.0) or 0.0) if self.is_moe else 0.0
+
+    @property
     def mtp_trains(self) -> bool:
         return self.num_mtp_depths > 0 and self.mtp_config.mtp_loss_scaling_factor > 0
 
@@ -226,7 +244,8 @@ class PolicyModel(nn.Module):
 
     # --------------------------------------------------------------------------------- forward
     def _backbone_hidden(self, input_ids, segment_ids, position_ids):
-        """(embeddings [B, S, H], h⁰ [B, S, H] after the final norm, the attention mask used)."""
+        """(embeddings [B, S, H], h⁰ [B, S, H] after the final norm, the attention mask used,
+        the routers' logits — one [B·S, E] per MoE layer; empty for dense backbones)."""
         embeds = self.embed_tokens(input_ids)
         attn_impl = self.config._attn_implementation
         if attn_impl == "sdpa" and _one_sample_per_row_right_padded(segment_ids):
@@ -235,10 +254,12 @@ class PolicyModel(nn.Module):
             mask = None
         else:
             mask = build_attention_mask(segment_ids, attn_impl, embeds.dtype)
-        hidden0 = self.backbone.model(
-            inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state  # after the final norm: the tensor lm_head reads
-        return embeds, hidden0, mask
+        moe = {"output_router_logits": True} if self.is_moe else {}
+        base = self.backbone.model(
+            inputs_embeds=embeds, attention_mask=mask, position_ids=position_ids, use_cache=False, **moe
+        )
+        hidden0 = base.last_hidden_state  # after the final norm: the tensor lm_head reads
+        return embeds, hidden0, mask, tuple(getattr(base, "router_logits", None) or ())
 
     def logits(
         self, input_ids: torch.Tensor, segment_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
@@ -252,7 +273,7 @@ class PolicyModel(nn.Module):
             segment_ids = torch.zeros_like(input_ids)
         if position_ids is None:
             position_ids = positions_from_segments(segment_ids)
-        _, hidden0, _ = self._backbone_hidden(input_ids, segment_ids, position_ids)
+        _, hidden0, _, _ = self._backbone_hidden(input_ids, segment_ids, position_ids)
         return self.backbone.get_output_embeddings()(hidden0)
 
     def forward(
@@ -298,7 +319,7 @@ class PolicyModel(nn.Module):
         if D > 0 and mtp_loss_mask is None:
             raise ValueError("mtp_loss_mask [B, S] is required when the model has MTP heads (mtp_num_layers > 0)")
 
-        embeds, hidden0, mask = self._backbone_hidden(input_ids, segment_ids, position_ids)
+        embeds, hidden0, mask, router_logits = self._backbone_hidden(input_ids, segment_ids, position_ids)
 
         weight = self.output_weight
         H = hidden0.shape[-1]
@@ -315,6 +336,10 @@ class PolicyModel(nn.Module):
         logprobs = F.pad(lp.view(B, S - 1), (1, 0))
         entropy = F.pad(ent.view(B, S - 1), (1, 0))
         out = PolicyOutput(logprobs=logprobs, entropy=entropy)
+        if router_logits:
+            out.moe_aux, out.moe_load_max = router_statistics(
+                router_logits, segment_ids >= 0, self.config.num_experts, self.config.num_experts_per_tok
+            )
         if D == 0:
             return out
 

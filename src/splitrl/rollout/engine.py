@@ -1,52 +1,84 @@
-"""Batched rollouts with a KV cache, optionally self-speculative with the MTP heads (DESIGN §4, §5).
+"""Rollouts at GPU speed: static KV cache, CUDA graphs, continuous batching, MTP self-speculation.
 
-Legend: B = rows, P = padded prompt length, H = hidden size, V = vocabulary, D = drafted tokens.
+Legend: S = slots (rows held at once, ``batch_size``), B = slots of one decode step (a bucket),
+L = cache prefix a step reads (a bucket), W = response buffer width, V = vocabulary, D = drafts.
 
-A batch is left-padded; positions are the cumulative attention mask - 1, so every row's first
-token is at position 0 whatever the padding. The KV cache is one ``DynamicCache`` whose slots are
-common to all rows; a 2D validity mask marks padding and, with speculative decoding, the slots of
-rejected drafts, which are never attended to again and are dropped when enough of them pile up
-(:mod:`splitrl.rollout.kv`). A row leaves the batch (its cache rows are dropped) as soon as it
-emits a stop token or reaches ``max_new_tokens``.
+Slots. Each slot holds one sample: its keys and values at index = position in a preallocated
+:class:`~splitrl.rollout.kv.StaticKVCache`, its last emitted token, position, response counter,
+seed, done flag and response buffer, all on the device. A decode step runs slots 0..B-1 with
+static shapes: the forward (:mod:`splitrl.rollout.forward`), sampling, logprobs, stop and length
+checks and the state update, with no host synchronization; on CUDA it is captured once per
+(B, L) bucket as a CUDA graph and replayed. The host synchronizes every few steps
+(``SYNC_EVERY``) to collect finished slots, refill them with waiting prompts (a batched ragged
+prefill, eager) and move rows to lower slots when a smaller bucket suffices. Finished rows in a
+bucket keep computing until that sync, writing only their own slot; their results are fixed.
 
-Randomness is counter-based (:mod:`splitrl.rollout.sampling`): a sample's tokens depend only on its
-prompt, its seed and its logits, so the same prompt and seed give the same response in any batch.
+Sampling (DESIGN §5). The token at response index c is argmax(filtered logits / T + G(seed, c)),
+G a Gumbel-max noise keyed by (seed, c) (:func:`~splitrl.rollout.sampling.race_sample`): a
+sample's tokens depend only on its prompt, its seed and the logits. Logprobs are of the
+unfiltered softmax(logits / T).
 
-Speculative decoding (Leviathan et al. 2023; Chen et al. 2023). Each iteration the MTP depths draft
-x̂_1..x̂_D from q, the backbone scores [x_n, x̂_1..x̂_D] in one forward (target p), draft j is
-accepted with probability min(1, p(x̂_j) / q(x̂_j)), and at the first rejection a token is drawn from
-norm(max(0, p - q)); if all D pass, a bonus token is drawn from p. The emitted tokens are then
-distributed exactly as plain sampling from p, at any temperature and with top-k / top-p (p and q
-are the filtered distributions), and their logprobs are the target's (unfiltered, logits / T).
+Speculative decoding. The MTP depths draft D tokens with the same noise (:mod:`splitrl.rollout.
+drafter`); the backbone scores [x_n, drafts] in one forward, recomputes the target token at every
+drafted index with that index's noise and accepts the leading drafts that equal it; the first
+mismatch (or the bonus position) emits the target token. Speculative and plain decoding therefore
+emit the same tokens by construction (up to the rounding of logits computed in differently shaped
+forwards), and switching speculation off in the middle of a call changes nothing but speed. The
+acceptance is P(draft race winner = target race winner) instead of the rejection rule's
+Σ min(p, q) (``bench/bench_rollout.py`` measures both for depth 1: 33 % vs 47 % on the H200 run of
+2026-11-30, heads trained on the model's own samples): determinism costs acceptance.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import time
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from transformers import DynamicCache
 
 from splitrl.models.policy import PolicyModel
 from splitrl.rollout.config import GenerationConfig
-from splitrl.rollout.drafter import SUPPORTED_ATTENTION, MTPDrafter, NewSlots
-from splitrl.rollout.kv import compact_cache
-from splitrl.rollout.sampling import STREAM_ACCEPT, STREAM_TARGET, filter_logits, race_sample, seed_words, uniforms
+from splitrl.rollout.drafter import MTPDrafter
+from splitrl.rollout.forward import DecoderForward
+from splitrl.rollout.kv import StaticKVCache
+from splitrl.rollout.sampling import STREAM_TARGET, filter_logits, prepare, race_sample, seed_words
 
 log = logging.getLogger(__name__)
 
-# In speculative mode, every this many iterations (starting with the second) one plain step
-# measures what plain decoding would cost now, for the switch-off rule (0: never; tests).
-CALIBRATION_INTERVAL = 16
-# The KV cache is compacted once it holds at least this many dead slots (padding of finished rows,
-# rejected drafts) and they are at least this fraction of it.
-COMPACT_MIN_HOLES = 32
-COMPACT_MIN_FRACTION = 1 / 3
+# The host reads the done flags every this many decode steps (plain) or verify iterations (spec).
+SYNC_EVERY = 16
+# Prefill token budget of one forward (rows of a refill are cut into forwards of at most this).
+PREFILL_TOKENS = 16384
+# Free slots are refilled once they are at least this fraction of the slots (or nothing runs):
+# a refill is an eager prefill, so a few larger ones cost less host time than many small ones.
+REFILL_MIN_FRACTION = 1 / 8
+# The speculative switch-off rule decides after this many verify iterations of a call.
+SWITCH_MIN_ITERATIONS = 32
+# Fuse the elementwise ops of the forward with torch.compile on CUDA (fewer kernel launches).
+COMPILE_KERNELS = os.environ.get("SPLITRL_COMPILE_KERNELS", "1") != "0"
+# Decode-step buckets: rows (slots 0..B-1) and cache prefix lengths.
+_ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+def _row_bucket(n: int, cap: int) -> int:
+    for b in _ROW_BUCKETS:
+        if b >= n:
+            return min(b, cap)
+    return min(cap, -(-n // 64) * 64)
+
+
+def _length_bucket(n: int, cap: int) -> int:
+    b = 64
+    while b < n:
+        b = b * 3 // 2 if (b & (b - 1)) == 0 else b * 4 // 3  # 64, 96, 128, 192, 256, 384, ...
+    return min(b, cap)
 
 
 @dataclass
@@ -62,13 +94,17 @@ class RolloutStats:
         num_samples, prompt_tokens, generated_tokens: counts of the call.
         wall_time_s: seconds of the whole call; tokens_per_s = generated_tokens / wall_time_s.
         policy_version: weights version that generated the call.
-        num_forwards: backbone decode forwards (prefills excluded).
-        speculative_active: speculative decoding ran in this call.
+        num_forwards: backbone decode steps (prefills excluded; a step runs a whole bucket).
+        speculative_active: speculative decoding ran in this call (at least at its start).
         speculative_next: it will run in the next call (False once switched off, see
             :class:`RolloutEngine`).
-        speculative_speedup: measured (speculative tokens/s) / (plain tokens/s) in this call, or None.
+        speculative_speedup: the switch-off rule's last estimate of (speculative tokens/s) /
+            (plain tokens/s), from device-timed steps of both kinds and the measured acceptance.
+        switched_off_at_iteration: verify iteration of this call at which speculation was switched
+            off (None: it was not).
         drafted_tokens, accepted_tokens: totals over the call.
         reached_per_depth, accepted_per_depth: per depth k = 1..D.
+        graph_captures: CUDA graphs captured during the call.
     """
 
     num_samples: int = 0
@@ -81,10 +117,12 @@ class RolloutStats:
     speculative_active: bool = False
     speculative_next: bool = False
     speculative_speedup: float | None = None
+    switched_off_at_iteration: int | None = None
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     reached_per_depth: list[int] = field(default_factory=list)
     accepted_per_depth: list[int] = field(default_factory=list)
+    graph_captures: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -122,7 +160,8 @@ class GenerationResult:
             unfiltered by top-k / top-p (DESIGN §5); same length as ``response_ids``.
         finish_reason: ``"stop"`` (ended with a stop token) or ``"length"`` (hit max_new_tokens).
         policy_version: weights version that generated it.
-        stats: the statistics of the whole ``generate`` call (shared by its results).
+        stats: the statistics of the whole ``generate`` call (shared by its results; complete once
+            the call has returned).
         drafted_tokens, accepted_tokens: this sample's speculative counts (0 without).
     """
 
@@ -135,94 +174,90 @@ class GenerationResult:
     accepted_tokens: int = 0
 
 
-class _Timing:
-    """Per-call measurements for the speculative switch-off rule."""
+class _SlotState:
+    """Device state of every slot (one sample each); see the module docstring."""
 
-    def __init__(self) -> None:
-        self.plain_s = 0.0
-        self.plain_tokens = 0
-        self.spec_s = 0.0
-        self.spec_tokens = 0
+    SMALL = ("tokens", "pos", "counter", "seed_lo", "seed_hi", "done", "stopped", "drafted", "accepted")
 
-    def speedup(self) -> float | None:
-        if not (self.plain_s > 0 and self.spec_s > 0 and self.plain_tokens and self.spec_tokens):
-            return None
-        return (self.spec_tokens / self.spec_s) / (self.plain_tokens / self.plain_s)
+    def __init__(self, slots: int, width: int, D: int, hidden: int, dtype: torch.dtype, device: torch.device):
+        def z(*shape, dt=torch.int64):
+            return torch.zeros(shape, dtype=dt, device=device)
+
+        self.tokens = z(slots)  # x_n: emitted, not yet fed to the backbone
+        self.pos = z(slots)  # position of x_n (= tokens fed so far)
+        self.counter = z(slots)  # response tokens emitted so far
+        self.seed_lo, self.seed_hi = z(slots), z(slots)
+        self.done = torch.ones(slots, dtype=torch.bool, device=device)  # empty slots are done
+        self.stopped = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.out_tokens = z(slots, width)
+        self.out_logprobs = z(slots, width, dt=torch.float32)
+        self.drafted, self.accepted = z(slots), z(slots)
+        self.reached_depth, self.accepted_depth = z(slots, D), z(slots, D)
+        self.drafts = z(slots, D)
+        self.carry = torch.zeros(max(D - 1, 0), slots, hidden, dtype=dtype, device=device)
+        self.width = width
+
+    def small(self) -> list[torch.Tensor]:
+        """Everything a decode step changes besides caches and response buffers."""
+        extra = [self.reached_depth, self.accepted_depth, self.drafts, self.carry]
+        return [getattr(self, n) for n in self.SMALL] + extra
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [t.clone() for t in self.small()]
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        for t, s in zip(self.small(), saved):
+            t.copy_(s)
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for t in self.small()[:-1] + [self.out_tokens, self.out_logprobs]:
+            t[dst] = t[src]
+        self.carry[:, dst] = self.carry[:, src]
 
 
-class _Rows:
-    """Decoding state of the rows of one batch; every tensor is indexed by the current live rows."""
+class _DeviceTimer:
+    """Seconds of the device work queued inside ``with`` (CUDA events; the wall clock on CPU).
 
-    def __init__(self, prompts: list[list[int]], seeds: list[int], config: GenerationConfig, device: torch.device):
-        B = len(prompts)
-        P = max(len(p) for p in prompts)
-        ids = torch.zeros(B, P, dtype=torch.int64)
-        mask = torch.zeros(B, P, dtype=torch.bool)
-        for b, p in enumerate(prompts):
-            ids[b, P - len(p) :] = torch.tensor(p, dtype=torch.int64)
-            mask[b, P - len(p) :] = True
-        self.prompt_ids = ids.to(device)
-        self.mask = mask.to(device)  # [B, slots] validity of every cache slot
-        self.prompt_positions = (self.mask.long().cumsum(-1) - 1).clamp(min=0)
-        self.prompt_lens = [len(p) for p in prompts]
-        self.next_position = torch.tensor(self.prompt_lens, dtype=torch.int64, device=device)
-        self.seed_lo, self.seed_hi = seed_words(seeds, device)
-        self.counter = torch.zeros(B, dtype=torch.int64, device=device)  # tokens emitted so far
-        self.last_token = torch.zeros(B, dtype=torch.int64, device=device)  # x_n: sampled, not yet fed
-        self.cache = DynamicCache()
-        self.ids = list(range(B))  # batch-local sample index of each live row
-        self.responses: list[list[int]] = [[] for _ in range(B)]
-        self.logprobs: list[list[float]] = [[] for _ in range(B)]
-        self.finish: list[str | None] = [None] * B
-        self.drafted = [0] * B
-        self.accepted = [0] * B
-        self._stop = set(config.stop_token_ids)
-        self._max_new = config.max_new_tokens
+    With ``synchronize=False`` the CUDA reading (``seconds``) waits for the end event only when
+    read, so it can be read after a synchronization that happens anyway."""
 
-    def __len__(self) -> int:
-        return len(self.ids)
+    def __init__(self, device: torch.device, synchronize: bool = True):
+        self.cuda = device.type == "cuda"
+        self.sync = synchronize
+        self._seconds = 0.0
 
-    def holes(self) -> int:
-        """Cache slots beyond what the fullest live row needs (from CPU-side counts, no sync)."""
-        valid = max(self.prompt_lens[s] + len(self.responses[s]) - 1 for s in self.ids)
-        return self.mask.shape[1] - valid
+    def __enter__(self) -> _DeviceTimer:
+        if self.cuda:
+            if self.sync:
+                torch.cuda.synchronize()
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
 
-    def commit(self, y: torch.Tensor, num_fed: torch.Tensor) -> None:
-        """``num_fed`` tokens entered the cache (x_n and the accepted drafts) and ``y`` followed.
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self.end.record()
+            if self.sync:
+                self.end.synchronize()
+        else:
+            self._seconds = time.perf_counter() - self.t0
 
-        The row emitted ``num_fed`` tokens: the accepted drafts and ``y``.
-        """
-        self.last_token = y
-        self.next_position = self.next_position + num_fed
-        self.counter = self.counter + num_fed
+    @property
+    def seconds(self) -> float:
+        if self.cuda:
+            self.end.synchronize()
+            return self.start.elapsed_time(self.end) / 1e3
+        return self._seconds
 
-    def record(self, tokens: list[list[int]], logprobs: list[list[float]]) -> list[int]:
-        """Append each live row's emitted tokens up to a stop token or the length limit.
 
-        Returns the live-row indices that continue.
-        """
-        keep = []
-        for r, (toks, lps) in enumerate(zip(tokens, logprobs)):
-            s = self.ids[r]
-            resp, resp_lp = self.responses[s], self.logprobs[s]
-            for t, lp in zip(toks, lps):
-                resp.append(t)
-                resp_lp.append(lp)
-                if t in self._stop:
-                    self.finish[s] = "stop"
-                    break
-                if len(resp) >= self._max_new:
-                    self.finish[s] = "length"
-                    break
-            if self.finish[s] is None:
-                keep.append(r)
-        return keep
+@dataclass
+class _SpecTiming:
+    """Device seconds of the verify iterations of a call, and what plain steps would have cost."""
 
-    def select(self, rows: torch.Tensor, keep: list[int]) -> None:
-        self.cache.batch_select_indices(rows)
-        for name in ("mask", "next_position", "seed_lo", "seed_hi", "counter", "last_token"):
-            setattr(self, name, getattr(self, name)[rows])
-        self.ids = [self.ids[r] for r in keep]
+    spec_s: float = 0.0
+    plain_s: float = 0.0
 
 
 class RolloutEngine:
@@ -234,14 +269,23 @@ class RolloutEngine:
         config: the sampling rules.
         device: where to run (default: where the model's parameters are).
 
-    Speculative switch-off: in a speculative call, one plain step every ``CALIBRATION_INTERVAL``
-    iterations measures plain decoding; when the measured speculative tokens/s falls below the plain
-    tokens/s, the next calls decode plainly (``stats.speculative_next`` = False, logged) until the
-    next weight sync (:meth:`load_state_dict`), whose new MTP heads may draft better.
+    Speculative switch-off (DESIGN §5): the engine times the verify iterations of a call on the
+    device (CUDA events around each chunk of graph replays, read after the host's sync) and, for
+    each bucket they ran in, a plain step (CUDA events around replays, after a synchronize; the
+    state is restored); after ``SWITCH_MIN_ITERATIONS`` iterations it estimates
+    speedup = (1 + accepted drafts per iteration) · Σ t_plain / Σ t_spec. Below 1 it decodes the rest
+    of the call plainly (same tokens, see the module docstring) and the next calls too
+    (``stats.speculative_next`` = False, logged) until the next weight sync
+    (:meth:`load_state_dict`), whose new MTP heads may draft better.
+
+    Attributes:
+        use_cuda_graphs: capture decode steps as CUDA graphs (CUDA only; default True there).
+        speculative_switch_off: apply the switch-off rule (default True); when False the rule's
+            estimate is still computed and reported (benchmarks measure speculation this way).
 
     Raises:
         ValueError: a stop token outside the vocabulary; ``speculative=True`` with a model without
-            MTP heads, with more draft tokens than MTP depths, or with an unsupported attention.
+            MTP heads or with more draft tokens than MTP depths; an unsupported backbone layout.
     """
 
     def __init__(self, model: PolicyModel, config: GenerationConfig, device: str | torch.device | None = None):
@@ -260,23 +304,36 @@ class RolloutEngine:
             n = config.num_draft_tokens or D
             if n > D:
                 raise ValueError(f"num_draft_tokens={n} exceeds the model's {D} MTP depths; use at most {D}")
-            attn = model.config._attn_implementation
-            if attn not in SUPPORTED_ATTENTION:
-                raise ValueError(
-                    f"speculative decoding needs attn_implementation in {SUPPORTED_ATTENTION}, got {attn!r}"
-                )
             self.num_drafts = n
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.model = model.to(self.device).eval()
+        self.fwd = DecoderForward(self.model, compiled=self.device.type == "cuda" and COMPILE_KERNELS)
         self.config = config
         self.policy_version = 0
         self.last_stats: RolloutStats | None = None
+        self.use_cuda_graphs = self.device.type == "cuda"
+        self.speculative_switch_off = True
         self._speculative_active = config.speculative
         self._warned_slow = False
+        self._stop_ids = torch.tensor(sorted(set(config.stop_token_ids)), dtype=torch.int64, device=self.device)
+        self._cache: StaticKVCache | None = None
+        self._mtp_cache: StaticKVCache | None = None
+        self._state: _SlotState | None = None
+        self._drafter: MTPDrafter | None = None
+        self._graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self._step_times: dict[tuple[int, int], float] = {}
+        self._captures = 0
+        prepare(vocab, self.device)
 
     # ------------------------------------------------------------------------------ weights
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         """Receive a weight sync: the full PolicyModel state dict, MTP tensors included.
+
+        The tensors are copied into the existing parameter storage, so captured CUDA graphs
+        stay valid and read the new weights.
 
         Raises:
             ValueError: missing or unexpected keys (a sync without the ``mtp.`` tensors leaves a
@@ -297,12 +354,12 @@ class RolloutEngine:
         if wrong:
             raise ValueError(f"weight sync shapes differ from the policy for {wrong[:5]}; send the same architecture")
         with torch.no_grad():
-            self.model.load_state_dict(state_dict, strict=True)
+            for name, tensor in own.items():  # in place: the graphs hold these storages
+                tensor.copy_(state_dict[name])
         self.policy_version = int(version)
         self._speculative_active = self.config.speculative
 
     # ----------------------------------------------------------------------------- generate
-    @torch.inference_mode()
     def generate(self, prompts: list[list[int]], seeds: list[int]) -> list[GenerationResult]:
         """Sample one response per prompt.
 
@@ -319,59 +376,24 @@ class RolloutEngine:
             ValueError: lengths of ``prompts`` and ``seeds`` differ, an empty prompt, a token id
                 outside the vocabulary, or prompt + max_new_tokens beyond the model's positions.
         """
+        out: list[GenerationResult | None] = [None] * len(prompts)
+        for i, res in self.generate_stream(prompts, seeds):
+            out[i] = res
+        return out  # type: ignore[return-value]
+
+    def generate_stream(self, prompts: list[list[int]], seeds: list[int]) -> Iterator[tuple[int, GenerationResult]]:
+        """Like :meth:`generate`, but yields (prompt index, result) as soon as each sample finishes.
+
+        Prompts enter free slots in order (continuous batching), so the samples of a group sent
+        together finish close to each other. The shared ``stats`` of the results are complete once
+        the iterator is exhausted. Validation errors are raised at the first ``next``.
+        """
         self._check_request(prompts, seeds)
-        start = time.perf_counter()
-        cfg = self.config
-        speculative = cfg.speculative and self._speculative_active
-        D = self.num_drafts if speculative else 0
-        stats = RolloutStats(
-            num_samples=len(prompts),
-            prompt_tokens=sum(len(p) for p in prompts),
-            policy_version=self.policy_version,
-            speculative_active=speculative,
-            reached_per_depth=[0] * D,
-            accepted_per_depth=[0] * D,
-        )
-        timing = _Timing()
-        # Similar lengths share a batch (less padding); results do not depend on the grouping.
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-        rows_out: list[tuple[list[int], list[float], str, int, int] | None] = [None] * len(prompts)
-        for b0 in range(0, len(order), cfg.batch_size):
-            idx = order[b0 : b0 + cfg.batch_size]
-            done = self._generate_batch([prompts[i] for i in idx], [seeds[i] for i in idx], D, stats, timing)
-            for i, res in zip(idx, done):
-                rows_out[i] = res
-        stats.wall_time_s = time.perf_counter() - start
-        stats.generated_tokens = sum(len(r[0]) for r in rows_out)  # type: ignore[index]
-        stats.tokens_per_s = stats.generated_tokens / stats.wall_time_s if stats.wall_time_s > 0 else 0.0
-        if speculative:
-            stats.speculative_speedup = timing.speedup()
-            if stats.speculative_speedup is not None and stats.speculative_speedup < 1.0:
-                self._speculative_active = False
-                # warn the first time; afterwards the switch shows in rollout/speculative_active
-                level = logging.INFO if self._warned_slow else logging.WARNING
-                self._warned_slow = True
-                log.log(
-                    level,
-                    "speculative rollouts measured %.2fx plain speed (acceptance %.1f%%): decoding plainly "
-                    "until the next weight sync",
-                    stats.speculative_speedup,
-                    stats.acceptance_rate,
-                )
-        stats.speculative_next = cfg.speculative and self._speculative_active
-        self.last_stats = stats
-        return [
-            GenerationResult(
-                response_ids=r[0],
-                logprobs=r[1],
-                finish_reason=r[2],  # type: ignore[arg-type]
-                policy_version=self.policy_version,
-                stats=stats,
-                drafted_tokens=r[3],
-                accepted_tokens=r[4],
-            )
-            for r in rows_out  # type: ignore[misc]
-        ]
+        if not prompts:
+            self.last_stats = RolloutStats(policy_version=self.policy_version)
+            return
+        with torch.inference_mode():
+            yield from self._run(prompts, seeds)
 
     def _check_request(self, prompts: list[list[int]], seeds: list[int]) -> None:
         if len(prompts) != len(seeds):
@@ -389,171 +411,361 @@ class RolloutEngine:
                     f"model's max_position_embeddings={max_pos}; shorten the prompt or lower max_new_tokens"
                 )
 
-    # ----------------------------------------------------------------------------- internals
+    # ----------------------------------------------------------------------------- buffers
+    def _ensure_buffers(self, max_prompt: int) -> None:
+        cfg, D = self.config, self.num_drafts
+        need = max_prompt + cfg.max_new_tokens + 2 * D + 3  # the last index is the scratch entry
+        if self._cache is not None and self._cache.max_len >= need:
+            return
+        M = -(-need // 64) * 64
+        mcfg = self.model.config
+        S = cfg.batch_size
+        dtype = self.model.output_weight.dtype
+        head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
+        self._graphs.clear()
+        self._step_times.clear()
+        self._cache = self._mtp_cache = self._state = None  # free before allocating
+        self._cache = StaticKVCache(
+            mcfg.num_hidden_layers, S, mcfg.num_key_value_heads, M, head_dim, dtype, self.device
+        )
+        if D:
+            self._mtp_cache = StaticKVCache(D, S, mcfg.num_key_value_heads, M, head_dim, dtype, self.device)
+            c = self.config
+            self._drafter = MTPDrafter(self.fwd, D, self._mtp_cache, c.temperature, c.top_k, c.top_p)
+        self._state = _SlotState(S, cfg.max_new_tokens + D + 1, D, mcfg.hidden_size, dtype, self.device)
+
+    # ----------------------------------------------------------------------------- device steps
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # Same ops as PolicyModel.forward: head in the model dtype, then fp32, then / T.
         logits = F.linear(hidden, self.model.output_weight).float()
         return logits / self.config.temperature if self.config.temperature != 1.0 else logits
 
-    def _backbone(self, rows: _Rows, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model.backbone.model(
-            input_ids=input_ids,
-            attention_mask=rows.mask,
-            position_ids=positions,
-            past_key_values=rows.cache,
-            use_cache=True,
-        ).last_hidden_state
+    def _is_stop(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self._stop_ids.numel() == 0:
+            return torch.zeros_like(tokens, dtype=torch.bool)
+        return (tokens[..., None] == self._stop_ids).any(-1)
 
-    def _generate_batch(
-        self, prompts: list[list[int]], seeds: list[int], D: int, stats: RolloutStats, timing: _Timing
-    ) -> list[tuple[list[int], list[float], str, int, int]]:
+    def _sample(self, logits: torch.Tensor, seed_lo, seed_hi, counter) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and their logprobs, any leading shape (seeds and counters broadcast to it)."""
         cfg = self.config
-        device = self.device
-        rows = _Rows(prompts, seeds, cfg, device)
-        B, P = rows.prompt_ids.shape
-        drafter = MTPDrafter(self.model, D, cfg.temperature, cfg.top_k, cfg.top_p, B) if D > 0 else None
+        shape = logits.shape[:-1]
+        flat = logits.reshape(-1, logits.shape[-1])
+        lo, hi, c = (t.expand(shape).reshape(-1) for t in (seed_lo, seed_hi, counter))
+        y = race_sample(filter_logits(flat, cfg.top_k, cfg.top_p), lo, hi, c, STREAM_TARGET)
+        lp = flat.gather(-1, y[:, None]).squeeze(-1) - flat.logsumexp(-1)
+        return y.view(shape), lp.view(shape)
 
-        # prefill: the first token comes from the last prompt slot of every row
-        hidden = self._backbone(rows, rows.prompt_ids, rows.prompt_positions)
-        logits = self._logits(hidden[:, -1])
-        y = race_sample(
-            filter_logits(logits, cfg.top_k, cfg.top_p), rows.seed_lo, rows.seed_hi, rows.counter, STREAM_TARGET
+    def _write_outputs(self, B: int, start: torch.Tensor, tokens_BQ: torch.Tensor, logprobs_BQ: torch.Tensor) -> None:
+        st = self._state
+        Q = tokens_BQ.shape[1]
+        rows = torch.arange(B, device=start.device)[:, None] * st.width
+        flat = (rows + start[:, None] + torch.arange(Q, device=start.device)).reshape(-1)
+        st.out_tokens.view(-1).index_copy_(0, flat, tokens_BQ.reshape(-1))
+        st.out_logprobs.view(-1).index_copy_(0, flat, logprobs_BQ.reshape(-1))
+
+    def _plain_step(self, B: int, L: int) -> None:
+        st, max_new = self._state, self.config.max_new_tokens
+        tok, pos, cnt, done = st.tokens[:B], st.pos[:B], st.counter[:B], st.done[:B]
+        live = ~done
+        h = self.fwd.backbone_decode(tok[:, None], pos[:, None], self._cache, L)
+        y, lp = self._sample(self._logits(h[:, 0]), st.seed_lo[:B], st.seed_hi[:B], cnt)
+        self._write_outputs(B, cnt, y[:, None], lp[:, None])  # a done row writes past its length
+        stop = self._is_stop(y)
+        n = cnt + 1
+        fin = live & (stop | (n >= max_new))
+        st.stopped[:B] |= live & stop
+        st.counter[:B] = torch.where(live, n, cnt)
+        st.tokens[:B] = torch.where(live, y, tok)
+        st.pos[:B] = torch.where(live, pos + 1, pos)
+        st.done[:B] |= fin
+
+    def _spec_step(self, B: int, L: int) -> None:
+        st, D, max_new = self._state, self.num_drafts, self.config.max_new_tokens
+        tok, pos, cnt, done, drafts = st.tokens[:B], st.pos[:B], st.counter[:B], st.done[:B], st.drafts[:B]
+        live = ~done
+        steps = torch.arange(D + 1, device=pos.device)
+        positions = pos[:, None] + steps
+        h = self.fwd.backbone_decode(torch.cat([tok[:, None], drafts], dim=1), positions, self._cache, L)
+        t, lp = self._sample(self._logits(h), st.seed_lo[:B, None], st.seed_hi[:B, None], cnt[:, None] + steps)
+        a = (drafts == t[:, :D]).long().cumprod(dim=1).sum(dim=1)  # leading drafts equal to the target
+        self._write_outputs(B, cnt, t, lp)  # entries past the emitted ones are rewritten later
+        stop = self._is_stop(t) & (steps <= a[:, None])
+        first_stop = torch.where(stop, steps, D + 1).amin(dim=1)
+        emit = torch.minimum(a + 1, max_new - cnt)
+        stopped = live & (first_stop < emit)
+        emit = torch.minimum(emit, first_stop + 1)
+        n = cnt + emit
+        fin = live & (stopped | (n >= max_new))
+        rows = torch.arange(B, device=pos.device)
+        depth = torch.arange(D, device=pos.device)
+        live_l = live.long()
+        st.drafted[:B] += live_l * D
+        st.accepted[:B] += live_l * a
+        st.reached_depth[:B] += live_l[:, None] * (a[:, None] >= depth).long()
+        st.accepted_depth[:B] += live_l[:, None] * (a[:, None] > depth).long()
+        new_drafts, new_carry = self._drafter.step(
+            h, t, a, pos, n, st.carry[:, :B], st.seed_lo[:B], st.seed_hi[:B], L
         )
-        lp = logits.gather(-1, y[:, None]).squeeze(-1) - logits.logsumexp(-1)
-        rows.last_token = y
-        rows.counter = rows.counter + 1
-        pending = None
-        if drafter is not None:
-            pending = NewSlots(
-                hidden_BMH=hidden,
-                next_tokens_BM=torch.cat([rows.prompt_ids[:, 1:], y[:, None]], dim=1),
-                valid_BM=rows.mask.clone(),
-                positions_BM=rows.prompt_positions,
-                last_B=torch.full((B,), P - 1, dtype=torch.int64, device=device),
-            )
-        keep = rows.record([[t] for t in y.tolist()], [[v] for v in lp.tolist()])
+        st.stopped[:B] |= stopped
+        st.counter[:B] = torch.where(live, n, cnt)
+        st.tokens[:B] = torch.where(live, t[rows, a], tok)
+        st.pos[:B] = torch.where(live, pos + a + 1, pos)
+        st.done[:B] |= fin
+        st.drafts[:B] = new_drafts
+        st.carry[:, :B] = new_carry
 
-        iteration = 0
-        while True:
-            if len(keep) < len(rows):
-                if not keep:
-                    break
-                sel = torch.tensor(keep, dtype=torch.int64, device=device)
-                rows.select(sel, keep)
-                if drafter is not None:
-                    drafter.select(sel)
-                    pending = pending.select(sel)
-            calibrate = drafter is not None and CALIBRATION_INTERVAL > 0 and iteration % CALIBRATION_INTERVAL == 1
-            t_start = time.perf_counter()
-            # A calibration step must see a cache as dense as plain decoding's to measure its cost.
-            if calibrate or rows.holes() >= max(COMPACT_MIN_HOLES, COMPACT_MIN_FRACTION * rows.mask.shape[1]):
-                rows.mask = compact_cache(rows.cache, rows.mask)
-                if drafter is not None:
-                    drafter.compact()
-            drafts = q = None
-            if drafter is not None:
-                out = drafter.extend(
-                    pending,
-                    draft=not calibrate,
-                    seed_lo_B=rows.seed_lo,
-                    seed_hi_B=rows.seed_hi,
-                    counter_B=rows.counter,
-                )
-                if out is not None:
-                    drafts, q = out
-                if calibrate and device.type == "cuda":
-                    torch.cuda.synchronize(device)  # the plain step's clock must not wait for the MTP's work
-            t1 = time.perf_counter()
-            tokens, logprobs, accepted, pending = self._verify(rows, drafts, q, keep_slots=drafter is not None)
-            stats.num_forwards += 1
-            if drafter is not None and not calibrate:
-                self._count_acceptance(rows, accepted, D, stats)
-            keep = rows.record(tokens, logprobs)
-            t_end = time.perf_counter()  # _verify ends with a host sync (tokens to CPU)
-            n_emitted = sum(len(t) for t in tokens)
-            if drafter is None:
-                pass
-            elif calibrate:
-                timing.plain_s += t_end - t1
-                timing.plain_tokens += n_emitted
-                timing.spec_s += t1 - t_start  # compaction and MTP extension are speculative overhead
-            else:
-                timing.spec_s += t_end - t_start
-                timing.spec_tokens += n_emitted
-            iteration += 1
+    def _step_fn(self, kind: str, B: int, L: int):
+        step = self._plain_step if kind == "plain" else self._spec_step
+        return lambda: step(B, L)
 
-        return [
-            (rows.responses[s], rows.logprobs[s], rows.finish[s] or "length", rows.drafted[s], rows.accepted[s])
-            for s in range(B)
-        ]
+    def _run_steps(self, kind: str, B: int, L: int, n: int) -> None:
+        if not self.use_cuda_graphs:
+            fn = self._step_fn(kind, B, L)
+            for _ in range(n):
+                fn()
+            return
+        graph = self._graph(kind, B, L)
+        for _ in range(n):
+            graph.replay()
 
-    def _count_acceptance(self, rows: _Rows, accepted: list[int], D: int, stats: RolloutStats) -> None:
-        for r, a in enumerate(accepted):
-            s = rows.ids[r]
-            rows.drafted[s] += D
-            rows.accepted[s] += a
-            stats.drafted_tokens += D
-            stats.accepted_tokens += a
-            for k in range(1, min(a + 1, D) + 1):  # draft k reached when 1..k-1 were accepted
-                stats.reached_per_depth[k - 1] += 1
-            for k in range(1, a + 1):
-                stats.accepted_per_depth[k - 1] += 1
+    def _graph(self, kind: str, B: int, L: int) -> torch.cuda.CUDAGraph:
+        key = (kind, B, L)
+        graph = self._graphs.get(key)
+        if graph is not None:
+            return graph
+        fn = self._step_fn(kind, B, L)
+        saved = self._state.snapshot()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up (lazy inits) outside the capture; its writes are undone
+            fn()
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            fn()
+        self._state.restore(saved)
+        self._graphs[key] = graph
+        self._captures += 1
+        return graph
 
-    def _verify(
-        self, rows: _Rows, drafts: torch.Tensor | None, q: torch.Tensor | None, *, keep_slots: bool
-    ) -> tuple[list[list[int]], list[list[float]], list[int], NewSlots | None]:
-        """Feed [x_n, drafts...] to the backbone, accept, and commit; a plain step without drafts.
+    def _plain_step_time(self, B: int, L: int, reps: int = 3) -> float:
+        """Seconds of one plain step of bucket (B, L), timed on the device (CUDA events after a
+        synchronize; the wall clock on CPU), on the live state, which is restored afterwards."""
+        key = (B, L)
+        if key in self._step_times:
+            return self._step_times[key]
+        saved = self._state.snapshot()
+        if self.use_cuda_graphs:
+            self._graph("plain", B, L)
+        with _DeviceTimer(self.device) as timer:
+            self._run_steps("plain", B, L, reps)
+        self._state.restore(saved)
+        self._step_times[key] = timer.seconds / reps
+        return self._step_times[key]
 
-        Returns per live row the emitted tokens, their logprobs and the number of accepted drafts,
-        plus the committed slots for the drafter (when ``keep_slots``).
-        """
+    # ----------------------------------------------------------------------------- prefill
+    def _prefill(self, slots: list[int], prompts: list[list[int]], seeds: list[int], spec: bool) -> None:
+        """Prefill ``prompts`` into ``slots`` and emit their first tokens (and drafts)."""
+        st, cfg, D = self._state, self.config, self.num_drafts
+        device = self.device
+        n = len(prompts)
+        P = max(len(p) for p in prompts)
+        width = P + D
+        ids = torch.zeros(n, width, dtype=torch.int64)
+        for b, p in enumerate(prompts):
+            ids[b, : len(p)] = torch.tensor(p, dtype=torch.int64)
+        ids = ids.to(device)
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=device)
+        sl = torch.tensor(slots, dtype=torch.int64, device=device)
+        lo, hi = seed_words(seeds, device)
+        rows = torch.arange(n, device=device)
+        h = self.fwd.backbone_prefill(ids[:, :P], sl, self._cache)
+        zero = torch.zeros(n, dtype=torch.int64, device=device)
+        y, lp = self._sample(self._logits(h[rows, lens - 1]), lo, hi, zero)
+        stop = self._is_stop(y)
+        st.tokens[sl], st.pos[sl], st.counter[sl] = y, lens, zero + 1
+        st.seed_lo[sl], st.seed_hi[sl] = lo, hi
+        st.done[sl] = stop | (cfg.max_new_tokens <= 1)
+        st.stopped[sl] = stop
+        st.out_tokens[sl, 0], st.out_logprobs[sl, 0] = y, lp
+        for t in (st.drafted, st.accepted, st.reached_depth, st.accepted_depth):
+            t[sl] = 0
+        if spec:
+            ids[rows, lens] = y
+            drafts, carry = self._drafter.prefill(h, ids, lens, sl, lo, hi)
+            st.drafts[sl] = drafts
+            st.carry[:, sl] = carry
+
+    # ----------------------------------------------------------------------------- scheduler
+    def _run(self, prompts: list[list[int]], seeds: list[int]) -> Iterator[tuple[int, GenerationResult]]:
         cfg = self.config
-        B = len(rows)
-        D = 0 if drafts is None else drafts.shape[1]
-        device = rows.last_token.device
-        steps = torch.arange(D + 1, device=device)
-        input_ids = rows.last_token[:, None] if drafts is None else torch.cat([rows.last_token[:, None], drafts], dim=1)
-        positions = rows.next_position[:, None] + steps
-        rows.mask = torch.cat([rows.mask, rows.mask.new_ones(B, D + 1)], dim=1)
-        hidden = self._backbone(rows, input_ids, positions)  # [B, D+1, H]
-        logits = self._logits(hidden)  # [B, D+1, V]
-        filtered = filter_logits(logits, cfg.top_k, cfg.top_p)
-        if D == 0:
-            accepted = torch.zeros(B, dtype=torch.int64, device=device)
-            y = race_sample(filtered[:, 0], rows.seed_lo, rows.seed_hi, rows.counter, STREAM_TARGET)
-            emitted = y[:, None]
-        else:
-            assert q is not None
-            p = filtered.softmax(-1)
-            p_draft = p[:, :-1].gather(-1, drafts[..., None]).squeeze(-1)  # [B, D]
-            q_draft = q.gather(-1, drafts[..., None]).squeeze(-1)
-            u = uniforms(
-                rows.seed_lo[:, None], rows.seed_hi[:, None], rows.counter[:, None] + steps[:-1], STREAM_ACCEPT
+        start_time = time.perf_counter()
+        spec = cfg.speculative and self._speculative_active
+        D = self.num_drafts
+        self._ensure_buffers(max(len(p) for p in prompts))
+        st = self._state
+        S, M = cfg.batch_size, self._cache.max_len
+        max_new = cfg.max_new_tokens
+        stats = RolloutStats(
+            num_samples=len(prompts),
+            prompt_tokens=sum(len(p) for p in prompts),
+            policy_version=self.policy_version,
+            speculative_active=spec,
+            reached_per_depth=[0] * (D if spec else 0),
+            accepted_per_depth=[0] * (D if spec else 0),
+        )
+        self.last_stats = stats
+        captures_before = self._captures
+        st.done.fill_(True)
+        waiting = deque(range(len(prompts)))
+        item: list[int | None] = [None] * S  # sample index held by each slot
+        count = [0] * S  # host copy of each slot's counter at the last sync
+        live_drafted = [0] * S
+        live_accepted = [0] * S
+        iterations = 0
+        timing = _SpecTiming()
+        while True:
+            free = [s for s in range(S) if item[s] is None]
+            idle = len(free) == S
+            if waiting and free and (idle or len(free) >= min(len(waiting), max(1, int(S * REFILL_MIN_FRACTION)))):
+                take = free[: len(waiting)]
+                new = [waiting.popleft() for _ in take]
+                budget = max(1, PREFILL_TOKENS // max(len(prompts[i]) for i in new))
+                for c in range(0, len(take), budget):
+                    chunk_s, chunk_i = take[c : c + budget], new[c : c + budget]
+                    self._prefill(chunk_s, [prompts[i] for i in chunk_i], [seeds[i] for i in chunk_i], spec)
+                for s, i in zip(take, new):
+                    item[s], count[s] = i, 1
+                    live_drafted[s] = live_accepted[s] = 0
+            active = [s for s in range(S) if item[s] is not None]
+            if not active:
+                break
+            if not waiting and _row_bucket(len(active), S) < _row_bucket(active[-1] + 1, S):
+                self._compact(active, item, count, live_drafted, live_accepted)
+                active = list(range(len(active)))
+            B = _row_bucket(active[-1] + 1, S)
+            Q = D + 1 if spec else 1
+            remaining = min(max_new - count[s] for s in active)
+            per_iter = 1.0
+            if spec and stats.drafted_tokens + sum(live_drafted):
+                per_iter = 1.0 + D * (stats.accepted_tokens + sum(live_accepted)) / (
+                    stats.drafted_tokens + sum(live_drafted)
+                )
+            limit = SYNC_EVERY // 2 if spec else SYNC_EVERY
+            n_steps = max(1, min(limit, math.ceil(remaining / per_iter)))
+            top = max(len(prompts[item[s]]) + min(count[s] + n_steps * Q, max_new) for s in active)
+            L = _length_bucket(top + 2 * D + 1, M)
+            kind = "spec" if spec else "plain"
+            timer = _DeviceTimer(self.device, synchronize=False) if spec else None
+            if timer is not None:
+                with timer:
+                    self._run_steps(kind, B, L, n_steps)
+            else:
+                self._run_steps(kind, B, L, n_steps)
+            stats.num_forwards += n_steps
+            if spec:
+                iterations += n_steps
+            host = torch.stack([st.done[:B].long(), st.counter[:B], st.drafted[:B], st.accepted[:B]]).cpu().tolist()
+            finished = []
+            for s in active:
+                count[s], live_drafted[s], live_accepted[s] = host[1][s], host[2][s], host[3][s]
+                if host[0][s]:
+                    finished.append(s)
+            if timer is not None:  # read after the sync above: no extra wait
+                timing.spec_s += timer.seconds
+                timing.plain_s += n_steps * self._plain_step_time(B, L)
+            if finished:
+                yield from self._collect(finished, item, count, live_drafted, live_accepted, stats)
+            if spec and iterations >= SWITCH_MIN_ITERATIONS and self._should_switch_off(
+                timing, stats, live_drafted, live_accepted
+            ):
+                spec = False
+                stats.switched_off_at_iteration = iterations
+        stats.wall_time_s = time.perf_counter() - start_time
+        stats.tokens_per_s = stats.generated_tokens / stats.wall_time_s if stats.wall_time_s > 0 else 0.0
+        stats.graph_captures = self._captures - captures_before
+        stats.speculative_next = cfg.speculative and self._speculative_active
+
+    def _should_switch_off(self, timing: _SpecTiming, stats: RolloutStats, live_drafted, live_accepted) -> bool:
+        """Estimate speedup = (tokens per verify) · (plain step time) / (verify iteration time) over
+        the iterations so far, each bucket's plain time measured on the device; switch off below 1."""
+        drafted = stats.drafted_tokens + sum(live_drafted)
+        if not drafted or timing.spec_s <= 0:
+            return False
+        per_iter = 1.0 + self.num_drafts * (stats.accepted_tokens + sum(live_accepted)) / drafted
+        stats.speculative_speedup = per_iter * timing.plain_s / timing.spec_s
+        if stats.speculative_speedup >= 1.0 or not self.speculative_switch_off:
+            return False
+        self._speculative_active = False
+        level = logging.INFO if self._warned_slow else logging.WARNING  # afterwards: rollout/speculative_next
+        self._warned_slow = True
+        log.log(
+            level,
+            "speculative rollouts estimated at %.2fx plain speed (%.2f tokens per verify, acceptance %.1f%%): "
+            "decoding plainly until the next weight sync",
+            stats.speculative_speedup,
+            per_iter,
+            100.0 * (per_iter - 1.0) / self.num_drafts,
+        )
+        return True
+
+    def _compact(self, active: list[int], item, count, live_drafted, live_accepted) -> None:
+        """Move the rows of ``active`` to slots 0..len-1 (a smaller bucket)."""
+        n = len(active)
+        src = [s for s in active if s >= n]
+        dst = [s for s in range(n) if item[s] is None]
+        if not src:
+            return
+        src_t = torch.tensor(src, dtype=torch.int64, device=self.device)
+        dst_t = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        self._cache.move(src_t, dst_t)
+        if self._mtp_cache is not None:
+            self._mtp_cache.move(src_t, dst_t)
+        self._state.move(src_t, dst_t)
+        self._state.done[src_t] = True
+        for a, b in zip(src, dst):
+            for lst in (item, count, live_drafted, live_accepted):
+                lst[b] = lst[a]
+            item[a] = None
+
+    def _collect(self, finished: list[int], item, count, live_drafted, live_accepted, stats: RolloutStats):
+        st = self._state
+        idx = torch.tensor(finished, dtype=torch.int64, device=self.device)
+        w = max(count[s] for s in finished)
+        host = torch.cat(
+            [
+                st.out_tokens[idx, :w].double(),
+                st.out_logprobs[idx, :w].double(),
+                st.stopped[idx, None].double(),
+                st.reached_depth[idx].double(),
+                st.accepted_depth[idx].double(),
+            ],
+            dim=1,
+        ).cpu()
+        D = len(stats.reached_per_depth)
+        for r, s in enumerate(finished):
+            n = count[s]
+            row = host[r]
+            tokens = row[:n].long().tolist()
+            stats.generated_tokens += n
+            stats.drafted_tokens += live_drafted[s]
+            stats.accepted_tokens += live_accepted[s]
+            for k in range(D):
+                stats.reached_per_depth[k] += int(row[2 * w + 1 + k])
+                stats.accepted_per_depth[k] += int(row[2 * w + 1 + D + k])
+            result = GenerationResult(
+                response_ids=tokens,
+                logprobs=row[w : w + n].tolist(),
+                finish_reason="stop" if row[2 * w] > 0 else "length",
+                policy_version=self.policy_version,
+                stats=stats,
+                drafted_tokens=live_drafted[s],
+                accepted_tokens=live_accepted[s],
             )
-            ok = u * q_draft < p_draft  # u < p/q without dividing by q
-            accepted = ok.long().cumprod(dim=1).sum(dim=1)  # leading accepted drafts
-            rows_idx = torch.arange(B, device=device)
-            p_last = p[rows_idx, accepted]  # [B, V] target at the first rejection (or the bonus slot)
-            q_last = q[rows_idx, accepted.clamp(max=D - 1)] * (accepted < D)[:, None]  # no q at the bonus slot
-            residual = (p_last - q_last).clamp(min=0.0)
-            # p = q up to rounding leaves nothing to draw from; p itself is then the exact answer
-            empty = residual.sum(-1, keepdim=True) <= 0
-            residual = torch.where(empty, p_last, residual)
-            y = race_sample(residual.log(), rows.seed_lo, rows.seed_hi, rows.counter + accepted, STREAM_TARGET)
-            emitted = torch.cat([drafts, drafts.new_zeros(B, 1)], dim=1)
-            emitted[rows_idx, accepted] = y
-        logprobs = logits.gather(-1, emitted[..., None]).squeeze(-1) - logits.logsumexp(-1)  # [B, D+1]
-        valid = steps[None] <= accepted[:, None]
-        rows.mask[:, -(D + 1) :] = valid
-        pending = None
-        if keep_slots:
-            pending = NewSlots(
-                hidden_BMH=hidden, next_tokens_BM=emitted, valid_BM=valid, positions_BM=positions, last_B=accepted
-            )
-        rows.commit(y, accepted + 1)
-        # one device-to-host copy (float64 holds token ids exactly)
-        host = torch.cat([accepted[:, None].double(), emitted.double(), logprobs.double()], dim=1).cpu()
-        acc_list = host[:, 0].long().tolist()
-        tokens = [t[: a + 1] for t, a in zip(host[:, 1 : D + 2].long().tolist(), acc_list)]
-        lps = [v[: a + 1] for v, a in zip(host[:, D + 2 :].tolist(), acc_list)]
-        return tokens, lps, acc_list, pending
+            index = item[s]
+            item[s] = None
+            live_drafted[s] = live_accepted[s] = 0
+            yield index, result

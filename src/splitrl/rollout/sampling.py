@@ -25,9 +25,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-STREAM_TARGET = 0  # the token emitted at a response index (plain step, bonus, or residual)
-STREAM_DRAFT = 1  # the draft proposed for a response index
-STREAM_ACCEPT = 2  # the accept test of the draft at a response index
+STREAM_TARGET = 0  # the token at a response index (plain and speculative decoding, and the drafts)
+STREAM_DRAFT = 1  # spare streams (earlier rejection-sampling rule: draft and accept test)
+STREAM_ACCEPT = 2
 
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9
@@ -86,6 +86,13 @@ def _column_keys(vocab: int, device: torch.device) -> torch.Tensor:
         cols = torch.arange(vocab, dtype=torch.int64, device=device)
         _COLUMN_KEYS[key] = _fmix32(_fmix32(cols ^ _GOLDEN))
     return _COLUMN_KEYS[key]
+
+
+def prepare(vocab: int, device: torch.device) -> None:
+    """Build the column keys of a vocabulary ahead of time (before a CUDA graph capture, which
+    must not allocate tensors that outlive it)."""
+    block = max(1, math.isqrt(vocab - 1) + 1) if vocab > 1 else 1
+    _column_keys(-(-vocab // block) * block, device)
 
 
 def _race(log_weights_BN: torch.Tensor, row_keys_B: torch.Tensor, column_keys_BN: torch.Tensor) -> torch.Tensor:

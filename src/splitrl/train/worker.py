@@ -13,7 +13,11 @@ path is tested against. The gradient of a step is
 
 applied once at finish together with the unscaling of the fp16 loss scale and of the optional
 per-step loss multiplier; both are fixed at begin, so nothing a chunk does depends on counts that
-are only known at finish.
+are only known at finish. With attached heads the MTP loss also reaches the policy parameters,
+and so does the router load-balancing loss of a MoE backbone (raw sum Σ_mb n_t·L_aux, also over
+N_t; :mod:`splitrl.models.moe`): under TOKEN_LEVEL every part shares 1/N_t (one backward); under
+SEQUENCE_LEVEL the N_t-normalized part is accumulated apart and combined at finish
+(:mod:`splitrl.train.side_grads`, a second backward).
 """
 
 from __future__ import annotations
@@ -31,25 +35,7 @@ from splitrl.train.batch import MicroBatch, TrainBatch
 from splitrl.train.config import TrainConfig  # noqa: F401 - defined there, torch-free
 from splitrl.train.microbatch import build_microbatches, empty_microbatch
 from splitrl.train.optim import DynamicLossScaler, build_optimizer
-
-
-def mtp_rejection(loss_type: LossType, model: PolicyModel) -> str | None:
-    """Why (loss type, MTP config) cannot be trained exactly, or None (DESIGN §3)."""
-    cfg = model.mtp_config
-    if (
-        loss_type == LossType.SEQUENCE_LEVEL
-        and cfg.mtp_num_layers > 0
-        and not cfg.mtp_detach_heads
-        and cfg.mtp_loss_scaling_factor > 0
-    ):
-        return (
-            "loss_type=SEQUENCE_LEVEL with mtp_detach_heads=false and mtp_loss_scaling_factor="
-            f"{cfg.mtp_loss_scaling_factor} > 0 mixes two denominators (N_s for the policy loss, N_t for "
-            "the MTP loss) inside the backbone gradient, which one scale at finish cannot separate. "
-            "Either set mtp_detach_heads=true, or use loss_type=TOKEN_LEVEL "
-            "(or mtp_loss_scaling_factor=0 to keep the heads for metrics only)."
-        )
-    return None
+from splitrl.train.side_grads import SideLossGradients, needs_side_gradients
 
 
 @dataclass
@@ -59,6 +45,9 @@ class _StepState:
     num_tokens: torch.Tensor  # float64 scalar, local N_t
     num_samples: torch.Tensor  # local N_s
     mtp_sums: torch.Tensor  # [3, D] float64: CE, hits, counts
+    moe_sums: torch.Tensor  # [2] float64: Σ n_t·L_aux, Σ n_t·expert_load_max
+    # SEQUENCE_LEVEL with N_t-normalized losses reaching the policy: their share, kept apart
+    side: SideLossGradients | None = None
     metric_sums: dict[str, torch.Tensor] = field(default_factory=dict)
     metric_specs: dict[str, tuple[Normalizer | None, str]] = field(default_factory=dict)
     num_microbatches: int = 0
@@ -147,8 +136,7 @@ class TrainWorker:
 
         Raises:
             RuntimeError: a step is already open.
-            ValueError: the loss / MTP combination is rejected (DESIGN §3), or a bad argument;
-                nothing has changed.
+            ValueError: a bad argument; nothing has changed.
         """
         if self._step is not None:
             raise RuntimeError(
@@ -156,9 +144,6 @@ class TrainWorker:
                 "abort_train_step() first"
             )
         loss_type = LossType(loss_fn.loss_type)
-        reason = mtp_rejection(loss_type, self.model)
-        if reason is not None:
-            raise ValueError(reason)
         if expected_num_tokens is not None and expected_num_tokens <= 0:
             raise ValueError(f"expected_num_tokens must be > 0, got {expected_num_tokens}")
         self._zero_grads()
@@ -170,6 +155,12 @@ class TrainWorker:
             num_tokens=zero.clone(),
             num_samples=zero.clone(),
             mtp_sums=torch.zeros(3, D, dtype=torch.float64),
+            moe_sums=torch.zeros(2, dtype=torch.float64),
+            side=(
+                SideLossGradients([p for _, p in self.main_params])
+                if needs_side_gradients(loss_type, self.model)
+                else None
+            ),
         )
 
     def _validate_chunk(self, chunk: TrainBatch, loss_fn: PolicyLoss) -> None:
@@ -259,22 +250,37 @@ class TrainWorker:
         # module even when its loss has no path to them (an empty microbatch under a
         # sequence-level loss sums nothing); the zero-weighted anchor gives that path.
         total = lo.loss + 0.0 * out.logprobs.sum()
+        n_valid = mb.loss_mask.sum()
+        side = None  # raw sums normalized by N_t at finish, whatever the loss type
         if model.mtp_trains:
-            lam = model.mtp_config.mtp_loss_scaling_factor
-            total = total + (lam / D) * torch.stack(out.mtp_ce_sums).sum()
+            side = (model.mtp_config.mtp_loss_scaling_factor / D) * torch.stack(out.mtp_ce_sums).sum()
+        if model.moe_aux_loss_coef > 0:
+            aux = model.moe_aux_loss_coef * n_valid * out.moe_aux
+            side = aux if side is None else side + aux
         scale = st.loss_multiplier * (self.scaler.scale if self.scaler is not None else 1.0)
-        # one scalar, one backward: main and MTP gradients share the loss scale (DESIGN §3)
-        (total * scale).backward()
+        if st.side is not None:
+            # the side pass needs the anchor too: FSDP2 re-gathers a layer's weights when the
+            # gradient reaches the layer's output, and a router loss alone enters mid-layer
+            anchored = side + 0.0 * out.logprobs.sum()
+            st.side.backward(total * scale, anchored * scale)
+        else:
+            # one scalar, one backward: main and MTP gradients share the loss scale (DESIGN §3)
+            ((total if side is None else total + side) * scale).backward()
 
         # every count and metric of the microbatch in one device-to-host copy (one sync on GPU)
         names = list(lo.metrics)
-        parts = [mb.loss_mask.sum(), mb.sample_mask.sum()]
+        parts = [n_valid, mb.sample_mask.sum()]
+        if model.is_moe:
+            parts += [n_valid * out.moe_aux, n_valid * out.moe_load_max]
         if D > 0:
             parts += [*out.mtp_ce_sums, *out.mtp_hit_sums, *out.mtp_counts]
         parts += [lo.metrics[k].value for k in names]
         host = torch.stack([p.detach().double().reshape(()) for p in parts]).cpu()
         st.num_tokens += host[0]
         st.num_samples += host[1]
+        if model.is_moe:
+            st.moe_sums += host[2:4]
+            host = torch.cat([host[:2], host[4:]])
         if D > 0:
             st.mtp_sums += host[2 : 2 + 3 * D].reshape(3, D)
         if not st.metric_specs:
@@ -311,7 +317,9 @@ class TrainWorker:
             ``grad_norm`` (pre-clip; policy parameters, plus MTP ones with attached heads);
             ``mtp/grad_norm`` (detached heads); ``mtp/mtp_{k}_loss`` and
             ``mtp/mtp_{k}_acceptance_rate`` (percent) and ``mtp/mtp_{k}_num_tokens`` (the depth's
-            counted targets, Σ mask_k over the step) for k = 1..D; ``lr``; ``num_valid_tokens``
+            counted targets, Σ mask_k over the step) for k = 1..D; MoE backbones:
+            ``moe/aux_loss`` (L_aux, valid-token-weighted over the microbatches, without the
+            coefficient) and ``moe/expert_load_max`` (:mod:`splitrl.models.moe`); ``lr``; ``num_valid_tokens``
             (N_t), ``num_valid_samples`` (N_s); ``skipped_step`` (1 when no update was applied),
             ``empty_step`` (the loss denominator was 0), ``nonfinite_grad``; ``loss_scale``
             (fp16). Metrics whose denominator is 0 are NaN.
@@ -329,10 +337,16 @@ class TrainWorker:
         # --- one all-reduce for every sum, one each for the extrema
         names = sorted(st.metric_specs)
         sum_names = [k for k in names if st.metric_specs[k][1] == "sum"]
-        sq_main, sq_mtp = self._sq_norm(self.main_params), self._sq_norm(self.mtp_params)
+        sq_mtp = self._sq_norm(self.mtp_params)
+        if st.side is None:
+            sq_main, sep = self._sq_norm(self.main_params), torch.zeros(3, dtype=torch.float64)
+        else:  # (Σa², Σb², Σa·b) of the two policy accumulators (see side_grads)
+            sq_main, sep = torch.zeros((), dtype=torch.float64), st.side.local_sq_terms()
         sums = torch.cat(
             [
                 torch.stack([st.num_tokens, st.num_samples, sq_main, sq_mtp]),
+                sep,
+                st.moe_sums,
                 st.mtp_sums.reshape(-1),
                 torch.stack([st.metric_sums[k] for k in sum_names]) if sum_names else torch.zeros(0, dtype=torch.float64),
             ]
@@ -345,8 +359,10 @@ class TrainWorker:
                 vals = du.all_reduce(torch.stack([st.metric_sums[k] for k in ks]), op)
                 extrema.update(dict(zip(ks, vals.tolist())))
         n_tokens, n_samples, sq_main, sq_mtp = sums[:4].tolist()
-        mtp_sums = sums[4 : 4 + 3 * D].reshape(3, D)
-        metric_sums = dict(zip(sum_names, sums[4 + 3 * D :].tolist()))
+        sq_a, sq_b, dot_ab = sums[4:7].tolist()
+        moe_aux_sum, moe_load_sum = sums[7:9].tolist()
+        mtp_sums = sums[9 : 9 + 3 * D].reshape(3, D)
+        metric_sums = dict(zip(sum_names, sums[9 + 3 * D :].tolist()))
 
         main_denom = n_tokens if loss_type == LossType.TOKEN_LEVEL else n_samples
         raw_scale = st.loss_multiplier * (self.scaler.scale if self.scaler is not None else 1.0)
@@ -355,9 +371,15 @@ class TrainWorker:
 
         inv_main = 1.0 / (raw_scale * main_denom) if not empty else 0.0
         inv_mtp = 1.0 / (raw_scale * n_tokens) if n_tokens > 0 else 0.0
-        main_norm = math.sqrt(sq_main) * inv_main
         mtp_norm = math.sqrt(sq_mtp) * inv_mtp
-        nonfinite = not (math.isfinite(sq_main) and math.isfinite(sq_mtp))
+        if st.side is not None:
+            # ‖a/N_s + b/N_t‖ of the combined policy gradient, from the all-reduced terms
+            sq = inv_main**2 * sq_a + inv_mtp**2 * sq_b + 2.0 * inv_main * inv_mtp * dot_ab
+            main_norm = math.sqrt(max(sq, 0.0)) if math.isfinite(sq) else sq
+            nonfinite = not all(math.isfinite(x) for x in (sq_a, sq_b, dot_ab, sq_mtp))
+        else:
+            main_norm = math.sqrt(sq_main) * inv_main
+            nonfinite = not (math.isfinite(sq_main) and math.isfinite(sq_mtp))
         optim = self.config.optim
         if self.detached_heads:
             main_coef = _clip_coef(main_norm, optim.max_grad_norm)
@@ -382,6 +404,8 @@ class TrainWorker:
                 if warmup:  # MTP warmup: AdamW skips parameters without a gradient (no decay, no state)
                     for _, p in self.main_params:
                         p.grad = None
+                elif st.side is not None:
+                    st.side.combine_into_grad(inv_main * main_coef, inv_mtp * main_coef)
                 else:
                     _scale_grads(self.main_params, inv_main * main_coef)
                 _scale_grads(self.mtp_params, inv_mtp * mtp_coef)
@@ -408,6 +432,9 @@ class TrainWorker:
             metrics[f"mtp/mtp_{k + 1}_acceptance_rate"] = 100.0 * hit / cnt if cnt else float("nan")
             # the count explains a NaN loss: depth k had no target inside any kept response
             metrics[f"mtp/mtp_{k + 1}_num_tokens"] = cnt
+        if model.is_moe:
+            metrics["moe/aux_loss"] = moe_aux_sum / n_tokens if n_tokens else float("nan")
+            metrics["moe/expert_load_max"] = moe_load_sum / n_tokens if n_tokens else float("nan")
         metrics.update(
             {
                 "lr": lr,
