@@ -1,4 +1,8 @@
-"""``splitrl train [--config FILE] [key.path=value ...]`` — the main job."""
+"""``splitrl train [--config FILE] [key.path=value ...]`` — the main job; ``splitrl config``,
+``splitrl generate``, ``splitrl eval`` (:mod:`splitrl.cli_eval`), ``splitrl --version``.
+
+Nothing heavy is imported before the config is validated: a wrong key fails in well under a
+second (torch, transformers and the task libraries load afterwards)."""
 
 from __future__ import annotations
 
@@ -12,14 +16,37 @@ from splitrl.logging.console import guard_console
 
 
 def main(argv: list[str] | None = None) -> int:
+    from splitrl import __version__
+    from splitrl.cli_eval import add_eval_commands
+    from splitrl.config_help import TRAIN_EPILOG, print_reference
+
     parser = argparse.ArgumentParser(prog="splitrl", description="Asynchronous GRPO with MTP heads")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="run GRPO (no arguments: the embedded CPU demo)")
+    t = sub.add_parser(
+        "train",
+        help="run GRPO (no arguments: the embedded CPU demo)",
+        epilog=TRAIN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     t.add_argument("--config", help="YAML run config (see examples/)")
     t.add_argument("overrides", nargs="*", help="key.path=value, e.g. num_steps=50 model.mtp.mtp_num_layers=2")
     t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     # overrides may stand before or after --config: argparse leaves the later ones unparsed
+    c = sub.add_parser("config", help="print every config key with its type, default and meaning")
+    c.add_argument("filter", nargs="?", help="only keys whose path contains this text, e.g. mtp")
+    add_eval_commands(sub)
     args, extra = parser.parse_known_args(argv)
+    if args.command == "config":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return print_reference(args.filter)
+    if args.command != "train":  # generate / eval (splitrl.cli_eval)
+        bad = [x for x in extra if x.startswith("-") or "=" not in x]
+        if bad:
+            parser.error(f"unrecognized arguments: {' '.join(bad)}")
+        args.overrides = list(args.overrides) + extra
+        return args.run(args)
     unknown = [x for x in extra if x.startswith("-") or "=" not in x]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -15,15 +15,18 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from splitrl._lazy import deferred_import_checks, import_checks_deferred
+from splitrl.config_help import explain_validation_error
 from splitrl.controller.advantages import AdvantageConfig
 from splitrl.controller.buffer import ReplayBufferConfig
-from splitrl.controller.generation import TokenizerConfig
 from splitrl.dataplane import DataPlaneConfig
+from splitrl.eval_config import EvalConfig
 from splitrl.logging import LoggingConfig
 from splitrl.loss import GRPOLossConfig
 from splitrl.models import ModelConfig, MTPConfig
 from splitrl.rollout import GenerationConfig
 from splitrl.tasks import TaskConfig, default_task_config
+from splitrl.tasks.tokenizer import TokenizerConfig
 from splitrl.train import MicrobatchConfig, OptimConfig, TrainConfig
 
 
@@ -107,6 +110,7 @@ class RunConfig(BaseModel):
         checkpoint_every: steps between checkpoints (0: only at the end).
         resume: continue from the latest checkpoint in ``output_dir`` when there is one.
         on_chunk_failure: ``retry`` the step (up to ``max_step_retries`` times) or ``stop``.
+        max_step_retries: retries of a failed step with ``on_chunk_failure: retry``.
         watchdog_timeout_s: report a stall (and stop) when no step finishes for this long.
         reward_timeout_s: time limit of one answer check.
         mask_truncated: samples cut at the length limit get ``sample_mask = 0``.
@@ -116,6 +120,7 @@ class RunConfig(BaseModel):
             lets generation and training use a core each.
         ray_address: join this existing Ray cluster (``auto``, ``host:port``, ``ray://...``;
             ``RAY_ADDRESS`` works too). None starts a local cluster that listens on 127.0.0.1 only.
+        eval: held-out evaluation during training (:class:`~splitrl.eval_config.EvalConfig`).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -160,6 +165,7 @@ class RunConfig(BaseModel):
     buffer: ReplayBufferConfig = Field(default_factory=lambda: ReplayBufferConfig(capacity_groups=64, max_staleness=1))
     dataplane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -194,6 +200,11 @@ class RunConfig(BaseModel):
                 f"buffer.capacity_groups={self.buffer.capacity_groups} < min_groups_per_chunk="
                 f"{self.min_groups_per_chunk}: the train pump would wait forever; raise the capacity"
             )
+        if self.train.mtp_warmup_steps and (mtp.mtp_num_layers == 0 or mtp.mtp_loss_scaling_factor == 0):
+            raise ValueError(
+                f"train.mtp_warmup_steps={self.train.mtp_warmup_steps} trains only the MTP heads: set "
+                "model.mtp.mtp_num_layers >= 1 and model.mtp.mtp_loss_scaling_factor > 0, or train.mtp_warmup_steps=0"
+            )
         if self.rollout.speculative and mtp.mtp_num_layers == 0:
             raise ValueError("rollout.speculative=true needs MTP heads: set model.mtp.mtp_num_layers >= 1")
         if self.backend == "local" and self.num_train_workers > 1:
@@ -207,7 +218,7 @@ class RunConfig(BaseModel):
             raise ValueError(f"output_dir={self.output_dir!r} is a file; give a directory (it is created if needed)")
         if any(p.exists() and not p.is_dir() for p in out.parents):
             raise ValueError(f"output_dir={self.output_dir!r} lies under a file; give a directory path")
-        if self.device == "cuda" or self.train.device == "cuda":
+        if (self.device == "cuda" or self.train.device == "cuda") and not import_checks_deferred():
             import torch
 
             if not torch.cuda.is_available():
@@ -456,13 +467,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
         data = loaded
-    data = _apply_overrides(data, _parse_overrides(overrides or []))
+    # keys, types and combinations first, without importing task libraries or torch: a typo is
+    # reported in a fraction of a second; the second pass adds the checks that import them
+    with deferred_import_checks():
+        data = _apply_overrides(data, _parse_overrides(overrides or []))
+        _validate(data)
+    return _validate(data)
+
+
+def _validate(data: dict[str, Any]) -> RunConfig:
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
-        lines = []
-        for err in e.errors():
-            loc = ".".join(str(x) for x in err["loc"])
-            lines.append(f"  {loc or '<root>'}: {err['msg']}")
-        raise ValueError("invalid config:\n" + "\n".join(lines)) from None
+        raise ValueError(explain_validation_error(e, RunConfig)) from None
 

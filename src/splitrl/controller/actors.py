@@ -29,8 +29,11 @@ class LocalActor:
         return getattr(self._obj, method)(*args, **kwargs)
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._call, method, args, kwargs)
+        return await self.submit(method, *args, **kwargs)
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> asyncio.Future:
+        """Queue the call now (ahead of any call made after this one) and return an awaitable."""
+        return asyncio.get_running_loop().run_in_executor(self._executor, self._call, method, args, kwargs)
 
     def kill(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -48,7 +51,11 @@ class RayActor:
         self._handle = ray.remote(cls).options(**(ray_options or {})).remote(*args, **kwargs)
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return await getattr(self._handle, method).remote(*args, **kwargs)
+        return await self.submit(method, *args, **kwargs)
+
+    def submit(self, method: str, *args: Any, **kwargs: Any):
+        """Queue the call now (an actor runs one caller's calls in order) and return its awaitable ref."""
+        return getattr(self._handle, method).remote(*args, **kwargs)
 
     def kill(self) -> None:
         import ray

@@ -203,8 +203,12 @@ def fit_prompts_to_context(config: RunConfig, task: Any, tokenizer: Any, hf_cfg:
     count = n if isinstance(task, MathFileTask) else min(PROCEDURAL_PROMPTS_CHECKED, n or PROCEDURAL_PROMPTS_CHECKED)
     prompts = [task.get_prompt(i) for i in range(count)]
     has_template = bool(getattr(tokenizer, "chat_template", None))
+    option = getattr(task.config, "chat_template", None)  # the task's chat_template (None: auto)
+    templated = has_template if option is None else option
     # tokenized as encode_prompt does (special tokens once), in one batch call
-    encoded = tokenizer([render_prompt(p, tokenizer) for p in prompts], add_special_tokens=not has_template)
+    encoded = tokenizer(
+        [render_prompt(p, tokenizer) if templated else p.text for p in prompts], add_special_tokens=not templated
+    )
     lengths = [len(ids) for ids in encoded["input_ids"]]
     empty = [p for p, k in zip(prompts, lengths) if k == 0]
     if empty:

@@ -39,7 +39,7 @@ from splitrl.config import RunConfig
 from splitrl.controller.actors import spawn
 from splitrl.controller.advantages import advantage_metrics, compute_group_advantages
 from splitrl.controller.buffer import ReplayBuffer, StepComposer, group_from_dict, group_to_dict, staleness_metrics
-from splitrl.controller.generation import GenerationWorker
+from splitrl.controller.generation import GenerationWorker, load_tokenizer
 from splitrl.controller.health import RunHealth
 from splitrl.controller.policy_client import PolicyClient
 from splitrl.controller.run_checkpoint import (
@@ -56,7 +56,9 @@ from splitrl.controller.run_checkpoint import (
 )
 from splitrl.controller.train_actor import TOKEN_FIELDS, TrainActor
 from splitrl.dataplane import DataPlaneConfig, make_data_plane
+from splitrl.eval_config import plan_eval
 from splitrl.logging import MetricsLogger
+from splitrl.models.hf_files import write_inference_files
 from splitrl.types import Group
 
 log = logging.getLogger(__name__)
@@ -99,12 +101,13 @@ def preflight(config: RunConfig) -> int:
     task = make_task(config.task)
     tok = load_checked_tokenizer(config)
     check_vocab(config, tok, hf_cfg)
+    encode_prompt(task.get_prompt(0), tok, task.config.chat_template)  # task.chat_template=true needs a template
     if config.tokenizer.kind == "char":
         unk = tok.unk_token_id
         n = task.num_prompts or 64
         for i in range(min(64, n)):
             p = task.get_prompt(i)
-            if unk in encode_prompt(p, tok) or unk in tok(p.answer, add_special_tokens=False)["input_ids"]:
+            if unk in encode_prompt(p, tok, task.config.chat_template) or unk in tok(p.answer, add_special_tokens=False)["input_ids"]:
                 missing = sorted(set(p.text + p.answer) - set(tok.convert_ids_to_tokens(range(len(tok)))))
                 raise ValueError(
                     f"the character tokenizer cannot spell prompt {i} of the task ({p.text!r}): characters "
@@ -281,13 +284,19 @@ class SingleController:
         # transferqueue's controller and storage units ask for a CPU each: give Ray logical
         # CPUs beyond the physical ones (FINDINGS.md), or it waits forever
         need = self.config.num_generation_workers + self.config.num_train_workers + 4
+        log.info("start-up: starting a local Ray cluster")
         with _children_ignore_sigint(), _loopback_only_ray():
             ray.init(num_cpus=max(8, need), include_dashboard=False, log_to_driver=True, runtime_env=runtime_env)
 
     def _build(self) -> None:
         cfg = self.config
         dp_cfg = cfg.dataplane if self.backend == "ray" else DataPlaneConfig(kind="inprocess")
+        log.info("start-up: starting the %s data plane", dp_cfg.kind)
         self.data_plane = make_data_plane(dp_cfg)
+        log.info(
+            "start-up: starting %d train worker(s) and %d generation worker(s) on %s; each imports torch and "
+            "builds the model", cfg.num_train_workers, cfg.num_generation_workers, self.device,
+        )
         train_cfg = cfg.train.model_copy(update={"device": self.device})
         world = cfg.num_train_workers
         port = _free_port()
@@ -329,6 +338,7 @@ class SingleController:
             for _ in range(cfg.num_generation_workers)
         ]
         self.buffer = ReplayBuffer(cfg.buffer, on_evict=self._on_evict)
+        self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.pretrained_path)  # saved with checkpoints
 
     # ============================================================================ checkpoints
     async def _save_checkpoint(self, step: int) -> Path:
@@ -390,6 +400,7 @@ class SingleController:
         trainer = await self.policy.state_dict()
         torch.save(trainer, tmp / "trainer.pt")
         await self.policy.save_pretrained(str(tmp / "policy"))
+        write_inference_files(tmp / "policy", self.tokenizer, self.config.rollout, self.config.model.pretrained_path)
         torch.save(
             {
                 "step": step,
@@ -691,6 +702,29 @@ class SingleController:
         self.wait_s = 0.0
         return out
 
+    async def _evaluate(self) -> dict[str, float]:
+        """``eval/*`` metrics of the current weights on the held-out prompts, split over the
+        generation workers (each runs its share as its next call)."""
+        from splitrl.evaluation import summarize
+
+        ecfg = self.config.eval
+        t0 = time.perf_counter()
+        n = len(self.gen_actors)
+        shares = [(a, self.eval_indices[i::n]) for i, a in enumerate(self.gen_actors) if self.eval_indices[i::n]]
+        futures = [
+            a.submit("evaluate", ecfg.task, share, ecfg.num_samples, ecfg.seed, ecfg.correct_threshold, ecfg.greedy)
+            for a, share in shares
+        ]
+        parts = await self._policy_call(asyncio.gather(*futures), "evaluate")
+        out: dict[str, float] = {}
+        for name, prefix, k in (("sampled", "eval/", ecfg.num_samples), ("greedy", "eval/greedy/", 1)):
+            if name in parts[0]:
+                samples = [s for p in parts for s in p[name][0]]
+                drafted, accepted = sum(p[name][1] for p in parts), sum(p[name][2] for p in parts)
+                out.update(summarize(samples, k, [*ecfg.ks, k], prefix, drafted, accepted))
+        out["timing/eval_s"] = time.perf_counter() - t0
+        return out
+
     async def _train_pump(self, start_step: int) -> None:
         cfg = self.config
         for step in range(start_step, cfg.num_steps):
@@ -699,10 +733,14 @@ class SingleController:
             train_metrics, groups = await self._run_step(step)
             self.version += 1
             sync_s = await self._sync_weights()
+            # held-out evaluation with the weights just synced, queued on the generation workers
+            # before the rollout pumps resume: training waits for the evaluation only
+            eval_metrics = await self._evaluate() if cfg.eval.due(step + 1, cfg.num_steps) else {}
             self.data_plane.delete([s.sample_id for g in groups for s in g.samples])
             if train_metrics.get("num_valid_tokens", 0) > 0:
                 self.expected_tokens = int(train_metrics["num_valid_tokens"])
             metrics = self._step_metrics(train_metrics, groups, time.perf_counter() - t0, sync_s)
+            metrics.update(eval_metrics)
             self.logger.log(step + 1, metrics)
             self.health.check(step + 1, metrics)
             self.history.append(metrics)
@@ -720,6 +758,7 @@ class SingleController:
     async def run(self) -> RunResult:
         cfg = self.config
         done_before = preflight(cfg)
+        self.eval_indices = plan_eval(cfg) if cfg.eval.enabled else []  # raises before anything starts
         log.log(*cfg.off_policy_summary())
         self.health = RunHealth(cfg.reward_timeout_s, loss_scaling=cfg.train.precision == "fp16")
         if done_before >= cfg.num_steps:
@@ -747,12 +786,19 @@ class SingleController:
         self.stopped_early = False
         self.step = 0
         random.seed(cfg.seed)
+        t_ready = time.perf_counter()
+        log.info("start-up: waiting for the workers to load the model")
         start = await self._restore()
         # generation may run ahead of (and, with evictions, behind) the step boundary: restart at the
         # lowest prompt index that is not done, so a prompt in flight at the checkpoint is regenerated
         self.cursor = 0
         self.next_index = start * cfg.groups_per_step
         await self._sync_weights()
+        log.info(
+            "start-up: workers ready and weights synced in %.1fs; generating the first rollouts (step %d: %d prompts "
+            "x %d samples), then training",
+            time.perf_counter() - t_ready, start + 1, cfg.groups_per_step, cfg.group_size,
+        )
         self.logger = MetricsLogger(self.out, cfg.num_steps, start_step=start + 1, config=cfg.logging)
         self.logger.save_config(cfg)
         loop = asyncio.get_running_loop()

@@ -7,33 +7,16 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
 
 from splitrl.dataplane import DataPlane
 from splitrl.models import ModelConfig, PolicyModel
+from splitrl.models.hf_files import rollout_stop_token_ids
 from splitrl.rollout import GenerationConfig, RolloutEngine
 from splitrl.tasks import RewardScorer, encode_prompt, make_task
+from splitrl.tasks.tokenizer import TokenizerConfig
 from splitrl.types import Group, SampleMeta
-
-
-class TokenizerConfig(BaseModel):
-    """Which tokenizer: the built-in character tokenizer of the CPU demo, or a local HF directory.
-
-    Attributes:
-        kind: ``char`` or ``pretrained``.
-        path: directory for ``pretrained`` (default: the model's ``pretrained_path``).
-        charset: the characters of a ``char`` tokenizer (default: all printable ASCII); the
-            model's ``vocab_size`` must be at least 4 + len(charset).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    kind: Literal["char", "pretrained"] = "char"
-    path: str | None = None
-    charset: str | None = None
 
 
 def load_tokenizer(config: TokenizerConfig, model_path: str | None = None):
@@ -66,6 +49,18 @@ def cut_at_stop_string(ids: list[int], decode, stop_strings: list[str]) -> int |
         if any(s in text for s in stop_strings):
             return n
     return None
+
+
+def decode_response(tokenizer, ids: list[int]) -> str:
+    """The text of generated ids, special tokens dropped.
+
+    A model whose vocabulary is larger than the tokenizer's (padded embeddings, a random-init
+    model) can sample ids the tokenizer has no text for: they decode as unknown (dropped when the
+    tokenizer has no unknown token)."""
+    n = len(tokenizer)
+    unk = tokenizer.unk_token_id
+    ids = [i if i < n else unk for i in ids if i < n or unk is not None]
+    return tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def sample_id(prompt_index: int, sample_index: int, version: int) -> str:
@@ -111,9 +106,7 @@ class GenerationWorker:
                 f"model vocab_size={vocab} is smaller than the tokenizer's {len(self.tokenizer)} tokens; "
                 f"set model.backbone.vocab_size >= {len(self.tokenizer)}"
             )
-        stop = list(generation.stop_token_ids)
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in stop:
-            stop.append(self.tokenizer.eos_token_id)
+        stop = rollout_stop_token_ids(generation, self.tokenizer, model_config.pretrained_path)
         self.generation = generation.model_copy(update={"stop_token_ids": stop})
         model = PolicyModel.from_config(model_config)
         if dtype == "bf16":
@@ -137,12 +130,7 @@ class GenerationWorker:
         return version
 
     def _decode(self, ids: list[int]) -> str:
-        # a model whose vocabulary is larger than the tokenizer's (padded embeddings, a random-init
-        # model) can sample ids the tokenizer has no text for: they decode as unknown
-        n = len(self.tokenizer)
-        unk = self.tokenizer.unk_token_id
-        ids = [i if i < n else unk for i in ids if i < n or unk is not None]
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return decode_response(self.tokenizer, ids)
 
     def prompt_of(self, prompt_index: int):
         n = self.task.num_prompts
@@ -162,7 +150,7 @@ class GenerationWorker:
         t0 = time.perf_counter()
         version = self.engine.policy_version
         prompts = [self.prompt_of(i) for i in prompt_indices]
-        prompt_ids = [encode_prompt(p, self.tokenizer) for p in prompts]
+        prompt_ids = [encode_prompt(p, self.tokenizer, self.task.config.chat_template) for p in prompts]
         max_pos = getattr(self.engine.model.config, "max_position_embeddings", None)
         for i, ids in zip(prompt_indices, prompt_ids):
             if max_pos is not None and len(ids) + self.generation.max_new_tokens > max_pos:
@@ -258,8 +246,47 @@ class GenerationWorker:
         errors = sum(r.error is not None and not r.timed_out for r in rewards)
         return group, timeouts, errors
 
+    def evaluate(self, task_config, prompt_indices: list[int], num_samples: int, seed: int,
+                 correct_threshold: float, greedy: bool) -> dict[str, tuple]:
+        """Held-out evaluation with the current weights (DESIGN §5 rollouts, same engine rules).
+
+        Args:
+            task_config: the evaluated task (None: the training task).
+            prompt_indices: this worker's share of the held-out prompts.
+            num_samples: sampled responses per prompt; ``greedy`` adds one greedy (top_k=1) each.
+
+        Returns:
+            ``{"sampled": (samples, drafted, accepted), "greedy": (...)}`` (``greedy`` only when
+            asked), as :func:`splitrl.evaluation.sample_and_score` returns them; the controller
+            merges the workers' shares with :func:`splitrl.evaluation.summarize`.
+        """
+        from splitrl.evaluation import sample_and_score
+
+        task, scorer = self.task, self.scorer
+        if task_config is not None and task_config != self.task.config:
+            if getattr(self, "_eval_task_config", None) != task_config:
+                if getattr(self, "_eval_scorer", None) is not None:
+                    self._eval_scorer.close()
+                self._eval_task = make_task(task_config)
+                self._eval_scorer = RewardScorer(self._eval_task, timeout_s=self.scorer.timeout_s)
+                self._eval_scorer.start()
+                self._eval_task_config = task_config
+            task, scorer = self._eval_task, self._eval_scorer
+        model = self.engine.model
+        device = next(model.parameters()).device
+        runs = {"sampled": (self.generation, num_samples)}
+        if greedy:
+            runs["greedy"] = (self.generation.model_copy(update={"top_k": 1}), 1)
+        return {
+            name: sample_and_score(model, self.tokenizer, task, gen, prompt_indices, num_samples=n, seed=seed,
+                                   device=device, correct_threshold=correct_threshold, scorer=scorer)
+            for name, (gen, n) in runs.items()
+        }
+
     def close(self) -> None:
         self.scorer.close()
+        if getattr(self, "_eval_scorer", None) is not None:
+            self._eval_scorer.close()
 
     def ping(self) -> int:
         return self.engine.policy_version

@@ -10,28 +10,25 @@ Build one from config with :func:`make_data_plane`.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field
+from splitrl._lazy import lazy_getattr
+from splitrl.dataplane.config import DataPlaneConfig, TransferQueueConfig
 
-from splitrl.dataplane.base import DataPlane
-from splitrl.dataplane.inprocess import InProcessDataPlane
-from splitrl.dataplane.transferqueue import TransferQueueConfig, TransferQueueDataPlane
+if TYPE_CHECKING:
+    from splitrl.dataplane.base import DataPlane
+    from splitrl.dataplane.inprocess import InProcessDataPlane
+    from splitrl.dataplane.transferqueue import TransferQueueDataPlane
 
-
-class DataPlaneConfig(BaseModel):
-    """Which data plane to use.
-
-    Attributes:
-        kind: ``"transferqueue"`` (shared across Ray actors; needs ``ray.init`` first) or
-            ``"inprocess"`` (one process only).
-        transferqueue: TransferQueue settings, used when ``kind == "transferqueue"``.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    kind: Literal["inprocess", "transferqueue"] = "transferqueue"
-    transferqueue: TransferQueueConfig = Field(default_factory=TransferQueueConfig)
+# the data planes import torch: loaded on first use (see splitrl._lazy)
+__getattr__ = lazy_getattr(
+    __name__,
+    {
+        "DataPlane": "splitrl.dataplane.base",
+        "InProcessDataPlane": "splitrl.dataplane.inprocess",
+        "TransferQueueDataPlane": "splitrl.dataplane.transferqueue",
+    },
+)
 
 
 def make_data_plane(config: DataPlaneConfig) -> DataPlane:
@@ -41,7 +38,11 @@ def make_data_plane(config: DataPlaneConfig) -> DataPlane:
         RuntimeError: TransferQueue requested without a Ray cluster with enough free logical CPUs.
     """
     if config.kind == "inprocess":
+        from splitrl.dataplane.inprocess import InProcessDataPlane
+
         return InProcessDataPlane()
+    from splitrl.dataplane.transferqueue import TransferQueueDataPlane
+
     return TransferQueueDataPlane(config.transferqueue)
 
 

@@ -31,40 +31,15 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from splitrl.dataplane.base import DataPlane, missing_field_error, unknown_ids_error
+from splitrl.dataplane.config import TransferQueueConfig  # noqa: F401 - defined there, torch-free
 
 # Name and namespace under which transfer_queue registers its controller actor (interface.py).
 _TQ_CONTROLLER_NAME = "TransferQueueController"
 _TQ_NAMESPACE = "transfer_queue"
 # How long a live TransferQueue controller may take to answer a config request.
 _LIVENESS_TIMEOUT_S = 30.0
-
-
-class TransferQueueConfig(BaseModel):
-    """Settings of the TransferQueue data plane.
-
-    Attributes:
-        partition_id: TransferQueue partition holding this data plane's samples; ``clear`` empties
-            only this partition.
-        num_storage_units: SimpleStorage actors to start (each takes 1 logical Ray CPU); samples
-            are spread over them by hash. Only used by the process that starts TransferQueue.
-        storage_capacity: most samples held across all storage units (each unit holds at most
-            ``ceil(capacity / num_storage_units)``); ``None`` = unlimited. A ``put`` beyond it
-            raises ``RuntimeError``. Only used by the process that starts TransferQueue.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    partition_id: str = Field(default="rollouts", min_length=1)
-    num_storage_units: int = Field(default=2, ge=1)
-    storage_capacity: int | None = Field(default=None, ge=1)
-
-    @property
-    def num_actor_cpus(self) -> int:
-        """Logical Ray CPUs TransferQueue's actors take (controller + storage units)."""
-        return 1 + self.num_storage_units
 
 
 class TransferQueueDataPlane(DataPlane):

@@ -9,7 +9,8 @@ directory::
       metrics.jsonl     one JSON object per step: {"step": k, "<key>": value, ...}
       tensorboard/      TensorBoard event files (one scalar series per key)
       metrics.png       reward and MTP acceptance per step, written by close()
-      config.yaml       the resolved run config, written by save_config()
+      config.yaml       the resolved run config, written by save_config() (also as TensorBoard
+                        text and, with ``logging.wandb``, as the W&B run config)
 
 ``metrics.jsonl`` is the record a resumed run continues: on resume at step k every line with
 step >= k is dropped (those steps are about to be run again) and the TensorBoard writer purges
@@ -38,6 +39,7 @@ from pydantic import BaseModel, ConfigDict
 from tqdm.auto import tqdm
 
 from splitrl.logging.plot import plot_metrics, plot_records
+from splitrl.logging.wandb_logger import WandbConfig, WandbSink
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -64,6 +66,7 @@ class LoggingConfig(BaseModel):
         progress_bar: show a tqdm bar (on stderr) with step, reward, loss, MTP acceptance of
             the first depth and tokens/s.
         plot: on ``close()``, write ``out_dir/metrics.png`` (reward and MTP acceptance per step).
+        wandb: also log to Weights & Biases (``{project, name, mode}``; None: off).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -72,6 +75,7 @@ class LoggingConfig(BaseModel):
     jsonl: bool = True
     progress_bar: bool = True
     plot: bool = True
+    wandb: WandbConfig | None = None
 
 
 class MetricsLogger:
@@ -142,6 +146,11 @@ class MetricsLogger:
             # purge_step hides events of steps >= start_step left by the interrupted run.
             self._writer = SummaryWriter(str(self.out_dir / TENSORBOARD_DIR), purge_step=start_step)
 
+        self._wandb = None
+        if self.config.wandb is not None:
+            # a resumed run (steps kept from before) continues the same W&B run
+            self._wandb = WandbSink(self.config.wandb, self.out_dir, resume=bool(kept_lines) or start_step > 1)
+
         self._bar = None
         if self.config.progress_bar:
             # the bar counts logged steps: those kept from an earlier run, then one per log()
@@ -183,6 +192,8 @@ class MetricsLogger:
             for key, value in values.items():
                 self._writer.add_scalar(key, value, global_step=step)
             self._writer.flush()
+        if self._wandb is not None:
+            self._wandb.log(step, values)
         if self._bar is not None:
             postfix = progress_postfix(step, values)
             self._console(lambda: (self._bar.set_postfix(postfix, refresh=False), self._bar.update(1)))
@@ -222,6 +233,11 @@ class MetricsLogger:
             ) from err
         self.out_dir.mkdir(parents=True, exist_ok=True)
         write_atomically(self.config_path, text.encode("utf-8"))
+        if self._writer is not None:  # TensorBoard's text tab renders markdown
+            self._writer.add_text("config", f"```yaml\n{text}```", global_step=self.start_step)
+            self._writer.flush()
+        if self._wandb is not None:
+            self._wandb.set_config(data)
         return self.config_path
 
     def close(self) -> None:
@@ -240,6 +256,8 @@ class MetricsLogger:
             self._jsonl.close()
         if self._writer is not None:
             self._writer.close()
+        if self._wandb is not None:
+            self._wandb.close()
         if self.config.plot:
             # written to a temporary file and renamed (plot.py): a full disk leaves the previous
             # picture or none, never a truncated one, and costs a warning, not the run's exit

@@ -1,10 +1,11 @@
 """The end-of-run picture: reward and MTP acceptance rate per step, as a PNG.
 
 Panels (top to bottom, each only when its keys were logged):
-- reward: ``train/reward`` (the step's mean reward);
+- reward: ``train/reward`` (the step's mean reward), plus the held-out evaluation's
+  ``eval/reward_mean``, ``eval/pass@k`` and ``eval/greedy/...`` as points at the steps evaluated;
 - acceptance (percent, 0-100): one line per MTP depth k from ``train/mtp/mtp_{k}_acceptance_rate``
   (teacher-forced, training side), plus dashed lines for any ``rollout/...acceptance_rate`` key
-  (speculative decoding during rollouts).
+  (speculative decoding during rollouts) and points for ``eval/acceptance_rate``.
 
 A run without MTP heads gets the reward panel only. Steps where a key is missing or non-finite
 show as gaps. The figure is drawn on matplotlib's Agg canvas directly, so plotting neither needs a
@@ -24,6 +25,8 @@ from typing import Any
 REWARD_KEYS = ("train/reward",)
 _MTP_ACCEPTANCE = re.compile(r"^train/mtp/mtp_(\d+)_acceptance_rate$")
 _ROLLOUT_ACCEPTANCE = re.compile(r"^rollout/.*acceptance_rate$")
+_EVAL_REWARD = re.compile(r"^eval/(greedy/)?(reward_mean|pass@\d+)$")
+_EVAL_ACCEPTANCE = re.compile(r"^eval/(greedy/)?acceptance_rate$")
 
 
 def plot_metrics(jsonl_path: str | os.PathLike[str], png_path: str | os.PathLike[str]) -> Path:
@@ -57,24 +60,7 @@ def plot_records(records: Sequence[dict[str, Any]], png_path: str | os.PathLike[
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    keys = {key for record in records for key in record}
-    # the first reward key present (one today; a tuple so that a renamed key can be read back)
-    reward_keys = [key for key in REWARD_KEYS if key in keys][:1]
-    mtp_keys = sorted(
-        (key for key in keys if _MTP_ACCEPTANCE.match(key)),
-        key=lambda k: int(_MTP_ACCEPTANCE.match(k).group(1)),  # depth 10 after depth 2
-    )
-    rollout_keys = sorted(key for key in keys if _ROLLOUT_ACCEPTANCE.match(key))
-    steps = [record["step"] for record in records]
-
-    panels = []
-    if reward_keys:
-        panels.append(("reward", [(key, key, "-") for key in reward_keys]))
-    if mtp_keys or rollout_keys:
-        lines = [(key, f"MTP depth {_MTP_ACCEPTANCE.match(key).group(1)}", "-") for key in mtp_keys]
-        lines += [(key, key, "--") for key in rollout_keys]
-        panels.append(("acceptance rate (%)", lines))
-
+    panels = plot_series(records)
     fig = Figure(figsize=(8, 3 * max(len(panels), 1)), layout="constrained")
     FigureCanvasAgg(fig)
     if not panels:
@@ -84,11 +70,11 @@ def plot_records(records: Sequence[dict[str, Any]], png_path: str | os.PathLike[
     else:
         axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
         for ax, (ylabel, lines) in zip(axes, panels):
-            for key, label, style in lines:
-                values = [_as_float(record.get(key)) for record in records]
-                # Markers keep short runs visible (a line through one point draws nothing).
-                marker = "." if len(steps) < 50 else None
-                ax.plot(steps, values, style, marker=marker, label=label)
+            for label, xs, ys, style in lines:
+                # Markers keep short runs visible (a line through one point draws nothing);
+                # evaluation points carry their own ("o")
+                extra = {} if style.startswith("o") else {"marker": "." if len(xs) < 50 else None}
+                ax.plot(xs, ys, style, label=label, **extra)
             ax.set_ylabel(ylabel)
             ax.grid(True, alpha=0.3)
             ax.legend(loc="best", fontsize="small")
@@ -103,6 +89,48 @@ def plot_records(records: Sequence[dict[str, Any]], png_path: str | os.PathLike[
 
     write_atomically(png_path, buf.getvalue())
     return png_path
+
+
+def plot_series(records: Sequence[dict[str, Any]]) -> list[tuple[str, list[tuple[str, list, list, str]]]]:
+    """What :func:`plot_records` draws: panels ``(ylabel, [(label, steps, values, style)])``.
+
+    Missing or non-finite values are NaN (gaps); evaluation keys (logged every few steps) keep
+    only the steps that have them, drawn as points.
+    """
+    keys = {key for record in records for key in record}
+    # the first reward key present (one today; a tuple so that a renamed key can be read back)
+    reward_keys = [key for key in REWARD_KEYS if key in keys][:1]
+    mtp_keys = sorted(
+        (key for key in keys if _MTP_ACCEPTANCE.match(key)),
+        key=lambda k: int(_MTP_ACCEPTANCE.match(k).group(1)),  # depth 10 after depth 2
+    )
+    rollout_keys = sorted(key for key in keys if _ROLLOUT_ACCEPTANCE.match(key))
+    eval_reward_keys = sorted(key for key in keys if _EVAL_REWARD.match(key))
+    eval_acceptance_keys = sorted(key for key in keys if _EVAL_ACCEPTANCE.match(key))
+    steps = [record["step"] for record in records]
+
+    # (key, label, style); "o" lines are sparse (evaluations): only the steps that have them
+    panels = []
+    if reward_keys or eval_reward_keys:
+        lines = [(key, key, "-") for key in reward_keys] + [(key, key, "o--") for key in eval_reward_keys]
+        panels.append(("reward", lines))
+    if mtp_keys or rollout_keys or eval_acceptance_keys:
+        lines = [(key, f"MTP depth {_MTP_ACCEPTANCE.match(key).group(1)}", "-") for key in mtp_keys]
+        lines += [(key, key, "--") for key in rollout_keys]
+        lines += [(key, key, "o--") for key in eval_acceptance_keys]
+        panels.append(("acceptance rate (%)", lines))
+
+    out = []
+    for ylabel, lines in panels:
+        series = []
+        for key, label, style in lines:
+            if style.startswith("o"):
+                points = [(r["step"], _as_float(r[key])) for r in records if key in r]
+                series.append((label, [p[0] for p in points], [p[1] for p in points], style))
+            else:
+                series.append((label, steps, [_as_float(r.get(key)) for r in records], style))
+        out.append((ylabel, series))
+    return out
 
 
 def _as_float(value: Any) -> float:

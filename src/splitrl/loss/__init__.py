@@ -1,6 +1,24 @@
 """Losses of the split step: contracts (``base``), GRPO (``grpo``), target logprobs (``logprobs``)."""
 
-from splitrl.loss.base import LossOutput, LossType, Metric, Normalizer, PolicyLoss
-from splitrl.loss.grpo import ClippedPGLoss, GRPOLossConfig
+from typing import TYPE_CHECKING
+
+from splitrl._lazy import lazy_getattr
+from splitrl.loss.config import GRPOLossConfig, LossType
+
+if TYPE_CHECKING:
+    from splitrl.loss.base import LossOutput, Metric, Normalizer, PolicyLoss
+    from splitrl.loss.grpo import ClippedPGLoss
+
+# the losses import torch: loaded on first use (see splitrl._lazy)
+__getattr__ = lazy_getattr(
+    __name__,
+    {
+        "ClippedPGLoss": "splitrl.loss.grpo",
+        "LossOutput": "splitrl.loss.base",
+        "Metric": "splitrl.loss.base",
+        "Normalizer": "splitrl.loss.base",
+        "PolicyLoss": "splitrl.loss.base",
+    },
+)
 
 __all__ = ["ClippedPGLoss", "GRPOLossConfig", "LossOutput", "LossType", "Metric", "Normalizer", "PolicyLoss"]

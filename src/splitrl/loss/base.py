@@ -13,12 +13,7 @@ from typing import Literal, Protocol
 
 import torch
 
-
-class LossType(str, Enum):
-    """Denominator of the gradient: global valid tokens N_t or global valid samples N_s."""
-
-    TOKEN_LEVEL = "token_level"
-    SEQUENCE_LEVEL = "sequence_level"
+from splitrl.loss.config import LossType  # noqa: F401 - defined there, torch-free
 
 
 class Normalizer(str, Enum):

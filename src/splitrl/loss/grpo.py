@@ -6,14 +6,11 @@ Per valid token t of sample i (mask m_t = token_mask[t]·sample_mask[i], positio
 never counts):
 
     r_t   = exp(logπ(x_t) − logπ_prev(x_t))            token ratio (PPO, Schulman et al. 2017, eq. 7)
-    r_t   = sg[s_i] · π(x_t) / sg[π(x_t)]              with ``ratio_level="sequence"`` (the GSPO-token
-            s_i = exp(mean_t' [logπ − logπ_prev])       form, Zheng et al. 2025): its value is the
-                                                       sequence ratio s_i, its gradient s_i·∇logπ_t
+    r_t   = exp(mean_t' [logπ − logπ_prev] over i)     with ``ratio_level="sequence"`` (GSPO, Zheng
+                                                       et al. 2025, eq. 7)
     pg_t  = −min(r_t·A_i, clip(r_t, 1−ε_low, 1+ε_high)·A_i)          (ε_high > ε_low: DAPO clip-higher)
     pg_t  = min(pg_t, −c·A_i) where A_i < 0            dual clip (Ye et al. 2020, eq. 5), c > 1
-    pg_t *= w_t = min(exp(logπ_prev − logπ_gen), C)    truncated importance sampling (detached);
-                                                       token t's gradient carries its own w_t, in
-                                                       GSPO too (DESIGN §5)
+    pg_t *= min(exp(logπ_prev − logπ_gen), C)          truncated importance sampling (detached)
     ℓ_t   = pg_t + β·KL_t − α·H_t                      KL estimators k1/k2/k3 (Schulman 2020) of π vs ref
 
 TOKEN_LEVEL returns Σ_t ℓ_t·m_t (finish divides by N_t); SEQUENCE_LEVEL returns
@@ -28,42 +25,10 @@ step runs with the weights of the step's start; no second forward is needed. Wit
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from splitrl.loss.base import LossOutput, LossType, Metric, Normalizer
-
-
-class GRPOLossConfig(BaseModel):
-    """Options of :class:`ClippedPGLoss` (see the module docstring for the formulas).
-
-    ``temperature`` is the T of the distribution the tokens were sampled from (logprobs are of
-    logits / T) and must be the sampler's; a run derives it from ``rollout.temperature``.
-    ``tis_cap`` is the truncated-IS cap C (None: no correction); a run turns it on by default
-    when samples can be stale (see ``splitrl.config.RunLossConfig``).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    loss_type: LossType = LossType.TOKEN_LEVEL
-    clip_eps_low: float = Field(0.2, ge=0.0, lt=1.0)
-    clip_eps_high: float = Field(0.2, ge=0.0)
-    dual_clip_c: float | None = Field(None, description="c > 1 enables dual clip for negative advantages")
-    ratio_level: Literal["token", "sequence"] = "token"
-    kl_coef: float = Field(0.0, ge=0.0)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    tis_cap: float | None = Field(None, gt=0.0, description="truncated IS cap C; None disables the correction")
-    recompute_prev_logprobs: bool = True
-    entropy_coef: float = Field(0.0, ge=0.0)
-    temperature: float = Field(1.0, gt=0.0)
-
-    @model_validator(mode="after")
-    def _check(self) -> "GRPOLossConfig":
-        if self.dual_clip_c is not None and self.dual_clip_c <= 1.0:
-            raise ValueError(f"dual_clip_c must be > 1 (got {self.dual_clip_c}); use None to disable dual clip")
-        return self
+from splitrl.loss.config import GRPOLossConfig  # noqa: F401 - defined there, torch-free
 
 
 def _masked_extreme(x: torch.Tensor, mask: torch.Tensor, kind: str) -> torch.Tensor:
@@ -129,10 +94,7 @@ class ClippedPGLoss:
         log_ratio = (curr - prev) * m
         if cfg.ratio_level == "sequence":
             seq = mb.per_sample_sum(log_ratio) / mb.per_sample_sum(m).clamp(min=1.0)
-            # GSPO-token form: the value is the sequence ratio s_i, the gradient at token t is
-            # s_i·∇logπ_t, so a per-token weight w_t multiplies token t's own gradient (with the
-            # plain broadcast form every token would get the sample's mean weight)
-            log_ratio = mb.gather_samples(seq).detach() + (curr - curr.detach()) * m
+            log_ratio = mb.gather_samples(seq)
         ratio = torch.exp(log_ratio)
         clipped = ratio.clamp(1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
         surr = torch.minimum(ratio * adv, clipped * adv)

@@ -12,6 +12,11 @@ SUPPORTED_FAMILIES = ("qwen3", "llama", "qwen3_moe")
 class ModelCapabilities(BaseModel):
     """What a model does itself instead of the microbatch builder (DESIGN.md §3).
 
+    Attributes:
+        owns_sequence_packing: the model takes unpacked, padded samples and packs them itself.
+        owns_mtp_loss_mask_packing: the model also packs the MTP loss mask (needs the above).
+        slices_context_parallel_inputs: the model takes packed, unsharded rows and shards them.
+
     These flags travel unchanged through the synchronous and the split path.
 
     Raises:

@@ -1,6 +1,21 @@
 """Rollouts: batched sampling with a KV cache, self-speculative with the MTP heads (DESIGN.md §4)."""
 
+from typing import TYPE_CHECKING
+
+from splitrl._lazy import lazy_getattr
 from splitrl.rollout.config import GenerationConfig
-from splitrl.rollout.engine import GenerationResult, RolloutEngine, RolloutStats
+
+if TYPE_CHECKING:
+    from splitrl.rollout.engine import GenerationResult, RolloutEngine, RolloutStats
+
+# the engine imports torch and transformers: loaded on first use (see splitrl._lazy)
+__getattr__ = lazy_getattr(
+    __name__,
+    {
+        "GenerationResult": "splitrl.rollout.engine",
+        "RolloutEngine": "splitrl.rollout.engine",
+        "RolloutStats": "splitrl.rollout.engine",
+    },
+)
 
 __all__ = ["GenerationConfig", "GenerationResult", "RolloutEngine", "RolloutStats"]

@@ -16,7 +16,21 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
+
+
+class TaskOptions(BaseModel):
+    """Options every task config has (each task's config class derives from this one).
+
+    Attributes:
+        chat_template: ``true``: prompts go through the tokenizer's chat template (one user turn,
+            generation prompt appended; an error when the tokenizer has none); ``false``: plain
+            text; ``null`` (default): the template when the tokenizer has one.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    chat_template: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -100,8 +114,22 @@ def render_prompt(prompt: TaskPrompt, tokenizer: Any) -> str:
     return prompt.text
 
 
-def encode_prompt(prompt: TaskPrompt, tokenizer: Any) -> list[int]:
-    """Token ids of the rendered prompt (:func:`render_prompt`), special tokens added only once."""
+def encode_prompt(prompt: TaskPrompt, tokenizer: Any, chat_template: bool | None = None) -> list[int]:
+    """Token ids of the prompt, special tokens added only once.
+
+    ``chat_template`` (a task's ``chat_template`` option): True renders through the tokenizer's
+    chat template (:func:`render_prompt`), False uses the plain text, None the template when the
+    tokenizer has one.
+
+    Raises:
+        ValueError: ``chat_template=True`` and the tokenizer has no chat template.
+    """
     has_template = bool(getattr(tokenizer, "chat_template", None))
-    text = render_prompt(prompt, tokenizer)
-    return list(tokenizer(text, add_special_tokens=not has_template)["input_ids"])
+    if chat_template and not has_template:
+        raise ValueError(
+            "task.chat_template=true but the tokenizer has no chat template; use a tokenizer with one "
+            "(tokenizer.kind=pretrained) or set task.chat_template=false"
+        )
+    use = has_template if chat_template is None else chat_template
+    text = render_prompt(prompt, tokenizer) if use else prompt.text
+    return list(tokenizer(text, add_special_tokens=not use)["input_ids"])

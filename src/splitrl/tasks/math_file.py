@@ -18,15 +18,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator
 
-from splitrl.tasks.base import Task, TaskPrompt
+from splitrl.tasks.base import Task, TaskOptions, TaskPrompt
 
 _PROMPT_SLOT = "{prompt}"
 
 
-class MathFileTaskConfig(BaseModel):
+class MathFileTaskConfig(TaskOptions):
     """Prompts and answers from a local file.
 
     Attributes:
@@ -83,6 +82,8 @@ class MathFileTask(Task):
     """
 
     def __init__(self, config: MathFileTaskConfig):
+        import numpy as np  # here, not at the top: validating a run config should not load it
+
         prompts, answers, labels = _load_columns(config)
         if not prompts:
             raise ValueError(f"{config.path} holds no rows")

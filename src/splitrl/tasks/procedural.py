@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
-from splitrl.tasks.base import Task, TaskPrompt
+from splitrl.tasks.base import Task, TaskOptions, TaskPrompt
 from splitrl.tasks.matching import position_match_fraction
 
 
-class ReverseDigitsTaskConfig(BaseModel):
+class ReverseDigitsTaskConfig(TaskOptions):
     """Reverse a string of random digits: prompt ``"604>"``, answer ``"406"``.
 
     Attributes:
@@ -43,6 +42,8 @@ class ReverseDigitsTask(Task):
         return None
 
     def _make_prompt(self, index: int) -> TaskPrompt:
+        import numpy as np  # here, not at the top: validating a run config should not load it
+
         rng = np.random.default_rng([self.config.seed, index])
         digits = "".join(str(d) for d in rng.integers(0, 10, size=self.config.num_digits))
         return TaskPrompt(index=index, text=f"{digits}>", answer=digits[::-1])

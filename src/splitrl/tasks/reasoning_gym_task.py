@@ -33,9 +33,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from splitrl.tasks.base import Task, TaskPrompt
+from splitrl._lazy import import_checks_deferred
+from splitrl.tasks.base import Task, TaskOptions, TaskPrompt
 from splitrl.tasks.matching import extract_tagged_answer, position_match_fraction
 
 
@@ -96,7 +97,7 @@ _SOURCE_FORMAT = _CompactFormat(
 )
 
 
-class ReasoningGymTaskConfig(BaseModel):
+class ReasoningGymTaskConfig(TaskOptions):
     """A reasoning-gym generator by name, with its own config.
 
     Attributes:
@@ -129,13 +130,14 @@ class ReasoningGymTaskConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> ReasoningGymTaskConfig:
-        import reasoning_gym
+        if not import_checks_deferred():  # importing reasoning-gym takes seconds
+            import reasoning_gym
 
-        known = sorted(reasoning_gym.factory.DATASETS)
-        if self.dataset not in known:
-            close = difflib.get_close_matches(self.dataset, known, n=3)
-            hint = f"did you mean {close}?" if close else f"known generators: {known}"
-            raise ValueError(f"reasoning-gym has no generator {self.dataset!r}; {hint}")
+            known = sorted(reasoning_gym.factory.DATASETS)
+            if self.dataset not in known:
+                close = difflib.get_close_matches(self.dataset, known, n=3)
+                hint = f"did you mean {close}?" if close else f"known generators: {known}"
+                raise ValueError(f"reasoning-gym has no generator {self.dataset!r}; {hint}")
         reserved = {"seed", "size"} & set(self.dataset_config)
         if reserved:
             raise ValueError(

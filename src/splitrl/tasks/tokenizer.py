@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import string
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -54,3 +56,20 @@ def build_char_tokenizer(charset: str | None = None) -> PreTrainedTokenizerFast:
         eos_token=EOS_TOKEN,
         unk_token=UNK_TOKEN,
     )
+
+
+class TokenizerConfig(BaseModel):
+    """Which tokenizer: the built-in character tokenizer of the CPU demo, or a local HF directory.
+
+    Attributes:
+        kind: ``char`` or ``pretrained``.
+        path: directory for ``pretrained`` (default: the model's ``pretrained_path``).
+        charset: the characters of a ``char`` tokenizer (default: all printable ASCII); the
+            model's ``vocab_size`` must be at least 4 + len(charset).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["char", "pretrained"] = "char"
+    path: str | None = None
+    charset: str | None = None

@@ -17,35 +17,10 @@ logprobs, a filtered sample's failed logprobs) cannot turn a masked sum into NaN
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from splitrl.models.config import ModelCapabilities
 from splitrl.train.batch import _OPTIONAL_TOKEN_FIELDS, MicroBatch, TrainBatch
-
-
-class MicrobatchConfig(BaseModel):
-    """How a chunk is cut into microbatches.
-
-    Attributes:
-        micro_batch_size: samples per microbatch (used when no token budget is set).
-        max_tokens_per_microbatch: token budget per microbatch (real tokens when packing, padded
-            tokens b·s otherwise); a single sample longer than the budget gets a microbatch alone.
-        pack_sequences: lay a microbatch out as one packed row (per-sample attention and
-            positions), unless the model owns packing.
-        coalesce_chunks: the split step cuts microbatches from the stream of its chunks' samples
-            rather than from each chunk alone: the last, still unfilled microbatch of a chunk
-            waits for the next chunk's samples (or for finish). Many small chunks then run as the
-            same full microbatches as one synchronous step (on one H200, 16 one-sample chunks
-            ran at 0.38x the synchronous step without it); the result is the same either way
-            (chunk invariance), only the call that does the work moves.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    micro_batch_size: int = Field(4, ge=1)
-    max_tokens_per_microbatch: int | None = Field(None, ge=2)
-    pack_sequences: bool = False
-    coalesce_chunks: bool = True
+from splitrl.train.config import MicrobatchConfig  # noqa: F401 - defined there, torch-free
 
 
 def _cost(lengths: list[int], packed: bool) -> int:

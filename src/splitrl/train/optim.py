@@ -2,58 +2,9 @@
 
 from __future__ import annotations
 
-import math
-from typing import Literal
-
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-
-class OptimConfig(BaseModel):
-    """AdamW, warmup + constant/cosine schedule, gradient clipping.
-
-    Attributes:
-        lr: peak learning rate of the policy parameters.
-        mtp_lr: peak learning rate of the MTP parameters (default: ``lr``).
-        weight_decay: AdamW decay of matrices (norm weights and biases are not decayed).
-        warmup_steps: linear warmup from lr/warmup_steps to lr.
-        schedule: ``constant`` after warmup, or ``cosine`` decay to ``min_lr_ratio``·lr at
-            ``total_steps`` (required for cosine; a run config fills in its ``num_steps``
-            before this config validates).
-        max_grad_norm: clip of the policy gradient norm (None: no clipping).
-        mtp_max_grad_norm: clip of the MTP group with detached heads (None: same as
-            ``max_grad_norm``; ``inf`` to disable for MTP only).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    lr: float = Field(1e-5, gt=0.0)
-    mtp_lr: float | None = Field(None, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0.0)
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["constant", "cosine"] = "constant"
-    total_steps: int | None = Field(None, ge=1)
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
-    max_grad_norm: float | None = Field(1.0, gt=0.0)
-    mtp_max_grad_norm: float | None = Field(None, gt=0.0)
-
-    @model_validator(mode="after")
-    def _check(self) -> "OptimConfig":
-        if self.schedule == "cosine" and self.total_steps is None:
-            raise ValueError("schedule='cosine' needs total_steps (the step at which the decay ends)")
-        return self
-
-    def lr_factor(self, step: int) -> float:
-        """Multiplier of the peak LR at optimizer step ``step`` (0-indexed)."""
-        if step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        if self.schedule == "constant":
-            return 1.0
-        span = max(1, self.total_steps - self.warmup_steps)
-        progress = min(1.0, (step - self.warmup_steps) / span)
-        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+from splitrl.train.config import OptimConfig  # noqa: F401 - defined there, torch-free
 
 
 def build_optimizer(

@@ -9,42 +9,14 @@ in the last bf16 bit but is the same function. The CPU tests run with both off.
 from __future__ import annotations
 
 from functools import partial
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from splitrl.loss.logprobs import set_fused_kernels
-
-
-class SpeedConfig(BaseModel):
-    """Switches of :func:`apply_speed_config` (defaults chosen by measurement on one H200, see README).
-
-    Attributes:
-        compile_layers: ``torch.compile`` each decoder layer (backbone and MTP) on one CUDA
-            device (measured 1.58x the eager step, Qwen3-0.6B shape + 2 MTP depths, packed rows;
-            the first steps pay the compilation). Not applied under FSDP2, where it was not measured.
-        activation_checkpointing: recompute each decoder layer in the backward instead of
-            keeping its activations (saves most activation memory for ~1/3 more layer compute).
-        fused_head_kernels: compile the output head's per-chunk softmax statistics and gradient
-            into fused kernels on CUDA (see ``splitrl.loss.logprobs``).
-        packed_attention: packed rows on CUDA: ``flex`` (FlexAttention block mask), ``varlen``
-            (flash variable-length kernel) or ``dense`` (an [S, S] mask, the CPU path).
-        compute_weight_copy: bf16/fp16 on one process: compute on low-precision weight copies made
-            once per step, fp32 masters and gradients (``splitrl.train.mixed_precision``); off:
-            autocast re-casts the fp32 weights on every microbatch.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    compile_layers: bool = True
-    activation_checkpointing: bool = False
-    fused_head_kernels: bool = True
-    packed_attention: Literal["flex", "varlen", "dense"] = "flex"
-    compute_weight_copy: bool = True
+from splitrl.train.config import SpeedConfig
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -25,46 +25,19 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from splitrl.distributed import utils as du
 from splitrl.loss.base import LossType, Normalizer, PolicyLoss
 from splitrl.models.policy import PolicyModel
 from splitrl.train.batch import MicroBatch, TrainBatch
-from splitrl.train.microbatch import MicrobatchConfig, build_microbatches, build_ready_microbatches, empty_microbatch
+from splitrl.train.config import TrainConfig  # noqa: F401 - defined there, torch-free
+from splitrl.train.microbatch import build_microbatches, build_ready_microbatches, empty_microbatch
 from splitrl.train.mixed_precision import ComputeWeights
+from splitrl.train.optim import DynamicLossScaler, build_optimizer
 from splitrl.train.side_grads import SideLossGradients, needs_side_gradients
-from splitrl.train.optim import DynamicLossScaler, OptimConfig, build_optimizer
-from splitrl.train.speed import SpeedConfig, apply_speed_config
-
-
-class TrainConfig(BaseModel):
-    """Configuration of a :class:`TrainWorker`.
-
-    Attributes:
-        precision: ``fp32``; ``bf16`` (fp32 master weights and optimizer state, bf16 compute,
-            fp32 gradient reduction); ``fp16`` (the same with fp16 compute and dynamic loss scaling).
-        device: ``auto`` (CUDA when present), ``cpu`` or ``cuda``.
-        microbatch: how chunks are cut (:class:`MicrobatchConfig`).
-        optim: AdamW, schedule and clipping (:class:`OptimConfig`).
-        initial_loss_scale / loss_scale_growth_interval: fp16 loss scaler.
-        fsdp_reshard_after_forward: FSDP2 frees a layer's gathered weights after its forward.
-        speed: compiled layers, activation checkpointing, fused head kernels (:class:`SpeedConfig`).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    microbatch: MicrobatchConfig = Field(default_factory=MicrobatchConfig)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    initial_loss_scale: float = Field(2.0**16, gt=0.0)
-    loss_scale_growth_interval: int = Field(2000, ge=1)
-    fsdp_reshard_after_forward: bool = True
-    speed: SpeedConfig = Field(default_factory=SpeedConfig)
+from splitrl.train.speed import apply_speed_config
 
 
 @dataclass
@@ -106,6 +79,11 @@ class TrainWorker:
     def __init__(self, model: PolicyModel, config: TrainConfig | None = None) -> None:
         self.config = config or TrainConfig()
         cfg = self.config
+        if cfg.mtp_warmup_steps and not model.mtp_trains:
+            raise ValueError(
+                f"mtp_warmup_steps={cfg.mtp_warmup_steps} trains only the MTP heads, but this model has none that "
+                "train: set model.mtp.mtp_num_layers >= 1 and mtp_loss_scaling_factor > 0, or mtp_warmup_steps=0"
+            )
         if cfg.device == "auto":
             self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         else:
@@ -485,11 +463,18 @@ class TrainWorker:
             main_coef = mtp_coef = _clip_coef(total_norm, optim.max_grad_norm)
             metrics["grad_norm"] = total_norm
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer.param_groups else 0.0
+        warmup = self.steps_finished < self.config.mtp_warmup_steps
+        if warmup and not self.detached_heads:  # the heads' own norm: the policy's grads are dropped
+            mtp_limit = optim.mtp_max_grad_norm if optim.mtp_max_grad_norm is not None else optim.max_grad_norm
+            mtp_coef = _clip_coef(mtp_norm, mtp_limit)
 
         skipped = empty or nonfinite
         if not skipped:
             with torch.no_grad():
-                if st.side is not None:
+                if warmup:  # MTP warmup: AdamW skips parameters without a gradient (no decay, no state)
+                    for _, p in self.main_params:
+                        p.grad = None
+                elif st.side is not None:
                     st.side.combine_into_grad(inv_main * main_coef, inv_mtp * main_coef)
                 else:
                     _scale_grads(self.main_params, inv_main * main_coef)
@@ -528,6 +513,7 @@ class TrainWorker:
                 "skipped_step": float(skipped),
                 "empty_step": float(empty),
                 "nonfinite_grad": float(nonfinite),
+                "mtp_warmup": float(warmup),
             }
         )
         if self.scaler is not None:

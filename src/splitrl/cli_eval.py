@@ -1,0 +1,258 @@
+"""``splitrl generate`` and ``splitrl eval``: sample from / score a checkpoint or any HF directory.
+
+PATH may be a run's output directory (its newest checkpoint is used), a checkpoint directory
+(``checkpoints/step_*``, holding ``policy/`` and ``run_config.json``), a ``policy/`` directory, or
+any local Hugging Face model directory. The run config next to a checkpoint supplies the task,
+the sampling rules and the tokenizer; ``--config FILE`` replaces it, and ``key.path=value``
+overrides change it (``task.path=test.jsonl``, ``rollout.temperature=0.6``, ...). Without a run
+config (a plain HF directory) the tokenizer and ``generation_config.json`` of the directory are
+used.
+
+Held-out prompts. ``splitrl eval`` scores prompt indices the training run never drew: a run of
+``num_steps`` × ``groups_per_step`` prompts drew indices 0 … N−1, so evaluation starts at N (or at
+``--start-index``). A task with fewer than N prompts (a data file) was drawn in full: evaluate a
+separate file (``task.path=...`` or ``task.split=test``), which then starts at 0. Disjoint indices
+are disjoint draws; a generator with a small space of problems can still repeat one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+RUN_CONFIG = "run_config.json"  # the name the controller writes next to each checkpoint
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def resolve_policy_dir(path: str | Path) -> tuple[Path, Path | None]:
+    """(the HF model directory, the run config written beside it or None) for a PATH argument.
+
+    Raises:
+        ValueError: PATH holds no model (no ``config.json`` at any of the places above).
+    """
+    p = Path(path)
+    if (p / "checkpoints").is_dir():  # a run's output directory: its newest complete checkpoint
+        done = sorted(c for c in (p / "checkpoints").glob("step_*") if (c / "COMPLETE").exists())
+        if not done:
+            raise ValueError(f"{p} holds no complete checkpoint under checkpoints/")
+        p = done[-1]
+    if (p / "policy" / "config.json").is_file():
+        run_cfg = p / RUN_CONFIG
+        return p / "policy", run_cfg if run_cfg.is_file() else None
+    if (p / "config.json").is_file():
+        run_cfg = p.parent / RUN_CONFIG
+        return p, run_cfg if run_cfg.is_file() else None
+    raise ValueError(
+        f"{p} is not a model directory: expected a run output dir, a checkpoint (step_*/policy/), a policy/ "
+        "directory or a Hugging Face directory with config.json"
+    )
+
+
+def _hf_generation_overrides(policy_dir: Path) -> list[str]:
+    """A ``rollout={...}`` override from the directory's ``generation_config.json`` (if any)."""
+    f = policy_dir / "generation_config.json"
+    if not f.is_file():
+        return []
+    g = json.loads(f.read_text())
+    rollout: dict[str, Any] = {}
+    for key in ("temperature", "top_k", "top_p", "max_new_tokens", "stop_strings"):
+        if g.get(key) is not None:
+            rollout[key] = g[key]
+    eos = g.get("eos_token_id")
+    if eos is not None:
+        rollout["stop_token_ids"] = eos if isinstance(eos, list) else [eos]
+    return [f"rollout={json.dumps(rollout)}"] if rollout else []
+
+
+def load_policy_and_config(args: argparse.Namespace):
+    """The validated run config (fast: before torch), then the model and the tokenizer.
+
+    Returns ``(config, trained_task, policy_dir, model, tokenizer)`` where ``trained_task`` is the
+    task config the run trained on (None when unknown).
+    """
+    from splitrl.config import load_config
+
+    policy_dir, run_cfg = resolve_policy_dir(args.path)
+    source = args.config or run_cfg
+    extra = [] if source is not None else _hf_generation_overrides(policy_dir)
+    config = load_config(source, extra + list(args.overrides))
+    trained_task = load_config(source).task if source is not None else None
+    has_tokenizer = any((policy_dir / f).is_file() for f in _TOKENIZER_FILES)
+    if not has_tokenizer and source is None and not any(o.startswith("tokenizer") for o in args.overrides):
+        raise ValueError(
+            f"{policy_dir} has no tokenizer files and no run config beside it; pass --config with the run's "
+            "config or tokenizer.* overrides"
+        )
+
+    import torch
+
+    from splitrl.models import PolicyModel
+
+    if has_tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(policy_dir))
+    else:  # a checkpoint written before policy/ held its tokenizer
+        from splitrl.controller.generation import load_tokenizer
+
+        tokenizer = load_tokenizer(config.tokenizer, config.model.pretrained_path)
+    model = PolicyModel.from_pretrained(str(policy_dir))
+    if args.dtype == "bf16" or (args.dtype is None and config.rollout_dtype == "bf16"):
+        model = model.to(torch.bfloat16)
+    return config, trained_task, policy_dir, model, tokenizer
+
+
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA GPU is visible; use --device cpu or auto")
+    return name
+
+
+def heldout_start(num_task_prompts: int | None, config, trained_task, start_index: int | None) -> tuple[int, str]:
+    """First prompt index to evaluate and a sentence saying why (see the module docstring)."""
+    if start_index is not None:
+        return start_index, f"prompts from index {start_index} (--start-index)"
+    if trained_task is None:
+        return 0, ("no run config: prompts from index 0, which may include training prompts "
+                   "(set --start-index, or pass the run's --config)")
+    if config.task != trained_task:
+        return 0, "a task config the run did not train on: prompts from index 0"
+    drawn = config.num_steps * config.groups_per_step
+    if num_task_prompts is None or drawn < num_task_prompts:
+        return drawn, f"held out: prompt indices from {drawn} (the run drew 0..{drawn - 1})"
+    return 0, (f"WARNING: the run drew all {num_task_prompts} prompts of this task, so these scores are on "
+               "training prompts; evaluate a separate file (task.path=... or task.split=test)")
+
+
+def _sampling(config, args: argparse.Namespace, policy_dir: Path):
+    from splitrl.models.hf_files import model_eos_token_ids
+
+    gen = config.rollout
+    # the directory's own stop tokens (end-of-turn of a chat model, those a run saved)
+    update: dict[str, Any] = {"stop_token_ids": list(dict.fromkeys(gen.stop_token_ids + model_eos_token_ids(policy_dir)))}
+    for name in ("temperature", "top_k", "top_p", "max_new_tokens"):
+        value = getattr(args, name, None)
+        if value is not None:
+            update[name] = value
+    return gen.model_copy(update=update)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from splitrl.evaluation import evaluate
+    from splitrl.tasks import make_task
+
+    config, trained_task, policy_dir, model, tokenizer = load_policy_and_config(args)
+    task = make_task(config.task)
+    start, why = heldout_start(task.num_prompts, config, trained_task, args.start_index)
+    stop = start + args.num_prompts
+    if task.num_prompts is not None:
+        stop = min(stop, task.num_prompts)
+    if stop <= start:
+        raise ValueError(f"no prompts to evaluate: the task has {task.num_prompts}, starting at {start}")
+    indices = list(range(start, stop))
+    print(f"splitrl eval: {policy_dir}; {len(indices)} prompts × {args.num_samples} samples; {why}", file=sys.stderr)
+    device = _device(args.device)
+    ks = sorted({int(k) for k in args.k.split(",")} | {args.num_samples})
+    common = dict(seed=args.seed, device=device, correct_threshold=args.correct_threshold,
+                  reward_timeout_s=config.reward_timeout_s)
+    gen = _sampling(config, args, policy_dir)
+    result = evaluate(model, tokenizer, task, gen, indices, num_samples=args.num_samples, ks=ks, **common)
+    metrics = dict(result.metrics)
+    samples = list(result.samples)
+    if args.greedy:
+        greedy = evaluate(model, tokenizer, task, gen.model_copy(update={"top_k": 1}), indices, num_samples=1,
+                          ks=(1,), prefix="eval/greedy/", **common)
+        metrics.update(greedy.metrics)
+        samples += greedy.samples
+    for key, value in metrics.items():
+        print(f"{key:32s} {value:.4f}")
+    if args.output:
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("w", encoding="utf-8") as f:
+            f.write(json.dumps({"metrics": metrics, "policy": str(policy_dir), "first_index": start}) + "\n")
+            for s in samples:
+                f.write(json.dumps(s.__dict__) + "\n")
+        print(f"splitrl eval: metrics and samples written to {out}", file=sys.stderr)
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from splitrl.evaluation import generate_samples
+
+    prompts = list(args.prompt or [])
+    if not prompts:
+        prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        raise ValueError("no prompts: give --prompt TEXT (repeatable) or prompt lines on stdin")
+    config, _, policy_dir, model, tokenizer = load_policy_and_config(args)
+    gen = _sampling(config, args, policy_dir)
+    n = args.num_samples
+    if args.greedy:
+        gen, n = gen.model_copy(update={"top_k": 1}), 1
+    texts = generate_samples(model, tokenizer, prompts, gen, num_samples=n, seed=args.seed, device=_device(args.device))
+    if args.json:
+        for p, outs in zip(prompts, texts):
+            print(json.dumps({"prompt": p, "responses": outs}))
+    else:
+        for p, outs in zip(prompts, texts):
+            print(f"### {p}")
+            for j, t in enumerate(outs):
+                print(f"[{j}] {t}")
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="run output dir, checkpoint dir (step_*), policy/ dir or Hugging Face model dir")
+    p.add_argument("overrides", nargs="*", help="key.path=value changes to the run config, e.g. task.path=test.jsonl")
+    p.add_argument("--config", help="run config to use instead of the run_config.json beside the checkpoint")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", choices=["fp32", "bf16"], help="default: the run's rollout_dtype")
+    p.add_argument("--seed", type=int, default=0, help="seed of the samples (sample j of prompt i: seed, i, j)")
+    p.add_argument("--num-samples", "-n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--greedy", action="store_true", help="also (eval) / instead (generate): greedy decoding, top_k=1")
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-k", dest="top_k", type=int)
+    p.add_argument("--top-p", dest="top_p", type=float)
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int)
+
+
+def add_eval_commands(sub) -> None:
+    """Register ``generate`` and ``eval`` on the ``splitrl`` sub-command parser."""
+    g = sub.add_parser("generate", help="print samples of a checkpoint or HF model for given prompts")
+    _common(g)
+    g.add_argument("--prompt", "-p", action="append", help="prompt text (repeatable; default: lines of stdin)")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    g.set_defaults(run=_guarded(run_generate))
+    e = sub.add_parser(
+        "eval",
+        help="score a checkpoint or HF model on a task's held-out prompts (reward, pass@k, length)",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _common(e)
+    e.set_defaults(num_samples=8)
+    e.add_argument("--num-prompts", type=int, default=64)
+    e.add_argument("--k", default="1", help="comma-separated k of pass@k (n = --num-samples is always added)")
+    e.add_argument("--start-index", type=int, help="first prompt index (default: the first the run never drew)")
+    e.add_argument("--correct-threshold", type=float, default=1.0, help="reward >= this counts as correct")
+    e.add_argument("--output", help="JSONL file: a metrics line, then one line per sample")
+    e.set_defaults(run=_guarded(run_eval))
+
+
+def _guarded(fn):
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except ValueError as e:
+            print(f"splitrl: {e}", file=sys.stderr)
+            return 2
+
+    return run

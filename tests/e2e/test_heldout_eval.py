@@ -1,0 +1,83 @@
+"""Held-out evaluation during training (issue 10, item 1): on the generation workers, every
+``eval.eval_every`` steps and at the end, on prompt indices training never draws.
+
+References: the same evaluation run directly on the checkpoint written at that step (the weights
+the workers had), and the same run without evaluation (training is unchanged by it)."""
+
+import json
+import math
+
+import pytest
+from _tiny import TINY_STEP
+
+from splitrl.config import load_config
+from splitrl.controller.controller import train
+from splitrl.eval_config import EvalConfig, heldout_indices
+from splitrl.evaluation import evaluate
+from splitrl.logging import read_metrics
+from splitrl.logging.plot import plot_series
+from splitrl.models import PolicyModel
+from splitrl.tasks import build_char_tokenizer, make_task
+
+TINY = TINY_STEP + ["backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false",
+                    "buffer.max_staleness=0", "num_steps=4", "checkpoint_every=2"]
+EVAL = ["eval.eval_every=2", "eval.num_prompts=3", "eval.num_samples=2", "eval.greedy=true",
+        "eval.correct_threshold=0.3", "eval.seed=9"]
+
+
+def test_heldout_indices():
+    cfg = EvalConfig(num_prompts=3)
+    assert heldout_indices(cfg, None, 16) == [16, 17, 18]  # past what training draws
+    assert heldout_indices(cfg, 17, 16) == [16]  # a finite task: what is left
+    with pytest.raises(ValueError, match="eval.task"):
+        heldout_indices(cfg, 16, 16)  # drawn in full
+    with pytest.raises(ValueError, match="overlaps"):
+        heldout_indices(cfg.model_copy(update={"start_index": 4}), None, 16)
+    separate = EvalConfig(num_prompts=3, task={"kind": "reverse_digits"})
+    assert heldout_indices(separate, None, 16) == [0, 1, 2]  # a separate task starts at 0
+
+
+def test_eval_during_training_matches_a_direct_evaluation_and_leaves_training_unchanged(tmp_path):
+    res = train(load_config(None, TINY + EVAL + [f"output_dir={tmp_path / 'eval'}"]))
+    rows = read_metrics(tmp_path / "eval" / "metrics.jsonl")
+    assert [("eval/reward_mean" in r) for r in rows] == [False, True, False, True]
+    config = load_config(None, TINY + EVAL)
+    tok = build_char_tokenizer(config.tokenizer.charset)
+    task = make_task(config.task)
+    for row in (rows[1], rows[3]):
+        step = row["step"]
+        # the checkpoint of this step holds the weights the workers evaluated
+        model = PolicyModel.from_pretrained(str(tmp_path / "eval" / "checkpoints" / f"step_{step:06d}" / "policy"))
+        ref = evaluate(model, tok, task, config.rollout, [16, 17, 18], num_samples=2, ks=(1, 2), seed=9,
+                       device="cpu", correct_threshold=0.3)
+        greedy = evaluate(model, tok, task, config.rollout.model_copy(update={"top_k": 1}), [16, 17, 18],
+                          num_samples=1, seed=9, device="cpu", correct_threshold=0.3, prefix="eval/greedy/")
+        for key, value in {**ref.metrics, **greedy.metrics}.items():
+            assert row[key] == value, (step, key, row[key], value)
+        assert row["timing/eval_s"] > 0
+
+    # the same run without evaluation trains identically (max_staleness 0: deterministic)
+    plain = train(load_config(None, TINY + [f"output_dir={tmp_path / 'plain'}"]))
+    for a, b in zip(res.metrics, plain.metrics):
+        for k, v in b.items():
+            if k.startswith("timing/") or k == "rollout/tokens_per_s":
+                continue
+            assert a[k] == v or (math.isnan(a[k]) and math.isnan(v)), (k, a[k], v)
+
+    # drawn in metrics.png: the evaluation's points at the steps evaluated
+    panels = dict(plot_series(rows))
+    series = {label: (xs, ys) for label, xs, ys, _ in panels["reward"]}
+    assert series["eval/reward_mean"] == ([2, 4], [rows[1]["eval/reward_mean"], rows[3]["eval/reward_mean"]])
+    assert "eval/greedy/pass@1" in series
+
+
+def test_no_heldout_prompt_left_fails_before_anything_starts(tmp_path):
+    data = tmp_path / "three.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(3)))
+    out = tmp_path / "run"
+    cfg = load_config(None, TINY + [f"output_dir={out}", "eval.at_end=true", "tokenizer.charset=null",
+                                    "model.backbone.vocab_size=100", f"task={{kind: math_file, path: {data}}}"])
+    with pytest.raises(ValueError, match="eval.task"):
+        train(cfg)
+    # preflight may probe that output_dir is writable; nothing of a run is written
+    assert not out.exists() or not any(out.iterdir())

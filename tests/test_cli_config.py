@@ -1,0 +1,129 @@
+"""A config you can discover (issue 10, item 5): ``splitrl config``, "did you mean", ``--version``,
+``train --help``, and config errors that come back before torch / transformers are imported."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from splitrl import __version__
+from splitrl._lazy import deferred_import_checks
+from splitrl.cli import main
+from splitrl.config import RunConfig, load_config
+from splitrl.config_help import REQUIRED, attribute_docs, config_keys, suggest_key
+
+
+def _leaves(d, prefix=""):
+    for k, v in d.items():
+        if isinstance(v, dict) and k not in ("backbone", "dataset_config"):  # dict-valued keys are leaves
+            yield from _leaves(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+@pytest.mark.parametrize(
+    "override,suggestion",
+    [
+        ("model.mtp.mtp_num_layer=2", "model.mtp.mtp_num_layers"),  # a typo
+        ("mtp_num_layers=2", "model.mtp.mtp_num_layers"),  # the right name in the wrong section
+        ("model.mpt.mtp_num_layers=2", "model.mtp"),  # a misspelled section
+        ("task.pat=x.jsonl", "task.path"),  # a key of another task kind (tagged union)
+        ("rollout.max_new_token=4", "rollout.max_new_tokens"),
+    ],
+)
+def test_unknown_key_suggests_the_closest_valid_one(override, suggestion):
+    with pytest.raises(ValueError) as e:
+        load_config(None, [override])
+    assert f"did you mean {suggestion}?" in str(e.value)
+    assert "splitrl config" in str(e.value)
+
+
+def test_no_suggestion_for_a_key_unlike_any():
+    with pytest.raises(ValueError) as e:
+        load_config(None, ["zzzz=1"])
+    assert "zzzz: unknown key" in str(e.value) and "did you mean" not in str(e.value)
+
+
+def test_suggest_key_rules():
+    valid = ["model.mtp.mtp_num_layers", "model.mtp", "num_steps", "backend"]
+    assert suggest_key("num_step", valid) == "num_steps"
+    assert suggest_key("mtp_num_layers", valid) == "model.mtp.mtp_num_layers"
+    assert suggest_key("bad", valid) is None  # 'bad' ~ 'backend' is too weak a match
+    assert suggest_key("num_steps", valid) is None  # valid: nothing to suggest
+
+
+def test_reference_lists_every_key_with_the_runs_default():
+    """Every leaf of the resolved default config appears once per task kind with its value."""
+    with deferred_import_checks():
+        defaults = RunConfig().model_dump(mode="json")
+    keys = config_keys(RunConfig, defaults)
+    by_path = {}
+    for k in keys:
+        if k.type != "section" and (not k.when or k.when == "task.kind=reasoning_gym"):
+            by_path[k.path] = k
+    leaves = dict(_leaves(defaults))
+    assert set(leaves) <= set(by_path)
+    for path, value in leaves.items():
+        assert by_path[path].default == value, path
+    # run-level defaults differ from the class defaults (the demo's): the reference shows the run's
+    assert by_path["rollout.max_new_tokens"].default == 8 and by_path["model.mtp.mtp_num_layers"].default == 1
+    assert by_path["model.mtp.mtp_num_layers"].type == "int"
+    assert by_path["model.mtp.mtp_num_layers"].doc == "D; 0 disables MTP entirely"
+    assert by_path["backend"].type == "'auto' | 'ray' | 'local'"
+    assert by_path["loss.loss_type"].type == "'token_level' | 'sequence_level'"
+    # keys of the other task kinds are listed with their condition; a required one says so
+    path_key = next(k for k in keys if k.path == "task.path")
+    assert path_key.when == "task.kind=math_file" and path_key.default is REQUIRED
+
+
+def test_attribute_docs_reads_shared_entries_and_first_sentences():
+    docs = attribute_docs(RunConfig)
+    assert docs["groups_per_step"] == docs["group_size"]
+    assert docs["num_steps"] == "optimizer steps of the run."
+    assert docs["seed"].startswith("seed of the run")
+
+
+def test_splitrl_config_prints_filtered_keys(capsys):
+    assert main(["config", "mtp_num_layers"]) == 0
+    out = [line for line in capsys.readouterr().out.splitlines() if line]
+    assert out == ["  model.mtp.mtp_num_layers (int) = 1  # D; 0 disables MTP entirely"]
+    assert main(["config", "no_such_key_anywhere"]) == 1
+
+
+def test_version_and_train_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"splitrl {__version__}"
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "examples/" in out and "splitrl config" in out
+
+
+_NO_HEAVY_IMPORTS = """
+import sys
+from splitrl.cli import main
+rc = main(sys.argv[1:])
+heavy = sorted(m for m in ("torch", "transformers", "reasoning_gym", "ray", "numpy") if m in sys.modules)
+print("RESULT", rc, "heavy:" + ",".join(heavy))
+"""
+
+
+@pytest.mark.parametrize("override", ["bad.key=1", "model.mtp.mtp_num_layer=2", "num_steps=-1"])
+def test_config_errors_come_back_before_heavy_imports(override):
+    """The bug this guards: validating a config imported torch, transformers and reasoning-gym
+    first (10-25 s on 2 busy cores before a typo was reported)."""
+    res = subprocess.run([sys.executable, "-c", _NO_HEAVY_IMPORTS, "train", override],
+                         capture_output=True, text=True, timeout=120)
+    last = res.stdout.strip().splitlines()[-1]
+    assert last == "RESULT 2 heavy:", (last, res.stderr[-2000:])
+    assert "invalid config" in res.stderr
+
+
+def test_full_validation_still_checks_what_needs_imports():
+    # the reasoning-gym generator name is checked in the second pass, with its own hint
+    with pytest.raises(ValueError, match="number_sorting"):
+        load_config(None, ["task.dataset=number_sortin"])
+    cfg = load_config(None, ["num_steps=3"])
+    assert cfg.num_steps == 3 and json.loads(cfg.model_dump_json())["task"]["dataset"] == "number_sorting"

@@ -1,0 +1,152 @@
+"""``splitrl eval`` / ``splitrl generate`` and the evaluation they run (issue 10, item 2).
+
+References are independent: pass@k against an enumeration of k-subsets; eval samples against the
+training rollouts (GenerationWorker) for the same weights and seeds; metrics recomputed from the
+samples with the task's own scorer.
+"""
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+
+from splitrl.cli import main
+from splitrl.cli_eval import heldout_start, resolve_policy_dir
+from splitrl.config import load_config
+from splitrl.controller.generation import GenerationWorker
+from splitrl.dataplane import InProcessDataPlane
+from splitrl.evaluation import evaluate, generate_samples, pass_at_k
+from splitrl.models import PolicyModel
+from splitrl.models.hf_files import write_inference_files
+from splitrl.tasks import build_char_tokenizer, make_task
+
+RUN = ["num_steps=3", "groups_per_step=2", "min_groups_per_chunk=1", "rollout.max_new_tokens=6", "seed=5"]
+
+
+def _pass_at_k_by_enumeration(n, c, k):
+    outcomes = [True] * c + [False] * (n - c)
+    subsets = list(itertools.combinations(range(n), k))
+    return sum(any(outcomes[i] for i in s) for s in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_pass_at_k_is_the_unbiased_estimator(n):
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            ref = _pass_at_k_by_enumeration(n, c, k)
+            closed = 1 - math.comb(n - c, k) / math.comb(n, k)
+            assert pass_at_k(n, c, k) == pytest.approx(ref, rel=1e-12, abs=1e-15)
+            assert pass_at_k(n, c, k) == pytest.approx(closed, rel=1e-12, abs=1e-15)
+    # large n: the product form needs no big binomials and stays exact
+    assert pass_at_k(200, 3, 10) == pytest.approx(1 - math.comb(197, 10) / math.comb(200, 10), rel=1e-12)
+    with pytest.raises(ValueError):
+        pass_at_k(4, 1, 5)
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 1)
+
+
+def _setup(tmp_path):
+    config = load_config(None, RUN)
+    model = PolicyModel.from_config(config.model).eval()
+    tok = build_char_tokenizer(config.tokenizer.charset)
+    return config, model, tok
+
+
+def test_eval_samples_are_the_training_rollouts_and_metrics_recompute(tmp_path):
+    """Same engine, prompts, stop tokens and seeds as a generation worker: identical samples.
+    The metrics equal those recomputed from the samples with the task's scorer."""
+    torch.manual_seed(0)
+    config, model, tok = _setup(tmp_path)
+    task = make_task(config.task)
+    indices, n = [7, 8, 9], 4
+    worker = GenerationWorker(config.model, config.rollout, config.task, config.tokenizer, InProcessDataPlane(),
+                              run_seed=config.seed, device="cpu")
+    try:
+        worker.load_weights(model.state_dict(), version=0)
+        groups, _ = worker.generate_groups(indices, n)
+    finally:
+        worker.close()
+    threshold = 0.3  # partial_chars rewards: some random samples pass it, so pass@k is not trivially 0
+    res = evaluate(model, tok, task, config.rollout, indices, num_samples=n, ks=(1, 2, 4), seed=config.seed,
+                   device="cpu", correct_threshold=threshold)
+    assert [s.response for s in res.samples] == [s.info["response"] for g in groups for s in g.samples]
+    assert [s.reward for s in res.samples] == [s.reward for g in groups for s in g.samples]
+    assert [s.response_len for s in res.samples] == [s.response_len for g in groups for s in g.samples]
+
+    rewards = [task.score(task.get_prompt(s.prompt_index), s.response) for s in res.samples]
+    assert res.metrics["eval/reward_mean"] == pytest.approx(sum(rewards) / len(rewards), rel=1e-12)
+    lengths = [s.response_len for s in res.samples]
+    assert res.metrics["eval/response_length_mean"] == pytest.approx(sum(lengths) / len(lengths), rel=1e-12)
+    per_prompt = [sum(r >= threshold for r in rewards[i * n : (i + 1) * n]) for i in range(len(indices))]
+    assert 0 < sum(per_prompt) < len(rewards), per_prompt  # the check below is not a trivial 0 or 1
+    for k in (1, 2, 4):
+        ref = sum(_pass_at_k_by_enumeration(n, c, k) for c in per_prompt) / len(indices)
+        assert res.metrics[f"eval/pass@{k}"] == pytest.approx(ref, rel=1e-12)
+    trunc = sum(s.finish_reason == "length" for s in res.samples) / len(res.samples)
+    assert res.metrics["eval/truncation_rate"] == trunc
+
+
+def test_heldout_start_is_past_what_the_run_drew():
+    config = load_config(None, RUN)
+    trained = config.task
+    assert heldout_start(None, config, trained, None)[0] == 3 * 2  # infinite task: from N on
+    assert heldout_start(100, config, trained, None)[0] == 6  # file with rows the run never drew
+    start, why = heldout_start(4, config, trained, None)  # every row drawn: say so
+    assert start == 0 and "training prompts" in why
+    other = load_config(None, RUN + ["task.seed=99"])
+    assert heldout_start(None, other, trained, None)[0] == 0  # a task config the run did not use
+    assert heldout_start(None, config, trained, 17)[0] == 17
+    assert heldout_start(None, config, None, None)[0] == 0
+
+
+def _checkpoint(tmp_path):
+    """A run directory laid out as the controller writes it (policy/ with tokenizer files)."""
+    torch.manual_seed(0)
+    config, model, tok = _setup(tmp_path)
+    step = tmp_path / "run" / "checkpoints" / "step_000003"
+    model.save_pretrained(step / "policy")
+    write_inference_files(step / "policy", tok, config.rollout)
+    (step / "run_config.json").write_text(json.dumps(config.model_dump(mode="json")))
+    (step / "COMPLETE").write_text(json.dumps({"step": 3}))
+    return config, model, tok, step
+
+
+def test_cli_eval_and_generate_on_a_checkpoint(tmp_path, capsys):
+    config, model, tok, step = _checkpoint(tmp_path)
+    assert resolve_policy_dir(tmp_path / "run") == (step / "policy", step / "run_config.json")
+    out = tmp_path / "eval.jsonl"
+    rc = main(["eval", str(tmp_path / "run"), "--num-prompts", "3", "-n", "2", "--k", "1,2", "--seed", "4",
+               "--device", "cpu", "--output", str(out)])
+    assert rc == 0
+    head, *rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert head["first_index"] == 6 and len(rows) == 6
+    assert sorted({r["prompt_index"] for r in rows}) == [6, 7, 8]
+    loaded = PolicyModel.from_pretrained(str(step / "policy"))
+    task = make_task(config.task)
+    ref = evaluate(loaded, tok, task, config.rollout, [6, 7, 8], num_samples=2, ks=(1, 2), seed=4, device="cpu")
+    assert head["metrics"] == pytest.approx(ref.metrics, rel=1e-12)
+    assert [r["response"] for r in rows] == [s.response for s in ref.samples]
+    capsys.readouterr()
+
+    rc = main(["generate", str(step / "policy"), "-p", "desc 5,2,7=", "-p", "asc 0,4,1=", "-n", "2", "--seed", "3",
+               "--device", "cpu", "--json", "rollout.max_new_tokens=5"])
+    assert rc == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    want = generate_samples(model, tok, ["desc 5,2,7=", "asc 0,4,1="],
+                            config.rollout.model_copy(update={"max_new_tokens": 5}), num_samples=2, seed=3)
+    assert [x["responses"] for x in lines] == want
+    assert all(len(r) <= 5 for x in want for r in x)
+
+
+def test_cli_errors_are_clear(tmp_path, capsys):
+    assert main(["eval", str(tmp_path)]) == 2
+    assert "not a model directory" in capsys.readouterr().err
+    _, model, _, _ = _checkpoint(tmp_path)
+    bare = tmp_path / "bare"
+    model.save_pretrained(bare)  # weights only: no tokenizer, no run config
+    assert main(["generate", str(bare), "-p", "x"]) == 2
+    assert "no tokenizer files" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path / "run"), "task.pat=x"]) == 2
+    assert "did you mean task.path?" in capsys.readouterr().err
