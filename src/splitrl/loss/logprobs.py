@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from splitrl.compile_lock import serialized
+
 _USE_COMPILED = {"enabled": True}
 
 
@@ -86,7 +88,7 @@ def _kernel(name: str, device: torch.device):
     if device.type != "cuda" or not _USE_COMPILED["enabled"]:
         return fn
     if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(fn, dynamic=True)
+        _COMPILED[name] = serialized(torch.compile(fn, dynamic=True))
     return _COMPILED[name]
 
 

@@ -32,6 +32,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from splitrl.compile_lock import serialized
+
 BLOCK = 128
 
 
@@ -145,7 +147,7 @@ def _varlen(query, key, value, cu: torch.Tensor, max_len: int, scaling: float | 
 @functools.cache
 def _compiled_flex():
     # the flex kernel exists only compiled; eager flex_attention is a slow dense reference
-    return torch.compile(flex_attention, dynamic=True)
+    return serialized(torch.compile(flex_attention, dynamic=True))
 
 
 def flex_or_sdpa_attention(

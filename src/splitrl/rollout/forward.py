@@ -28,10 +28,8 @@ def mtp_parts(model: PolicyModel, depth: int) -> tuple[nn.Module, nn.Module, nn.
     """(enorm, hnorm, fc, decoder layer, final norm) of MTP depth ``depth`` (1-indexed)."""
     mtp = model.mtp
     assert mtp is not None
-    per_depth = getattr(mtp, "depth_modules", None)
-    if callable(per_depth):  # a per-depth layout names its own parts
-        return per_depth(depth)
-    return mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.fc, mtp.layer_for_depth(depth), mtp.norm
+    d = mtp.depth_module(depth)  # each depth owns its norms, projection and layer (DESIGN §3)
+    return d.pre_fc_norm_embedding, d.pre_fc_norm_hidden, d.fc, d.layer, d.norm
 
 
 def check_supported(model: PolicyModel) -> None:

@@ -12,6 +12,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from splitrl.compile_lock import serialized
+
 log = logging.getLogger(__name__)
 
 
@@ -70,7 +72,7 @@ class Kernels:
                 for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit"):
                     if hasattr(torch._dynamo.config, knob):
                         setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 512))
-                fns = {n: torch.compile(globals()[n], dynamic=True) for n in _NAMES}
+                fns = {n: serialized(torch.compile(globals()[n], dynamic=True)) for n in _NAMES}
                 x = torch.randn(2, 3, 8, device=device, dtype=dtype)
                 w = torch.ones(8, device=device, dtype=dtype)
                 fns["rms_norm"](x, w, 1e-6)

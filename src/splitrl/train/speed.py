@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from splitrl.compile_lock import serialized
 from splitrl.loss.logprobs import set_fused_kernels
 from splitrl.train.config import SpeedConfig
 
@@ -46,4 +47,6 @@ def set_activation_checkpointing(model: nn.Module, enabled: bool) -> None:
 def compile_layers(model: nn.Module) -> None:
     """``torch.compile`` every decoder layer in place (names and parameters unchanged)."""
     for layer in decoder_layers(model):
-        layer.compile(dynamic=None)
+        # the instance's forward, compiled: hooks and activation checkpointing stay outside it;
+        # serialized because a rollout engine may compile on another thread of this process
+        layer.forward = serialized(torch.compile(layer.forward, dynamic=None))
