@@ -81,6 +81,7 @@ def model_hf_config(config: RunConfig) -> Any:
         cls = _FAMILY_CONFIGS[m.family]
         # transformers keeps any keyword as an attribute: a misspelt key would be ignored silently
         known = set(cls().to_dict()) | set(inspect.signature(cls.__init__).parameters) | set(cls.attribute_map)
+        known.add("head_dim")  # not a Qwen3-MoE config argument, but its attention reads it when set
         unknown = sorted(set(m.backbone) - known)
         if unknown:
             close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
