@@ -313,7 +313,8 @@ class RolloutEngine:
         self.config = config
         self.policy_version = 0
         self.last_stats: RolloutStats | None = None
-        self.use_cuda_graphs = self.device.type == "cuda"
+        # MoE layers route with data-dependent shapes, which a captured graph cannot replay
+        self.use_cuda_graphs = self.device.type == "cuda" and not getattr(model, "is_moe", False)
         self.speculative_switch_off = True
         self._speculative_active = config.speculative
         self._warned_slow = False

@@ -104,7 +104,7 @@ class DecoderForward:
         post = layer.post_attention_layernorm
         h, x = self.k.add_rms_norm(attn.o_proj(o), h, post.weight, post.variance_epsilon)
         mlp = layer.mlp
-        if self.silu:
+        if self.silu and hasattr(mlp, "down_proj"):  # dense SwiGLU; MoE blocks route in their own forward
             return h, mlp.down_proj(self.k.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
         return h, mlp(x)
 
