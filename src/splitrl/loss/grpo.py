@@ -6,11 +6,14 @@ Per valid token t of sample i (mask m_t = token_mask[t]·sample_mask[i], positio
 never counts):
 
     r_t   = exp(logπ(x_t) − logπ_prev(x_t))            token ratio (PPO, Schulman et al. 2017, eq. 7)
-    r_t   = exp(mean_t' [logπ − logπ_prev] over i)     with ``ratio_level="sequence"`` (GSPO, Zheng
-                                                       et al. 2025, eq. 7)
+    r_t   = sg[s_i] · π(x_t) / sg[π(x_t)]              with ``ratio_level="sequence"`` (the GSPO-token
+            s_i = exp(mean_t' [logπ − logπ_prev])       form, Zheng et al. 2025): its value is the
+                                                       sequence ratio s_i, its gradient s_i·∇logπ_t
     pg_t  = −min(r_t·A_i, clip(r_t, 1−ε_low, 1+ε_high)·A_i)          (ε_high > ε_low: DAPO clip-higher)
     pg_t  = min(pg_t, −c·A_i) where A_i < 0            dual clip (Ye et al. 2020, eq. 5), c > 1
-    pg_t *= min(exp(logπ_prev − logπ_gen), C)          truncated importance sampling (detached)
+    pg_t *= w_t = min(exp(logπ_prev − logπ_gen), C)    truncated importance sampling (detached);
+                                                       token t's gradient carries its own w_t, in
+                                                       GSPO too (DESIGN §5)
     ℓ_t   = pg_t + β·KL_t − α·H_t                      KL estimators k1/k2/k3 (Schulman 2020) of π vs ref
 
 TOKEN_LEVEL returns Σ_t ℓ_t·m_t (finish divides by N_t); SEQUENCE_LEVEL returns
@@ -94,7 +97,10 @@ class ClippedPGLoss:
         log_ratio = (curr - prev) * m
         if cfg.ratio_level == "sequence":
             seq = mb.per_sample_sum(log_ratio) / mb.per_sample_sum(m).clamp(min=1.0)
-            log_ratio = mb.gather_samples(seq)
+            # GSPO-token form: the value is the sequence ratio s_i, the gradient at token t is
+            # s_i·∇logπ_t, so a per-token weight w_t multiplies token t's own gradient (with the
+            # plain broadcast form every token would get the sample's mean weight)
+            log_ratio = mb.gather_samples(seq).detach() + (curr - curr.detach()) * m
         ratio = torch.exp(log_ratio)
         clipped = ratio.clamp(1.0 - cfg.clip_eps_low, 1.0 + cfg.clip_eps_high)
         surr = torch.minimum(ratio * adv, clipped * adv)
