@@ -171,10 +171,11 @@ def test_only_sequence_level_with_attached_trained_heads_pays_a_second_backward(
     torch.Tensor.backward = counting_backward
     try:
         w.train_microbatch(make_batch(6))  # mbs=3: two microbatches
+        # with coalesce_chunks the last microbatch may run at finish: count the whole step
+        m = w.finish_train_step()
     finally:
         torch.Tensor.backward = orig
     assert len(calls) == (4 if separate else 2)
-    m = w.finish_train_step()
     assert m["skipped_step"] == 0.0 and math.isfinite(m["grad_norm"])
 
 
