@@ -263,7 +263,9 @@ class TrainWorker:
             mb = mb.pin_memory().to(self.device, non_blocking=True)
         else:
             mb = mb.to(self.device)
-        cw = self.compute_weights
+        # The compute copies fold every backward into one fp32 accumulator, which would merge the
+        # side pass into the main gradient: the side-gradient path runs on the masters (autocast).
+        cw = self.compute_weights if st.side is None else None
         with cw.active() if cw is not None else contextlib.nullcontext():
             self._forward_backward(mb, st)
 
