@@ -102,7 +102,7 @@ def test_a_second_interrupt_exits_at_once(tmp_path):
     try:
         _wait_for(marker.exists, 180, proc)
         os.killpg(proc.pid, signal.SIGINT)
-        time.sleep(1.0)
+        time.sleep(2.0)  # beyond SIGNAL_ECHO_S: a real second signal, not the first one echoed
         assert proc.poll() is None  # the first one waits for the step
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
@@ -115,3 +115,30 @@ def test_a_second_interrupt_exits_at_once(tmp_path):
     assert "SIGINT again: exiting now" in (tmp_path / "log").read_text()
 
 
+
+
+def test_one_signal_delivered_twice_still_checkpoints():
+    """Kind: one signal counted twice. `timeout -s INT` (and a terminal's Ctrl-C) can deliver the
+    same SIGINT twice within milliseconds; the run took the echo for a second Ctrl-C and exited
+    without a checkpoint (a new user's trial, 76 steps lost). A repeat within SIGNAL_ECHO_S is the
+    same signal; a later one still forces the exit."""
+    import threading
+    import types
+
+    from splitrl.controller import controller as ctl
+
+    stub = types.SimpleNamespace(
+        _interrupted=False, _interrupt_signal=None, _interrupted_at=0.0, _stop=threading.Event(), _wake_pumps=lambda: None
+    )
+    exits = []
+    orig_exit = ctl.os._exit
+    ctl.os._exit = exits.append
+    try:
+        ctl.SingleController._on_interrupt(stub, signal.SIGINT)
+        ctl.SingleController._on_interrupt(stub, signal.SIGINT)  # the echo, milliseconds later
+        assert stub._stop.is_set() and stub._interrupt_signal == signal.SIGINT and exits == []
+        stub._interrupted_at -= ctl.SIGNAL_ECHO_S + 0.1  # the user presses Ctrl-C again later
+        ctl.SingleController._on_interrupt(stub, signal.SIGINT)
+        assert exits == [128 + signal.SIGINT]
+    finally:
+        ctl.os._exit = orig_exit

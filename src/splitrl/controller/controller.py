@@ -137,6 +137,9 @@ def preflight(config: RunConfig) -> int:
 
 # signals that stop a run cleanly: Ctrl-C, and what schedulers and container runtimes send
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# a second stop signal this soon after the first is the same one delivered twice, not a request
+# to exit at once
+SIGNAL_ECHO_S = 1.0
 
 
 @contextlib.contextmanager
@@ -250,6 +253,7 @@ class SingleController:
         self._stop = asyncio.Event()
         self._interrupted = False
         self._interrupt_signal: int | None = None
+        self._interrupted_at = 0.0  # time.monotonic() of the first stop signal
 
     # ============================================================================== set-up
     def _start_cluster(self) -> None:
@@ -851,12 +855,18 @@ class SingleController:
         writes a checkpoint and stops; a second one exits at once (exit code 128 + signal) without
         a checkpoint — the previous checkpoint stays intact (they are written atomically)."""
         name = signal.Signals(sig).name
+        if self._interrupted and time.monotonic() - self._interrupted_at < SIGNAL_ECHO_S:
+            # one signal delivered twice (`timeout` signals the process and its group; a terminal
+            # Ctrl-C reaches every process of the group): not the user asking again
+            log.debug("%s again within %.1f s of the first: taken as the same signal", name, SIGNAL_ECHO_S)
+            return
         if self._interrupted:
             log.error("%s again: exiting now without a checkpoint (rerun to resume from the last one)", name)
             _flush_console()
             os._exit(128 + int(sig))
         log.warning("%s: finishing the current step, saving a checkpoint and stopping (send it again to exit at once)", name)
         self._interrupted = True
+        self._interrupted_at = time.monotonic()
         self._interrupt_signal = int(sig)
         self._stop.set()
         self._wake_pumps()
