@@ -150,3 +150,20 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     assert "no tokenizer files" in capsys.readouterr().err
     assert main(["eval", str(tmp_path / "run"), "task.pat=x"]) == 2
     assert "did you mean task.path?" in capsys.readouterr().err
+
+
+def test_sampling_flags_are_validated_like_the_run_config(tmp_path):
+    """Kind: a flag that bypassed validation. `generate/eval --temperature 0` was accepted (the
+    run config refuses T = 0) and sampled garbage silently (a new user's trial)."""
+    import argparse
+
+    import pytest
+
+    from splitrl.cli_eval import _sampling
+    from splitrl.config import RunConfig
+
+    flags = dict(top_k=None, top_p=None, max_new_tokens=None)
+    with pytest.raises(ValueError, match=r"--temperature: .*temperature must be > 0"):
+        _sampling(RunConfig(), argparse.Namespace(temperature=0.0, **flags), tmp_path)
+    ok = _sampling(RunConfig(), argparse.Namespace(temperature=0.7, **flags), tmp_path)
+    assert ok.temperature == 0.7

@@ -141,7 +141,15 @@ def _sampling(config, args: argparse.Namespace, policy_dir: Path):
         value = getattr(args, name, None)
         if value is not None:
             update[name] = value
-    return gen.model_copy(update=update)
+    # validated like the run config (model_copy would not): --temperature 0 gets train's error
+    from pydantic import ValidationError
+
+    try:
+        return type(gen).model_validate({**gen.model_dump(), **update})
+    except ValidationError as e:
+        raise ValueError(
+            "; ".join(f"--{'-'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg']}" for err in e.errors())
+        ) from None
 
 
 def run_eval(args: argparse.Namespace) -> int:
