@@ -167,3 +167,16 @@ def test_sampling_flags_are_validated_like_the_run_config(tmp_path):
         _sampling(RunConfig(), argparse.Namespace(temperature=0.0, **flags), tmp_path)
     ok = _sampling(RunConfig(), argparse.Namespace(temperature=0.7, **flags), tmp_path)
     assert ok.temperature == 0.7
+
+
+def test_generate_refuses_prompts_the_tokenizer_cannot_spell(tmp_path):
+    """Kind: text silently turned into <unk>. `generate -p "DESC 5,2,7="` sampled from a prompt of
+    unknown tokens with no word (training's preflight refuses such prompts)."""
+    from splitrl.evaluation import generate_samples
+
+    config, model, tok = _setup(tmp_path)
+    assert tok.unk_token_id is not None
+    with pytest.raises(ValueError, match="cannot spell"):
+        generate_samples(model, tok, ["DESC 5,2,7="], config.rollout, num_samples=1)
+    (out,) = generate_samples(model, tok, ["desc 5,2,7="], config.rollout, num_samples=2)
+    assert len(out) == 2

@@ -93,8 +93,17 @@ def generate_samples(
     """``num_samples`` responses to each prompt text (the chat template applied when the tokenizer
     has one). Sample j of prompt i uses the seed ``sample_seed(seed, i, j)``, so the output is
     reproducible. Returns one list of texts per prompt."""
-    engine = make_engine(model, tokenizer, generation, device)
     ids = [encode_prompt(TaskPrompt(index=i, text=p, answer=""), tokenizer) for i, p in enumerate(prompts)]
+    unk = getattr(tokenizer, "unk_token_id", None)
+    for p, row in zip(prompts, ids):
+        if unk is not None and unk in row:
+            # the model would see <unk> where the user typed text: refuse, as training's preflight does
+            raise ValueError(
+                f"prompt {p!r} has characters the tokenizer cannot spell (they would become its unknown "
+                "token); use only characters of the tokenizer's vocabulary (for a character tokenizer: "
+                "tokenizer.charset)"
+            )
+    engine = make_engine(model, tokenizer, generation, device)
     flat = [ids[i] for i in range(len(prompts)) for _ in range(num_samples)]
     seeds = [sample_seed(seed, i, j) for i in range(len(prompts)) for j in range(num_samples)]
     _, texts = _generate(engine, tokenizer, flat, seeds, generation.stop_strings)
