@@ -285,11 +285,14 @@ def explain_validation_error(error: ValidationError, model_cls: type[BaseModel])
     for err in error.errors():
         path = _key_path(tuple(err["loc"]), model_cls)
         msg = err["msg"]
+        if err["type"] == "value_error":
+            # our validators' own messages, without pydantic's "Value error, " prefix
+            msg = str(err.get("ctx", {}).get("error", msg.removeprefix("Value error, ")))
         if err["type"] == "extra_forbidden":
             valid = valid or [k.path for k in config_keys(model_cls)]
             hint = suggest_key(path, valid)
             msg = "unknown key" + (f"; did you mean {hint}?" if hint else "")
-        lines.append(f"  {path or '<root>'}: {msg}")
+        lines.append(f"  {path}: {msg}" if path else f"  {msg}")
     return (
         "invalid config:\n" + "\n".join(lines)
         + "\n(every key with its type, default and meaning: `splitrl config`; examples: examples/*.yaml)"
