@@ -13,39 +13,15 @@ def _rel(a, b):
     return float((a - b).norm() / (b.norm() + 1e-30))
 
 
-def test_fp16_with_loss_scaling_matches_fp32_including_mtp():
-    """Tolerance: over all policy parameters ‖g16 − g32‖ ≤ 2 % of ‖g32‖, the same over the MTP
-    parameters (fp16 compute keeps 11 mantissa bits); metrics rtol 1e-2."""
+def _check_fp16_matches_fp32(model_kwargs: dict, loss, metric_keys: tuple[str, ...]) -> None:
+    """One step in fp32 (synchronous) and in fp16 (loss-scaled, chunks [7, 9]) on the same batch:
+    ‖g16 − g32‖ ≤ 2 % of ‖g32‖ over the policy and over the MTP parameters; metrics rtol 1e-2."""
     batch = make_batch(16, seed=1)
-    w32 = make_worker(make_model(D=2), max_grad_norm=None)
-    w16 = make_worker(make_model(D=2), precision="fp16", max_grad_norm=None)
-    g32, g16 = capture_grads(w32), capture_grads(w16)
-    m32 = w32.train(batch, make_loss())
-    # expected_num_tokens keeps fp16 activation gradients in range; finish divides it out
-    w16.begin_train_step(make_loss(), expected_num_tokens=batch.num_tokens)
-    for c in partition(batch, [7, 9]):
-        w16.train_microbatch(c)
-    m16 = w16.finish_train_step()
-    assert m16["skipped_step"] == 0.0 and m16["loss_scale"] == 2.0**16
-    for group in ("main", "mtp"):
-        names = [n for n in g32[0] if n.startswith("mtp.") == (group == "mtp")]
-        a = torch.cat([g16[0][n].flatten() for n in names])
-        b = torch.cat([g32[0][n].flatten() for n in names])
-        assert _rel(a, b) <= 2e-2, group
-    for k in ("loss", "mtp/mtp_1_loss", "mtp/mtp_2_loss", "mtp/grad_norm", "grad_norm"):
-        assert m16[k] == pytest.approx(m32[k], rel=1e-2), k
-
-
-def test_fp16_sequence_level_attached_heads_matches_fp32():
-    """Both backward passes of the side-loss path (splitrl.train.side_grads) are loss-scaled and
-    unscaled alike. Tolerance as above: ‖g16 − g32‖ ≤ 2 % of ‖g32‖ over the policy and over the
-    MTP parameters; metrics rtol 1e-2."""
-    batch = make_batch(16, seed=1)
-    loss = make_loss(LossType.SEQUENCE_LEVEL)
-    w32 = make_worker(make_model(D=2, detach=False, lam=0.3), max_grad_norm=None)
-    w16 = make_worker(make_model(D=2, detach=False, lam=0.3), precision="fp16", max_grad_norm=None)
+    w32 = make_worker(make_model(**model_kwargs), max_grad_norm=None)
+    w16 = make_worker(make_model(**model_kwargs), precision="fp16", max_grad_norm=None)
     g32, g16 = capture_grads(w32), capture_grads(w16)
     m32 = w32.train(batch, loss)
+    # expected_num_tokens keeps fp16 activation gradients in range; finish divides it out
     w16.begin_train_step(loss, expected_num_tokens=batch.num_tokens)
     for c in partition(batch, [7, 9]):
         w16.train_microbatch(c)
@@ -56,8 +32,27 @@ def test_fp16_sequence_level_attached_heads_matches_fp32():
         a = torch.cat([g16[0][n].flatten() for n in names])
         b = torch.cat([g32[0][n].flatten() for n in names])
         assert _rel(a, b) <= 2e-2, group
-    for k in ("loss", "mtp/mtp_1_loss", "mtp/mtp_2_loss", "grad_norm"):
+    for k in metric_keys:
         assert m16[k] == pytest.approx(m32[k], rel=1e-2), k
+
+
+def test_fp16_with_loss_scaling_matches_fp32_including_mtp():
+    """Tolerance: over all policy parameters ‖g16 − g32‖ ≤ 2 % of ‖g32‖, the same over the MTP
+    parameters (fp16 compute keeps 11 mantissa bits); metrics rtol 1e-2."""
+    _check_fp16_matches_fp32(
+        dict(D=2), make_loss(), ("loss", "mtp/mtp_1_loss", "mtp/mtp_2_loss", "mtp/grad_norm", "grad_norm")
+    )
+
+
+def test_fp16_sequence_level_attached_heads_matches_fp32():
+    """Both backward passes of the side-loss path (splitrl.train.side_grads) are loss-scaled and
+    unscaled alike. Tolerance as above: ‖g16 − g32‖ ≤ 2 % of ‖g32‖ over the policy and over the
+    MTP parameters; metrics rtol 1e-2."""
+    _check_fp16_matches_fp32(
+        dict(D=2, detach=False, lam=0.3),
+        make_loss(LossType.SEQUENCE_LEVEL),
+        ("loss", "mtp/mtp_1_loss", "mtp/mtp_2_loss", "grad_norm"),
+    )
 
 
 class _PoisonedLoss(ClippedPGLoss):
