@@ -120,6 +120,14 @@ class RunConfig(BaseModel):
             lets generation and training use a core each.
         ray_address: join this existing Ray cluster (``auto``, ``host:port``, ``ray://...``;
             ``RAY_ADDRESS`` works too). None starts a local cluster that listens on 127.0.0.1 only.
+        schedule: ``async`` (default): generation and training overlap — rollouts of a step are
+            streamed into training in chunks as they finish, and with ``buffer.max_staleness > 0``
+            generation runs ahead on older weights. ``sync``: a plain GRPO loop — generate the
+            whole step with the current weights, then train it, then sync the weights; nothing is
+            generated while training. ``buffer.max_staleness`` then defaults to 0, and another
+            value is refused. It trains on the same
+            samples with the same math as ``async`` at ``max_staleness: 0`` (the baseline that
+            ``bench/bench_e2e.py`` measures the asynchronous speed-up against).
         eval: held-out evaluation during training (:class:`~splitrl.eval_config.EvalConfig`).
     """
 
@@ -146,6 +154,7 @@ class RunConfig(BaseModel):
     rollout_dtype: Literal["fp32", "bf16"] = "fp32"
     torch_threads: int | None = Field(1, ge=1)
     ray_address: str | None = None
+    schedule: Literal["async", "sync"] = "async"
 
     # defaults: the CPU demo (FINDINGS.md: an entropy bonus and no std division keep the tiny
     # policy from collapsing to one answer)
@@ -175,7 +184,8 @@ class RunConfig(BaseModel):
         without ``total_steps``), so filling them afterwards comes too late.
 
         - ``train.optim.total_steps`` (cosine schedule) defaults to ``num_steps``;
-        - ``dataplane.kind`` defaults to ``inprocess`` with ``backend=local`` (the only one it runs).
+        - ``dataplane.kind`` defaults to ``inprocess`` with ``backend=local`` (the only one it runs);
+        - ``buffer.max_staleness`` defaults to 0 with ``schedule=sync`` (the only value it runs).
         """
         if not isinstance(data, dict):
             return data
@@ -185,6 +195,8 @@ class RunConfig(BaseModel):
             optim["total_steps"] = data.get("num_steps", cls.model_fields["num_steps"].default)
         if data.get("backend") == "local":
             _set_unless_given(data, "dataplane", "kind", "inprocess")
+        if data.get("schedule") == "sync":
+            _set_unless_given(data, "buffer", "max_staleness", 0)
         return data
 
     @model_validator(mode="after")
@@ -207,6 +219,12 @@ class RunConfig(BaseModel):
             )
         if self.rollout.speculative and mtp.mtp_num_layers == 0:
             raise ValueError("rollout.speculative=true needs MTP heads: set model.mtp.mtp_num_layers >= 1")
+        if self.schedule == "sync" and self.buffer.max_staleness != 0:
+            raise ValueError(
+                f"schedule=sync generates every step with the weights it trains (staleness 0), but "
+                f"buffer.max_staleness={self.buffer.max_staleness}; set buffer.max_staleness=0, or "
+                "schedule=async to let generation run ahead"
+            )
         if self.backend == "local" and self.num_train_workers > 1:
             raise ValueError("backend=local runs one train worker; use backend=ray for num_train_workers > 1")
         if self.backend == "local" and self.dataplane.kind == "transferqueue":

@@ -15,6 +15,13 @@ evict. With ``max_staleness: 0`` every step trains on exactly its own prompts, g
 weights of the step's start, in prompt order and fixed chunk sizes: the run is deterministic and a
 resumed run reproduces the uninterrupted one. With ``max_staleness > 0`` generation runs ahead and
 timing decides which groups land in which step.
+
+``schedule: sync`` is the plain GRPO loop, kept as the baseline the asynchronous schedule is
+measured against (``bench/bench_e2e.py``): it runs at ``max_staleness: 0`` (the config enforces
+it), so generation of step s waits for the weights of version s, and the train pump additionally
+waits until every group of the step is generated before it trains the first chunk. Generation and
+training then never overlap, and the chunks, samples and math are those of ``async`` at
+``max_staleness: 0``: the two runs log the same numbers, at different speeds.
 """
 
 from __future__ import annotations
@@ -497,7 +504,8 @@ class SingleController:
             if self._stop.is_set() and nxt // G > self.step:
                 return  # stopping: only the open step's prompts are still needed
             # generate for step s only with weights the sampler will accept (no wasted work);
-            # past the last step, wait: an eviction may hand a prompt back
+            # past the last step, wait: an eviction may hand a prompt back. schedule=sync runs at
+            # max_staleness 0: step s + 1 waits for the weights its step s trained
             need = nxt // G - cfg.buffer.max_staleness
             if nxt // G >= cfg.num_steps or self.synced_version < need:
                 await self._wake.wait()
@@ -549,12 +557,7 @@ class SingleController:
         if cfg.buffer.max_staleness == 0:
             # deterministic: the step's own prompts, in prompt order
             want = list(range(self.next_index, self.next_index + n))
-            while not all(i in self.held for i in want):
-                ok = await self.buffer.wait_ready(1, timeout=cfg.watchdog_timeout_s, current_version=self.version)
-                if not ok:
-                    raise StallError(self._stall_report("rollouts for prompts " + str([i for i in want if i not in self.held])))
-                for g in self.buffer.select(self.version, max_groups=max(1, self.buffer.size), min_groups=1):
-                    self.held[g.prompt_index] = g
+            await self._hold(want)
             groups = [self.held.pop(i) for i in want]
             self.next_index += n
         else:
@@ -564,6 +567,22 @@ class SingleController:
             groups = self.buffer.select(self.version, max_groups=n, min_groups=min(n, cfg.min_groups_per_chunk))
         self.wait_s += time.perf_counter() - t0
         return groups
+
+    async def _hold(self, want: list[int]) -> None:
+        """Wait until the group of every prompt index in ``want`` is held (``max_staleness: 0``:
+        the train pump takes a step's own prompts in prompt order; groups that arrive first are
+        moved from the buffer to ``held`` until their turn).
+
+        Raises:
+            StallError: no group arrived for ``watchdog_timeout_s``; says where the prompts are.
+        """
+        cfg = self.config
+        while not all(i in self.held for i in want):
+            ok = await self.buffer.wait_ready(1, timeout=cfg.watchdog_timeout_s, current_version=self.version)
+            if not ok:
+                raise StallError(self._stall_report("rollouts for prompts " + str([i for i in want if i not in self.held])))
+            for g in self.buffer.select(self.version, max_groups=max(1, self.buffer.size), min_groups=1):
+                self.held[g.prompt_index] = g
 
     def _stall_report(self, what: str) -> str:
         """Why the train pump waited in vain, from where every prompt of the schedule is."""
@@ -619,6 +638,12 @@ class SingleController:
             composer.start_step()
             train_intervals = []
             try:
+                if cfg.schedule == "sync":
+                    # the plain loop: the whole step is generated before any of it trains (the
+                    # chunks below are then those of async at max_staleness 0, already held)
+                    t = time.perf_counter()
+                    await self._hold(list(range(self.next_index, (step + 1) * cfg.groups_per_step)))
+                    self.wait_s += time.perf_counter() - t
                 # fp16: per-chunk losses are scaled by 1 / (the expected tokens of the step) so that
                 # activation gradients stay in range; finish divides it out (DESIGN §2)
                 expected = self.expected_tokens if cfg.train.precision == "fp16" else None
@@ -673,6 +698,7 @@ class SingleController:
         out["train/reward"] = rollout.pop("reward/mean")
         out.update({f"rollout/{k}": v for k, v in rollout.items()})
         out["rollout/response_length_mean"] = sum(lengths) / max(1, len(lengths))
+        out["rollout/prompt_length_mean"] = sum(s.prompt_len for s in samples) / max(1, len(samples))
         out["rollout/response_length_max"] = float(max(lengths, default=0))
         out["rollout/truncation_rate"] = sum(s.truncated for s in samples) / max(1, len(samples))
         out["rollout/reward_timeout_rate"] = sum(s.reward_timed_out for s in samples) / max(1, len(samples))

@@ -1,0 +1,110 @@
+"""``schedule: sync`` (issue 9, item 5): the plain GRPO loop that the asynchronous controller is
+measured against.
+
+Kind of bug guarded: a baseline that is not what it claims — generation overlapping training in
+the "synchronous" run (the speed-up would be understated), or different samples or math than the
+asynchronous run (the comparison would not be like for like).
+"""
+
+import math
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _tiny import TINY_STEP
+from safetensors.torch import load_file
+
+from splitrl.config import load_config
+from splitrl.controller.controller import train
+from splitrl.controller.generation import GenerationWorker
+from splitrl.controller.train_actor import TrainActor
+
+TINY = TINY_STEP + ["backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false", "checkpoint_every=0"]
+NUM_STEPS = 3
+
+
+def _record_calls(monkeypatch) -> dict[str, list[tuple[float, float]]]:
+    """Wall-clock (start, end) of every generation call and every train call, taken inside the
+    workers (their threads), independently of the controller's own timing metrics."""
+    calls: dict[str, list[tuple[float, float]]] = {"generate": [], "train": []}
+    lock = threading.Lock()
+
+    def timed(kind, fn):
+        def wrapper(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                with lock:
+                    calls[kind].append((t0, time.perf_counter()))
+
+        return wrapper
+
+    monkeypatch.setattr(GenerationWorker, "generate_groups", timed("generate", GenerationWorker.generate_groups))
+    for name in ("train_chunk", "finish"):
+        monkeypatch.setattr(TrainActor, name, timed("train", getattr(TrainActor, name)))
+    return calls
+
+
+def _overlap_s(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(e1, e2) - max(s1, s2)) for s1, e1 in a for s2, e2 in b)
+
+
+def _final_policy(out: Path) -> dict[str, torch.Tensor]:
+    files = sorted(out.glob(f"checkpoints/step_{NUM_STEPS:06d}/policy/*.safetensors"))
+    assert files, f"no policy export of the last step under {out}"
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    return weights
+
+
+def _run(tmp_path, monkeypatch, name: str, *extra: str):
+    calls = _record_calls(monkeypatch)
+    cfg = load_config(None, TINY + [f"num_steps={NUM_STEPS}", f"output_dir={tmp_path / name}", *extra])
+    res = train(cfg)
+    monkeypatch.undo()
+    assert res.steps_done == NUM_STEPS
+    return res.metrics, calls, _final_policy(tmp_path / name)
+
+
+def test_sync_trains_what_async_at_staleness_zero_trains_and_never_overlaps(tmp_path, monkeypatch):
+    """Same per-step metrics (exactly: same samples, chunks and kernels) and the same final
+    parameters (bitwise) as ``async`` at ``max_staleness: 0``; under ``sync`` no generation call
+    overlaps a train call, while under ``async`` they do (so the overlap check can fail)."""
+    sync_m, sync_calls, sync_w = _run(tmp_path, monkeypatch, "sync", "schedule=sync")
+    async_m, async_calls, async_w = _run(tmp_path, monkeypatch, "async", "schedule=async", "buffer.max_staleness=0")
+
+    compared = 0
+    for step, (a, b) in enumerate(zip(sync_m, async_m), start=1):
+        assert set(a) == set(b)
+        for k, v in a.items():
+            if k.startswith("timing/") or k == "rollout/tokens_per_s":
+                continue
+            w = b[k]
+            assert v == w or (math.isnan(v) and math.isnan(w)), (step, k, v, w)
+            compared += 1
+    assert compared > 30 * NUM_STEPS  # the losses, rewards, MTP and rollout metrics of every step
+    assert sync_m[-1]["train/loss"] != sync_m[0]["train/loss"]  # the weights did change over the run
+    assert sync_w.keys() == async_w.keys()
+    for k in sync_w:
+        assert torch.equal(sync_w[k], async_w[k]), k
+
+    assert len(sync_calls["generate"]) == NUM_STEPS * 2  # 4 prompts a step, 2 per call
+    assert len(sync_calls["train"]) >= NUM_STEPS * 3  # 2 chunks + finish a step
+    assert _overlap_s(sync_calls["generate"], sync_calls["train"]) == 0.0
+    assert all(m["timing/generation_during_train_s"] == 0.0 for m in sync_m)
+    # streamed chunks: the second half of a step is generated while the first half trains
+    assert _overlap_s(async_calls["generate"], async_calls["train"]) > 0.0
+    assert sum(m["timing/generation_during_train_s"] for m in async_m) > 0.0
+
+
+def test_sync_needs_staleness_zero():
+    assert load_config(None, ["schedule=sync"]).buffer.max_staleness == 0  # the default it fills in
+    assert load_config(None, []).schedule == "async"
+    with pytest.raises(ValueError, match=r"schedule=sync .* buffer.max_staleness=1; set buffer.max_staleness=0"):
+        load_config(None, ["schedule=sync", "buffer.max_staleness=1"])
+    with pytest.raises(ValueError, match="schedule"):
+        load_config(None, ["schedule=lockstep"])
