@@ -1,0 +1,168 @@
+"""End-to-end training throughput: the asynchronous controller against a plain synchronous GRPO loop.
+
+One process runs the same config three times, one after the other, with only the schedule changed:
+
+- ``sync``: ``schedule: sync`` — generate the whole step with the current weights, then train it,
+  then sync the weights (what a plain GRPO loop does; nothing overlaps);
+- ``async s=0``: ``schedule: async``, ``buffer.max_staleness: 0`` — the same samples and math as
+  ``sync`` (the runs log the same losses), but the step's groups are streamed into training in
+  chunks as they finish, so generation of a step's later groups overlaps training of its first;
+- ``async s=1``: ``schedule: async``, ``buffer.max_staleness: 1`` — generation also runs one
+  policy version ahead (stale samples, corrected by truncated importance weights when the config
+  says so), so it overlaps the whole train step and the weight sync.
+
+Each run gets ``num_steps = --steps``, a fresh output directory, no intermediate checkpoints and no
+held-out evaluation. The first run of a process is slower even after its first step (lazily built
+kernels and caches: on CPU its steps 2..N took 0.2 s longer than the same schedule's run later in
+the process), so an untimed warm-up run of ``--warmup-steps`` steps goes first. ``--repeats R``
+runs the schedules R times, in forward then reverse order (A B C C B A ...), so that a drift of the
+machine's speed (other load) weighs on every schedule alike; steps are pooled over the repeats.
+Step 1 of each run pays start-up (and, asynchronously, has nothing generated ahead), so figures
+are over the steady-state steps 2..N:
+
+    wall      = Σ_{s=2..N} timing/step_s   (the train pump's step: from waiting for the step's first
+                                            chunk to its weights synced and metrics taken; only
+                                            logging falls between two steps)
+    samples/s = (N − 1) · groups_per_step · group_size / wall
+    generated tokens/s = Σ_{s=2..N} rollout/response_length_mean · groups_per_step · group_size / wall
+    trained tokens/s   = Σ_{s=2..N} (rollout/prompt_length_mean + rollout/response_length_mean)
+                         · groups_per_step · group_size / wall   (tokens the train step processes)
+
+and the ratios of each schedule's samples/s to ``sync``'s. Also printed: the mean step time, the
+seconds per step the train pump waited for rollouts (``timing/exposed_wait_s``) and the seconds
+per step generation and training overlapped (``timing/generation_during_train_s``, 0 under sync).
+
+    python bench/bench_e2e.py --config examples/cpu_demo.yaml --steps 5 backend=local dataplane.kind=inprocess
+    python bench/bench_e2e.py --config examples/qwen3_0p6b_gpu.yaml --steps 6 --device cuda \\
+        "task={kind: reverse_digits}"
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from splitrl.config import RunConfig, load_config
+from splitrl.controller.controller import _resolve_backend, train
+
+SCHEDULES = {
+    "sync": ["schedule=sync", "buffer.max_staleness=0"],
+    "async s=0": ["schedule=async", "buffer.max_staleness=0"],
+    "async s=1": ["schedule=async", "buffer.max_staleness=1"],
+}
+# the same run for every schedule: no intermediate checkpoints, no evaluation, a fresh start
+COMMON = ["checkpoint_every=0", "resume=false", "eval.eval_every=0", "eval.at_end=false", "logging.progress_bar=false"]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="run config YAML (default: the embedded CPU demo)")
+    p.add_argument("--steps", type=int, default=6, help="steps per run (>= 2; step 1 is not counted)")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda", "auto"], help="default: the config's")
+    p.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma list of {', '.join(SCHEDULES)}")
+    p.add_argument("--warmup-steps", type=int, default=2, help="steps of the untimed warm-up run (0: none)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per schedule, in alternating order")
+    p.add_argument("--output-dir", default=None, help="where the runs go (default: a temporary directory)")
+    p.add_argument("overrides", nargs="*", help="key.path=value overrides applied to every run")
+    args = p.parse_args(argv)
+    if args.steps < 2:
+        p.error("--steps must be >= 2: step 1 (start-up, compilation) is left out of the figures")
+    unknown = [s for s in args.schedules.split(",") if s not in SCHEDULES]
+    if unknown:
+        p.error(f"--schedules: unknown {unknown}; choose from {list(SCHEDULES)}")
+    return args
+
+
+def figures(config: RunConfig, runs: list[list[dict[str, float]]]) -> dict[str, float]:
+    """Steady-state throughput of a schedule's runs (steps 2..N of each, pooled) by the formulas
+    of the module docstring; ``runs`` holds each run's per-step metrics."""
+    per_step = config.groups_per_step * config.group_size
+    steady = [m for metrics in runs for m in metrics[1:]]
+    wall = sum(m["timing/step_s"] for m in steady)
+    gen = sum(m["rollout/response_length_mean"] * per_step for m in steady)
+    trained = sum((m["rollout/prompt_length_mean"] + m["rollout/response_length_mean"]) * per_step for m in steady)
+    n = len(steady)
+    return {
+        "step1_s": sum(metrics[0]["timing/step_s"] for metrics in runs) / len(runs),
+        "step_s": wall / n,
+        "samples_per_s": n * per_step / wall,
+        "gen_tokens_per_s": gen / wall,
+        "trained_tokens_per_s": trained / wall,
+        "wait_s": sum(m["timing/exposed_wait_s"] for m in steady) / n,
+        "overlap_s": sum(m["timing/generation_during_train_s"] for m in steady) / n,
+        "reward": steady[-1]["train/reward"],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    print(f"command: python bench/bench_e2e.py {shlex.join(argv)}", flush=True)
+    root = Path(args.output_dir) if args.output_dir else Path(tempfile.mkdtemp(prefix="bench_e2e_"))
+    base = list(args.overrides) + ([f"device={args.device}"] if args.device else [])
+    names = args.schedules.split(",")
+    order = [n for r in range(args.repeats) for n in (names if r % 2 == 0 else names[::-1])]
+    if args.warmup_steps:
+        order.insert(0, "warm-up")
+    runs: dict[str, list[list[dict[str, float]]]] = {n: [] for n in names}
+    configs: dict[str, RunConfig] = {}
+    try:
+        for i, name in enumerate(order):
+            out = root / f"{i}_{name.replace(' ', '_').replace('=', '')}"
+            steps = args.warmup_steps if name == "warm-up" else args.steps
+            schedule = SCHEDULES[names[0] if name == "warm-up" else name]
+            cfg = load_config(args.config, base + COMMON + schedule + [f"num_steps={steps}", f"output_dir={out}"])
+            if i == 0:
+                dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+                where = torch.cuda.get_device_name() if dev == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
+                print(
+                    f"{where}, torch {torch.__version__}, backend {_resolve_backend(cfg)}, {cfg.num_generation_workers} generation "
+                    f"+ {cfg.num_train_workers} train worker(s); a step = {cfg.groups_per_step} prompts x {cfg.group_size} "
+                    f"samples, <= {cfg.rollout.max_new_tokens} new tokens, chunks of {cfg.min_groups_per_chunk} groups; "
+                    f"{args.steps} steps per run, figures over steps 2-{args.steps}; run order {order}; "
+                    f"runs under {root}",
+                    flush=True,
+                )
+            t0 = time.perf_counter()
+            res = train(cfg)
+            if res.steps_done != steps or len(res.metrics) != steps:
+                raise RuntimeError(f"{name}: the run stopped after {res.steps_done} of {steps} steps")
+            if name != "warm-up":
+                runs[name].append(res.metrics)
+                configs[name] = cfg
+            print(f"  {name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+    finally:
+        if "ray" in sys.modules:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()
+    results = {n: figures(configs[n], runs[n]) for n in names}
+    ref = results.get("sync")
+    head = (
+        f"{'schedule':<10} {'samples/s':>10} {'gen tok/s':>11} {'train tok/s':>12} {'x sync':>7} "
+        f"{'step s':>8} {'wait s':>8} {'overlap s':>10} {'step 1 s':>9} {'reward':>7}"
+    )
+    print(head)
+    for name, f in results.items():
+        ratio = f["samples_per_s"] / ref["samples_per_s"] if ref else math.nan
+        print(
+            f"{name:<10} {f['samples_per_s']:>10.1f} {f['gen_tokens_per_s']:>11.0f} {f['trained_tokens_per_s']:>12.0f} "
+            f"{ratio:>6.2f}x {f['step_s']:>8.3f} {f['wait_s']:>8.3f} {f['overlap_s']:>10.3f} {f['step1_s']:>9.1f} "
+            f"{f['reward']:>7.3f}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
