@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import os
@@ -177,6 +178,22 @@ def _loopback_only_ray():
             os.environ[env_key] = old_env
 
 
+def _is_loopback(address: str) -> bool:
+    """Whether a Ray address (``host:port``, ``ray://host:port``, or ``auto`` with ``RAY_ADDRESS``
+    set to one of those) names this machine's loopback interface (127.0.0.0/8, ``localhost``, ::1)."""
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS", "auto")
+        if address == "auto":
+            return False  # Ray finds the cluster of this machine itself
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
 @contextlib.contextmanager
 def _children_ignore_sigint():
     """Processes started inside inherit an ignored SIGINT (kept across exec; Python keeps it
@@ -269,7 +286,10 @@ class SingleController:
         A local cluster listens on loopback only (every Ray server, worker and agent, and
         TransferQueue's sockets, bind the node address, here 127.0.0.1) and runs no dashboard:
         nothing of a laptop run is reachable from the network. Joining a cluster is the explicit
-        case: then the cluster's own settings apply. The cluster's processes ignore Ctrl-C (the
+        case: then the cluster's own settings apply (a cluster with token authentication needs
+        ``RAY_AUTH_MODE=token`` in this process's environment: Ray 2.60 turns it on by itself
+        for ``address=auto`` only). A loopback address (``127.0.0.1:6379``) joins a head started
+        on this machine with ``--node-ip-address=127.0.0.1``, as this process's node address. The cluster's processes ignore Ctrl-C (the
         terminal sends it to the whole process group): the controller decides how to stop, and
         it still needs its workers to finish the step and write the checkpoint.
         """
@@ -290,7 +310,12 @@ class SingleController:
         }
         address = self.config.ray_address or os.environ.get("RAY_ADDRESS")
         if address:
-            ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
+            log.info("start-up: joining the Ray cluster at %s", address)
+            # a head started on this machine with --node-ip-address=127.0.0.1 listens on loopback
+            # only; Ray would otherwise dial it at the machine's external address and never connect
+            joining = _loopback_only_ray() if _is_loopback(address) else contextlib.nullcontext()
+            with joining:
+                ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
             return
         # transferqueue's controller and storage units ask for a CPU each: give Ray logical
         # CPUs beyond the physical ones (FINDINGS.md), or it waits forever

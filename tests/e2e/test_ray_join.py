@@ -1,0 +1,136 @@
+"""Issue 9, item 4: ``ray_address`` joins a running Ray cluster instead of starting one.
+
+The test starts a head node itself (``ray start --head``, loopback only, its own temp dir and
+ports, its own process group) and stops only that cluster: other Ray clusters on the machine are
+left alone (``ray stop`` would stop every one of them).
+
+Kind of bug guarded: a run that cannot join the cluster it is pointed at (before the fix, a head
+on 127.0.0.1 was dialled at the machine's external address and the run never connected), or that
+silently starts a cluster of its own.
+"""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from _tiny import TINY_STEP
+
+from splitrl.config import load_config
+from splitrl.controller.controller import _is_loopback, train
+from splitrl.logging import read_metrics
+
+pytestmark = pytest.mark.ray
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the head's process group (only the processes ``ray start`` started), SIGKILL
+    what is left after 5 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    except ProcessLookupError:
+        pass
+    try:  # the group outlives its leader when a child ignored SIGTERM
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture
+def ray_head():
+    """A one-node Ray cluster on 127.0.0.1 started from the command line: yields (port, temp dir)."""
+    if shutil.which("ray") is None:
+        pytest.skip("the `ray` command line is not on PATH (pip install 'ray[default]')")
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        ray.shutdown()
+    port = _free_port()
+    # Ray's unix socket paths must fit in 107 bytes: a short directory, not pytest's tmp_path
+    temp_dir = tempfile.mkdtemp(prefix="rayhead_", dir="/tmp")
+    env = dict(
+        os.environ,
+        # keep the node address 127.0.0.1 (see controller._loopback_only_ray): loopback only
+        RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
+        # a throwaway loopback cluster: without token authentication, whether or not this
+        # machine has a ~/.ray/auth_token (Ray 2.60 then turns it on for `ray start`)
+        RAY_AUTH_MODE="disabled",
+    )
+    cmd = [
+        "ray", "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=8",
+        "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}",
+        # the ports that default to fixed numbers: free ones, so another cluster cannot clash
+        f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
+        "--block",
+    ]
+    log_path = Path(temp_dir) / "ray_start.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"`ray start --head` exited with {proc.returncode}:\n{log_path.read_text()[-2000:]}")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"the head's GCS did not listen on 127.0.0.1:{port} within 60 s")
+                time.sleep(0.25)
+        yield port, Path(temp_dir)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        _stop_group(proc)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_a_run_joins_a_running_cluster(ray_head, tmp_path):
+    import ray
+
+    port, temp_dir = ray_head
+    cfg = load_config(
+        None,
+        TINY_STEP + ["backend=ray", "num_steps=2", "checkpoint_every=0", f"ray_address=127.0.0.1:{port}",
+                     f"output_dir={tmp_path}"],
+    )
+    res = train(cfg)
+    assert res.steps_done == 2
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert all(m["train/num_valid_samples"] == 16 for m in res.metrics)
+    # the driver is attached to that cluster, not to one of its own
+    assert ray.get_runtime_context().gcs_address == f"127.0.0.1:{port}"
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    assert [n["NodeManagerAddress"] for n in nodes] == ["127.0.0.1"]
+    # the run's actors ran on that head (their logs are in its temp dir), and it is still up
+    workers = list(temp_dir.glob("session_*/logs/worker-*.out"))
+    assert any("TrainActor" in w.read_text(errors="replace") for w in workers), [w.name for w in workers]
+    socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def test_loopback_addresses_are_recognized(monkeypatch):
+    """Which addresses the driver joins as a loopback-only node (the others keep Ray's own
+    node-address resolution)."""
+    for address in ("127.0.0.1:6379", "localhost:6379", "ray://127.0.0.1:10001", "[::1]:6379"):
+        assert _is_loopback(address), address
+    for address in ("10.0.0.2:6379", "head-node:6379", "ray://head:10001"):
+        assert not _is_loopback(address), address
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert not _is_loopback("auto")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
+    assert _is_loopback("auto")
