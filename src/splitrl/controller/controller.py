@@ -544,10 +544,12 @@ class SingleController:
             for j in indices:
                 self.generating[j] = t0
             # in-process workers hand each group over as soon as its last sample finishes (the
-            # train pump's chunks stream from them); a Ray worker returns its groups with the call
+            # train pump's chunks stream from them); a Ray worker returns its groups with the call.
+            # schedule=sync takes them with the call too: the step trains only once every
+            # generation call of it has returned
             streamed: dict[int, concurrent.futures.Future] = {}
             on_group = None
-            if getattr(actor, "in_process", False):
+            if getattr(actor, "in_process", False) and cfg.schedule == "async":
                 loop = asyncio.get_running_loop()
 
                 def on_group(group: Group) -> None:  # on the worker's thread
