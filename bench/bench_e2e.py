@@ -32,14 +32,24 @@ and the ratios of each schedule's samples/s to ``sync``'s. Also printed: the mea
 seconds per step the train pump waited for rollouts (``timing/exposed_wait_s``) and the seconds
 per step generation and training overlapped (``timing/generation_during_train_s``, 0 under sync).
 
-    python bench/bench_e2e.py --config examples/cpu_demo.yaml --steps 5 backend=local dataplane.kind=inprocess
+    python bench/bench_e2e.py --config examples/cpu_demo.yaml --steps 6
     python bench/bench_e2e.py --config examples/qwen3_0p6b_gpu.yaml --steps 6 --device cuda \\
         "task={kind: reverse_digits}"
+
+Streaming at staleness 0 gains only where chunks can train before the step is complete: with
+``coalesce_chunks`` a microbatch waits until it is full, so a config whose one microbatch holds the
+whole step (the CPU demo's ``micro_batch_size: 128``) trains everything after the last group, as
+``sync`` does. Measured 2026-11-30 on the 2-core CPU machine shared with other jobs (load average
+4-10 during the runs, so the figures moved by ±30 % between runs): the demo as is (Ray +
+TransferQueue) sync 97 samples/s, async s=0 0.85x, s=1 1.10x (an earlier run: 110 samples/s,
+1.08x, 1.57x); ``backend=local dataplane.kind=inprocess train.microbatch.micro_batch_size=32``
+(in-process threads share the GIL) sync 165 samples/s, async s=0 1.31x, s=1 0.87x.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import math
 import platform
@@ -76,6 +86,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 2:
         p.error("--steps must be >= 2: step 1 (start-up, compilation) is left out of the figures")
+    if args.repeats < 1 or args.warmup_steps < 0:
+        p.error("--repeats must be >= 1 and --warmup-steps >= 0")
     unknown = [s for s in args.schedules.split(",") if s not in SCHEDULES]
     if unknown:
         p.error(f"--schedules: unknown {unknown}; choose from {list(SCHEDULES)}")
@@ -141,6 +153,10 @@ def main(argv: list[str] | None = None) -> None:
                 runs[name].append(res.metrics)
                 configs[name] = cfg
             print(f"  {name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+            del res
+            gc.collect()  # the finished run's models and engines, before the next run builds its own
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     finally:
         if "ray" in sys.modules:
             import ray
