@@ -69,6 +69,8 @@ def ray_head():
         # a throwaway loopback cluster: without token authentication, whether or not this
         # machine has a ~/.ray/auth_token (Ray 2.60 then turns it on for `ray start`)
         RAY_AUTH_MODE="disabled",
+        # no idle Python workers started ahead (one per CPU, seconds of CPU each on 2 cores)
+        RAY_enable_worker_prestart="0",
     )
     cmd = [
         "ray", "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=8",
