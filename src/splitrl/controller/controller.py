@@ -290,9 +290,10 @@ class SingleController:
         case: then the cluster's own settings apply (a cluster with token authentication needs
         ``RAY_AUTH_MODE=token`` in this process's environment: Ray 2.60 turns it on by itself
         for ``address=auto`` only). A loopback address (``127.0.0.1:6379``) joins a head started
-        on this machine with ``--node-ip-address=127.0.0.1``, as this process's node address. The cluster's processes ignore Ctrl-C (the
-        terminal sends it to the whole process group): the controller decides how to stop, and
-        it still needs its workers to finish the step and write the checkpoint.
+        on this machine with ``--node-ip-address=127.0.0.1``, with 127.0.0.1 as this process's
+        node address too. The cluster's processes ignore Ctrl-C (the terminal sends it to the
+        whole process group): the controller decides how to stop, and it still needs its
+        workers to finish the step and write the checkpoint.
         """
         if self.backend != "ray":
             return
