@@ -52,8 +52,10 @@ import argparse
 import gc
 import logging
 import math
+import os
 import platform
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -81,7 +83,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma list of {', '.join(SCHEDULES)}")
     p.add_argument("--warmup-steps", type=int, default=2, help="steps of the untimed warm-up run (0: none)")
     p.add_argument("--repeats", type=int, default=1, help="runs per schedule, in alternating order")
-    p.add_argument("--output-dir", default=None, help="where the runs go (default: a temporary directory)")
+    p.add_argument(
+        "--output-dir", default=None,
+        help="keep each run's metrics and logs here (their checkpoints are removed); default: a temporary "
+        "directory, removed at the end",
+    )
     p.add_argument("overrides", nargs="*", help="key.path=value overrides applied to every run")
     args = p.parse_args(argv)
     if args.steps < 2:
@@ -115,6 +121,14 @@ def figures(config: RunConfig, runs: list[list[dict[str, float]]]) -> dict[str, 
     }
 
 
+def _load() -> str:
+    """The machine's 1-minute load average and its core count, e.g. ``3.2 on 2 cores``."""
+    try:
+        return f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+    except OSError:
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -142,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
                     f"+ {cfg.num_train_workers} train worker(s); a step = {cfg.groups_per_step} prompts x {cfg.group_size} "
                     f"samples, <= {cfg.rollout.max_new_tokens} new tokens, chunks of {cfg.min_groups_per_chunk} groups; "
                     f"{args.steps} steps per run, figures over steps 2-{args.steps}; run order {order}; "
-                    f"runs under {root}",
+                    f"runs under {root}; load average {_load()} at the start",
                     flush=True,
                 )
             t0 = time.perf_counter()
@@ -154,15 +168,19 @@ def main(argv: list[str] | None = None) -> None:
                 configs[name] = cfg
             print(f"  {name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
             del res
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)  # 10 GB a run for the 0.6 B model
             gc.collect()  # the finished run's models and engines, before the next run builds its own
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     finally:
+        if not args.output_dir:
+            shutil.rmtree(root, ignore_errors=True)
         if "ray" in sys.modules:
             import ray
 
             if ray.is_initialized():
                 ray.shutdown()
+    print(f"load average {_load()} at the end (other jobs on this machine slow some runs more than others)")
     results = {n: figures(configs[n], runs[n]) for n in names}
     ref = results.get("sync")
     head = (
