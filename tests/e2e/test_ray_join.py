@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -21,11 +22,11 @@ from pathlib import Path
 import pytest
 from _tiny import TINY_STEP
 
-from splitrl.config import load_config
-from splitrl.controller.controller import _is_loopback, train
+from splitrl.controller.controller import _is_loopback
 from splitrl.logging import read_metrics
 
 pytestmark = pytest.mark.ray
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def _free_port() -> int:
@@ -56,9 +57,7 @@ def ray_head():
     """A one-node Ray cluster on 127.0.0.1 started from the command line: yields (port, temp dir)."""
     if shutil.which("ray") is None:
         pytest.skip("the `ray` command line is not on PATH (pip install 'ray[default]')")
-    ray = pytest.importorskip("ray")
-    if ray.is_initialized():
-        ray.shutdown()
+    pytest.importorskip("ray")
     port = _free_port()
     # Ray's unix socket paths must fit in 107 bytes: a short directory, not pytest's tmp_path
     temp_dir = tempfile.mkdtemp(prefix="rayhead_", dir="/tmp")
@@ -96,32 +95,34 @@ def ray_head():
                 time.sleep(0.25)
         yield port, Path(temp_dir)
     finally:
-        if ray.is_initialized():
-            ray.shutdown()
         _stop_group(proc)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def test_a_run_joins_a_running_cluster(ray_head, tmp_path):
-    import ray
-
+    """``splitrl train ... ray_address=127.0.0.1:<port>`` in a process of its own, as a user runs
+    it, with the cluster's authentication mode. (A local ``ray.init()`` of an earlier test sets
+    ``RAY_AUTH_MODE=token`` in the pytest process for good; a driver in token mode on a cluster
+    without it sees its actors "cancelled before it started running".)"""
     port, temp_dir = ray_head
-    cfg = load_config(
-        None,
-        TINY_STEP + ["backend=ray", "num_steps=2", "checkpoint_every=0", f"ray_address=127.0.0.1:{port}",
-                     f"output_dir={tmp_path}"],
-    )
-    res = train(cfg)
-    assert res.steps_done == 2
+    args = TINY_STEP + ["backend=ray", "num_steps=2", "checkpoint_every=0", f"ray_address=127.0.0.1:{port}",
+                        f"output_dir={tmp_path}", "logging.tensorboard=false"]
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("RAY_ADDRESS", None)
+    env["RAY_AUTH_MODE"] = "disabled"  # the head's (see the fixture)
+    cmd = [sys.executable, "-c", f"import sys\nfrom splitrl.cli import main\nsys.exit(main({['train', *args]!r}))"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
-    assert all(m["train/num_valid_samples"] == 16 for m in res.metrics)
-    # the driver is attached to that cluster, not to one of its own
-    assert ray.get_runtime_context().gcs_address == f"127.0.0.1:{port}"
-    nodes = [n for n in ray.nodes() if n["Alive"]]
-    assert [n["NodeManagerAddress"] for n in nodes] == ["127.0.0.1"]
-    # the run's actors ran on that head (their logs are in its temp dir), and it is still up
+    assert all(r["train/num_valid_samples"] == 16 for r in read_metrics(tmp_path / "metrics.jsonl"))
+    # it joined that cluster and started none of its own
+    assert f"joining the Ray cluster at 127.0.0.1:{port}" in out
+    assert "Connected to Ray cluster" in out and "Started a local Ray instance" not in out, out[-3000:]
+    # the run's actors ran on that head (their logs are in its temp dir), and the head is still up
     workers = list(temp_dir.glob("session_*/logs/worker-*.out"))
     assert any("TrainActor" in w.read_text(errors="replace") for w in workers), [w.name for w in workers]
+    assert any("GenerationWorker" in w.read_text(errors="replace") for w in workers), [w.name for w in workers]
     socket.create_connection(("127.0.0.1", port), timeout=2).close()
 
 
