@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 import warnings
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,24 @@ def _staging_options(cuda: bool):
     return DefaultStager(
         StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda)
     )
+
+
+@contextmanager
+def _plain_errors():
+    """Re-raise DCP's ``CheckpointException`` (a ``BaseException`` holding each failed rank's
+    error) as the lowest failed rank's own exception: an ``OSError`` for a full disk, a
+    ``RuntimeError`` for a truncated file, which callers catch as any other write/read error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        failures = e.failures
+        first = failures[min(failures)] if failures else None
+        cause = first[0] if isinstance(first, tuple) else first
+        if isinstance(cause, Exception):
+            raise cause from None
+        raise RuntimeError(str(e)) from None
 
 
 class ShardedCheckpointer:
@@ -110,7 +129,8 @@ class ShardedCheckpointer:
         kwargs = self._dist_kwargs()
         if self._stager is None:
             self._stager = _staging_options(next(self.model.parameters()).is_cuda)
-        self._future = dcp.async_save(self._state(), checkpoint_id=str(directory / SHARDS_DIR), async_stager=self._stager, **kwargs)
+        with _plain_errors():
+            self._future = dcp.async_save(self._state(), checkpoint_id=str(directory / SHARDS_DIR), async_stager=self._stager, **kwargs)
         if blocking:
             self.wait()
         return time.perf_counter() - t0
@@ -137,7 +157,8 @@ class ShardedCheckpointer:
         """
         future, self._future = self._future, None
         if future is not None:
-            future.result()
+            with _plain_errors():
+                future.result()
 
     # ---------------------------------------------------------------------------- loading
     def load(self, directory: str | Path) -> dict[str, Any]:
@@ -156,7 +177,8 @@ class ShardedCheckpointer:
         self.wait()
         # the optimizer's state is created (zero moments) by get_state_dict, then filled in place
         state = self._state()
-        dcp.load(state, checkpoint_id=str(directory / SHARDS_DIR), **self._dist_kwargs())
+        with _plain_errors():
+            dcp.load(state, checkpoint_id=str(directory / SHARDS_DIR), **self._dist_kwargs())
         set_state_dict(
             self.model,
             self.optimizer,
