@@ -115,6 +115,37 @@ def test_resume_from_a_checkpoint_written_in_the_background_reproduces_the_run(t
         _same_metrics(a, b, k)
 
 
+def test_a_checkpoint_of_an_earlier_splitrl_with_trainer_pt_still_resumes(tmp_path, monkeypatch):
+    """Checkpoints written before sharded ones hold the whole trainer state in trainer.pt (rank
+    0's full state dict). Resuming from one reproduces the uninterrupted run's steps 3-4 exactly."""
+    from pathlib import Path
+
+    import torch
+
+    from splitrl.controller.policy_client import PolicyClient
+
+    full = train(_cfg(tmp_path / "full", "num_steps=4", "buffer.max_staleness=0", "checkpoint_every=2"))
+
+    async def legacy_save(self, path, blocking=False):  # what splitrl wrote before sharded checkpoints
+        torch.save(await self.state_dict(), Path(path) / "trainer.pt")
+        return 0.0
+
+    async def written(self):
+        return True
+
+    old = _cfg(tmp_path / "old", "num_steps=4", "buffer.max_staleness=0", "checkpoint_every=2")
+    with monkeypatch.context() as m:
+        m.setattr(PolicyClient, "save_checkpoint", legacy_save)
+        m.setattr(PolicyClient, "checkpoint_written", written)
+        train(old.model_copy(update={"num_steps": 2}))
+    step2 = tmp_path / "old" / "checkpoints" / "step_000002"
+    assert (step2 / "trainer.pt").is_file() and not (step2 / "trainer").exists()
+    resumed = train(old)
+    assert resumed.steps_done == 4 and len(resumed.metrics) == 2
+    for k, (a, b) in enumerate(zip(full.metrics[2:], resumed.metrics), start=3):
+        _same_metrics(a, b, k)
+
+
 def test_export_every_exports_at_its_steps_and_at_the_end(tmp_path, monkeypatch):
     """export_every=2 with checkpoint_every=1 and 5 steps: policy/ is written at steps 2, 4 and 5
     (the end) only; every checkpoint holds the sharded trainer state."""
