@@ -17,7 +17,12 @@ Backend = Literal["ray", "local"]
 
 
 class LocalActor:
-    """An object of this process behind the actor interface."""
+    """An object of this process behind the actor interface.
+
+    ``in_process``: its calls can take Python callables (e.g. a callback run on its thread).
+    """
+
+    in_process = True
 
     def __init__(self, cls: type, *args: Any, **kwargs: Any) -> None:
         self._obj = cls(*args, **kwargs)
@@ -44,6 +49,8 @@ class LocalActor:
 
 class RayActor:
     """A Ray actor behind the same interface; ``call`` awaits the ObjectRef."""
+
+    in_process = False
 
     def __init__(self, cls: type, *args: Any, ray_options: dict | None = None, **kwargs: Any) -> None:
         import ray
