@@ -360,9 +360,9 @@ class SingleController:
         writes its own small state; the shard files are then written in the background, and a
         background task writes ``COMPLETE`` (with the checksums of the files on disk) and renames
         the directory into place once every rank's files are written. The last checkpoint of a
-        run (the end, a stop) and one with a Hugging Face export (``export_every``) are waited
-        for. The blocking time is logged and reported as ``timing/checkpoint_s`` with the next
-        step's metrics.
+        run (the end, a stop) is waited for whole; a Hugging Face export (``export_every``, and
+        the last checkpoint) blocks while it is gathered and written. The blocking time is logged
+        and reported as ``timing/checkpoint_s`` with the next step's metrics.
 
         Raises:
             CheckpointError: this write (or the previous checkpoint's background write) failed
@@ -372,6 +372,7 @@ class SingleController:
         cfg = self.config
         t0 = time.perf_counter()
         await self._finish_pending_checkpoint()
+        waited = time.perf_counter() - t0
         final = step >= cfg.num_steps or self._stop.is_set()
         export = final or bool(cfg.export_every and step % cfg.export_every == 0)
         path = step_dir(self.out, step)
@@ -385,8 +386,9 @@ class SingleController:
         blocked = time.perf_counter() - t0
         self.checkpoint_s += blocked
         log.info(
-            "checkpoint step %d: training blocked %.2fs (trainer shards staged in %.2fs%s)%s",
-            step, blocked, staged_s, ", policy/ exported" if export else "",
+            "checkpoint step %d: training blocked %.2fs (waiting for the previous checkpoint %.2fs, trainer shards "
+            "staged in %.2fs%s)%s",
+            step, blocked, waited, staged_s, ", policy/ exported" if export else "",
             "" if final else "; its files are being written in the background",
         )
         completion = asyncio.create_task(self._complete_checkpoint(step, tmp, path, t0))
