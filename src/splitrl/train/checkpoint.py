@@ -77,6 +77,11 @@ class ShardedCheckpointer:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        # imported here, at start-up, rather than inside the first save (about 2 s on a busy CPU)
+        import torch.distributed.checkpoint  # noqa: F401
+        import torch.distributed.checkpoint.staging  # noqa: F401
+        import torch.distributed.checkpoint.state_dict  # noqa: F401
+
         self.model = model
         self.optimizer = optimizer
         self._future: Future | None = None

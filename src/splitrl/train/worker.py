@@ -32,6 +32,7 @@ from splitrl.distributed import utils as du
 from splitrl.loss.base import LossType, Normalizer, PolicyLoss
 from splitrl.models.policy import PolicyModel
 from splitrl.train.batch import MicroBatch, TrainBatch
+from splitrl.train.checkpoint import ShardedCheckpointer
 from splitrl.train.config import TrainConfig  # noqa: F401 - defined there, torch-free
 from splitrl.train.microbatch import build_microbatches, build_ready_microbatches, empty_microbatch
 from splitrl.train.mixed_precision import ComputeWeights
@@ -118,7 +119,8 @@ class TrainWorker:
         self.steps_finished = 0
         self.updates_applied = 0
         self._step: _StepState | None = None
-        self._checkpointer = None  # made on first use (see the checkpointer property)
+        # sharded checkpoints (made here so that their imports happen at start-up, not in a save)
+        self.checkpointer = ShardedCheckpointer(self.model, self.optimizer)
 
     # ------------------------------------------------------------------------------ properties
     @property
@@ -578,15 +580,6 @@ class TrainWorker:
             self.scaler.load_state_dict(state["scaler"])
         self.steps_finished = int(state["steps_finished"])
         self.updates_applied = int(state["updates_applied"])
-
-    @property
-    def checkpointer(self):
-        """The :class:`~splitrl.train.checkpoint.ShardedCheckpointer` of this worker (made on first use)."""
-        if self._checkpointer is None:
-            from splitrl.train.checkpoint import ShardedCheckpointer
-
-            self._checkpointer = ShardedCheckpointer(self.model, self.optimizer)
-        return self._checkpointer
 
     def save_checkpoint(self, directory: str, *, blocking: bool = False) -> float:
         """Start writing this rank's shards of the model and optimizer, and the LR schedule,
