@@ -198,3 +198,20 @@ def test_generate_refuses_prompts_the_tokenizer_cannot_spell(tmp_path):
         generate_samples(model, tok, ["DESC 5,2,7="], config.rollout, num_samples=1)
     (out,) = generate_samples(model, tok, ["desc 5,2,7="], config.rollout, num_samples=2)
     assert len(out) == 2
+
+
+def test_eval_k_flag_errors_before_loading_anything(tmp_path, capsys):
+    """Kind: a flag checked late or not at all. `eval --k abc` failed after the model loaded, and a
+    k above --num-samples was dropped from the metrics without a word (a new user's trial)."""
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        main(["eval", str(tmp_path / "nowhere"), "--k", "abc"])
+    assert e.value.code == 2 and "positive integers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["eval", str(tmp_path / "nowhere"), "--k", "0,2"])
+    capsys.readouterr()
+    # checked before the (missing) model directory is even looked at
+    assert main(["eval", str(tmp_path / "nowhere"), "-n", "4", "--k", "1,8"]) == 2
+    err = capsys.readouterr().err
+    assert "--k 8 exceeds --num-samples 4" in err and "not a model directory" not in err

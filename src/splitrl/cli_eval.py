@@ -170,6 +170,12 @@ def run_eval(args: argparse.Namespace) -> int:
     from splitrl.evaluation import evaluate
     from splitrl.tasks import make_task
 
+    too_big = [k for k in args.k if k > args.num_samples]
+    if too_big:  # before the model loads: pass@k needs at least k samples per prompt
+        raise ValueError(
+            f"--k {','.join(map(str, too_big))} exceeds --num-samples {args.num_samples}: pass@k needs k samples per "
+            "prompt; raise --num-samples or lower --k"
+        )
     config, trained_task, policy_dir, model, tokenizer = load_policy_and_config(args)
     task = make_task(config.task)
     start, why = heldout_start(task.num_prompts, config, trained_task, args.start_index)
@@ -181,7 +187,7 @@ def run_eval(args: argparse.Namespace) -> int:
     indices = list(range(start, stop))
     print(f"splitrl eval: {policy_dir}; {len(indices)} prompts × {args.num_samples} samples; {why}", file=sys.stderr)
     device = _device(args.device)
-    ks = sorted({int(k) for k in args.k.split(",")} | {args.num_samples})
+    ks = sorted(set(args.k) | {args.num_samples})
     common = dict(seed=args.seed, device=device, correct_threshold=args.correct_threshold,
                   reward_timeout_s=config.reward_timeout_s)
     gen = _sampling(config, args, policy_dir)
@@ -262,11 +268,22 @@ def add_eval_commands(sub) -> None:
     _common(e)
     e.set_defaults(num_samples=8)
     e.add_argument("--num-prompts", type=int, default=64)
-    e.add_argument("--k", default="1", help="comma-separated k of pass@k (n = --num-samples is always added)")
+    e.add_argument("--k", default=[1], type=_pass_at_ks, help="comma-separated k of pass@k, each <= --num-samples (n = --num-samples is always added)")
     e.add_argument("--start-index", type=int, help="first prompt index (default: the first the run never drew)")
     e.add_argument("--correct-threshold", type=float, default=1.0, help="reward >= this counts as correct")
     e.add_argument("--output", help="JSONL file: a metrics line, then one line per sample")
     e.set_defaults(run=_guarded(run_eval))
+
+
+def _pass_at_ks(text: str) -> list[int]:
+    """``--k`` as a list of positive ints (argparse reports the ValueError as a usage error)."""
+    try:
+        ks = [int(k) for k in text.split(",") if k.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 1,4,8, got {text!r}") from None
+    if not ks or min(ks) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 1,4,8, got {text!r}")
+    return ks
 
 
 def _guarded(fn):

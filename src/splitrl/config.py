@@ -348,6 +348,26 @@ def _set_unless_given(data: dict[str, Any], section: str, key: str, value: Any) 
     data[section] = {**node, key: value}
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key repeated in one mapping (PyYAML keeps the last one
+    silently, so the first value a user wrote would be ignored without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.setdefault(key, key_node.start_mark)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if first is not key_node.start_mark:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping (first at line {first.line + 1})",
+                    key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
 def _load_yaml(text: str, source: str, column_offset: int = 0) -> Any:
     """``yaml.safe_load`` whose syntax errors name ``source`` (a file or an override) and the line.
 
@@ -358,7 +378,7 @@ def _load_yaml(text: str, source: str, column_offset: int = 0) -> Any:
         ValueError: ``<source> line L, column C: <what the parser expected>``.
     """
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
 

@@ -133,11 +133,24 @@ def preflight(config: RunConfig) -> int:
             raise ValueError(f"{saved_path} cannot be read ({e}); resume=false starts over in this output_dir") from None
         now = config.model_dump(mode="json")
         if saved.get("model") != now["model"]:
+            diffs = _differences(saved.get("model") or {}, now["model"], "model")
+            shown = "; ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, a, b in diffs[:5])
+            more = f" (and {len(diffs) - 5} more)" if len(diffs) > 5 else ""
             raise ValueError(
-                f"{ckpt} was written by a different model config than this run's; resume needs the same "
-                "model. Use a new output_dir, or resume=false to start over in this one"
+                f"{ckpt} was written by a different model config than this run's ({shown}{more}); resume needs the "
+                "same model. Use a new output_dir, or resume=false to start over in this one"
             )
     return checkpoint_step(ckpt)
+
+
+def _differences(a, b, prefix: str) -> list[tuple[str, object, object]]:
+    """(dotted key, value in a, value in b) of every leaf where two nested dicts differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(a.keys() | b.keys(), key=str):
+            out += _differences(a.get(k), b.get(k), f"{prefix}.{k}")
+        return out
+    return [] if a == b else [(prefix, a, b)]
 
 
 # signals that stop a run cleanly: Ctrl-C, and what schedulers and container runtimes send
