@@ -8,6 +8,7 @@ samples with the task's own scorer.
 import itertools
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -111,6 +112,23 @@ def _checkpoint(tmp_path):
     (step / "run_config.json").write_text(json.dumps(config.model_dump(mode="json")))
     (step / "COMPLETE").write_text(json.dumps({"step": 3}))
     return config, model, tok, step
+
+
+def test_a_checkpoint_without_an_export_is_passed_over_or_named(tmp_path):
+    """Checkpoints between exports (export_every) hold the trainer state only: a run directory
+    resolves to the newest checkpoint with policy/, and such a checkpoint given directly is
+    refused with a message naming the ones that have an export."""
+    config, model, tok, step = _checkpoint(tmp_path)
+    later = step.parent / "step_000004"
+    (later / "trainer").mkdir(parents=True)
+    (later / "run_config.json").write_text(json.dumps(config.model_dump(mode="json")))
+    (later / "COMPLETE").write_text(json.dumps({"step": 4}))
+    assert resolve_policy_dir(tmp_path / "run") == (step / "policy", step / "run_config.json")
+    with pytest.raises(ValueError, match="no Hugging Face export.*Checkpoints with one: step_000003"):
+        resolve_policy_dir(later)
+    shutil.rmtree(step / "policy")
+    with pytest.raises(ValueError, match="no checkpoint in .* holds a Hugging Face export"):
+        resolve_policy_dir(tmp_path / "run")
 
 
 def test_cli_eval_and_generate_on_a_checkpoint(tmp_path, capsys):

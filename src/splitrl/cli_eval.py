@@ -1,7 +1,8 @@
 """``splitrl generate`` and ``splitrl eval``: sample from / score a checkpoint or any HF directory.
 
-PATH may be a run's output directory (its newest checkpoint is used), a checkpoint directory
-(``checkpoints/step_*``, holding ``policy/`` and ``run_config.json``), a ``policy/`` directory, or
+PATH may be a run's output directory (its newest checkpoint with a Hugging Face export is used),
+a checkpoint directory (``checkpoints/step_*`` holding ``policy/``, which is written at the end of
+a run, at a stop and every ``export_every`` steps, and ``run_config.json``), a ``policy/`` directory, or
 any local Hugging Face model directory. The run config next to a checkpoint supplies the task,
 the sampling rules and the tokenizer; ``--config FILE`` replaces it, and ``key.path=value``
 overrides change it (``task.path=test.jsonl``, ``rollout.temperature=0.6``, ...). Without a run
@@ -34,14 +35,27 @@ def resolve_policy_dir(path: str | Path) -> tuple[Path, Path | None]:
         ValueError: PATH holds no model (no ``config.json`` at any of the places above).
     """
     p = Path(path)
-    if (p / "checkpoints").is_dir():  # a run's output directory: its newest complete checkpoint
+    if (p / "checkpoints").is_dir():  # a run's output directory: its newest complete checkpoint with an export
         done = sorted(c for c in (p / "checkpoints").glob("step_*") if (c / "COMPLETE").exists())
         if not done:
             raise ValueError(f"{p} holds no complete checkpoint under checkpoints/")
-        p = done[-1]
+        exported = [c for c in done if (c / "policy" / "config.json").is_file()]
+        if not exported:
+            raise ValueError(
+                f"no checkpoint in {p / 'checkpoints'} holds a Hugging Face export (policy/) yet: a run exports at "
+                "its end, at a stop (Ctrl-C) and every export_every steps; wait for one, or set export_every"
+            )
+        p = exported[-1]
     if (p / "policy" / "config.json").is_file():
         run_cfg = p / RUN_CONFIG
         return p / "policy", run_cfg if run_cfg.is_file() else None
+    if (p / "COMPLETE").is_file() and (p / RUN_CONFIG).is_file():
+        others = sorted(c.name for c in p.parent.glob("step_*") if (c / "policy" / "config.json").is_file())
+        raise ValueError(
+            f"checkpoint {p} holds the trainer state only, no Hugging Face export (policy/): exports are written "
+            "at the end of a run, at a stop and every export_every steps. "
+            + (f"Checkpoints with one: {', '.join(others)}" if others else "No checkpoint of this run has one yet")
+        )
     if (p / "config.json").is_file():
         run_cfg = p.parent / RUN_CONFIG
         return p, run_cfg if run_cfg.is_file() else None

@@ -108,6 +108,11 @@ class RunConfig(BaseModel):
         backend: ``ray`` (actors on a Ray cluster, local one by default), ``local`` (objects in
             this process, threads), or ``auto`` (ray when importable).
         checkpoint_every: steps between checkpoints (0: only at the end).
+        export_every: steps between Hugging Face exports (``policy/`` in the checkpoint, usable
+            by ``splitrl eval`` / ``generate`` and plain transformers); 0 (default): only in the
+            last checkpoint of the run (the end, or a stop). A multiple of ``checkpoint_every``:
+            exports ride on checkpoints. A checkpoint without one holds the sharded trainer state
+            only, which keeps it fast (the export gathers the full model on one rank and blocks).
         resume: continue from the latest checkpoint in ``output_dir`` when there is one.
         on_chunk_failure: ``retry`` the step (up to ``max_step_retries`` times) or ``stop``.
         max_step_retries: retries of a failed step with ``on_chunk_failure: retry``.
@@ -136,6 +141,7 @@ class RunConfig(BaseModel):
     num_train_workers: int = Field(1, ge=1)
     backend: Literal["auto", "ray", "local"] = "auto"
     checkpoint_every: int = Field(50, ge=0)
+    export_every: int = Field(0, ge=0)
     resume: bool = True
     on_chunk_failure: Literal["retry", "stop"] = "stop"
     max_step_retries: int = Field(1, ge=0)
@@ -207,6 +213,12 @@ class RunConfig(BaseModel):
             )
         if self.rollout.speculative and mtp.mtp_num_layers == 0:
             raise ValueError("rollout.speculative=true needs MTP heads: set model.mtp.mtp_num_layers >= 1")
+        if self.export_every and (not self.checkpoint_every or self.export_every % self.checkpoint_every):
+            raise ValueError(
+                f"export_every={self.export_every} is not a multiple of checkpoint_every={self.checkpoint_every}: "
+                "the Hugging Face export is written into a checkpoint, so it can only happen at checkpoint steps; "
+                "set export_every to a multiple of checkpoint_every, or export_every=0 (only at the end)"
+            )
         if self.backend == "local" and self.num_train_workers > 1:
             raise ValueError("backend=local runs one train worker; use backend=ray for num_train_workers > 1")
         if self.backend == "local" and self.dataplane.kind == "transferqueue":
