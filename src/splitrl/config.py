@@ -108,6 +108,11 @@ class RunConfig(BaseModel):
         backend: ``ray`` (actors on a Ray cluster, local one by default), ``local`` (objects in
             this process, threads), or ``auto`` (ray when importable).
         checkpoint_every: steps between checkpoints (0: only at the end).
+        export_every: steps between Hugging Face exports (``policy/`` in the checkpoint, usable
+            by ``splitrl eval`` / ``generate`` and plain transformers); 0 (default): only in the
+            last checkpoint of the run (the end, or a stop). A multiple of ``checkpoint_every``:
+            exports ride on checkpoints. A checkpoint without one holds the sharded trainer state
+            only, which keeps it fast (the export gathers the full model on one rank and blocks).
         resume: continue from the latest checkpoint in ``output_dir`` when there is one.
         on_chunk_failure: ``retry`` the step (up to ``max_step_retries`` times) or ``stop``.
         max_step_retries: retries of a failed step with ``on_chunk_failure: retry``.
@@ -125,9 +130,9 @@ class RunConfig(BaseModel):
             generation runs ahead on older weights. ``sync``: a plain GRPO loop — generate the
             whole step with the current weights, then train it, then sync the weights; nothing is
             generated while training. ``buffer.max_staleness`` then defaults to 0, and another
-            value is refused. It trains on the same
-            samples with the same math as ``async`` at ``max_staleness: 0`` (the baseline that
-            ``bench/bench_e2e.py`` measures the asynchronous speed-up against).
+            value is refused. It trains on the same samples with the same math as ``async`` at
+            ``max_staleness: 0`` (the baseline that ``bench/bench_e2e.py`` measures the
+            asynchronous speed-up against).
         eval: held-out evaluation during training (:class:`~splitrl.eval_config.EvalConfig`).
     """
 
@@ -144,6 +149,7 @@ class RunConfig(BaseModel):
     num_train_workers: int = Field(1, ge=1)
     backend: Literal["auto", "ray", "local"] = "auto"
     checkpoint_every: int = Field(50, ge=0)
+    export_every: int = Field(0, ge=0)
     resume: bool = True
     on_chunk_failure: Literal["retry", "stop"] = "stop"
     max_step_retries: int = Field(1, ge=0)
@@ -224,6 +230,12 @@ class RunConfig(BaseModel):
                 f"schedule=sync generates every step with the weights it trains (staleness 0), but "
                 f"buffer.max_staleness={self.buffer.max_staleness}; set buffer.max_staleness=0, or "
                 "schedule=async to let generation run ahead"
+            )
+        if self.export_every and (not self.checkpoint_every or self.export_every % self.checkpoint_every):
+            raise ValueError(
+                f"export_every={self.export_every} is not a multiple of checkpoint_every={self.checkpoint_every}: "
+                "the Hugging Face export is written into a checkpoint, so it can only happen at checkpoint steps; "
+                "set export_every to a multiple of checkpoint_every, or export_every=0 (only at the end)"
             )
         if self.backend == "local" and self.num_train_workers > 1:
             raise ValueError("backend=local runs one train worker; use backend=ray for num_train_workers > 1")
@@ -354,6 +366,26 @@ def _set_unless_given(data: dict[str, Any], section: str, key: str, value: Any) 
     data[section] = {**node, key: value}
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key repeated in one mapping (PyYAML keeps the last one
+    silently, so the first value a user wrote would be ignored without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.setdefault(key, key_node.start_mark)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if first is not key_node.start_mark:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping (first at line {first.line + 1})",
+                    key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
 def _load_yaml(text: str, source: str, column_offset: int = 0) -> Any:
     """``yaml.safe_load`` whose syntax errors name ``source`` (a file or an override) and the line.
 
@@ -364,7 +396,7 @@ def _load_yaml(text: str, source: str, column_offset: int = 0) -> Any:
         ValueError: ``<source> line L, column C: <what the parser expected>``.
     """
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
 
