@@ -38,12 +38,13 @@ per step generation and training overlapped (``timing/generation_during_train_s`
 
 Streaming at staleness 0 gains only where chunks can train before the step is complete: with
 ``coalesce_chunks`` a microbatch waits until it is full, so a config whose one microbatch holds the
-whole step (the CPU demo's ``micro_batch_size: 128``) trains everything after the last group, as
-``sync`` does. Measured 2026-11-30 on the 2-core CPU machine shared with other jobs (load average
+whole step (the CPU demo's ``micro_batch_size: 128``) runs every forward and backward pass after
+the last group, as ``sync`` does (only the chunks' data preparation overlaps generation). Measured 2026-11-30 on the 2-core CPU machine shared with other jobs (load average
 4-10 during the runs, so the figures moved by ±30 % between runs): the demo as is (Ray +
 TransferQueue) sync 97 samples/s, async s=0 0.85x, s=1 1.10x (an earlier run: 110 samples/s,
-1.08x, 1.57x); ``backend=local dataplane.kind=inprocess train.microbatch.micro_batch_size=32``
-(in-process threads share the GIL) sync 165 samples/s, async s=0 1.31x, s=1 0.87x.
+1.08x, 1.57x); ``backend=local dataplane.kind=inprocess`` (in-process threads share the GIL;
+load 2) sync 234 samples/s, async s=0 1.28x, s=1 1.34x; the same with
+``train.microbatch.micro_batch_size=32`` (load 5) sync 165 samples/s, 1.31x, 0.87x.
 """
 
 from __future__ import annotations
