@@ -129,6 +129,37 @@ class GenerationWorker:
         self.engine.load_state_dict({k: v.to(device=ref.device, dtype=ref.dtype) for k, v in state_dict.items()}, version)
         return version
 
+    def weight_layout(self):
+        """The :class:`~splitrl.distributed.weight_sync.WeightLayout` a sync into this engine carries."""
+        from splitrl.distributed.weight_sync import WeightLayout
+
+        return WeightLayout.of(self.engine.weight_tensors())
+
+    def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, layout, bucket_bytes: int, timeout_s: float) -> str:
+        """Join the weight-sync group as ``rank`` (>= 1; rank 0 is train rank 0); blocks until
+        every member joins. Returns the backend (``nccl`` / ``gloo``).
+
+        Raises:
+            ValueError: ``layout`` is not this engine's (another model config).
+        """
+        from splitrl.distributed.weight_sync import WeightSyncGroup
+
+        if self.weight_layout() != layout:
+            raise ValueError("weight sync: this generation worker's model differs from the others'; every worker builds the same model config")
+        device = next(self.engine.model.parameters()).device
+        self._sync_group = WeightSyncGroup(host, port, rank, world_size, device.type, timeout_s=timeout_s)
+        self._sync_layout, self._sync_bucket_bytes = layout, bucket_bytes
+        return self._sync_group.backend
+
+    def receive_weights(self, version: int) -> int:
+        """Weight sync through the group: receive the buckets broadcast by train rank 0 and copy
+        them in place into the engine (MTP tensors included); returns the new version."""
+        from splitrl.distributed.weight_sync import receive_weights
+
+        receive_weights(self._sync_group, self._sync_layout, self.engine.weight_tensors(), self._sync_bucket_bytes)
+        self.engine.weights_updated(version)
+        return version
+
     def _decode(self, ids: list[int]) -> str:
         return decode_response(self.tokenizer, ids)
 
@@ -285,6 +316,8 @@ class GenerationWorker:
 
     def close(self) -> None:
         self.scorer.close()
+        if getattr(self, "_sync_group", None) is not None:
+            self._sync_group.close()
         if getattr(self, "_eval_scorer", None) is not None:
             self._eval_scorer.close()
 
