@@ -43,12 +43,20 @@ class LocalActor:
 
 
 class RayActor:
-    """A Ray actor behind the same interface; ``call`` awaits the ObjectRef."""
+    """A Ray actor behind the same interface; ``call`` awaits the ObjectRef.
 
-    def __init__(self, cls: type, *args: Any, ray_options: dict | None = None, **kwargs: Any) -> None:
+    ``ray_options`` go to ``.options`` (resources, scheduling); ``remote_options`` to
+    ``ray.remote`` (what ``.options`` does not take, e.g. ``concurrency_groups``).
+    """
+
+    def __init__(
+        self, cls: type, *args: Any, ray_options: dict | None = None, remote_options: dict | None = None, **kwargs: Any
+    ) -> None:
         import ray
 
-        self._handle = ray.remote(cls).options(**(ray_options or {})).remote(*args, **kwargs)
+        remote = ray.remote(**remote_options)(cls) if remote_options else ray.remote(cls)
+        self._handle = remote.options(**(ray_options or {})).remote(*args, **kwargs)
+        self._killed = False
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return await self.submit(method, *args, **kwargs)
@@ -60,11 +68,40 @@ class RayActor:
     def kill(self) -> None:
         import ray
 
+        if self._killed:  # an actor shared by two parts is killed once
+            return
+        self._killed = True
         try:
             ray.get(self._handle.close.remote(), timeout=10)
         except Exception:  # noqa: BLE001 - the actor may not have a close(), or be gone already
             pass
         ray.kill(self._handle)
+
+
+class ActorPart:
+    """One part of a Ray actor that hosts several objects (a
+    :class:`~splitrl.controller.placement.ColocatedWorker`: ``train`` and ``gen``) behind the same
+    interface. The part's calls run in the actor's concurrency group of the same name (one
+    thread, one call at a time), so the other part's calls run meanwhile.
+    """
+
+    def __init__(self, actor: RayActor, part: str) -> None:
+        self.actor = actor
+        self.part = part
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return await self.submit(method, *args, **kwargs)
+
+    def submit(self, method: str, *args: Any, **kwargs: Any):
+        """Queue ``method`` of this part and return its awaitable ref."""
+        return self.actor._handle.call.options(concurrency_group=self.part).remote(self.part, method, args, kwargs)
+
+    def submit_host(self, method: str, *args: Any, **kwargs: Any):
+        """Queue ``method`` of the hosting object itself, in this part's group."""
+        return getattr(self.actor._handle, method).options(concurrency_group=self.part).remote(*args, **kwargs)
+
+    def kill(self) -> None:
+        self.actor.kill()
 
 
 def spawn(cls: type, *args: Any, backend: Backend, ray_options: dict | None = None, **kwargs: Any):

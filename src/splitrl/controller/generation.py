@@ -129,6 +129,11 @@ class GenerationWorker:
         self.engine.load_state_dict({k: v.to(device=ref.device, dtype=ref.dtype) for k, v in state_dict.items()}, version)
         return version
 
+    def weights(self) -> tuple[dict[str, torch.Tensor], int]:
+        """CPU copies of the engine's weights (MTP included) and their policy version: what
+        generation samples with (for checks and debugging; a sync never needs it)."""
+        return {k: v.detach().cpu().clone() for k, v in self.engine.model.state_dict().items()}, self.engine.policy_version
+
     def weight_layout(self):
         """The :class:`~splitrl.distributed.weight_sync.WeightLayout` a sync into this engine carries."""
         from splitrl.distributed.weight_sync import WeightLayout
