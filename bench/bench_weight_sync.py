@@ -35,6 +35,7 @@ from splitrl.distributed.weight_sync import (
     DEFAULT_BUCKET_BYTES,
     WeightLayout,
     WeightSyncGroup,
+    apply_staged,
     copy_weights,
     listen_socket,
     receive_weights,
@@ -97,8 +98,10 @@ def _group_rank(rank, model_cfg, engine_dtype, bucket, repeats, q, out_q):
     else:
         group = WeightSyncGroup("127.0.0.1", q.get(), 1, 2, "cpu")
         own = engine.weight_tensors()
+        staging = torch.empty(layout.staging_nbytes(bucket), dtype=torch.uint8)
         for _ in range(repeats + 1):
-            receive_weights(group, layout, own, bucket)
+            receive_weights(group, layout, staging, bucket)
+            apply_staged(layout, staging, own, bucket)
         _check(trainer, engine.model.state_dict())
     group.close()
 

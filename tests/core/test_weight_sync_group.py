@@ -21,6 +21,7 @@ from _utils import make_batch, make_loss, make_model, make_worker  # noqa: E402
 
 from splitrl.distributed.weight_sync import (  # noqa: E402
     WeightLayout,
+    apply_staged,
     WeightSyncGroup,
     copy_weights,
     listen_socket,
@@ -84,13 +85,18 @@ def _gen_rank(rank, dtype, sync_port_q, layout_q, out):
         layout_q.put(layout)
     port = sync_port_q.get()
     group = WeightSyncGroup("127.0.0.1", port, rank, 1 + GEN, "cpu", timeout_s=60)
-    got = []
+    staging = torch.empty(layout.staging_nbytes(BUCKET), dtype=torch.uint8)
+    got, untouched = [], []
     for step in range(STEPS):
-        receive_weights(group, layout, own, BUCKET)
+        before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+        receive_weights(group, layout, staging, BUCKET)
+        # staged only: the engine (which may be generating meanwhile) still has its weights
+        untouched.append(all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items()))
+        apply_staged(layout, staging, own, BUCKET)
         engine.weights_updated(step + 1)
         # what the engine computes with: its model's state dict, not the receive buffers
         got.append({k: v.clone() for k, v in engine.model.state_dict().items()})
-    torch.save({"got": got, "version": engine.policy_version, "ptrs": {k: v.data_ptr() for k, v in own.items()},
+    torch.save({"got": got, "untouched": untouched, "version": engine.policy_version, "ptrs": {k: v.data_ptr() for k, v in own.items()},
                 "ptrs_after": {k: v.data_ptr() for k, v in engine.weight_tensors().items()}}, out)
     group.close()
 
@@ -128,6 +134,7 @@ def test_group_sync_equals_trainer_after_each_step(tmp_path):
     for g in range(GEN):
         res = torch.load(outs[TRAIN + g])
         assert res["version"] == STEPS
+        assert res["untouched"] == [True] * STEPS
         assert res["ptrs"] == res["ptrs_after"]  # in place: the engine's storage is the same
         for step in range(STEPS):
             got, want = res["got"][step], sent[step]
@@ -164,8 +171,13 @@ def test_copy_weights_in_place_and_checked():
 
 def test_buckets_cover_every_byte_once():
     """Bucket offsets: aligned, non-overlapping, each slot in exactly one bucket, no bucket over
-    the limit unless it holds a single larger tensor."""
+    the limit unless it holds a single larger tensor; buckets sit apart in the staging buffer."""
     layout = WeightLayout.of(_model().state_dict(keep_vars=True))
+    starts = layout.bucket_starts(BUCKET)
+    for (b0, s0), (b1, s1) in zip(starts, starts[1:]):
+        assert s0 % 16 == 0 and s1 >= s0 + layout.bucket_nbytes(b0)
+    assert layout.staging_nbytes(BUCKET) == starts[-1][1] + layout.bucket_nbytes(starts[-1][0])
+    assert layout.staging_nbytes(BUCKET) < layout.nbytes + 16 * (len(layout.slots) + len(starts))
     seen = []
     for b in layout.buckets(BUCKET):
         n = layout.bucket_nbytes(b)

@@ -65,6 +65,11 @@ class RayActor:
         """Queue the call now (an actor runs one caller's calls in order) and return its awaitable ref."""
         return getattr(self._handle, method).remote(*args, **kwargs)
 
+    def submit_in(self, group: str, method: str, *args: Any, **kwargs: Any):
+        """Queue the call in the actor's concurrency ``group`` (given in ``remote_options``): it
+        runs beside the calls of the other groups."""
+        return getattr(self._handle, method).options(concurrency_group=group).remote(*args, **kwargs)
+
     def kill(self) -> None:
         import ray
 
@@ -104,8 +109,10 @@ class ActorPart:
         self.actor.kill()
 
 
-def spawn(cls: type, *args: Any, backend: Backend, ray_options: dict | None = None, **kwargs: Any):
-    """Start ``cls(*args, **kwargs)`` as an actor of ``backend``."""
+def spawn(
+    cls: type, *args: Any, backend: Backend, ray_options: dict | None = None, remote_options: dict | None = None, **kwargs: Any
+):
+    """Start ``cls(*args, **kwargs)`` as an actor of ``backend`` (the options apply to Ray only)."""
     if backend == "ray":
-        return RayActor(cls, *args, ray_options=ray_options, **kwargs)
+        return RayActor(cls, *args, ray_options=ray_options, remote_options=remote_options, **kwargs)
     return LocalActor(cls, *args, **kwargs)

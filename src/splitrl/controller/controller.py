@@ -343,8 +343,10 @@ class SingleController:
                 spawn(TrainActor, *args, **kwargs, backend=self.backend, ray_options=bundle_options(pg, r))
                 for r, (args, kwargs) in ((r, train_part(r)) for r in range(T))
             ]
+            # a weight sync is received in a concurrency group of its own, beside generation
             self.gen_actors = [
-                spawn(GenerationWorker, *gen_part[0], **gen_part[1], backend=self.backend, ray_options=bundle_options(pg, T + i))
+                spawn(GenerationWorker, *gen_part[0], **gen_part[1], backend=self.backend,
+                      ray_options=bundle_options(pg, T + i), remote_options={"concurrency_groups": {"sync": 1}})
                 for i in range(G)
             ]
         self.policy = PolicyClient(self.train_actors)
@@ -728,7 +730,8 @@ class SingleController:
                 asyncio.gather(*(a.submit_host("sync_weights", self.version) for a in self.gen_actors)), "weight sync"
             )
         elif self.sync_path == "group":
-            receive = [a.call("receive_weights", self.version) for a in self.gen_actors]
+            # staged beside generation; each engine switches at the start of its next call
+            receive = [a.submit_in("sync", "receive_weights", self.version) for a in self.gen_actors]
             await self._policy_call(asyncio.gather(self.policy.broadcast_weights(), *receive), "weight sync")
         else:
             # local backend: generation shares the process (and the GPU), so skip the trip through CPU

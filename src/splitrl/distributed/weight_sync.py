@@ -9,7 +9,9 @@ them) and both carrying the MTP tensors with the rest of the state dict:
 - **split** (engines in other processes, on other GPUs): a :class:`WeightSyncGroup` — a
   torch.distributed group of its own whose rank 0 is train rank 0 and whose ranks 1..G are the
   generation workers — carries the weights in flat byte buckets (:func:`send_weights` /
-  :func:`receive_weights`); NCCL on GPU, gloo on CPU.
+  :func:`receive_weights`); NCCL on GPU, gloo on CPU. The receiver stages the buckets in a buffer
+  of its own while its engine keeps generating, and copies them into the engine between two
+  generation calls (:func:`apply_staged`): generation stops for that on-device copy only.
 
 The group is a backend object built directly from its own ``TCPStore`` (``ProcessGroupNCCL`` /
 ``ProcessGroupGloo``, public classes in torch 2.11 and 2.13): train rank 0 already belongs to the
@@ -108,6 +110,19 @@ class WeightLayout:
         i, off = bucket[-1]
         return off + self.slots[i].nbytes
 
+    def bucket_starts(self, bucket_bytes: int) -> list[tuple[list[tuple[int, int]], int]]:
+        """Each bucket with its byte offset in a staging buffer that holds them all, aligned."""
+        out, start = [], 0
+        for b in self.buckets(bucket_bytes):
+            out.append((b, start))
+            start += -(-self.bucket_nbytes(b) // _ALIGN) * _ALIGN
+        return out
+
+    def staging_nbytes(self, bucket_bytes: int) -> int:
+        """Bytes of a staging buffer that holds every bucket (the weights, plus alignment)."""
+        b, start = self.bucket_starts(bucket_bytes)[-1]
+        return start + self.bucket_nbytes(b)
+
     def check_sender(self, sender: list[tuple[tuple[str, ...], torch.Tensor]]) -> None:
         """Check that a sender's :func:`unique_tensors` match this layout name for name.
 
@@ -199,19 +214,24 @@ def send_weights(group: "WeightSyncGroup | None", layout: WeightLayout, source: 
     return layout.nbytes
 
 
-def receive_weights(group: "WeightSyncGroup", layout: WeightLayout, target: dict[str, torch.Tensor], bucket_bytes: int) -> int:
-    """Generation side of a sync: receive every bucket and copy its tensors in place into
-    ``target`` (the engine's ``state_dict(keep_vars=True)``, whose layout ``layout`` is). Returns
-    the bytes received."""
-    buckets = layout.buckets(bucket_bytes)
-    buf = torch.empty(max(layout.bucket_nbytes(b) for b in buckets), dtype=torch.uint8, device=group.device)
+def receive_weights(group: "WeightSyncGroup", layout: WeightLayout, staging: torch.Tensor, bucket_bytes: int) -> None:
+    """Generation side of a sync, first half: receive every bucket into ``staging`` (uint8
+    ``[layout.staging_nbytes(bucket_bytes)]`` on the group's device). The engine's own tensors are
+    not touched, so this may run while the engine generates; :func:`apply_staged` then copies
+    the staged weights in between two generation calls."""
     with torch.no_grad():
-        for bucket in buckets:
-            _broadcast(group.pg, buf[: layout.bucket_nbytes(bucket)])
-            for slot, view in _views(buf, layout, bucket):
+        for bucket, start in layout.bucket_starts(bucket_bytes):
+            _broadcast(group.pg, staging[start : start + layout.bucket_nbytes(bucket)])
+
+
+def apply_staged(layout: WeightLayout, staging: torch.Tensor, target: dict[str, torch.Tensor], bucket_bytes: int) -> None:
+    """Generation side, second half: copy the weights staged by :func:`receive_weights` in place
+    into ``target`` (the engine's ``state_dict(keep_vars=True)``, whose layout ``layout`` is)."""
+    with torch.no_grad():
+        for bucket, start in layout.bucket_starts(bucket_bytes):
+            for slot, view in _views(staging[start:], layout, bucket):
                 for name in slot.names:
                     target[name].copy_(view)
-    return layout.nbytes
 
 
 def listen_socket(host: str) -> tuple[socket.socket, int]:
