@@ -300,28 +300,36 @@ def profile_decode(model: PolicyModel, args: argparse.Namespace, batch: int, pat
 
 
 def ragged_scenario(model: PolicyModel, args: argparse.Namespace, spec_ok: bool) -> None:
-    """1,024-ish samples whose lengths are set by stop tokens: a set of tokens chosen so that a
-    sampled token stops with probability ~1 / mean_len (from the model's own token frequencies)."""
+    """1,024-ish samples whose lengths are set by stop tokens: a set of tokens whose mean
+    probability under the model (softmax(logits / T) averaged over the positions of 16 sampled
+    sequences) sums to ~1 / mean_len, so a sampled token stops with that probability on average and
+    the per-context variation gives a long tail. (Counting tokens in a probe does not work for a
+    random-init model: its distribution is nearly flat over 152 k tokens, so a probe sees each
+    token about once and the chosen set stops almost nothing.)"""
     n, S = args.ragged, args.ragged_batch
     probe = RolloutEngine(
-        model, GenerationConfig(temperature=args.temperature, max_new_tokens=256, batch_size=64), args.device
-    ).generate(prompts_for(model, 64, args.prompt_len, seed=7), list(range(64)))
-    counts: dict[int, int] = {}
-    spread: dict[int, int] = {}  # in how many samples a token occurs
-    for r in probe:
-        for t in r.response_ids:
-            counts[t] = counts.get(t, 0) + 1
-        for t in set(r.response_ids):
-            spread[t] = spread.get(t, 0) + 1
-    total = sum(counts.values())
-    target = total / args.ragged_mean_len
-    stops, mass = [], 0
-    # tokens that many samples emit, each rarely: every sample meets a stop at a similar rate
-    for t in sorted(counts, key=lambda t: (-spread[t], counts[t])):
-        if mass + counts[t] > target:
+        model, GenerationConfig(temperature=args.temperature, max_new_tokens=256, batch_size=16), args.device
+    ).generate(prompts_for(model, 16, args.prompt_len, seed=7), list(range(16)))
+    probe_prompts = prompts_for(model, 16, args.prompt_len, seed=7)
+    mean_p = torch.zeros(model.config.vocab_size, dtype=torch.float64, device=args.device)
+    positions = 0
+    with torch.no_grad():
+        for prompt, r in zip(probe_prompts, probe):
+            ids = torch.tensor([prompt + r.response_ids], device=args.device)
+            logits = model.backbone(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+            mean_p += (logits / args.temperature).softmax(-1).sum(0).double()
+            positions += logits.shape[0]
+    mean_p /= positions
+    target = 1.0 / args.ragged_mean_len
+    stops, mass = [], 0.0
+    values, order = mean_p.sort(descending=True)
+    for p_t, t in zip(values.tolist(), order.tolist()):
+        if mass + p_t > target:
             continue
         stops.append(t)
-        mass += counts[t]
+        mass += p_t
+        if mass > 0.98 * target:
+            break
     prompts = prompts_for(model, n, args.prompt_len, seed=8)
     seeds = list(range(20_000, 20_000 + n))
     base = dict(temperature=args.temperature, max_new_tokens=args.ragged_max_new, stop_token_ids=stops, batch_size=S)

@@ -131,28 +131,28 @@ def test_varlen_boundaries_are_the_sample_starts_and_the_row_end():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the packed attention kernels run on CUDA only")
-@pytest.mark.parametrize("backend", ["flex", "varlen"])
-def test_packed_attention_kernels_match_the_dense_mask_on_cuda(backend):
-    """flex runs in fp32 (tolerance 1e-4: another summation order); varlen exists in bf16 only,
-    against the dense mask under the same bf16 autocast (logprobs 3e-2 absolute, MTP sums and
-    gradients 2 %: a different bf16 kernel, not a different function)."""
+@pytest.mark.parametrize("backend,dtype", [("flex", torch.float32), ("flex", torch.bfloat16), ("varlen", torch.bfloat16)])
+def test_packed_attention_kernels_match_the_dense_mask_on_cuda(backend, dtype):
+    """Packed rows through flex / varlen against the dense block mask, on the same weights in the
+    same dtype (bf16: the compute dtype of GPU training). fp32: tolerance 1e-4 (another summation
+    order; varlen has no fp32 kernel and runs flex). bf16: logprobs 3e-2 absolute, MTP sums and
+    gradients 2 % (a different bf16 kernel, not a different function)."""
     batch = make_batch(10, seed=5)
     mb = build_microbatches(batch, MicrobatchConfig(max_tokens_per_microbatch=512, pack_sequences=True))[0].to("cuda")
-    low = backend == "varlen"
+    low = dtype != torch.float32
     outs = []
     for kind in ("dense", backend):
-        model = make_model(D=2).cuda()
+        model = make_model(D=2).to("cuda", dtype)
         model.packed_attention = kind
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=low):
-            out = model(mb.input_ids, mb.segment_ids, mb.position_ids, mtp_loss_mask=mb.mtp_loss_mask, one_sample_per_row=False)
-        total = (out.logprobs * mb.loss_mask).sum() - torch.stack(out.mtp_ce_sums).sum()
+        out = model(mb.input_ids, mb.segment_ids, mb.position_ids, mtp_loss_mask=mb.mtp_loss_mask, one_sample_per_row=False)
+        total = (out.logprobs.float() * mb.loss_mask).sum() - torch.stack(out.mtp_ce_sums).float().sum()
         total.backward()
-        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
         outs.append((out, grads))
     (a, ga), (b, gb) = outs
     valid = mb.loss_mask > 0
     tol = 2e-2 if low else 1e-4
-    torch.testing.assert_close(b.logprobs[valid], a.logprobs[valid], rtol=0, atol=3e-2 if low else 1e-4)
+    torch.testing.assert_close(b.logprobs[valid].float(), a.logprobs[valid].float(), rtol=0, atol=3e-2 if low else 1e-4)
     for x, y in zip(b.mtp_ce_sums, a.mtp_ce_sums):
         assert float(x) == pytest.approx(float(y), rel=tol)
     assert float((gb - ga).norm()) <= tol * float(ga.norm())

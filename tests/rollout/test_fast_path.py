@@ -115,3 +115,36 @@ def test_weight_update_is_in_place_and_used(speculative):
         assert a.response_ids == f.response_ids and a.policy_version == 1
         assert (a.drafted_tokens, a.accepted_tokens) == (f.drafted_tokens, f.accepted_tokens)
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(f.logprobs), atol=1e-6, rtol=0)
+
+
+def test_fused_projections_keep_parameters_names_and_values():
+    """fuse_projections puts q/k/v and gate/up in one tensor each (MTP layers too) without changing
+    what the model is: same Parameter objects, names and values; a copy into a module's weight is a
+    copy into the fused tensor; a tensor moved off the fused storage is detected and fused again.
+    Guards against a rollout that reads a stale copy of a weight after a sync."""
+    from splitrl.rollout.forward import _FUSED, fuse_projections, mtp_parts
+
+    model = make_model(vocab=VOCAB, depths=2, seed=6)
+    params = dict(model.named_parameters())
+    values = {n: p.detach().clone() for n, p in params.items()}
+    fuse_projections(model)
+    assert dict(model.named_parameters()) == params  # the same objects
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p, values[n], atol=0, rtol=0)
+    layers = [*model.backbone.model.layers, *(mtp_parts(model, k)[3] for k in (1, 2))]
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        w, _ = getattr(attn, _FUSED)
+        torch.testing.assert_close(w, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+        with torch.no_grad():
+            attn.k_proj.weight.add_(1.0)
+        assert w[attn.q_proj.weight.shape[0] :][: attn.k_proj.weight.shape[0]].eq(attn.k_proj.weight).all()
+        gw, _ = getattr(mlp, _FUSED)
+        assert gw.data_ptr() == mlp.gate_proj.weight.data_ptr()
+    # a weight replaced by a new tensor (e.g. .to() of one module) is fused again, with its value
+    attn = model.backbone.model.layers[0].self_attn
+    attn.v_proj.weight.data = attn.v_proj.weight.detach().clone() * 2
+    fuse_projections(model)
+    w, _ = getattr(attn, _FUSED)
+    torch.testing.assert_close(w[-attn.v_proj.weight.shape[0] :], attn.v_proj.weight, atol=0, rtol=0)
+    assert w.data_ptr() == attn.q_proj.weight.data_ptr()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -35,6 +36,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from splitrl.compile_lock import serialized
 
 BLOCK = 128
+
+log = logging.getLogger(__name__)
 
 
 def document_ids(segment_ids_BS: torch.Tensor) -> torch.Tensor:
@@ -144,10 +147,34 @@ def _varlen(query, key, value, cu: torch.Tensor, max_len: int, scaling: float | 
     return out.view(B, S, Hq, Dh)
 
 
+_FLEX_FALLBACK: set[tuple[torch.dtype, int]] = set()  # (dtype, head dim) the flex compiler refused
+
+
 @functools.cache
 def _compiled_flex():
     # the flex kernel exists only compiled; eager flex_attention is a slow dense reference
     return serialized(torch.compile(flex_attention, dynamic=True))
+
+
+def _flex(query, key, value, block_mask: BlockMask, scale: float | None):
+    """The compiled flex kernel on CUDA; eager flex (the dense reference: same result, slower) on
+    CPU and for inputs the flex compiler has no kernel for (fp32 on an H200 with torch 2.11: "No
+    choices exist for backend"), with one warning."""
+    gqa = query.shape[1] != key.shape[1]
+    key_ = (query.dtype, query.shape[-1])
+    if query.is_cuda and key_ not in _FLEX_FALLBACK:
+        try:
+            return _compiled_flex()(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+        except Exception as err:  # noqa: BLE001 - only compiler failures fall back, see below
+            if not type(err).__module__.startswith(("torch._inductor", "torch._dynamo")):
+                raise
+            _FLEX_FALLBACK.add(key_)
+            log.warning(
+                "the flex attention compiler has no kernel for %s with head dim %d (%s); packed rows run the "
+                "eager flex reference (same result, slower); bf16 compute (train.precision: bf16) has one",
+                query.dtype, query.shape[-1], str(err).strip().splitlines()[0][:200],
+            )
+    return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
 
 def flex_or_sdpa_attention(
@@ -169,10 +196,11 @@ def flex_or_sdpa_attention(
     if dropout:
         raise ValueError("attention dropout is not supported with packed rows on the flex path; set attention_dropout=0")
     varlen = getattr(attention_mask, "splitrl_varlen", None)
-    if varlen is not None:
+    # the flash varlen kernel exists for fp16 / bf16 only: other dtypes take the flex path (the
+    # varlen mask is a BlockMask too)
+    if varlen is not None and query.dtype in (torch.float16, torch.bfloat16):
         return _varlen(query, key, value, *varlen, scaling), None
-    fn = _compiled_flex() if query.is_cuda else flex_attention
-    out = fn(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    out = _flex(query, key, value, attention_mask, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

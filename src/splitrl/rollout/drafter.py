@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from splitrl.rollout.forward import DecoderForward
 from splitrl.rollout.kv import StaticKVCache
-from splitrl.rollout.sampling import STREAM_TARGET, filter_logits, race_sample
+from splitrl.rollout.sampling import column_keys
 
 
 class MTPDrafter:
@@ -60,6 +60,7 @@ class MTPDrafter:
         self.D = num_drafts
         self.cache = cache
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self._columns = column_keys(model.config.vocab_size, model.output_weight.device)
         # tests: called (seed_lo [B], counter [B], depth, logits [B, V]) at every draw (eager runs only)
         self.probe = None
 
@@ -71,7 +72,7 @@ class MTPDrafter:
             logits = logits / self.temperature
         if self.probe is not None:
             self.probe(seed_lo, counter, depth, logits)
-        return race_sample(filter_logits(logits, self.top_k, self.top_p), seed_lo, seed_hi, counter, STREAM_TARGET)
+        return self.fwd.k.draw(logits, seed_lo, seed_hi, counter, self.top_k, self.top_p, self._columns)
 
     def prefill(
         self,

@@ -48,7 +48,7 @@ from splitrl.rollout.config import GenerationConfig
 from splitrl.rollout.drafter import MTPDrafter
 from splitrl.rollout.forward import DecoderForward
 from splitrl.rollout.kv import StaticKVCache
-from splitrl.rollout.sampling import STREAM_TARGET, filter_logits, prepare, race_sample, seed_words
+from splitrl.rollout.sampling import column_keys, seed_words
 
 log = logging.getLogger(__name__)
 
@@ -327,7 +327,7 @@ class RolloutEngine:
         self._pool = None
         self._step_times: dict[tuple[int, int], float] = {}
         self._captures = 0
-        prepare(vocab, self.device)
+        self._columns = column_keys(vocab, self.device)  # before any graph capture
 
     # ------------------------------------------------------------------------------ weights
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
@@ -464,8 +464,7 @@ class RolloutEngine:
         shape = logits.shape[:-1]
         flat = logits.reshape(-1, logits.shape[-1])
         lo, hi, c = (t.expand(shape).reshape(-1) for t in (seed_lo, seed_hi, counter))
-        y = race_sample(filter_logits(flat, cfg.top_k, cfg.top_p), lo, hi, c, STREAM_TARGET)
-        lp = flat.gather(-1, y[:, None]).squeeze(-1) - flat.logsumexp(-1)
+        y, lp = self.fwd.k.draw_with_logprobs(flat, lo, hi, c, cfg.top_k, cfg.top_p, self._columns)
         return y.view(shape), lp.view(shape)
 
     def _write_outputs(self, B: int, start: torch.Tensor, tokens_BQ: torch.Tensor, logprobs_BQ: torch.Tensor) -> None:

@@ -9,6 +9,14 @@ transformers': keys and values go to a preallocated :class:`~splitrl.rollout.kv.
 a decode step has static shapes and can be captured in a CUDA graph. Every weight is read through
 the modules at call time, so an in-place weight update (``copy_``) is seen by captured graphs.
 
+Fused projections. A decode step at small batch is bound by the number of kernels it launches
+(each small-M GEMM costs a few microseconds whatever its size), so q/k/v and the MLP's gate/up run
+as one GEMM each. :func:`fuse_projections` moves the weights of those modules into one contiguous
+tensor per group and leaves each module's parameter as a view of it (``param.data`` is replaced,
+the ``Parameter`` object stays, so optimizers and ``state_dict`` see the same names and tensors): an
+in-place update of q_proj.weight is an update of the fused tensor. Each output element is the same
+dot product as in the separate GEMMs.
+
 The MTP depth forward follows ``MTPBlock.depth_forward`` (DESIGN §3):
 h^k = norm(layer_k(fc(concat[enorm(Emb), hnorm(h^{k-1})]))), with the parts read through
 :func:`mtp_parts` so that a per-depth layout of the norms and ``fc`` only changes that function.
@@ -30,6 +38,63 @@ def mtp_parts(model: PolicyModel, depth: int) -> tuple[nn.Module, nn.Module, nn.
     assert mtp is not None
     d = mtp.depth_module(depth)  # each depth owns its norms, projection and layer (DESIGN §3)
     return d.pre_fc_norm_embedding, d.pre_fc_norm_hidden, d.fc, d.layer, d.norm
+
+
+_FUSED = "_splitrl_fused"  # attribute of a module holding its fused (weight, bias) tensors
+
+
+def _fuse(owner: nn.Module, names: tuple[str, ...]) -> None:
+    """Put the weights (and biases) of ``owner``'s linear submodules ``names`` in one tensor each,
+    rows in that order, and make every submodule's parameter a view of it. Idempotent."""
+    mods = [getattr(owner, n) for n in names]
+    ws = [m.weight for m in mods]
+    fused = getattr(owner, _FUSED, None)
+    if fused is not None and _views_of(ws, fused[0]):
+        return
+    has_bias = [m.bias is not None for m in mods]
+    if any(has_bias) and not all(has_bias):
+        return  # mixed: keep them separate
+    with torch.no_grad():
+        weight = torch.cat([w.detach() for w in ws], dim=0)
+        bias = torch.cat([m.bias.detach() for m in mods], dim=0) if all(has_bias) else None
+        row = 0
+        for m in mods:
+            n = m.weight.shape[0]
+            m.weight.data = weight[row : row + n]
+            if bias is not None:
+                m.bias.data = bias[row : row + n]
+            row += n
+    setattr(owner, _FUSED, (weight, bias))
+
+
+def _views_of(ws: list[torch.Tensor], fused: torch.Tensor) -> bool:
+    """The tensors ``ws`` are consecutive row blocks of ``fused`` (still fused: no ``.to()`` or
+    ``load_state_dict(assign=True)`` has replaced them since)."""
+    if fused.device != ws[0].device or fused.dtype != ws[0].dtype:
+        return False
+    offset = fused.data_ptr()
+    for w in ws:
+        if w.data_ptr() != offset or not w.is_contiguous():
+            return False
+        offset += w.numel() * w.element_size()
+    return sum(w.shape[0] for w in ws) == fused.shape[0]
+
+
+def fuse_projections(model: PolicyModel) -> None:
+    """Fuse q/k/v and (dense SwiGLU) gate/up of every decoder layer, MTP layers included."""
+    layers = list(model.backbone.model.layers)
+    if model.mtp is not None:
+        layers += [mtp_parts(model, k)[3] for k in range(1, model.num_mtp_depths + 1)]
+    for layer in layers:
+        _fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
+        mlp = layer.mlp
+        if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            _fuse(mlp, ("gate_proj", "up_proj"))
+
+
+def _fused_linear(owner: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    weight, bias = getattr(owner, _FUSED)
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 def check_supported(model: PolicyModel) -> None:
@@ -56,6 +121,7 @@ class DecoderForward:
         self.final_norm = model.backbone.model.norm
         self.k = Kernels(compiled, model.output_weight.device, model.output_weight.dtype)
         self.silu = model.config.hidden_act == "silu"
+        fuse_projections(model)
 
     def _norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.k.rms_norm(x, module.weight, module.variance_epsilon)
@@ -87,9 +153,14 @@ class DecoderForward:
             x = self.k.rms_norm(h, norm.weight, norm.variance_epsilon)
         else:
             h, x = self.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)
-        q = attn.q_proj(x).view(B, M, -1, d)
-        k = attn.k_proj(x).view(B, M, -1, d)
-        v = attn.v_proj(x).view(B, M, -1, d)
+        if hasattr(attn, _FUSED):
+            nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+            q, k, v = _fused_linear(attn, x).split([nq, nk, nk], dim=-1)
+            q, k, v = q.reshape(B, M, -1, d), k.reshape(B, M, -1, d), v.reshape(B, M, -1, d)
+        else:
+            q = attn.q_proj(x).view(B, M, -1, d)
+            k = attn.k_proj(x).view(B, M, -1, d)
+            v = attn.v_proj(x).view(B, M, -1, d)
         if hasattr(attn, "q_norm"):  # Qwen3
             eps = attn.q_norm.variance_epsilon
             q, k = self.k.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, eps, cos, sin)
@@ -100,11 +171,14 @@ class DecoderForward:
             o = causal_attention(q, k, v, attn.scaling)
         else:
             cache.write(index, plan, k, v)
-            o = cache.attend(index, q, plan, attn.scaling, self.k.masked_softmax)
+            o = cache.attend(index, q, plan, attn.scaling)
         post = layer.post_attention_layernorm
         h, x = self.k.add_rms_norm(attn.o_proj(o), h, post.weight, post.variance_epsilon)
         mlp = layer.mlp
-        if self.silu and hasattr(mlp, "down_proj"):  # dense SwiGLU; MoE blocks route in their own forward
+        if self.silu and hasattr(mlp, _FUSED):  # dense SwiGLU; MoE blocks route in their own forward
+            gate, up = _fused_linear(mlp, x).chunk(2, dim=-1)
+            return h, mlp.down_proj(self.k.silu_mul(gate, up))
+        if self.silu and hasattr(mlp, "down_proj"):
             return h, mlp.down_proj(self.k.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
         return h, mlp(x)
 

@@ -1,8 +1,12 @@
-"""Elementwise pieces of the decoder forward, written once in plain torch (the CPU path, and the
-reference) and compiled into single fused kernels on CUDA (fewer launches per decode step).
+"""Elementwise pieces of the decoder forward and the sampler, written once in plain torch (the CPU
+path, and the reference) and compiled into a few fused kernels on CUDA (fewer launches per decode
+step).
 
-Each function is the exact op sequence of the transformers module it replaces (Qwen3 / Llama
-RMSNorm in fp32, ``apply_rotary_pos_emb``, SiLU-gated MLP product, eager attention's fp32 softmax).
+Each forward function is the exact op sequence of the transformers module it replaces (Qwen3 /
+Llama RMSNorm in fp32, ``apply_rotary_pos_emb``, SiLU-gated MLP product). The sampler
+(:func:`~splitrl.rollout.sampling.draw`) is integer hashing plus a few reductions: eagerly it is
+~100 tiny kernels per decode step, which at batch 1 cost more than a decoder layer; compiled, a
+handful. Its integer part is exact either way.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from splitrl.compile_lock import serialized
+from splitrl.rollout.sampling import draw, draw_with_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +53,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def masked_softmax(scores: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax(scores · scale + mask) in fp32, back in the scores' dtype (mask: 0 or -inf)."""
-    return (scores.float() * scale + mask).softmax(-1).to(scores.dtype)
-
-
-_NAMES = ("rms_norm", "add_rms_norm", "rope", "qk_norm_rope", "qk_rope", "silu_mul", "masked_softmax")
+_NAMES = ("rms_norm", "add_rms_norm", "rope", "qk_norm_rope", "qk_rope", "silu_mul", "draw", "draw_with_logprobs")
 _COMPILED: dict[str, object] = {}
 
 
@@ -72,7 +72,12 @@ class Kernels:
                 for knob in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit"):
                     if hasattr(torch._dynamo.config, knob):
                         setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 512))
-                fns = {n: serialized(torch.compile(globals()[n], dynamic=True)) for n in _NAMES}
+                # the samplers' vocabulary size must stay static (inductor cannot split its
+                # block arithmetic symbolically); their row count becomes dynamic at the second shape
+                fns = {
+                    n: serialized(torch.compile(globals()[n], dynamic=None if n.startswith("draw") else True))
+                    for n in _NAMES
+                }
                 x = torch.randn(2, 3, 8, device=device, dtype=dtype)
                 w = torch.ones(8, device=device, dtype=dtype)
                 fns["rms_norm"](x, w, 1e-6)
@@ -81,7 +86,7 @@ class Kernels:
                 fns["qk_norm_rope"](x[:, :, None], x[:, :, None], w, w, 1e-6, x, x)
                 fns["qk_rope"](x[:, :, None], x[:, :, None], x, x)
                 fns["silu_mul"](x, x)
-                fns["masked_softmax"](x, torch.zeros(8, device=device), 0.5)
+                # the samplers compile at their first call (one graph per vocabulary size)
                 _COMPILED.update(fns)
             except Exception as err:  # noqa: BLE001 - any compiler failure: fall back to eager
                 log.warning("torch.compile of the decode kernels failed (%s); running them eagerly", err)

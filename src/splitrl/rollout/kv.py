@@ -13,12 +13,10 @@ window entries) go to the last index, ``scratch``, which no context reaches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-
-from splitrl.rollout.fused import masked_softmax
 
 
 @dataclass
@@ -36,6 +34,17 @@ class AttentionPlan:
     mask: torch.Tensor
     length: int
     slots: torch.Tensor | None
+    _grouped: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    def grouped_mask(self, G: int, dtype: torch.dtype) -> torch.Tensor:
+        """The mask repeated for G query heads per key/value head, [B, 1, G*Q, L] in ``dtype``
+        (0 and -inf are exact in every float dtype); built once per plan (the first layer) and
+        shared by the others."""
+        key = (G, dtype)
+        if key not in self._grouped:
+            B, _, _, Q, L = self.mask.shape
+            self._grouped[key] = self.mask.expand(B, 1, G, Q, L).reshape(B, 1, G * Q, L).to(dtype)
+        return self._grouped[key]
 
 
 class StaticKVCache:
@@ -96,13 +105,14 @@ class StaticKVCache:
         self.k[layer].view(-1, d).index_copy_(0, plan.flat_index, k_BQHd.reshape(-1, d))
         self.v[layer].view(-1, d).index_copy_(0, plan.flat_index, v_BQHd.reshape(-1, d))
 
-    def attend(self, layer: int, q_BQHd: torch.Tensor, plan: AttentionPlan, scale: float, softmax=None) -> torch.Tensor:
+    def attend(self, layer: int, q_BQHd: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
         """Attention of the queries of slots 0..B-1 (or ``plan.slots``, then with a copy) over
         their first ``plan.length`` entries, masked as :meth:`plan` says.
 
-        Heads are grouped as in transformers' ``repeat_kv`` (query head h reads kv head h // G).
-        Softmax in fp32, as transformers' eager attention (``softmax`` = a fused equivalent of
-        :func:`splitrl.rollout.fused.masked_softmax`).
+        Heads are grouped as in transformers' ``repeat_kv`` (query head h reads kv head h // G); the
+        G query heads of a kv head are folded into the query dimension, so one
+        ``scaled_dot_product_attention`` call (one fused kernel on CUDA, softmax in fp32) reads
+        each key and value once, without repeating them.
 
         Returns:
             [B, Q, H * d] in the query's dtype.
@@ -118,9 +128,8 @@ class StaticKVCache:
         Hk = k.shape[1]
         G = H // Hk
         q = q_BQHd.view(B, Q, Hk, G, d).permute(0, 2, 3, 1, 4).reshape(B, Hk, G * Q, d)
-        scores = torch.matmul(q, k.transpose(-1, -2)).view(B, Hk, G, Q, length)
-        probs = (softmax or masked_softmax)(scores, plan.mask, scale).view(B, Hk, G * Q, length)
-        out = torch.matmul(probs, v)  # [B, Hk, G*Q, d]
+        mask = plan.grouped_mask(G, q.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, Hk, G*Q, d]
         return out.view(B, Hk, G, Q, d).permute(0, 3, 1, 2, 4).reshape(B, Q, H * d)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -91,8 +91,7 @@ def _column_keys(vocab: int, device: torch.device) -> torch.Tensor:
 def prepare(vocab: int, device: torch.device) -> None:
     """Build the column keys of a vocabulary ahead of time (before a CUDA graph capture, which
     must not allocate tensors that outlive it)."""
-    block = max(1, math.isqrt(vocab - 1) + 1) if vocab > 1 else 1
-    _column_keys(-(-vocab // block) * block, device)
+    column_keys(vocab, device)
 
 
 def _race(log_weights_BN: torch.Tensor, row_keys_B: torch.Tensor, column_keys_BN: torch.Tensor) -> torch.Tensor:
@@ -107,6 +106,7 @@ def race_sample(
     seed_hi_B: torch.Tensor,
     counter_B: torch.Tensor,
     stream: int,
+    column_keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Draw one token per row with probability proportional to exp(log_weights).
 
@@ -119,23 +119,64 @@ def race_sample(
         seed_lo_B, seed_hi_B: [B] int64 seed words (:func:`seed_words`).
         counter_B: [B] int64 response index of the token being drawn.
         stream: which decision this is (``STREAM_*``).
+        column_keys: :func:`column_keys` of V (looked up when None; pass it from compiled code).
 
     Returns:
         [B] int64 token ids.
     """
     B, V = log_weights_BV.shape
-    block = max(1, math.isqrt(V - 1) + 1) if V > 1 else 1
+    block = _block(V)
     num_blocks = -(-V // block)
+    if column_keys is None:
+        column_keys = _column_keys(num_blocks * block, log_weights_BV.device)
     padded = F.pad(log_weights_BV, (0, num_blocks * block - V), value=float("-inf")).view(B, num_blocks, block)
     top = padded.amax(dim=(1, 2), keepdim=True)
     block_log_weights = (padded - top).exp().sum(-1).log()  # [B, num_blocks]; -inf for empty blocks
-    columns = _column_keys(num_blocks * block, log_weights_BV.device)
     block_keys = _keys(seed_lo_B, seed_hi_B, counter_B, 2 * stream)
-    chosen = _race(block_log_weights, block_keys, columns[:num_blocks].expand(B, -1))
+    chosen = _race(block_log_weights, block_keys, column_keys[:num_blocks].expand(B, -1))
     inside = padded[torch.arange(B, device=padded.device), chosen]  # [B, block]
     token_ids = chosen[:, None] * block + torch.arange(block, device=padded.device)
     token_keys = _keys(seed_lo_B, seed_hi_B, counter_B, 2 * stream + 1)
-    return token_ids.gather(1, _race(inside, token_keys, columns[token_ids])[:, None]).squeeze(1)
+    return token_ids.gather(1, _race(inside, token_keys, column_keys[token_ids])[:, None]).squeeze(1)
+
+
+def column_keys(vocab: int, device: torch.device) -> torch.Tensor:
+    """The per-column hash keys :func:`race_sample` uses for a vocabulary of ``vocab`` tokens
+    (int64 [ceil(V / block) · block]); built once per (vocab, device)."""
+    block = _block(vocab)
+    return _column_keys(-(-vocab // block) * block, device)
+
+
+def _block(V: int) -> int:
+    return max(1, math.isqrt(V - 1) + 1) if V > 1 else 1
+
+
+def draw(
+    logits_NV: torch.Tensor,
+    seed_lo_N: torch.Tensor,
+    seed_hi_N: torch.Tensor,
+    counter_N: torch.Tensor,
+    top_k: int,
+    top_p: float,
+    column_keys: torch.Tensor,
+) -> torch.Tensor:
+    """The target-stream token of each row of fp32 ``logits_NV`` after top-k / top-p: int64 [N]."""
+    return race_sample(filter_logits(logits_NV, top_k, top_p), seed_lo_N, seed_hi_N, counter_N, STREAM_TARGET, column_keys)
+
+
+def draw_with_logprobs(
+    logits_NV: torch.Tensor,
+    seed_lo_N: torch.Tensor,
+    seed_hi_N: torch.Tensor,
+    counter_N: torch.Tensor,
+    top_k: int,
+    top_p: float,
+    column_keys: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`draw`, plus each token's logprob under the unfiltered softmax(logits) (DESIGN §5):
+    (int64 [N], fp32 [N])."""
+    y = draw(logits_NV, seed_lo_N, seed_hi_N, counter_N, top_k, top_p, column_keys)
+    return y, logits_NV.gather(-1, y[:, None]).squeeze(-1) - logits_NV.logsumexp(-1)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
