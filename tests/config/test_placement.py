@@ -66,3 +66,21 @@ def test_enough_gpus_pass():
     check_cluster_gpus("split", 2, 2, {"GPU": 4.0})
     check_cluster_gpus("colocated", 2, 2, {"GPU": 2.0})
     check_cluster_gpus("split", 1, 1, {"GPU": 8.0})
+
+
+def test_the_controller_checks_gpus_before_starting_anything(tmp_path, monkeypatch):
+    """SingleController._build raises on too few GPUs before the data plane or any worker
+    starts (a fake cluster with one GPU; the run asks for split with 1 + 1 workers)."""
+    ray = pytest.importorskip("ray")
+    from splitrl.controller import controller as ctl_mod
+
+    started = []
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 1.0})
+    monkeypatch.setattr(ctl_mod, "make_data_plane", lambda *a, **k: started.append("data plane"))
+    monkeypatch.setattr(ctl_mod, "spawn", lambda *a, **k: started.append("worker"))
+    monkeypatch.setattr(ctl_mod, "make_placement_group", lambda *a, **k: started.append("placement group"))
+    ctl = ctl_mod.SingleController(load_config(None, ["backend=ray", "placement=split", f"output_dir={tmp_path}"]))
+    ctl.device = "cuda"  # as resolved on a GPU machine
+    with pytest.raises(ValueError, match="placement=split needs 2 GPUs .* the Ray cluster has 1"):
+        ctl._build()
+    assert started == []

@@ -1,6 +1,7 @@
-"""Placement on a local Ray cluster, CPU (issue 9): ``split`` (separate actors, weights through
-the torch.distributed gloo group) and ``colocated`` (one actor per train rank hosting its
-generation engine, weights copied inside the process). Each run finishes, took the intended sync
+"""Placement on a local Ray cluster, CPU (issue 9): ``split`` (1 train rank and 2 generation
+actors, weights through the torch.distributed gloo group) and ``colocated`` (2 actors, each
+hosting a train rank — FSDP2 over gloo — and its generation engine, weights copied inside the
+process). Each run finishes, took the intended sync
 path (not the object-store fallback), and at the end every generation engine holds exactly the
 trainer's weights, MTP heads included, at the final policy version (tolerance: exact, fp32).
 """
@@ -73,7 +74,8 @@ def test_colocated_placement_copies_inside_the_process(tmp_path, caplog):
     ray = pytest.importorskip("ray")
     caplog.set_level(logging.INFO, logger="splitrl.controller.controller")
     try:
-        cfg, ctl, res = _run(tmp_path, ["placement=colocated"])
+        # two ranks: each actor's copy gathers the FSDP2 shards tensor by tensor
+        cfg, ctl, res = _run(tmp_path, ["placement=colocated", "num_train_workers=2", "num_generation_workers=2"])
     finally:
         ray.shutdown()
     assert ctl.placement == "colocated" and ctl.sync_path == "colocated"
