@@ -55,6 +55,12 @@ def test_split_on_too_few_gpus_names_the_numbers_and_the_ways_out():
     assert "ray_address" in msg
 
 
+def test_split_with_unequal_counts_points_to_colocated_with_equal_ones():
+    # the 2-GPU run: 2 train workers and the default 1 generation worker
+    with pytest.raises(ValueError, match=r"needs 3 GPUs .* has 2; use placement=colocated with num_generation_workers=2 \(needs 2\)"):
+        check_cluster_gpus("split", 1, 2, {"GPU": 2.0})
+
+
 def test_colocated_on_too_few_gpus():
     with pytest.raises(ValueError, match=r"placement=colocated needs 4 GPUs .* the Ray cluster has 2; lower num_train_workers and num_generation_workers to 2"):
         check_cluster_gpus("colocated", 4, 4, {"GPU": 2.0})

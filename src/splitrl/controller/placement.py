@@ -67,8 +67,9 @@ def check_cluster_gpus(placement: Placement, num_generation_workers: int, num_tr
             "one GPU each)"
         )
         fix = "lower num_generation_workers / num_train_workers"
-        if num_generation_workers == num_train_workers and num_train_workers <= have:
-            fix = f"use placement=colocated (needs {num_train_workers}), or " + fix
+        if num_train_workers <= have:
+            same = "" if num_generation_workers == num_train_workers else f" with num_generation_workers={num_train_workers}"
+            fix = f"use placement=colocated{same} (needs {num_train_workers}), or " + fix
     raise ValueError(
         f"placement={placement} needs {what}, but the Ray cluster has {have}; {fix}, or join a cluster with "
         "more GPUs (ray_address=...)"
