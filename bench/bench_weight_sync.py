@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.config:
         from splitrl.config import load_config
 
-        cfg = load_config(args.config, ["backend=local"])
+        cfg = load_config(args.config)
         model_cfg, dtype = cfg.model, cfg.rollout_dtype
     engine_dtype = DTYPES[args.engine_dtype or dtype]
     trainer, engine = _models(model_cfg, args.device, engine_dtype)
