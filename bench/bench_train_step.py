@@ -206,17 +206,21 @@ def main(argv: list[str] | None = None) -> None:
                 set_activation_checkpointing(model, False)
         if D == args.mtp:
             summarize(results, h_pad, D)
-            if not args.no_compile and dev == "cuda":
-                try:
-                    compile_layers(model)
-                    set_layout(worker, True, args.max_tokens)
-                    c = report(f"{tag}, packed, sync, compiled layers", time_it(lambda: worker.train(batch, loss), dev, args.repeats, warmups=2), batch.lengths, D)
+        if not args.no_compile and dev == "cuda":
+            try:
+                compile_layers(model)
+                set_layout(worker, True, args.max_tokens)
+                c = report(f"{tag}, packed, sync, compiled layers", time_it(lambda: worker.train(batch, loss), dev, args.repeats, warmups=2), batch.lengths, D)
+                line = f"  compiled / eager layers ({tag}, packed, sync): {c / results[f'{tag}, packed, sync']:.3f}"
+                if D == 0:
+                    line += f"; no MTP, splitrl packed compiled / plain HF padded: {c / h_pad:.3f}"
+                else:
                     cs = chunks_of(16)
                     c16 = report(f"{tag}, packed, split 16 chunks, compiled layers", time_it(lambda: split_step(worker, cs), dev, args.repeats), batch.lengths, D)
-                    print(f"  compiled / eager layers ({tag}, packed, sync): {c / results[f'{tag}, packed, sync']:.3f}; "
-                          f"compiled split 16 / sync: {c16 / c:.3f}")
-                except Exception as e:  # noqa: BLE001 - report and keep the figures above
-                    print(f"  compiled layers failed: {type(e).__name__}: {e}"[:2000])
+                    line += f"; compiled split 16 / sync: {c16 / c:.3f}"
+                print(line, flush=True)
+            except Exception as e:  # noqa: BLE001 - report and keep the figures above
+                print(f"  compiled layers failed: {type(e).__name__}: {e}"[:2000])
         worker = model = None
         if dev == "cuda":
             torch.cuda.empty_cache()

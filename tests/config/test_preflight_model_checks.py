@@ -192,9 +192,9 @@ def test_a_run_over_a_file_with_an_overlong_row_trains_every_other_row(tmp_path,
     seen: list[str] = []
     real = generation.GenerationWorker.generate_groups
 
-    def recording(self, indices, group_size):
+    def recording(self, indices, group_size, on_group=None):
         seen.extend(self.prompt_of(i).text for i in indices)
-        return real(self, indices, group_size)
+        return real(self, indices, group_size, on_group)
 
     cfg = _cfg(
         tmp_path, "task.kind=math_file", f"task.path={data}", "tokenizer.charset=null", "model.backbone.vocab_size=100",

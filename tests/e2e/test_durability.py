@@ -43,10 +43,10 @@ def test_a_group_waiting_for_buffer_room_at_a_checkpoint_is_trained_exactly_once
     real_generate = generation.GenerationWorker.generate_groups
     real_train, real_finish = PolicyClient.train_chunk, PolicyClient.finish
 
-    def generate(self, indices, group_size):
+    def generate(self, indices, group_size, on_group=None):
         if first_run["on"] and 1 in indices:
             assert four_done.wait(60)
-        out = real_generate(self, indices, group_size)
+        out = real_generate(self, indices, group_size, on_group)
         generated.extend(indices)
         if 4 in indices:
             four_done.set()

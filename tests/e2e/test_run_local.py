@@ -177,9 +177,9 @@ def test_two_generation_workers_with_a_small_buffer_generate_each_prompt_once(tm
     seen: list[int] = []
     real = generation.GenerationWorker.generate_groups
 
-    def recording(self, indices, group_size):
+    def recording(self, indices, group_size, on_group=None):
         seen.extend(indices)
-        return real(self, indices, group_size)
+        return real(self, indices, group_size, on_group)
 
     monkeypatch.setattr(generation.GenerationWorker, "generate_groups", recording)
     res = train(
@@ -206,3 +206,38 @@ def test_cpu_demo_runs_with_a_tiny_moe_backbone(tmp_path):
         assert 0 < r["train/moe/aux_loss"] < 4  # L_aux is k = 2 when balanced
         assert 0.25 <= r["train/moe/expert_load_max"] <= 1.0
         assert math.isfinite(r["train/grad_norm"])
+
+
+def test_groups_reach_training_before_their_generation_call_returns(tmp_path, monkeypatch):
+    """Continuous batching hands each group over when its last sample finishes (issue: rollouts
+    at GPU speed, item 2): with one generation call for the whole step, the first chunk trains
+    while that call is still generating. Without streaming the worker below waits in vain."""
+    import threading
+
+    from splitrl.controller import generation
+    from splitrl.controller.policy_client import PolicyClient
+
+    training_started = threading.Event()
+    waited: list[bool] = []
+    real_generate, real_train = generation.GenerationWorker.generate_groups, PolicyClient.train_chunk
+
+    def generate(self, indices, group_size, on_group=None):
+        def hand_over(group):
+            on_group(group)
+            if not waited:  # after the first group: hold generation until training has begun
+                waited.append(training_started.wait(30))
+
+        assert on_group is not None, "the local backend passes a per-group callback"
+        return real_generate(self, indices, group_size, hand_over)
+
+    async def train_chunk(self, groups):
+        training_started.set()
+        return await real_train(self, groups)
+
+    monkeypatch.setattr(generation.GenerationWorker, "generate_groups", generate)
+    monkeypatch.setattr(PolicyClient, "train_chunk", train_chunk)
+    res = train(
+        _cfg(tmp_path, "num_steps=1", "groups_per_step=4", "generation_groups_per_call=4", "min_groups_per_chunk=1",
+             "buffer.max_staleness=0")
+    )
+    assert res.steps_done == 1 and waited == [True]

@@ -319,3 +319,21 @@ def test_every_mtp_cache_entry_matches_teacher_forcing(monkeypatch):
         torch.testing.assert_close(out, hidden[seed][depth][t], atol=1e-5, rtol=1e-4)
         compared[depth - 1] += 1
     assert min(compared) > 20, compared
+
+
+def test_switch_off_estimate_counts_the_host_time_of_each_chunk():
+    """speedup = plain wall / verify wall for the same tokens, plain wall = a·Σt_plain +
+    (a·iterations / SYNC_EVERY)·h, h = (wall - device) per verify chunk. A device-only estimate
+    (the old rule) overstated the speedup where host work per chunk is large."""
+    model = make_model(vocab=VOCAB, depths=2)
+    engine = RolloutEngine(model, GenerationConfig(speculative=True, max_new_tokens=8, batch_size=2), "cpu")
+    engine.speculative_switch_off = False
+    stats = engine_mod.RolloutStats(drafted_tokens=100, accepted_tokens=50)  # a = 1 + 2 · 0.5 = 2
+    # 4 chunks of 8 iterations: device 4 ms per iteration, 10 ms host per chunk; plain step 2.5 ms
+    timing = engine_mod._SpecTiming(spec_s=32 * 4e-3, wall_s=32 * 4e-3 + 4 * 10e-3, plain_s=32 * 2.5e-3, chunks=4, iterations=32)
+    engine._should_switch_off(timing, stats, [0, 0], [0, 0])
+    a = 2.0
+    plain_wall = a * 32 * 2.5e-3 + a * 32 / engine_mod.SYNC_EVERY * 10e-3
+    assert stats.speculative_speedup == pytest.approx(plain_wall / (32 * 4e-3 + 40e-3), rel=1e-12)
+    device_only = a * 32 * 2.5e-3 / (32 * 4e-3)
+    assert stats.speculative_speedup < device_only  # 1.19 vs 1.25

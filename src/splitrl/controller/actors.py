@@ -17,7 +17,12 @@ Backend = Literal["ray", "local"]
 
 
 class LocalActor:
-    """An object of this process behind the actor interface."""
+    """An object of this process behind the actor interface.
+
+    ``in_process``: its calls can take Python callables (e.g. a callback run on its thread).
+    """
+
+    in_process = True
 
     def __init__(self, cls: type, *args: Any, **kwargs: Any) -> None:
         self._obj = cls(*args, **kwargs)
@@ -48,6 +53,8 @@ class RayActor:
     ``ray_options`` go to ``.options`` (resources, scheduling); ``remote_options`` to
     ``ray.remote`` (what ``.options`` does not take, e.g. ``concurrency_groups``).
     """
+
+    in_process = False
 
     def __init__(
         self, cls: type, *args: Any, ray_options: dict | None = None, remote_options: dict | None = None, **kwargs: Any
@@ -89,6 +96,8 @@ class ActorPart:
     interface. The part's calls run in the actor's concurrency group of the same name (one
     thread, one call at a time), so the other part's calls run meanwhile.
     """
+
+    in_process = False
 
     def __init__(self, actor: RayActor, part: str) -> None:
         self.actor = actor

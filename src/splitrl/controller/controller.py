@@ -20,6 +20,7 @@ timing decides which groups land in which step.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -519,8 +520,18 @@ class SingleController:
             t0 = time.perf_counter()
             for j in indices:
                 self.generating[j] = t0
+            # in-process workers hand each group over as soon as its last sample finishes (the
+            # train pump's chunks stream from them); a Ray worker returns its groups with the call
+            streamed: dict[int, concurrent.futures.Future] = {}
+            on_group = None
+            if getattr(actor, "in_process", False):
+                loop = asyncio.get_running_loop()
+
+                def on_group(group: Group) -> None:  # on the worker's thread
+                    streamed[group.prompt_index] = asyncio.run_coroutine_threadsafe(self._deliver([group]), loop)
+
             try:
-                groups, metrics = await actor.call("generate_groups", indices, cfg.group_size)
+                groups, metrics = await actor.call("generate_groups", indices, cfg.group_size, on_group)
             except BaseException:
                 for j in indices:
                     self.in_flight.discard(j)
@@ -531,7 +542,9 @@ class SingleController:
             t1 = time.perf_counter()
             self.gen_intervals.append((t0, t1))
             self.rollout_acc.append(metrics)
-            await self._deliver(groups)
+            await self._deliver([g for g in groups if g.prompt_index not in streamed])
+            if streamed:
+                await asyncio.gather(*(asyncio.wrap_future(f) for f in streamed.values()))
 
     def _accepted_groups(self) -> list[Group]:
         """Groups generated and accepted but in no buffer: waiting for room, or held by the

@@ -33,6 +33,9 @@ class MicrobatchConfig(BaseModel):
     coalesce_chunks: bool = True
 
 
+AUTO_CHECKPOINT_TOKENS = 16384
+
+
 class SpeedConfig(BaseModel):
     """Switches of :func:`apply_speed_config` (defaults chosen by measurement on one H200, see README).
 
@@ -42,6 +45,10 @@ class SpeedConfig(BaseModel):
             the first steps pay the compilation). Not applied under FSDP2, where it was not measured.
         activation_checkpointing: recompute each decoder layer in the backward instead of
             keeping its activations (saves most activation memory for ~1/3 more layer compute).
+            ``auto`` (default): on for CUDA microbatch budgets above 16,384 tokens
+            (``AUTO_CHECKPOINT_TOKENS``): on one H200, Qwen3-0.6B shape + 2 MTP depths, packed,
+            the peak was 49.7 GiB at 16 k tokens and 81.1 GiB at 32 k without it, 19.1 GiB with it
+            (15-20 % fewer tokens/s).
         fused_head_kernels: compile the output head's per-chunk softmax statistics and gradient
             into fused kernels on CUDA (see ``splitrl.loss.logprobs``).
         packed_attention: packed rows on CUDA: ``flex`` (FlexAttention block mask), ``varlen``
@@ -54,10 +61,16 @@ class SpeedConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     compile_layers: bool = True
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | Literal["auto"] = "auto"
     fused_head_kernels: bool = True
     packed_attention: Literal["flex", "varlen", "dense"] = "flex"
     compute_weight_copy: bool = True
+
+    def checkpointing_for(self, device_type: str, tokens_per_microbatch: int | None) -> bool:
+        """Whether activation checkpointing is on for this device and microbatch token budget."""
+        if self.activation_checkpointing != "auto":
+            return bool(self.activation_checkpointing)
+        return device_type == "cuda" and (tokens_per_microbatch or 0) > AUTO_CHECKPOINT_TOKENS
 
 
 class OptimConfig(BaseModel):

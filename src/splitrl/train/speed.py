@@ -25,12 +25,19 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def apply_speed_config(model: nn.Module, config: SpeedConfig, device: torch.device, distributed: bool = False) -> None:
-    """Apply the switches to ``model`` in place (parameter names and values are unchanged)."""
+def apply_speed_config(
+    model: nn.Module,
+    config: SpeedConfig,
+    device: torch.device,
+    distributed: bool = False,
+    tokens_per_microbatch: int | None = None,
+) -> None:
+    """Apply the switches to ``model`` in place (parameter names and values are unchanged);
+    ``tokens_per_microbatch`` (the microbatch token budget) decides ``activation_checkpointing: auto``."""
     set_fused_kernels(config.fused_head_kernels)
     if hasattr(model, "packed_attention"):
         model.packed_attention = config.packed_attention
-    set_activation_checkpointing(model, config.activation_checkpointing)
+    set_activation_checkpointing(model, config.checkpointing_for(device.type, tokens_per_microbatch))
     if config.compile_layers and device.type == "cuda" and not distributed:
         compile_layers(model)
 

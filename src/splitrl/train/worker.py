@@ -92,7 +92,9 @@ class TrainWorker:
             raise ValueError("mixed precision keeps fp32 master weights: build the model in fp32")
         self.model = model.to(self.device)
         self.distributed = du.is_distributed()
-        apply_speed_config(self.model, cfg.speed, self.device, self.distributed)
+        apply_speed_config(
+            self.model, cfg.speed, self.device, self.distributed, cfg.microbatch.max_tokens_per_microbatch
+        )
         if self.distributed:
             from splitrl.distributed.fsdp import apply_fsdp2
 
