@@ -314,6 +314,7 @@ class SingleController:
             # that wait forever for GPUs
             check_cluster_gpus(self.placement, G, T, ray.cluster_resources())
             self.placement_group = make_placement_group(gpus_needed(self.placement, G, T))
+            log.info("start-up: reserved %d GPU(s) for placement %s", gpus_needed(self.placement, G, T), self.placement)
         dp_cfg = cfg.dataplane if self.backend == "ray" else DataPlaneConfig(kind="inprocess")
         log.info("start-up: starting the %s data plane", dp_cfg.kind)
         self.data_plane = make_data_plane(dp_cfg)

@@ -195,7 +195,8 @@ def send_weights(group: "WeightSyncGroup | None", layout: WeightLayout, source: 
     other than 0, which only take part in the gathers), pack them into buckets in the layout's
     dtypes and broadcast each bucket from rank 0 of ``group``. Returns the bytes broadcast.
 
-    The layout is checked against ``source`` when the group is built (:meth:`WeightSyncGroup.check`).
+    Rank 0 checked ``layout`` against ``source`` (:meth:`WeightLayout.check_sender`) before the
+    group was built; the other ranks walk the same model in the same order.
     """
     mine = unique_tensors(source.state_dict(keep_vars=True))
     buckets = layout.buckets(bucket_bytes)
