@@ -121,6 +121,7 @@ def _entry(i, train_port, gen_dtype, sync_port_q, layout_q, outs):
     _main(role, idx, train_port, gen_dtype, sync_port_q, layout_q, outs)
 
 
+@pytest.mark.dist
 def test_group_sync_equals_trainer_after_each_step(tmp_path):
     gen_dtype = torch.bfloat16
     ctx = mp.get_context("spawn")
