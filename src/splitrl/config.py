@@ -122,7 +122,9 @@ class RunConfig(BaseModel):
             each GPU hosts one train rank and one generation engine in one process
             (``num_generation_workers == num_train_workers``); weights are handed over on the
             device. ``split``: every train rank and every generation worker has a GPU of its own
-            (G + T GPUs); weights go from train rank 0 to the engines over NCCL in buckets.
+            (G + T GPUs); weights go from train rank 0 to the engines over NCCL in buckets,
+            received beside generation into a staging copy (one more copy of the weights per
+            engine) and switched in between two generation calls.
             ``auto`` (default): ``colocated`` with ``backend=ray`` on CUDA when the two counts
             are equal, otherwise ``split``; ``backend=local`` runs everything in this process
             (colocated). With ``backend=ray`` the GPUs Ray sees are checked before any worker
