@@ -1,6 +1,7 @@
-"""Weight sync time (issue 9): the colocated on-device hand-over of
-:func:`splitrl.distributed.weight_sync.copy_weights`, trainer (fp32 master weights) → rollout
-engine (``--engine-dtype``), on one device, and the same through a torch.distributed group in
+"""Weight sync time (issue 9): the colocated on-device hand-over
+(:func:`~splitrl.distributed.weight_sync.stage_weights`, the trainer's side, then
+:func:`~splitrl.distributed.weight_sync.apply_staged`, the engine's pause between two calls),
+trainer (fp32 master weights) → rollout engine (``--engine-dtype``), on one device, and the same through a torch.distributed group in
 flat buckets when ``--group`` is given (2 processes: a sender and a receiver on the same device;
 gloo on CPU only — NCCL refuses two ranks on one GPU, so the 2-GPU NCCL figure comes from
 ``splitrl train ... placement=split`` on a 2-GPU machine).
@@ -36,10 +37,10 @@ from splitrl.distributed.weight_sync import (
     WeightLayout,
     WeightSyncGroup,
     apply_staged,
-    copy_weights,
     listen_socket,
     receive_weights,
     send_weights,
+    stage_weights,
 )
 from splitrl.models import ModelConfig, MTPConfig, PolicyModel
 
@@ -124,20 +125,24 @@ def main(argv: list[str] | None = None) -> dict:
     engine_dtype = DTYPES[args.engine_dtype or dtype]
     trainer, engine = _models(model_cfg, args.device, engine_dtype)
     own = engine.weight_tensors()
-    nbytes = WeightLayout.of(own).nbytes
-    times = _times(lambda: copy_weights(trainer, own), args.device, args.repeats)
+    layout = WeightLayout.of(own)
+    bucket = args.bucket_mb * 2**20
+    staging = torch.empty(layout.staging_nbytes(bucket), dtype=torch.uint8, device=args.device)
+    stage = _times(lambda: stage_weights(layout, trainer, staging, bucket), args.device, args.repeats)
+    apply = _times(lambda: apply_staged(layout, staging, own, bucket), args.device, args.repeats)
     _check(trainer, engine.model.state_dict())
     result = {
         "command": " ".join(sys.argv),
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "params": sum(p.numel() for p in trainer.parameters()),
-        "engine_bytes": nbytes,
-        "colocated_copy_s": {"best": min(times), "median": statistics.median(times)},
+        "engine_bytes": layout.nbytes,
+        "colocated_stage_s": {"best": min(stage), "median": statistics.median(stage)},
+        "colocated_apply_s (generation pauses)": {"best": min(apply), "median": statistics.median(apply)},
     }
     if args.group:
         if args.device != "cpu":
             raise SystemExit("--group runs on CPU (gloo): NCCL refuses two ranks on one GPU")
-        del trainer, engine, own
+        del trainer, engine, own, staging
         ctx = mp.get_context("spawn")
         q, out_q = ctx.Queue(), ctx.Queue()
         mp.spawn(_group_rank, args=(model_cfg, engine_dtype, args.bucket_mb * 2**20, args.repeats, q, out_q), nprocs=2)

@@ -1,8 +1,9 @@
-"""A generation worker's side of the split weight sync (issue 9): ``receive_weights`` only stages
-the broadcast (the engine keeps sampling with its weights, so a call in flight is not touched);
-the next generation call switches to them and stamps its groups with the new version; the
-engine then holds exactly the sender's weights, MTP heads included. The sender is a thread of
-this process (gloo), standing in for train rank 0.
+"""A generation worker's side of the weight sync (issue 9): ``receive_weights`` (split) and
+``stage_weights`` (colocated) only stage the new weights (the engine keeps sampling with its
+own, so a call in flight is not touched); the next generation call switches to them and stamps
+its groups with the new version; the engine then holds exactly the sender's weights, MTP heads
+included. The split sender is a
+thread of this process (gloo), standing in for train rank 0.
 
 Guards: a sync that changes weights under a running call (a sample mixing two policies), and
 one whose version stamp or weights do not reach the next call.
@@ -65,4 +66,19 @@ def test_receive_stages_and_the_next_call_switches(tmp_path):
     assert any(k.startswith("mtp.") for k in want)
     for k in want:
         assert torch.equal(got[k], want[k]), k
+
+    # the colocated path stages from a trainer model in this process the same way
+    with torch.no_grad():
+        for p in src.parameters():
+            p.mul_(0.5)
+    before = {k: v.clone() for k, v in gen.engine.model.state_dict().items()}
+    gen.stage_weights(src, 6, BUCKET)
+    assert gen.engine.policy_version == 5 and gen.policy_version == 6
+    for k, v in gen.engine.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    groups, _ = gen.generate_groups([1], 2)
+    assert groups[0].policy_version == 6
+    got = gen.engine.model.state_dict()
+    for k, v in src.state_dict().items():
+        assert torch.equal(got[k], v), k
     gen.close()

@@ -23,10 +23,10 @@ from splitrl.distributed.weight_sync import (  # noqa: E402
     WeightLayout,
     apply_staged,
     WeightSyncGroup,
-    copy_weights,
     listen_socket,
     receive_weights,
     send_weights,
+    stage_weights,
     unique_tensors,
 )
 
@@ -145,29 +145,34 @@ def test_group_sync_equals_trainer_after_each_step(tmp_path):
                 assert torch.equal(got[k], want[k].to(gen_dtype)), (g, step, k)
 
 
-def test_copy_weights_in_place_and_checked():
-    """The colocated hand-over: exact copy into the engine's own storage (MTP and the tie
-    included); a model without MTP heads is refused before anything is copied."""
+def test_colocated_stage_then_apply_in_place_and_checked():
+    """The colocated hand-over: staging leaves the engine untouched; applying copies exactly into
+    the engine's own storage (MTP and the tie included, bf16 engine: the fp32 values rounded);
+    a model without MTP heads is refused before anything is staged."""
     from splitrl.rollout import GenerationConfig, RolloutEngine
 
     src = _model()
     with torch.no_grad():
         for p in src.parameters():
             p.add_(torch.randn_like(p))
-    tgt_model = _model()
-    engine = RolloutEngine(tgt_model, GenerationConfig(max_new_tokens=4), device="cpu")
+    engine = RolloutEngine(_model().to(torch.bfloat16), GenerationConfig(max_new_tokens=4), device="cpu")
     own = engine.weight_tensors()
+    layout = WeightLayout.of(own)
+    staging = torch.zeros(layout.staging_nbytes(BUCKET), dtype=torch.uint8)
     ptrs = {k: v.data_ptr() for k, v in own.items()}
-    copy_weights(src, own)
-    got = engine.model.state_dict()
-    for k, v in src.state_dict().items():
-        assert torch.equal(got[k], v), k
-        assert got[k].data_ptr() == ptrs[k]
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}
-    with pytest.raises(ValueError, match="MTP tensors must be synced"):
-        copy_weights(make_model(D=0, tie_word_embeddings=True), own)
+    assert stage_weights(layout, src, staging, BUCKET) == layout.nbytes
     for k, v in engine.model.state_dict().items():
         assert torch.equal(v, before[k]), k
+    apply_staged(layout, staging, own, BUCKET)
+    got = engine.model.state_dict()
+    for k, v in src.state_dict().items():
+        assert torch.equal(got[k], v.to(torch.bfloat16)), k
+        assert got[k].data_ptr() == ptrs[k]
+    staged = staging.clone()
+    with pytest.raises(ValueError, match="MTP tensors must be synced"):
+        stage_weights(layout, make_model(D=0, tie_word_embeddings=True), staging, BUCKET)
+    assert torch.equal(staging, staged)
 
 
 def test_buckets_cover_every_byte_once():

@@ -1,7 +1,7 @@
 """Placement on a local Ray cluster, CPU (issue 9): ``split`` (1 train rank and 2 generation
 actors, weights through the torch.distributed gloo group) and ``colocated`` (2 actors, each
-hosting a train rank — FSDP2 over gloo — and its generation engine, weights copied inside the
-process). Each run finishes, took the intended sync
+hosting a train rank — FSDP2 over gloo — and its generation engine, weights staged on the
+device inside the process). Each run finishes, took the intended sync
 path (not the object-store fallback), and at the end every generation engine holds exactly the
 trainer's weights, MTP heads included, at the final policy version (tolerance: exact, fp32).
 """

@@ -683,7 +683,8 @@ class SingleController:
         """Choose how weights reach the generation engines, and say which (issue 9):
 
         - ``in_process`` (``backend=local``): the trainer's device tensors are handed over;
-        - ``colocated``: each colocated actor copies on its device (:class:`ColocatedWorker`);
+        - ``colocated``: each colocated actor stages a copy on its device
+          (:class:`~splitrl.controller.placement.ColocatedWorker`);
         - ``group``: a torch.distributed group from train rank 0 to the engines (NCCL / gloo);
         - ``object_store``: the fallback where that group cannot be built — the full weights go
           through CPU and Ray's object store at every sync (slow for large models).
@@ -695,7 +696,7 @@ class SingleController:
             log.info("weight sync: in-process hand-over on %s", self.device)
             return "in_process"
         if self.placement == "colocated":
-            log.info("weight sync: on-device copy inside each colocated worker (%d)", len(self.gen_actors))
+            log.info("weight sync: on-device copy inside each colocated worker (%d), staged beside generation", len(self.gen_actors))
             return "colocated"
         from splitrl.distributed.weight_sync import DEFAULT_BUCKET_BYTES
 
@@ -740,9 +741,11 @@ class SingleController:
             self.sync_path = await self._open_weight_sync()
             t0 = time.perf_counter()  # the group's set-up is start-up time, not a sync
         if self.sync_path == "colocated":
-            await self._policy_call(
-                asyncio.gather(*(a.submit_host("sync_weights", self.version) for a in self.gen_actors)), "weight sync"
-            )
+            from splitrl.distributed.weight_sync import DEFAULT_BUCKET_BYTES
+
+            # in the train parts' thread: staged beside generation, taken at each engine's next call
+            stage = [a.submit_host("sync_weights", self.version, DEFAULT_BUCKET_BYTES) for a in self.train_actors]
+            await self._policy_call(asyncio.gather(*stage), "weight sync")
         elif self.sync_path == "group":
             # staged beside generation; each engine switches at the start of its next call
             receive = [a.submit_in("sync", "receive_weights", self.version) for a in self.gen_actors]

@@ -122,6 +122,7 @@ class GenerationWorker:
         # weights received through the weight-sync group, waiting for the next call
         self._staging_lock = threading.Lock()
         self._staged_version: int | None = None
+        self._staging: torch.Tensor | None = None
 
     @property
     def policy_version(self) -> int:
@@ -158,17 +159,45 @@ class GenerationWorker:
 
         if self.weight_layout() != layout:
             raise ValueError("weight sync: this generation worker's model differs from the others'; every worker builds the same model config")
-        device = next(self.engine.model.parameters()).device
+        device = self._ensure_staging(bucket_bytes)
         self._sync_group = WeightSyncGroup(host, port, rank, world_size, device.type, timeout_s=timeout_s)
-        self._sync_layout, self._sync_bucket_bytes = layout, bucket_bytes
-        self._staging = torch.empty(layout.staging_nbytes(bucket_bytes), dtype=torch.uint8, device=device)
         # the receive runs on a stream of its own: the generation kernels queued meanwhile on
         # the engine's stream do not wait for the broadcast
         self._sync_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         return self._sync_group.backend
 
+    def _ensure_staging(self, bucket_bytes: int) -> torch.device:
+        """Allocate the staging buffer once (one more copy of the engine's weights, in its
+        dtype, on its device); returns the device."""
+        device = next(self.engine.model.parameters()).device
+        if self._staging is None:
+            self._sync_layout, self._sync_bucket_bytes = self.weight_layout(), bucket_bytes
+            self._staging = torch.empty(self._sync_layout.staging_nbytes(bucket_bytes), dtype=torch.uint8, device=device)
+        return device
+
+    def stage_weights(self, source: torch.nn.Module, version: int, bucket_bytes: int) -> int:
+        """Colocated weight sync: copy the trainer's ``source`` (in this process, on this
+        device; FSDP2 shards gathered tensor by tensor, so every train rank calls this at once)
+        into the staging buffer, beside a generation call that may be running; the engine
+        switches to them at the start of its next call. Returns the bytes staged.
+
+        Raises:
+            ValueError: the trainer's tensors do not match the engine's (nothing is staged).
+        """
+        from splitrl.distributed.weight_sync import stage_weights
+
+        with self._staging_lock:
+            self._staged_version = None
+            device = self._ensure_staging(bucket_bytes)
+            n = stage_weights(self._sync_layout, source, self._staging, self._sync_bucket_bytes)
+            if device.type == "cuda":
+                # the trainer may change its weights as soon as this returns
+                torch.cuda.current_stream(device).synchronize()
+            self._staged_version = version
+        return n
+
     def receive_weights(self, version: int) -> int:
-        """Weight sync through the group: receive the buckets broadcast by train rank 0 into the
+        """Split weight sync: receive the buckets broadcast by train rank 0 into the
         staging buffer, beside generation (Ray runs this call in a concurrency group of its
         own); the engine switches to them at the start of its next call (MTP tensors included).
         Returns ``version``."""
@@ -187,8 +216,8 @@ class GenerationWorker:
         return version
 
     def _apply_staged_weights(self) -> None:
-        """Copy weights staged by :meth:`receive_weights` into the engine (in place, between two
-        calls: never inside a sample)."""
+        """Copy weights staged by :meth:`receive_weights` / :meth:`stage_weights` into the engine
+        (in place, between two calls: never inside a sample)."""
         if self._staged_version is None:
             # nothing staged, or a receive in progress: this call was issued before that sync
             # finished, so it runs with the weights it was issued under

@@ -4,7 +4,8 @@
   :class:`ColocatedWorker`) and its GPU. The controller drives the two halves through two
   handles with the actor interface; each half runs its calls on a thread of its own (a Ray
   concurrency group of size 1), so generation overlaps training as with the local backend, and
-  the weight hand-over is a copy on the device inside the process.
+  the weight hand-over is a copy on the device inside the process (into a staging buffer, taken
+  by the engine at its next call: the trainer does not wait for a generation call to end).
 - ``split``: every train rank and every generation worker is an actor with a GPU of its own
   (``num_gpus: 1``); train ranks take bundles 0..T-1 of one placement group and generation
   workers bundles T..T+G-1, so that ranks land where intended. Weights go from train rank 0 to
@@ -129,20 +130,17 @@ class ColocatedWorker:
         """Run ``method`` of one half (``train`` or ``gen``)."""
         return getattr(getattr(self, part), method)(*args, **kwargs)
 
-    def sync_weights(self, version: int) -> int:
-        """Copy the trainer's weights into the engine on the device (MTP included) and mark them
-        as ``version``; with several train ranks every rank's actor calls this at once (the FSDP2
-        shards are gathered tensor by tensor). Runs in the ``gen`` group: never inside a
-        generation call. Returns the bytes copied.
+    def sync_weights(self, version: int, bucket_bytes: int) -> int:
+        """Stage the trainer's weights for the engine on the device (MTP included) as
+        ``version``; the engine switches to them at the start of its next call. Runs in the
+        ``train`` group, beside a generation call that may be running; with several train ranks
+        every rank's actor calls this at once (the FSDP2 shards are gathered tensor by tensor).
+        Returns the bytes staged.
 
         Raises:
-            ValueError: the trainer's tensors do not match the engine's (nothing is copied).
+            ValueError: the trainer's tensors do not match the engine's (nothing is staged).
         """
-        from splitrl.distributed.weight_sync import copy_weights
-
-        n = copy_weights(self.train.worker.model, self.gen.engine.weight_tensors())
-        self.gen.engine.weights_updated(version)
-        return n
+        return self.gen.stage_weights(self.train.worker.model, version, bucket_bytes)
 
     def close(self) -> None:
         self.gen.close()

@@ -3,15 +3,16 @@
 Two ways, both copying into the engine's tensors in place (captured CUDA graphs keep reading
 them) and both carrying the MTP tensors with the rest of the state dict:
 
-- **colocated** (trainer and engine in one process): :func:`copy_weights` copies tensor by tensor
-  on the device; with FSDP2 each tensor is all-gathered first (``DTensor.full_tensor``), so the
-  full model is never materialized twice.
+- **colocated** (trainer and engine in one process): :func:`stage_weights` copies the trainer's
+  tensors one by one on the device into a staging buffer; with FSDP2 each tensor is all-gathered
+  first (``DTensor.full_tensor``), so the full fp32 model is never materialized.
 - **split** (engines in other processes, on other GPUs): a :class:`WeightSyncGroup` — a
   torch.distributed group of its own whose rank 0 is train rank 0 and whose ranks 1..G are the
   generation workers — carries the weights in flat byte buckets (:func:`send_weights` /
   :func:`receive_weights`); NCCL on GPU, gloo on CPU. The receiver stages the buckets in a buffer
   of its own while its engine keeps generating, and copies them into the engine between two
-  generation calls (:func:`apply_staged`): generation stops for that on-device copy only.
+  generation calls (:func:`apply_staged`): generation stops for that on-device copy only. The
+  colocated path stages the same way, so the trainer need not wait for a generation call to end.
 
 The group is a backend object built directly from its own ``TCPStore`` (``ProcessGroupNCCL`` /
 ``ProcessGroupGloo``, public classes in torch 2.11 and 2.13): train rank 0 already belongs to the
@@ -157,22 +158,22 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def copy_weights(source: torch.nn.Module, target: dict[str, torch.Tensor]) -> int:
-    """Copy ``source``'s weights into ``target`` (a ``state_dict(keep_vars=True)`` of the engine's
-    model) in place, tensor by tensor on the device; with FSDP2 each tensor is gathered just
-    before its copy (collective: every train rank calls this). Returns the bytes copied.
+def stage_weights(layout: WeightLayout, source: torch.nn.Module, staging: torch.Tensor, bucket_bytes: int) -> int:
+    """Colocated side of a sync: copy ``source``'s weights (cast to the layout's dtypes) into
+    ``staging`` (uint8 ``[layout.staging_nbytes(bucket_bytes)]``, on the same device), tensor by
+    tensor; with FSDP2 each tensor is gathered just before its copy (collective: every train rank
+    calls this). :func:`apply_staged` then copies them into the engine between two generation
+    calls. Returns the bytes staged.
 
     Raises:
-        ValueError: names or shapes differ (nothing is copied then).
+        ValueError: names or shapes differ from ``layout`` (nothing is staged then).
     """
-    layout = WeightLayout.of(target)
     mine = unique_tensors(source.state_dict(keep_vars=True))
     layout.check_sender(mine)
     with torch.no_grad():
-        for slot, (_, t) in zip(layout.slots, mine):
-            full = full_tensor(t.detach())
-            for name in slot.names:
-                target[name].copy_(full)
+        for bucket, start in layout.bucket_starts(bucket_bytes):
+            for (slot, view), (i, _) in zip(_views(staging[start:], layout, bucket), bucket):
+                view.copy_(full_tensor(mine[i][1].detach()))
     return layout.nbytes
 
 
