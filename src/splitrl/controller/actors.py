@@ -30,6 +30,11 @@ class LocalActor:
         # asyncio.run's shutdown of the default executor
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=cls.__name__)
 
+    @property
+    def obj(self) -> Any:
+        """The object itself (in this process: another local actor's call may take it)."""
+        return self._obj
+
     def _call(self, method: str, args, kwargs):
         return getattr(self._obj, method)(*args, **kwargs)
 

@@ -682,7 +682,8 @@ class SingleController:
     async def _open_weight_sync(self) -> str:
         """Choose how weights reach the generation engines, and say which (issue 9):
 
-        - ``in_process`` (``backend=local``): the trainer's device tensors are handed over;
+        - ``in_process`` (``backend=local``): the train actor stages a copy on the device for each
+          engine of this process;
         - ``colocated``: each colocated actor stages a copy on its device
           (:class:`~splitrl.controller.placement.ColocatedWorker`);
         - ``group``: a torch.distributed group from train rank 0 to the engines (NCCL / gloo);
@@ -693,7 +694,7 @@ class SingleController:
             ValueError: the trainer's and the engines' tensors do not match (another model).
         """
         if self.backend == "local":
-            log.info("weight sync: in-process hand-over on %s", self.device)
+            log.info("weight sync: in-process copy on %s, staged beside generation", self.device)
             return "in_process"
         if self.placement == "colocated":
             log.info("weight sync: on-device copy inside each colocated worker (%d), staged beside generation", len(self.gen_actors))
@@ -740,9 +741,15 @@ class SingleController:
         if self.sync_path is None:
             self.sync_path = await self._open_weight_sync()
             t0 = time.perf_counter()  # the group's set-up is start-up time, not a sync
-        if self.sync_path == "colocated":
-            from splitrl.distributed.weight_sync import DEFAULT_BUCKET_BYTES
+        from splitrl.distributed.weight_sync import DEFAULT_BUCKET_BYTES
 
+        if self.sync_path == "in_process":
+            # on the train actor's thread: staged beside generation, taken at each engine's next call
+            gens = [a.obj for a in self.gen_actors]
+            await self._policy_call(
+                self.train_actors[0].call("stage_weights_into", gens, self.version, DEFAULT_BUCKET_BYTES), "weight sync"
+            )
+        elif self.sync_path == "colocated":
             # in the train parts' thread: staged beside generation, taken at each engine's next call
             stage = [a.submit_host("sync_weights", self.version, DEFAULT_BUCKET_BYTES) for a in self.train_actors]
             await self._policy_call(asyncio.gather(*stage), "weight sync")
@@ -750,9 +757,8 @@ class SingleController:
             # staged beside generation; each engine switches at the start of its next call
             receive = [a.submit_in("sync", "receive_weights", self.version) for a in self.gen_actors]
             await self._policy_call(asyncio.gather(self.policy.broadcast_weights(), *receive), "weight sync")
-        else:
-            # local backend: generation shares the process (and the GPU), so skip the trip through CPU
-            sd = await self._policy_call(self.policy.policy_state_dict(to_cpu=self.backend == "ray"), "policy_state_dict")
+        else:  # object_store: the fallback of split placement
+            sd = await self._policy_call(self.policy.policy_state_dict(to_cpu=True), "policy_state_dict")
             await asyncio.gather(*(a.call("load_weights", sd, self.version) for a in self.gen_actors))
         self.synced_version = self.version
         self._wake_pumps()

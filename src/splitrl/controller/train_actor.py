@@ -130,6 +130,17 @@ class TrainActor:
             return {k: v.detach() for k, v in self.worker.model.state_dict().items()}
         return self.worker.full_model_state_dict()
 
+    def stage_weights_into(self, workers: list, version: int, bucket_bytes: int) -> int:
+        """In-process weight sync (``backend: local``): stage this rank's policy into the
+        :class:`~splitrl.controller.generation.GenerationWorker` objects of this process, on the
+        device, beside their generation calls; each engine takes them at its next call. Runs on
+        this actor's thread (no train call runs meanwhile). Returns the bytes staged per worker.
+        """
+        n = 0
+        for w in workers:
+            n = w.stage_weights(self.worker.model, version, bucket_bytes)
+        return n
+
     # ------------------------------------------------------------------ weight-sync group (split)
     def open_weight_sync(self, loopback: bool, layout) -> tuple[str, int]:
         """Rank 0: check that the generation engines' ``layout`` (a
