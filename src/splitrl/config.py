@@ -121,7 +121,7 @@ class RunConfig(BaseModel):
         placement: where the workers run (:mod:`splitrl.controller.placement`). ``colocated``:
             each GPU hosts one train rank and one generation engine in one process
             (``num_generation_workers == num_train_workers``); weights are handed over on the
-            device. ``split``: every train rank and every generation worker has a GPU of its own
+            device (a staging copy the engine takes at its next call). ``split``: every train rank and every generation worker has a GPU of its own
             (G + T GPUs); weights go from train rank 0 to the engines over NCCL in buckets,
             received beside generation into a staging copy (one more copy of the weights per
             engine) and switched in between two generation calls.
