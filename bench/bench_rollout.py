@@ -437,6 +437,15 @@ def main(argv: list[str] | None = None) -> None:
                 f"(per depth {per_depth}), switch-off rule estimate {est}"
                 + (f", switched off at iteration {off}" if off else "")
             )
+            # what a run gets: the in-call rule and the measured choice between calls decide
+            ruled = RolloutEngine(model, spec_cfg, args.device)
+            for _ in range(4):  # warm-up, a speculative call, a plain one, then the choice
+                ruled.generate(prompts, seeds)
+            last = ruled.last_stats
+            notes.append(
+                f"with the rules on: {'speculative' if last.speculative_active else 'plain'} calls, "
+                f"{last.tokens_per_s:.0f} tok/s = {last.tokens_per_s / plain.tokens_per_s:.2f}x plain"
+            )
         cells = " ".join(f"{figures[c]:>13.0f} ({100 * figures[c] / roof:>5.1f}%)    " for c in cols)
         print(
             f"{batch:>5} {roof:>9.0f} {cells}  step reads {step_bytes / 1e9:.2f} GB; "

@@ -8,6 +8,7 @@ samples with the task's own scorer.
 import itertools
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -113,6 +114,23 @@ def _checkpoint(tmp_path):
     return config, model, tok, step
 
 
+def test_a_checkpoint_without_an_export_is_passed_over_or_named(tmp_path):
+    """Checkpoints between exports (export_every) hold the trainer state only: a run directory
+    resolves to the newest checkpoint with policy/, and such a checkpoint given directly is
+    refused with a message naming the ones that have an export."""
+    config, model, tok, step = _checkpoint(tmp_path)
+    later = step.parent / "step_000004"
+    (later / "trainer").mkdir(parents=True)
+    (later / "run_config.json").write_text(json.dumps(config.model_dump(mode="json")))
+    (later / "COMPLETE").write_text(json.dumps({"step": 4}))
+    assert resolve_policy_dir(tmp_path / "run") == (step / "policy", step / "run_config.json")
+    with pytest.raises(ValueError, match="no Hugging Face export.*Checkpoints with one: step_000003"):
+        resolve_policy_dir(later)
+    shutil.rmtree(step / "policy")
+    with pytest.raises(ValueError, match="no checkpoint in .* holds a Hugging Face export"):
+        resolve_policy_dir(tmp_path / "run")
+
+
 def test_cli_eval_and_generate_on_a_checkpoint(tmp_path, capsys):
     config, model, tok, step = _checkpoint(tmp_path)
     assert resolve_policy_dir(tmp_path / "run") == (step / "policy", step / "run_config.json")
@@ -180,3 +198,20 @@ def test_generate_refuses_prompts_the_tokenizer_cannot_spell(tmp_path):
         generate_samples(model, tok, ["DESC 5,2,7="], config.rollout, num_samples=1)
     (out,) = generate_samples(model, tok, ["desc 5,2,7="], config.rollout, num_samples=2)
     assert len(out) == 2
+
+
+def test_eval_k_flag_errors_before_loading_anything(tmp_path, capsys):
+    """Kind: a flag checked late or not at all. `eval --k abc` failed after the model loaded, and a
+    k above --num-samples was dropped from the metrics without a word (a new user's trial)."""
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        main(["eval", str(tmp_path / "nowhere"), "--k", "abc"])
+    assert e.value.code == 2 and "positive integers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["eval", str(tmp_path / "nowhere"), "--k", "0,2"])
+    capsys.readouterr()
+    # checked before the (missing) model directory is even looked at
+    assert main(["eval", str(tmp_path / "nowhere"), "-n", "4", "--k", "1,8"]) == 2
+    err = capsys.readouterr().err
+    assert "--k 8 exceeds --num-samples 4" in err and "not a model directory" not in err

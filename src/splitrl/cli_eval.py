@@ -1,7 +1,8 @@
 """``splitrl generate`` and ``splitrl eval``: sample from / score a checkpoint or any HF directory.
 
-PATH may be a run's output directory (its newest checkpoint is used), a checkpoint directory
-(``checkpoints/step_*``, holding ``policy/`` and ``run_config.json``), a ``policy/`` directory, or
+PATH may be a run's output directory (its newest checkpoint with a Hugging Face export is used),
+a checkpoint directory (``checkpoints/step_*`` holding ``policy/``, which is written at the end of
+a run, at a stop and every ``export_every`` steps, and ``run_config.json``), a ``policy/`` directory, or
 any local Hugging Face model directory. The run config next to a checkpoint supplies the task,
 the sampling rules and the tokenizer; ``--config FILE`` replaces it, and ``key.path=value``
 overrides change it (``task.path=test.jsonl``, ``rollout.temperature=0.6``, ...). Without a run
@@ -34,14 +35,27 @@ def resolve_policy_dir(path: str | Path) -> tuple[Path, Path | None]:
         ValueError: PATH holds no model (no ``config.json`` at any of the places above).
     """
     p = Path(path)
-    if (p / "checkpoints").is_dir():  # a run's output directory: its newest complete checkpoint
+    if (p / "checkpoints").is_dir():  # a run's output directory: its newest complete checkpoint with an export
         done = sorted(c for c in (p / "checkpoints").glob("step_*") if (c / "COMPLETE").exists())
         if not done:
             raise ValueError(f"{p} holds no complete checkpoint under checkpoints/")
-        p = done[-1]
+        exported = [c for c in done if (c / "policy" / "config.json").is_file()]
+        if not exported:
+            raise ValueError(
+                f"no checkpoint in {p / 'checkpoints'} holds a Hugging Face export (policy/) yet: a run exports at "
+                "its end, at a stop (Ctrl-C) and every export_every steps; wait for one, or set export_every"
+            )
+        p = exported[-1]
     if (p / "policy" / "config.json").is_file():
         run_cfg = p / RUN_CONFIG
         return p / "policy", run_cfg if run_cfg.is_file() else None
+    if (p / "COMPLETE").is_file() and (p / RUN_CONFIG).is_file():
+        others = sorted(c.name for c in p.parent.glob("step_*") if (c / "policy" / "config.json").is_file())
+        raise ValueError(
+            f"checkpoint {p} holds the trainer state only, no Hugging Face export (policy/): exports are written "
+            "at the end of a run, at a stop and every export_every steps. "
+            + (f"Checkpoints with one: {', '.join(others)}" if others else "No checkpoint of this run has one yet")
+        )
     if (p / "config.json").is_file():
         run_cfg = p.parent / RUN_CONFIG
         return p, run_cfg if run_cfg.is_file() else None
@@ -156,6 +170,12 @@ def run_eval(args: argparse.Namespace) -> int:
     from splitrl.evaluation import evaluate
     from splitrl.tasks import make_task
 
+    too_big = [k for k in args.k if k > args.num_samples]
+    if too_big:  # before the model loads: pass@k needs at least k samples per prompt
+        raise ValueError(
+            f"--k {','.join(map(str, too_big))} exceeds --num-samples {args.num_samples}: pass@k needs k samples per "
+            "prompt; raise --num-samples or lower --k"
+        )
     config, trained_task, policy_dir, model, tokenizer = load_policy_and_config(args)
     task = make_task(config.task)
     start, why = heldout_start(task.num_prompts, config, trained_task, args.start_index)
@@ -167,7 +187,7 @@ def run_eval(args: argparse.Namespace) -> int:
     indices = list(range(start, stop))
     print(f"splitrl eval: {policy_dir}; {len(indices)} prompts × {args.num_samples} samples; {why}", file=sys.stderr)
     device = _device(args.device)
-    ks = sorted({int(k) for k in args.k.split(",")} | {args.num_samples})
+    ks = sorted(set(args.k) | {args.num_samples})
     common = dict(seed=args.seed, device=device, correct_threshold=args.correct_threshold,
                   reward_timeout_s=config.reward_timeout_s)
     gen = _sampling(config, args, policy_dir)
@@ -248,11 +268,22 @@ def add_eval_commands(sub) -> None:
     _common(e)
     e.set_defaults(num_samples=8)
     e.add_argument("--num-prompts", type=int, default=64)
-    e.add_argument("--k", default="1", help="comma-separated k of pass@k (n = --num-samples is always added)")
+    e.add_argument("--k", default=[1], type=_pass_at_ks, help="comma-separated k of pass@k, each <= --num-samples (n = --num-samples is always added)")
     e.add_argument("--start-index", type=int, help="first prompt index (default: the first the run never drew)")
     e.add_argument("--correct-threshold", type=float, default=1.0, help="reward >= this counts as correct")
     e.add_argument("--output", help="JSONL file: a metrics line, then one line per sample")
     e.set_defaults(run=_guarded(run_eval))
+
+
+def _pass_at_ks(text: str) -> list[int]:
+    """``--k`` as a list of positive ints (argparse reports the ValueError as a usage error)."""
+    try:
+        ks = [int(k) for k in text.split(",") if k.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 1,4,8, got {text!r}") from None
+    if not ks or min(ks) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 1,4,8, got {text!r}")
+    return ks
 
 
 def _guarded(fn):

@@ -108,6 +108,11 @@ class RunConfig(BaseModel):
         backend: ``ray`` (actors on a Ray cluster, local one by default), ``local`` (objects in
             this process, threads), or ``auto`` (ray when importable).
         checkpoint_every: steps between checkpoints (0: only at the end).
+        export_every: steps between Hugging Face exports (``policy/`` in the checkpoint, usable
+            by ``splitrl eval`` / ``generate`` and plain transformers); 0 (default): only in the
+            last checkpoint of the run (the end, or a stop). A multiple of ``checkpoint_every``:
+            exports ride on checkpoints. A checkpoint without one holds the sharded trainer state
+            only, which keeps it fast (the export gathers the full model on one rank and blocks).
         resume: continue from the latest checkpoint in ``output_dir`` when there is one.
         on_chunk_failure: ``retry`` the step (up to ``max_step_retries`` times) or ``stop``.
         max_step_retries: retries of a failed step with ``on_chunk_failure: retry``.
@@ -148,6 +153,7 @@ class RunConfig(BaseModel):
     num_train_workers: int = Field(1, ge=1)
     backend: Literal["auto", "ray", "local"] = "auto"
     checkpoint_every: int = Field(50, ge=0)
+    export_every: int = Field(0, ge=0)
     resume: bool = True
     on_chunk_failure: Literal["retry", "stop"] = "stop"
     max_step_retries: int = Field(1, ge=0)
@@ -220,6 +226,12 @@ class RunConfig(BaseModel):
             )
         if self.rollout.speculative and mtp.mtp_num_layers == 0:
             raise ValueError("rollout.speculative=true needs MTP heads: set model.mtp.mtp_num_layers >= 1")
+        if self.export_every and (not self.checkpoint_every or self.export_every % self.checkpoint_every):
+            raise ValueError(
+                f"export_every={self.export_every} is not a multiple of checkpoint_every={self.checkpoint_every}: "
+                "the Hugging Face export is written into a checkpoint, so it can only happen at checkpoint steps; "
+                "set export_every to a multiple of checkpoint_every, or export_every=0 (only at the end)"
+            )
         if self.backend == "local" and self.num_train_workers > 1:
             raise ValueError("backend=local runs one train worker; use backend=ray for num_train_workers > 1")
         if self.backend == "local" and self.dataplane.kind == "transferqueue":
@@ -360,6 +372,26 @@ def _set_unless_given(data: dict[str, Any], section: str, key: str, value: Any) 
     data[section] = {**node, key: value}
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key repeated in one mapping (PyYAML keeps the last one
+    silently, so the first value a user wrote would be ignored without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                first = seen.setdefault(key, key_node.start_mark)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if first is not key_node.start_mark:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping (first at line {first.line + 1})",
+                    key_node.start_mark,
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
 def _load_yaml(text: str, source: str, column_offset: int = 0) -> Any:
     """``yaml.safe_load`` whose syntax errors name ``source`` (a file or an override) and the line.
 
@@ -370,7 +402,7 @@ def _load_yaml(text: str, source: str, column_offset: int = 0) -> Any:
         ValueError: ``<source> line L, column C: <what the parser expected>``.
     """
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
 

@@ -137,3 +137,16 @@ def test_output_dir_filesystem_errors_are_one_line(tmp_path, capsys, monkeypatch
     err = _one_line_error(capsys, ["train", f"output_dir={tmp_path}", "backend=local"], 1)
     assert err.startswith("splitrl: stopped:") and len(err.splitlines()) == 1
     assert "No space left on device" in err and str(tmp_path / "metrics.jsonl") in err
+
+
+def test_a_key_written_twice_is_an_error_not_the_last_one_silently(tmp_path):
+    """Kind: input silently ignored. PyYAML keeps the last of two equal keys, so `num_steps: 100`
+    followed later by `num_steps: 5` ran 5 steps without a word (a new user's trial)."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("num_steps: 100\nseed: 1\nnum_steps: 5\n")
+    with pytest.raises(ValueError, match=r"run.yaml' line 3, column 1: .*'num_steps' appears twice .*line 1"):
+        load_config(str(cfg), [])
+    with pytest.raises(ValueError, match=r"'temperature' appears twice"):
+        load_config(None, ["rollout={temperature: 1.0, temperature: 0.5}"])
+    cfg.write_text("num_steps: 5\nrollout: {temperature: 0.9}\nloss: {temperature: null}\n")  # same key, other mappings
+    assert load_config(str(cfg), []).num_steps == 5

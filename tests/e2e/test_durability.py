@@ -172,19 +172,20 @@ def test_damage_is_found_by_size_and_by_checksum(tmp_path):
 
 def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
     """Kind: resume trusts a damaged checkpoint (before: a raw zip error from torch.load). The
-    newest checkpoint's trainer.pt is cut in half; resume warns, uses step 1 and runs steps 2-3."""
+    newest checkpoint's trainer shard is cut in half; resume warns, uses step 1 and runs steps 2-3."""
     from splitrl.logging import read_metrics
 
     first = C.train(_cfg(tmp_path, "num_steps=2", "checkpoint_every=1"))
     assert first.steps_done == 2
-    trainer = tmp_path / "checkpoints" / "step_000002" / "trainer.pt"
+    step2 = tmp_path / "checkpoints" / "step_000002"
+    trainer = step2 / "trainer" / "__0_0.distcp"
     trainer.write_bytes(trainer.read_bytes()[: trainer.stat().st_size // 2])
     with caplog.at_level("WARNING"):
         assert C.preflight(_cfg(tmp_path, "num_steps=3")) == 1
-    assert "step_000002 is damaged (trainer.pt has" in caplog.text and "resuming from step_000001" in caplog.text
+    assert "step_000002 is damaged (trainer/__0_0.distcp has" in caplog.text and "resuming from step_000001" in caplog.text
     # the same damage in a checkpoint of an older splitrl (COMPLETE without checksums): it is
     # trusted until it fails to load, then skipped the same way
-    (trainer.parent / "COMPLETE").write_text('{"step": 2}')
+    (step2 / "COMPLETE").write_text('{"step": 2}')
     caplog.clear()
     with caplog.at_level("WARNING"):
         second = C.train(_cfg(tmp_path, "num_steps=3", "checkpoint_every=1"))
@@ -208,17 +209,16 @@ def test_a_full_disk_gives_one_clear_error_and_leaves_nothing_half_written(tmp_p
     from splitrl import cli
     from splitrl.controller.run_checkpoint import damage
 
-    full = {"on": False, "saves": 0}
+    full = {"on": False}
     real_save, real_fsync = torch.save, os.fsync
 
     def enospc(name):
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(name))
 
     def save(obj, f, *a, **k):
-        full["saves"] += 1
-        if full["saves"] > 2:  # the first checkpoint writes two .pt files
+        if "step_000002" in str(f):  # the disk is full from the first file of the second checkpoint on
             full["on"] = True
-        if full["on"]:
+        if full["on"] and isinstance(f, (str, os.PathLike)):
             with open(f, "wb") as fh:
                 fh.write(b"PK\x03\x04partial")
             if writer_error == "torch":
@@ -252,6 +252,36 @@ def test_a_full_disk_gives_one_clear_error_and_leaves_nothing_half_written(tmp_p
     assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
     png = tmp_path / "metrics.png"
     assert not png.exists() or png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_failed_background_write_is_reported_and_never_marked_complete(tmp_path, monkeypatch, capsys):
+    """Kind: a checkpoint marked COMPLETE although its shard files never reached the disk. The
+    trainer's background write of step 1 fails (ENOSPC); the run stops at the next checkpoint
+    with one line naming step 1 and the cause, and no checkpoint or ``*.tmp`` is left."""
+    import errno
+    import os
+
+    from splitrl import cli
+    from splitrl.train.checkpoint import ShardedCheckpointer
+
+    real_wait = ShardedCheckpointer.wait
+
+    def failing_wait(self):
+        real_wait(self)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "trainer/__0_0.distcp")
+
+    monkeypatch.setattr(ShardedCheckpointer, "wait", failing_wait)
+    old_term = signal.getsignal(signal.SIGTERM)
+    try:
+        rc = cli.main(["train", *TINY, f"output_dir={tmp_path}", "buffer.max_staleness=0", "num_steps=3", "checkpoint_every=1"])
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+    err = capsys.readouterr().err
+    stopped = [line for line in err.splitlines() if line.startswith("splitrl:")]
+    assert rc == 1 and len(stopped) == 1 and "Traceback" not in err, err[-3000:]
+    assert "could not write the checkpoint of step 1" in stopped[0] and "No space left on device" in stopped[0]
+    assert "No checkpoint is on disk yet" in stopped[0]
+    assert not list((tmp_path / "checkpoints").iterdir())
 
 
 def test_leftovers_of_a_killed_run_are_removed_on_start(tmp_path):

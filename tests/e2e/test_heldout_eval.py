@@ -20,7 +20,7 @@ from splitrl.models import PolicyModel
 from splitrl.tasks import build_char_tokenizer, make_task
 
 TINY = TINY_STEP + ["backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false",
-                    "buffer.max_staleness=0", "num_steps=4", "checkpoint_every=2"]
+                    "buffer.max_staleness=0", "num_steps=4", "checkpoint_every=2", "export_every=2"]
 EVAL = ["eval.eval_every=2", "eval.num_prompts=3", "eval.num_samples=2", "eval.greedy=true",
         "eval.correct_threshold=0.3", "eval.seed=9"]
 

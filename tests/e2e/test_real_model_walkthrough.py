@@ -57,7 +57,7 @@ def test_post_train_a_local_hf_checkpoint_with_chat_template_and_mtp_warmup(tmp_
         f"model.pretrained_path={hf}", "tokenizer={kind: pretrained}", "model.mtp.mtp_num_layers=1",
         "train.mtp_warmup_steps=1", "task={kind: reverse_digits, chat_template: true}",
         "groups_per_step=2", "group_size=2", "min_groups_per_chunk=1", "generation_groups_per_call=2",
-        "rollout.max_new_tokens=6", "num_steps=2", "checkpoint_every=1", "buffer.max_staleness=0",
+        "rollout.max_new_tokens=6", "num_steps=2", "checkpoint_every=1", "export_every=1", "buffer.max_staleness=0",
         "backend=local", "dataplane.kind=inprocess", "logging.progress_bar=false", "logging.tensorboard=false",
         f"output_dir={out}",
     ])

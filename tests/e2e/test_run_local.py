@@ -69,6 +69,118 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path):
             assert (v == w) or (isinstance(v, float) and math.isnan(v) and math.isnan(w)), (a["step"], k, v, w)
 
 
+def _same_metrics(a: dict, b: dict, where) -> None:
+    for k, v in a.items():
+        if k.startswith("timing/") or k.startswith("rollout/tokens_per_s") or k == "step":
+            continue
+        w = b[k]
+        assert (v == w) or (isinstance(v, float) and math.isnan(v) and math.isnan(w)), (where, k, v, w)
+
+
+def test_resume_from_a_checkpoint_written_in_the_background_reproduces_the_run(tmp_path, monkeypatch):
+    """The checkpoint of step 2 (sharded trainer state, no policy/ export, files written while
+    step 3 trains) is what a crash after it leaves: resuming from it reproduces steps 3-4 of the
+    uninterrupted run exactly (max_staleness 0). Its COMPLETE is written only once every rank
+    reports its files on disk; the blocking time is logged as timing/checkpoint_s."""
+    import shutil
+
+    from splitrl.controller import train_actor
+
+    real = train_actor.TrainActor.checkpoint_written
+    polls: list[tuple[bool, bool]] = []  # (files written, step_000002 visible as a checkpoint)
+
+    def slow(self):
+        # report the first polls of every checkpoint as not written yet: the controller must wait
+        written = real(self) and len(polls) % 3 == 2
+        polls.append((written, (tmp_path / "checkpoints" / "step_000002" / "COMPLETE").exists()))
+        return written
+
+    monkeypatch.setattr(train_actor.TrainActor, "checkpoint_written", slow)
+    cfg = _cfg(tmp_path, "num_steps=4", "buffer.max_staleness=0", "checkpoint_every=2")
+    full = train(cfg)
+    # the third poll of step 2's checkpoint is the first to report its files written; until the
+    # controller hears so, no COMPLETE marks the checkpoint
+    assert polls[:3] == [(False, False), (False, False), (True, False)]
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["timing/checkpoint_s"] for r in rows[:2]] == [0.0, 0.0] and rows[2]["timing/checkpoint_s"] > 0
+    step2, step4 = (tmp_path / "checkpoints" / f"step_00000{k}" for k in (2, 4))
+    assert (step2 / "trainer" / ".metadata").is_file() and not (step2 / "trainer.pt").exists()
+    assert not (step2 / "policy").exists() and (step4 / "policy" / "model.safetensors").is_file()
+
+    shutil.rmtree(step4)  # a crash after step 2's checkpoint
+    monkeypatch.setattr(train_actor.TrainActor, "checkpoint_written", real)
+    resumed = train(cfg)
+    assert resumed.steps_done == 4 and len(resumed.metrics) == 2
+    for k, (a, b) in enumerate(zip(full.metrics[2:], resumed.metrics), start=3):
+        _same_metrics(a, b, k)
+
+
+def test_a_checkpoint_of_an_earlier_splitrl_with_trainer_pt_still_resumes(tmp_path, monkeypatch):
+    """Checkpoints written before sharded ones hold the whole trainer state in trainer.pt (rank
+    0's full state dict). Resuming from one reproduces the uninterrupted run's steps 3-4 exactly."""
+    from pathlib import Path
+
+    import torch
+
+    from splitrl.controller.policy_client import PolicyClient
+
+    full = train(_cfg(tmp_path / "full", "num_steps=4", "buffer.max_staleness=0", "checkpoint_every=2"))
+
+    async def legacy_save(self, path, blocking=False):  # what splitrl wrote before sharded checkpoints
+        torch.save(await self.state_dict(), Path(path) / "trainer.pt")
+        return 0.0
+
+    async def written(self):
+        return True
+
+    old = _cfg(tmp_path / "old", "num_steps=4", "buffer.max_staleness=0", "checkpoint_every=2")
+    with monkeypatch.context() as m:
+        m.setattr(PolicyClient, "save_checkpoint", legacy_save)
+        m.setattr(PolicyClient, "checkpoint_written", written)
+        train(old.model_copy(update={"num_steps": 2}))
+    step2 = tmp_path / "old" / "checkpoints" / "step_000002"
+    assert (step2 / "trainer.pt").is_file() and not (step2 / "trainer").exists()
+    resumed = train(old)
+    assert resumed.steps_done == 4 and len(resumed.metrics) == 2
+    for k, (a, b) in enumerate(zip(full.metrics[2:], resumed.metrics), start=3):
+        _same_metrics(a, b, k)
+
+
+def test_export_every_exports_at_its_steps_and_at_the_end(tmp_path, monkeypatch):
+    """export_every=2 with checkpoint_every=1 and 5 steps: policy/ is written at steps 2, 4 and 5
+    (the end) only; every checkpoint holds the sharded trainer state."""
+    from splitrl.controller.controller import SingleController
+
+    real = SingleController._write_checkpoint
+    seen: list[tuple[int, bool, bool]] = []
+
+    async def recording(self, step, tmp, export, blocking):
+        out = await real(self, step, tmp, export, blocking)
+        seen.append((step, export, (tmp / "policy" / "config.json").is_file()))
+        return out
+
+    monkeypatch.setattr(SingleController, "_write_checkpoint", recording)
+    train(_cfg(tmp_path, "num_steps=5", "buffer.max_staleness=1", "checkpoint_every=1", "export_every=2"))
+    assert seen == [(1, False, False), (2, True, True), (3, False, False), (4, True, True), (5, True, True)]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000004", "step_000005"]
+    with pytest.raises(ValueError, match="export_every=3 is not a multiple of checkpoint_every=2"):
+        _cfg(tmp_path, "checkpoint_every=2", "export_every=3")
+
+
+def test_pruning_keeps_the_two_newest_and_the_newest_export(tmp_path):
+    from splitrl.controller.controller import SingleController
+
+    root = tmp_path / "checkpoints"
+    for k in range(1, 7):
+        (root / f"step_00000{k}").mkdir(parents=True)
+        (root / f"step_00000{k}" / "COMPLETE").write_text("{}")
+    for k in (2, 4):
+        (root / f"step_00000{k}" / "policy").mkdir()
+        (root / f"step_00000{k}" / "policy" / "config.json").write_text("{}")
+    SingleController(_cfg(tmp_path))._prune_checkpoints()
+    assert sorted(p.name for p in root.iterdir()) == ["step_000004", "step_000005", "step_000006"]
+
+
 def test_bad_configs_fail_before_anything_starts(tmp_path):
     with pytest.raises(ValueError, match="nonexistent_key"):
         load_config(None, TINY + ["nonexistent_key=1"])
@@ -128,7 +240,8 @@ def test_preflight_catches_data_tokenizer_and_resume_mismatches(tmp_path):
         preflight(_cfg(tmp_path / "b", "task.kind=math_file", f"task.path={good}"))
     out = tmp_path / "run"
     train(_cfg(out, "num_steps=1"))
-    with pytest.raises(ValueError, match="different model"):
+    # the message names what differs (a new user's trial: it did not)
+    with pytest.raises(ValueError, match=r"different model config .*model\.backbone\.hidden_size: checkpoint \d+, this run 64"):
         preflight(_cfg(out, "num_steps=2", "model.backbone.hidden_size=64"))
     assert preflight(_cfg(out, "num_steps=2")) == 1
     assert train(_cfg(out, "num_steps=1")).steps_done == 1  # finished: nothing to do, no workers

@@ -56,3 +56,33 @@ def test_two_train_workers_equal_one(tmp_path):
     assert one["train/num_valid_tokens"] == two["train/num_valid_tokens"]
     for k in ("train/loss", "train/grad_norm", "train/mtp/mtp_1_loss", "train/mtp/mtp_1_acceptance_rate", "train/mtp/grad_norm"):
         assert two[k] == pytest.approx(one[k], rel=1e-5), k
+
+
+def test_two_train_workers_resume_a_sharded_checkpoint_with_two_or_one(tmp_path):
+    """The checkpoint of step 1 of a run with two train workers (each wrote its FSDP2 shards, in
+    the background while step 2 trained) resumes step 2 with two workers exactly as the
+    uninterrupted run computed it (max_staleness 0), and with one worker (resharded 2 -> 1) up
+    to the reduction order of two ranks (rtol 1e-5, as test_two_train_workers_equal_one)."""
+    import shutil
+
+    ray = pytest.importorskip("ray")
+    base = TINY_STEP + ["backend=ray", "buffer.max_staleness=0", "checkpoint_every=1", "num_steps=2"]
+    try:
+        full = train(load_config(None, base + ["num_train_workers=2", f"output_dir={tmp_path / 'full'}"])).metrics
+        step1 = tmp_path / "full" / "checkpoints" / "step_000001"
+        assert sorted(p.name for p in (step1 / "trainer").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+        assert not (step1 / "policy").exists()  # an intermediate checkpoint: no export
+        resumed = {}
+        for n in (2, 1):
+            out = tmp_path / f"resume{n}"
+            shutil.copytree(step1, out / "checkpoints" / step1.name)
+            res = train(load_config(None, base + [f"num_train_workers={n}", f"output_dir={out}"]))
+            assert res.steps_done == 2 and len(res.metrics) == 1
+            resumed[n] = res.metrics[0]
+    finally:
+        ray.shutdown()
+    keys = ("train/loss", "train/grad_norm", "train/mtp/mtp_1_loss", "train/mtp/mtp_1_acceptance_rate",
+            "train/mtp/grad_norm", "train/num_valid_tokens", "train/reward")
+    for k in keys:
+        assert resumed[2][k] == full[1][k], k
+        assert resumed[1][k] == pytest.approx(full[1][k], rel=1e-5), k

@@ -104,6 +104,7 @@ def test_weight_update_is_in_place_and_used(speculative):
     cfg = GenerationConfig(speculative=speculative, max_new_tokens=10, batch_size=2, temperature=0.9)
     prompts, seeds = random_prompts(3, VOCAB, (2, 6), seed=24), [7, 8, 9]
     engine = RolloutEngine(old, cfg, "cpu")
+    engine.speculative_switch_off = False  # every call speculative (the measured choice would try plain)
     before = engine.generate(prompts, seeds)
     pointers = {n: p.data_ptr() for n, p in engine.model.state_dict().items()}
     engine.load_state_dict(new.state_dict(), version=1)

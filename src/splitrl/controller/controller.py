@@ -68,12 +68,16 @@ from splitrl.dataplane import DataPlaneConfig, make_data_plane
 from splitrl.eval_config import plan_eval
 from splitrl.logging import MetricsLogger
 from splitrl.models.hf_files import write_inference_files
+from splitrl.train.checkpoint import SHARDS_DIR
 from splitrl.types import Group
 
 log = logging.getLogger(__name__)
 
 
 RUN_CONFIG = "run_config.json"
+LEGACY_TRAINER_FILE = "trainer.pt"  # the whole trainer state in one file (checkpoints before sharded ones)
+# how often the controller asks whether a checkpoint's background writes are done
+CHECKPOINT_POLL_S = 0.2
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
@@ -137,11 +141,24 @@ def preflight(config: RunConfig) -> int:
             raise ValueError(f"{saved_path} cannot be read ({e}); resume=false starts over in this output_dir") from None
         now = config.model_dump(mode="json")
         if saved.get("model") != now["model"]:
+            diffs = _differences(saved.get("model") or {}, now["model"], "model")
+            shown = "; ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, a, b in diffs[:5])
+            more = f" (and {len(diffs) - 5} more)" if len(diffs) > 5 else ""
             raise ValueError(
-                f"{ckpt} was written by a different model config than this run's; resume needs the same "
-                "model. Use a new output_dir, or resume=false to start over in this one"
+                f"{ckpt} was written by a different model config than this run's ({shown}{more}); resume needs the "
+                "same model. Use a new output_dir, or resume=false to start over in this one"
             )
     return checkpoint_step(ckpt)
+
+
+def _differences(a, b, prefix: str) -> list[tuple[str, object, object]]:
+    """(dotted key, value in a, value in b) of every leaf where two nested dicts differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(a.keys() | b.keys(), key=str):
+            out += _differences(a.get(k), b.get(k), f"{prefix}.{k}")
+        return out
+    return [] if a == b else [(prefix, a, b)]
 
 
 # signals that stop a run cleanly: Ctrl-C, and what schedulers and container runtimes send
@@ -263,6 +280,8 @@ class SingleController:
         self._interrupted = False
         self._interrupt_signal: int | None = None
         self._interrupted_at = 0.0  # time.monotonic() of the first stop signal
+        self._pending_checkpoint: asyncio.Task | None = None  # finishes a checkpoint written in the background
+        self.checkpoint_s = 0.0  # training blocked by checkpoints since the last step's metrics
 
     # ============================================================================== set-up
     def _start_cluster(self) -> None:
@@ -360,25 +379,98 @@ class SingleController:
     async def _save_checkpoint(self, step: int) -> Path:
         """Write the run's state at ``step`` (see :mod:`splitrl.controller.run_checkpoint`).
 
+        Training is blocked only while the previous checkpoint is finished (when it is still
+        being written), the train ranks copy their shards into CPU memory and the controller
+        writes its own small state; the shard files are then written in the background, and a
+        background task writes ``COMPLETE`` (with the checksums of the files on disk) and renames
+        the directory into place once every rank's files are written. The last checkpoint of a
+        run (the end, a stop) is waited for whole; a Hugging Face export (``export_every``, and
+        the last checkpoint) blocks while it is gathered and written. The blocking time is logged
+        and reported as ``timing/checkpoint_s`` with the next step's metrics.
+
         Raises:
-            CheckpointError: a write failed (a full disk, permissions); the partial checkpoint is
-                removed and the previous ones are untouched.
+            CheckpointError: this write (or the previous checkpoint's background write) failed
+                (a full disk, permissions); the partial checkpoint is removed and the previous
+                complete ones are untouched.
         """
+        cfg = self.config
         t0 = time.perf_counter()
+        await self._finish_pending_checkpoint()
+        waited = time.perf_counter() - t0
+        final = step >= cfg.num_steps or self._stop.is_set()
+        export = final or bool(cfg.export_every and step % cfg.export_every == 0)
         path = step_dir(self.out, step)
         tmp = path.with_name(path.name + TMP_SUFFIX)
         try:
-            await self._write_checkpoint(step, tmp)
-            shutil.rmtree(path, ignore_errors=True)
-            tmp.rename(path)
+            staged_s = await self._write_checkpoint(step, tmp, export=export, blocking=final)
         except Exception as e:  # noqa: BLE001 - every writer's failure: OSError, torch's and
             # safetensors' own errors for a full disk (RuntimeError "file write failed", ...)
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(self._checkpoint_failure(step, path, e)) from e
-        for old in complete_checkpoints(self.out)[:-2]:  # keep the two newest
-            shutil.rmtree(old, ignore_errors=True)
-        log.info("checkpoint step %d written to %s in %.1fs", step, path, time.perf_counter() - t0)
+        blocked = time.perf_counter() - t0
+        self.checkpoint_s += blocked
+        log.info(
+            "checkpoint step %d: training blocked %.2fs (waiting for the previous checkpoint %.2fs, trainer shards "
+            "staged in %.2fs%s)%s",
+            step, blocked, waited, staged_s, ", policy/ exported" if export else "",
+            "" if final else "; its files are being written in the background",
+        )
+        completion = asyncio.create_task(self._complete_checkpoint(step, tmp, path, t0))
+        if final:
+            await completion
+        else:
+            self._pending_checkpoint = completion
         return path
+
+    async def _complete_checkpoint(self, step: int, tmp: Path, path: Path, t0: float) -> None:
+        """Wait until every rank's shard files are on disk, then write ``COMPLETE`` (sizes and
+        checksums of everything in ``tmp``, hashed off the event loop), rename ``tmp`` into
+        place and prune old checkpoints.
+
+        Raises:
+            CheckpointError: a rank's background write failed, or the marker / rename did;
+                ``tmp`` is removed.
+        """
+        try:
+            while not await self.policy.checkpoint_written():
+                await asyncio.sleep(CHECKPOINT_POLL_S)
+            await asyncio.to_thread(write_complete, tmp, step)  # last: sizes and checksums of everything above
+            shutil.rmtree(path, ignore_errors=True)
+            tmp.rename(path)
+        except Exception as e:  # noqa: BLE001 - as in _save_checkpoint
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(self._checkpoint_failure(step, path, e)) from e
+        self._prune_checkpoints()
+        log.info("checkpoint step %d complete in %s (%.1fs after it started)", step, path, time.perf_counter() - t0)
+
+    async def _finish_pending_checkpoint(self, timeout: float | None = None) -> None:
+        """Wait for the checkpoint being written in the background, if any (raises its
+        CheckpointError). With ``timeout``: give up after that many seconds and leave its
+        ``.tmp`` directory, which never loads and is removed by the next run."""
+        task, self._pending_checkpoint = self._pending_checkpoint, None
+        if task is None:
+            return
+        if timeout is None:
+            await task
+            return
+        done, _ = await asyncio.wait([task], timeout=timeout)
+        if not done:
+            task.cancel()
+            log.error("the checkpoint being written in the background did not finish within %.0fs; it is left incomplete", timeout)
+            return
+        task.result()
+
+    def _prune_checkpoints(self) -> None:
+        """Keep the two newest complete checkpoints, and the newest one with a Hugging Face export
+        (``policy/``), so that ``splitrl eval OUTPUT_DIR`` always finds one once it was written."""
+        done = complete_checkpoints(self.out)
+        keep = set(done[-2:])
+        exported = [p for p in done if (p / "policy" / "config.json").is_file()]
+        if exported:
+            keep.add(exported[-1])
+        for old in done:
+            if old not in keep:
+                shutil.rmtree(old, ignore_errors=True)
 
     def _checkpoint_failure(self, step: int, path: Path, e: BaseException) -> str:
         if isinstance(e, OSError):
@@ -396,7 +488,11 @@ class SingleController:
             + "Free space (or fix the cause) and rerun the same command to resume."
         )
 
-    async def _write_checkpoint(self, step: int, tmp: Path) -> None:
+    async def _write_checkpoint(self, step: int, tmp: Path, export: bool, blocking: bool) -> float:
+        """Write the checkpoint's files into ``tmp`` (all but ``COMPLETE``): the trainer's shards
+        (started here, finished in the background unless ``blocking``), ``policy/`` when
+        ``export``, ``controller.pt`` and ``run_config.json``. Returns the seconds the trainer
+        ranks blocked to stage their shards."""
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         # a consistent snapshot of the controller side: no await between these reads. Every state
@@ -413,10 +509,10 @@ class SingleController:
         accepted = [group_to_dict(g) for g in self._accepted_groups()]
         buffered_ids = [s["sample_id"] for g in [*buffer_state["groups"], *accepted] for s in g["samples"]]
         samples = self.data_plane.get(buffered_ids, TOKEN_FIELDS) if buffered_ids else {}
-        trainer = await self.policy.state_dict()
-        torch.save(trainer, tmp / "trainer.pt")
-        await self.policy.save_pretrained(str(tmp / "policy"))
-        write_inference_files(tmp / "policy", self.tokenizer, self.config.rollout, self.config.model.pretrained_path)
+        staged_s = await self.policy.save_checkpoint(str(tmp), blocking)
+        if export:
+            await self.policy.save_pretrained(str(tmp / "policy"))
+            write_inference_files(tmp / "policy", self.tokenizer, self.config.rollout, self.config.model.pretrained_path)
         torch.save(
             {
                 "step": step,
@@ -431,24 +527,45 @@ class SingleController:
             },
             tmp / "controller.pt",
         )
+        # the model config a resume is checked against (preflight) comes from here, so a
+        # checkpoint without policy/ is enough to resume
         (tmp / RUN_CONFIG).write_text(json.dumps(self.config.model_dump(mode="json"), indent=1))
-        write_complete(tmp, step)  # last: sizes and checksums of everything above
+        return staged_s
 
     async def _restore(self) -> int:
+        """Load the newest checkpoint that loads (a damaged one is skipped with a warning) into
+        the train workers and the controller; returns its step (0: none, a fresh run).
+
+        A sharded trainer state (``trainer/``) loads into any number of train workers; the
+        ``trainer.pt`` of a checkpoint written by splitrl before sharded checkpoints loads too.
+
+        Raises:
+            RuntimeError: a sharded state failed to load part-way and no older checkpoint loads
+                (the workers' weights are then neither fresh nor restored).
+        """
         if not self.config.resume:
             return 0
+        touched = None  # a checkpoint whose sharded load failed after it may have written into the model
         for path in intact_checkpoints(self.out):
             try:
                 state = torch.load(path / "controller.pt", weights_only=False)
-                trainer = torch.load(path / "trainer.pt", weights_only=False)
+                if (path / SHARDS_DIR).is_dir():
+                    touched = path
+                    await self.policy.load_checkpoint(str(path))
+                else:  # the whole trainer state in one file: a checkpoint of splitrl before sharded ones
+                    await self.policy.load_state_dict(torch.load(path / LEGACY_TRAINER_FILE, weights_only=False))
                 break
             except Exception as e:  # noqa: BLE001 - e.g. a checkpoint of an older splitrl without checksums
                 why = f"it does not load: {type(e).__name__}: {e}"
                 mark_damaged(path, why)
                 log.warning("checkpoint %s is damaged (%s); falling back to an older one", path.name, why)
         else:
+            if touched is not None:
+                raise RuntimeError(
+                    f"checkpoint {touched} failed to load part-way and no older checkpoint loads; the run cannot "
+                    "resume. Use resume=false to start over in this output_dir, or a new output_dir"
+                )
             return 0
-        await self.policy.load_state_dict(trainer)
         self.buffer.load_state_dict(state["buffer"])
         if state["buffered_ids"]:
             self.data_plane.put(state["buffered_ids"], state["buffered_samples"])
@@ -800,6 +917,9 @@ class SingleController:
         out["timing/generation_s"] = sum(e - s for s, e in gen_intervals)
         out["timing/train_s"] = sum(e - s for s, e in self.train_intervals)
         out["timing/weight_sync_s"] = sync_s
+        # written after the previous step's metrics were logged: reported with this step's
+        out["timing/checkpoint_s"] = self.checkpoint_s
+        self.checkpoint_s = 0.0
         out["timing/exposed_wait_s"] = self.wait_s
         out["timing/generation_during_train_s"] = _overlap(gen_intervals, self.train_intervals)
         out["timing/policy_version"] = float(self.version)
@@ -934,6 +1054,12 @@ class SingleController:
             for t in [trainer, *pumps]:
                 t.cancel()
             await asyncio.gather(trainer, *pumps, return_exceptions=True)
+            # a run that failed after a checkpoint started in the background: its staged state
+            # is consistent, so finish it (a hung trainer gets a bounded wait)
+            try:
+                await self._finish_pending_checkpoint(timeout=min(120.0, cfg.watchdog_timeout_s))
+            except CheckpointError as e:
+                log.error("%s", e)
             for sig in STOP_SIGNALS:
                 try:
                     loop.remove_signal_handler(sig)

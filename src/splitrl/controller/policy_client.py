@@ -98,5 +98,18 @@ class PolicyClient:
     async def load_state_dict(self, state: dict) -> None:
         await self._all("load_state_dict", [state] * len(self.actors))
 
+    async def save_checkpoint(self, path: str, blocking: bool = False) -> float:
+        """Every rank starts writing its shards into ``path``; returns once all have staged
+        them (the most seconds any rank blocked). The files follow in the background."""
+        outs = await self._all("save_checkpoint", [path] * len(self.actors), [blocking] * len(self.actors))
+        return max(outs)
+
+    async def checkpoint_written(self) -> bool:
+        """Whether every rank's files of the last checkpoint are on disk (raises a rank's write error)."""
+        return all(await self._all("checkpoint_written"))
+
+    async def load_checkpoint(self, path: str) -> None:
+        await self._all("load_checkpoint", [path] * len(self.actors))
+
     async def save_pretrained(self, path: str) -> None:
         await self._all("save_pretrained", [path] * len(self.actors))

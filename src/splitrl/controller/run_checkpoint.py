@@ -1,12 +1,19 @@
 """Run checkpoints on disk: written whole or not at all, verified before they are trusted.
 
-Layout: ``output_dir/checkpoints/step_{k:06d}/`` with ``trainer.pt``, ``controller.pt``,
-``policy/`` (a Hugging Face directory), ``run_config.json`` and, written last, ``COMPLETE``::
+Layout: ``output_dir/checkpoints/step_{k:06d}/`` with ``trainer/`` (the train workers' model and
+optimizer shards, :mod:`splitrl.train.checkpoint`), ``trainer_state.pt``, ``controller.pt``,
+``run_config.json``, ``policy/`` (a Hugging Face export; only every ``export_every`` steps and in
+a run's last checkpoint) and, written last, ``COMPLETE``::
 
-    {"step": k, "files": {"trainer.pt": {"size": 1234, "sha256": "..."}, "policy/config.json": ...}}
+    {"step": k, "files": {"trainer/__0_0.distcp": {"size": 1234, "sha256": "..."}, "controller.pt": ...}}
+
+Checkpoints of splitrl before sharded ones hold ``trainer.pt`` (the whole trainer state) instead
+of ``trainer/`` and ``trainer_state.pt``; they still load.
 
 A checkpoint is written into ``step_{k:06d}.tmp/`` and renamed into place once ``COMPLETE`` is
-in it, so a crash or a full disk leaves either the whole checkpoint or none. Loading trusts a
+in it, so a crash or a full disk leaves either the whole checkpoint or none. The trainer shards
+are written in the background while training goes on; ``COMPLETE`` follows only once every
+train worker reports its files written. Loading trusts a
 checkpoint only when every file listed in ``COMPLETE`` is there with its size and SHA-256 (a
 file truncated after the fact, a partly synced disk, a hand-edited directory); a damaged newest
 checkpoint is skipped with a warning and the previous intact one is used.

@@ -191,6 +191,20 @@ class TrainActor:
     def load_state_dict(self, state: dict) -> None:
         self.worker.load_state_dict(state)
 
+    def save_checkpoint(self, path: str, blocking: bool = False) -> float:
+        """Start writing this rank's shards into the checkpoint directory ``path`` (collective;
+        returns after the staging copy, seconds blocked). See :mod:`splitrl.train.checkpoint`."""
+        return self.worker.save_checkpoint(path, blocking=blocking)
+
+    def checkpoint_written(self) -> bool:
+        """Whether this rank's files of the last checkpoint are on disk (never blocks; raises
+        the background write's error)."""
+        return self.worker.checkpoint_written()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Load a sharded checkpoint written by any number of ranks (collective)."""
+        self.worker.load_checkpoint(path)
+
     def save_pretrained(self, path: str) -> None:
         """Write the policy as a Hugging Face directory with MTP heads (rank 0 writes; collective)."""
         from splitrl.models.checkpoint import checkpoint_tensors, save_pretrained

@@ -61,6 +61,9 @@ PREFILL_TOKENS = 16384
 REFILL_MIN_FRACTION = 1 / 8
 # The speculative switch-off rule decides after this many verify iterations of a call.
 SWITCH_MIN_ITERATIONS = 32
+# With both kinds measured, the slower kind of call runs once every this many calls (its speed
+# changes as the MTP heads learn).
+EXPLORE_EVERY = 8
 # Fuse the elementwise ops of the forward with torch.compile on CUDA (fewer kernel launches).
 COMPILE_KERNELS = os.environ.get("SPLITRL_COMPILE_KERNELS", "1") != "0"
 # Decode-step buckets: rows (slots 0..B-1) and cache prefix lengths.
@@ -290,10 +293,18 @@ class RolloutEngine:
     (``stats.speculative_next`` = False, logged) until the next weight sync
     (:meth:`load_state_dict`), whose new MTP heads may draft better.
 
+    Measured choice. The estimate can err (it misses prefill and scheduling work), so the engine
+    also measures whole calls: tokens/s of speculative and of plain calls, per row bucket of the
+    call (a running mean of the last calls of each kind). Once a speculative call has run in a
+    bucket, the next call there runs plainly to measure it; from then on each call runs the
+    faster kind, and every ``EXPLORE_EVERY`` calls the slower kind runs once more. Plain and
+    speculative calls emit the same tokens, so the choice changes speed only.
+
     Attributes:
         use_cuda_graphs: capture decode steps as CUDA graphs (CUDA only; default True there).
-        speculative_switch_off: apply the switch-off rule (default True); when False the rule's
-            estimate is still computed and reported (benchmarks measure speculation this way).
+        speculative_switch_off: apply the switch-off rule and the measured choice (default True);
+            when False every call is speculative and the rule's estimate is still computed and
+            reported (benchmarks measure speculation this way).
 
     Raises:
         ValueError: a stop token outside the vocabulary; ``speculative=True`` with a model without
@@ -330,6 +341,8 @@ class RolloutEngine:
         self.speculative_switch_off = True
         self._speculative_active = config.speculative
         self._warned_slow = False
+        self._call_rates: dict[tuple[bool, int], float] = {}  # (speculative, row bucket) -> tokens/s
+        self._since_explore: dict[int, int] = {}  # row bucket -> calls since the slower kind ran
         self._stop_ids = torch.tensor(sorted(set(config.stop_token_ids)), dtype=torch.int64, device=self.device)
         self._cache: StaticKVCache | None = None
         self._mtp_cache: StaticKVCache | None = None
@@ -627,7 +640,8 @@ class RolloutEngine:
     def _run(self, prompts: list[list[int]], seeds: list[int]) -> Iterator[tuple[int, GenerationResult]]:
         cfg = self.config
         start_time = time.perf_counter()
-        spec = cfg.speculative and self._speculative_active
+        bucket = _row_bucket(min(len(prompts), cfg.batch_size), cfg.batch_size)
+        spec = self._choose_speculative(bucket)
         D = self.num_drafts
         self._ensure_buffers(max(len(p) for p in prompts))
         st = self._state
@@ -715,7 +729,33 @@ class RolloutEngine:
         stats.wall_time_s = time.perf_counter() - start_time
         stats.tokens_per_s = stats.generated_tokens / stats.wall_time_s if stats.wall_time_s > 0 else 0.0
         stats.graph_captures = self._captures - captures_before
-        stats.speculative_next = cfg.speculative and self._speculative_active
+        if stats.switched_off_at_iteration is None and stats.generated_tokens:
+            self._record_call(stats.speculative_active, bucket, stats.tokens_per_s)
+        stats.speculative_next = self._choose_speculative(bucket, peek=True)
+
+    def _choose_speculative(self, bucket: int, peek: bool = False) -> bool:
+        """Speculative or plain for a call of row bucket ``bucket`` (see "Measured choice")."""
+        if not self.config.speculative:
+            return False
+        if not self.speculative_switch_off:
+            return True
+        if not self._speculative_active:  # the in-call rule switched it off until the next sync
+            return False
+        spec_rate, plain_rate = self._call_rates.get((True, bucket)), self._call_rates.get((False, bucket))
+        if spec_rate is None:
+            return True
+        if plain_rate is None:
+            return False  # measure plain once
+        faster = spec_rate >= plain_rate
+        due = self._since_explore.get(bucket, 0) >= EXPLORE_EVERY
+        if not peek:
+            self._since_explore[bucket] = 0 if due else self._since_explore.get(bucket, 0) + 1
+        return (not faster) if due else faster
+
+    def _record_call(self, speculative: bool, bucket: int, tokens_per_s: float) -> None:
+        key = (speculative, bucket)
+        old = self._call_rates.get(key)
+        self._call_rates[key] = tokens_per_s if old is None else 0.5 * (old + tokens_per_s)
 
     def _should_switch_off(self, timing: _SpecTiming, stats: RolloutStats, live_drafted, live_accepted) -> bool:
         """Estimate speedup = (tokens per verify) · (plain step time) / (verify iteration time) over

@@ -32,6 +32,7 @@ from splitrl.distributed import utils as du
 from splitrl.loss.base import LossType, Normalizer, PolicyLoss
 from splitrl.models.policy import PolicyModel
 from splitrl.train.batch import MicroBatch, TrainBatch
+from splitrl.train.checkpoint import ShardedCheckpointer
 from splitrl.train.config import TrainConfig  # noqa: F401 - defined there, torch-free
 from splitrl.train.microbatch import build_microbatches, build_ready_microbatches, empty_microbatch
 from splitrl.train.mixed_precision import ComputeWeights
@@ -118,6 +119,8 @@ class TrainWorker:
         self.steps_finished = 0
         self.updates_applied = 0
         self._step: _StepState | None = None
+        # sharded checkpoints (made here so that their imports happen at start-up, not in a save)
+        self.checkpointer = ShardedCheckpointer(self.model, self.optimizer)
 
     # ------------------------------------------------------------------------------ properties
     @property
@@ -550,14 +553,7 @@ class TrainWorker:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=opts)
         # on CPU these are the live tensors: snapshot them, or later steps would change the copy
         model_sd, optim_sd = _snapshot(model_sd), _snapshot(optim_sd)
-        return {
-            "model": model_sd,
-            "optimizer": optim_sd,
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": None if self.scaler is None else self.scaler.state_dict(),
-            "steps_finished": self.steps_finished,
-            "updates_applied": self.updates_applied,
-        }
+        return {"model": model_sd, "optimizer": optim_sd, **self._extra_state()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned (collective under data parallelism)."""
@@ -567,11 +563,63 @@ class TrainWorker:
             raise RuntimeError("load_state_dict() during an open step; finish or abort it first")
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=opts)
+        self._load_extra_state(state)
+
+    # ------------------------------------------------------------------------------ sharded checkpoints
+    def _extra_state(self) -> dict:
+        return {
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "steps_finished": self.steps_finished,
+            "updates_applied": self.updates_applied,
+        }
+
+    def _load_extra_state(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
         self.steps_finished = int(state["steps_finished"])
         self.updates_applied = int(state["updates_applied"])
+
+    def save_checkpoint(self, directory: str, *, blocking: bool = False) -> float:
+        """Start writing this rank's shards of the model and optimizer, and the LR schedule,
+        loss scaler and counters, into ``directory`` (collective; see :mod:`splitrl.train.checkpoint`).
+
+        Returns once the tensors are staged in CPU memory (the files follow in the background;
+        :meth:`checkpoint_written` / :meth:`wait_checkpoint`); training may go on at once.
+
+        Returns:
+            seconds the call blocked.
+
+        Raises:
+            RuntimeError: a step is open, or the previous checkpoint is still being written.
+        """
+        if self._step is not None:
+            raise RuntimeError("save_checkpoint() during an open step; finish or abort it first")
+        return self.checkpointer.save(directory, self._extra_state(), blocking=blocking)
+
+    def checkpoint_written(self) -> bool:
+        """Whether the files of the last :meth:`save_checkpoint` are on disk (does not block).
+
+        Raises:
+            Exception: the background write failed (an ``OSError`` for a full disk, ...).
+        """
+        return self.checkpointer.done()
+
+    def wait_checkpoint(self) -> None:
+        """Block until the last :meth:`save_checkpoint` is on disk (raises its write's error)."""
+        self.checkpointer.wait()
+
+    def load_checkpoint(self, directory: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote, from any number of ranks (collective).
+
+        Raises:
+            RuntimeError: a step is open.
+            FileNotFoundError: ``directory`` holds no sharded trainer state.
+        """
+        if self._step is not None:
+            raise RuntimeError("load_checkpoint() during an open step; finish or abort it first")
+        self._load_extra_state(self.checkpointer.load(directory))
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded CPU tensors of the policy under ``PolicyModel`` names (for weight sync and saving)."""

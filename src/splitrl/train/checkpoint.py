@@ -1,0 +1,203 @@
+"""Sharded, asynchronous checkpoints of a train worker's model and optimizer (issue 9, item 3).
+
+Every data-parallel rank writes its own shards with ``torch.distributed.checkpoint`` (DCP):
+FSDP2 parameters and optimizer moments as DTensors (each rank its local shard), or plain tensors
+with one rank and no process group. The directory ``trainer/`` then holds ``.metadata`` and one
+``__{rank}_0.distcp`` per rank; the metadata records every tensor's global shape, so a checkpoint
+written by R ranks loads into any other number of ranks (DCP reads the slices each rank now owns).
+The small state beside it (LR schedule, loss scaler, step counters) is identical on every rank;
+rank 0 writes it to ``trainer_state.pt``.
+
+Saving is asynchronous: the call returns once the tensors are copied into CPU memory (the
+staging copy, into buffers kept from one checkpoint to the next: pinned memory on CUDA); a
+background thread writes the files. Training may change the live tensors right after the call
+returns. The caller must wait for one save (:meth:`ShardedCheckpointer.wait`) before the next
+one reuses the staging buffers, and must not trust the files before then.
+
+The background writer meets the other ranks in collectives (the save plan, the final metadata)
+on a gloo group of its own: the training thread's collectives run on the default group at the
+same time, and two threads must not interleave collectives on one group; async save also needs a
+CPU backend.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from concurrent.futures import Future
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from splitrl.distributed import utils as du
+
+# one process without a process group is a supported case here (no_dist=True), not a mistake
+warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized", category=UserWarning)
+
+SHARDS_DIR = "trainer"
+TRAINER_STATE = "trainer_state.pt"
+
+
+def _staging_options(cuda: bool):
+    """Copy to CPU synchronously inside the save call; pinned buffers and non-blocking copies on CUDA."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(
+        StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda)
+    )
+
+
+@contextmanager
+def _plain_errors():
+    """Re-raise DCP's ``CheckpointException`` (a ``BaseException`` holding each failed rank's
+    error) as the lowest failed rank's own exception: an ``OSError`` for a full disk, a
+    ``RuntimeError`` for a truncated file, which callers catch as any other write/read error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        failures = e.failures
+        first = failures[min(failures)] if failures else None
+        cause = first[0] if isinstance(first, tuple) else first
+        if isinstance(cause, Exception):
+            raise cause from None
+        raise RuntimeError(str(e)) from None
+
+
+class ShardedCheckpointer:
+    """Writes and reads a model + optimizer as DCP shards of this rank (see the module docstring).
+
+    Args:
+        model: the (possibly FSDP2-sharded) policy.
+        optimizer: its optimizer (parameter names, not ids, key the saved state).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        # imported here, at start-up, rather than inside the first save (about 2 s on a busy CPU)
+        import torch.distributed.checkpoint  # noqa: F401
+        import torch.distributed.checkpoint.staging  # noqa: F401
+        import torch.distributed.checkpoint.state_dict  # noqa: F401
+
+        self.model = model
+        self.optimizer = optimizer
+        self._future: Future | None = None
+        self._stager = None
+        self._group = None  # the writer's gloo group (data parallelism only)
+
+    # ---------------------------------------------------------------------------- helpers
+    def _state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        # sharded (full_state_dict=False): each rank's DTensor shards, on their device
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=StateDictOptions(full_state_dict=False))
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def _dist_kwargs(self) -> dict[str, Any]:
+        if not du.is_distributed():
+            return {"no_dist": True}
+        if self._group is None:
+            # collective: every rank reaches its first save/load together
+            self._group = dist.new_group(backend="gloo")
+        return {"process_group": self._group}
+
+    # ---------------------------------------------------------------------------- saving
+    def save(self, directory: str | Path, extra: dict[str, Any], *, blocking: bool = False) -> float:
+        """Start writing this rank's shards into ``directory/trainer/`` (collective).
+
+        Args:
+            directory: the checkpoint directory (shared by all ranks; created if missing).
+            extra: small picklable state identical on every rank; rank 0 writes it to
+                ``directory/trainer_state.pt`` before returning.
+            blocking: wait for the files as well (the last checkpoint of a run).
+
+        Returns:
+            the seconds this call blocked the caller (the staging copy, plus the write when
+            ``blocking``).
+
+        Raises:
+            RuntimeError: the previous save has not been waited for (:meth:`wait`); its staging
+                buffers are still being written.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        if self._future is not None:
+            raise RuntimeError("a checkpoint is still being written; call wait() before the next save")
+        t0 = time.perf_counter()
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        if du.rank() == 0:
+            torch.save(extra, directory / TRAINER_STATE)
+        kwargs = self._dist_kwargs()
+        if self._stager is None:
+            self._stager = _staging_options(next(self.model.parameters()).is_cuda)
+        with _plain_errors():
+            self._future = dcp.async_save(self._state(), checkpoint_id=str(directory / SHARDS_DIR), async_stager=self._stager, **kwargs)
+        if blocking:
+            self.wait()
+        return time.perf_counter() - t0
+
+    def done(self) -> bool:
+        """Whether the files of the last save are written (True when none is pending).
+
+        Raises:
+            Exception: the background write failed (e.g. ``OSError`` for a full disk); the
+                save is then no longer pending.
+        """
+        if self._future is None:
+            return True
+        if not self._future.done():
+            return False
+        self.wait()
+        return True
+
+    def wait(self) -> None:
+        """Block until the last save's files are written (no-op when none is pending).
+
+        Raises:
+            Exception: the background write's error.
+        """
+        future, self._future = self._future, None
+        if future is not None:
+            with _plain_errors():
+                future.result()
+
+    # ---------------------------------------------------------------------------- loading
+    def load(self, directory: str | Path) -> dict[str, Any]:
+        """Load ``directory/trainer/`` into the model and optimizer, resharded to this run's
+        ranks (collective), and return the ``extra`` state saved with it.
+
+        Raises:
+            FileNotFoundError: ``directory`` holds no sharded trainer state.
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        directory = Path(directory)
+        if not (directory / SHARDS_DIR / ".metadata").is_file():
+            raise FileNotFoundError(f"{directory} holds no sharded trainer state ({SHARDS_DIR}/.metadata)")
+        self.wait()
+        # the optimizer's state is created (zero moments) by get_state_dict, then filled in place
+        state = self._state()
+        with _plain_errors():
+            dcp.load(state, checkpoint_id=str(directory / SHARDS_DIR), **self._dist_kwargs())
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=StateDictOptions(full_state_dict=False),
+        )
+        return torch.load(directory / TRAINER_STATE, weights_only=False)
+
+    def close(self) -> None:
+        """Finish a pending write and free the staging buffers."""
+        try:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
