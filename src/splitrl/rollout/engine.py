@@ -382,6 +382,18 @@ class RolloutEngine:
         with torch.no_grad():
             for name, tensor in own.items():  # in place: the graphs hold these storages
                 tensor.copy_(state_dict[name])
+        self.weights_updated(version)
+
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        """The engine's own weight tensors by ``PolicyModel`` name (MTP included; tied tensors are
+        one object under several names): a weight sync that does not go through
+        :meth:`load_state_dict` copies into these in place — captured CUDA graphs read their
+        storage — and then calls :meth:`weights_updated`."""
+        return self.model.state_dict(keep_vars=True)
+
+    def weights_updated(self, version: int) -> None:
+        """Mark the weights copied into :meth:`weight_tensors` as policy ``version`` (requests
+        started after this sample with them; speculation is on again if configured)."""
         self.policy_version = int(version)
         self._speculative_active = self.config.speculative
 
