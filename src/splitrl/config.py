@@ -123,6 +123,18 @@ class RunConfig(BaseModel):
         rollout_dtype: dtype of the generation copy of the model.
         torch_threads: intra-op threads per actor (None: torch's default); on a 2-core machine 1
             lets generation and training use a core each.
+        placement: where the workers run (:mod:`splitrl.controller.placement`). ``colocated``:
+            each GPU hosts one train rank and one generation engine in one process
+            (``num_generation_workers == num_train_workers``); weights are handed over on the
+            device (a staging copy the engine takes at its next call). ``split``: every train rank and every generation worker has a GPU of its own
+            (G + T GPUs); weights go from train rank 0 to the engines over NCCL in buckets,
+            received beside generation into a staging copy (one more copy of the weights per
+            engine) and switched in between two generation calls.
+            ``auto`` (default): ``colocated`` with ``backend=ray`` on CUDA when the two counts
+            are equal, otherwise ``split``; ``backend=local`` runs everything in this process
+            (colocated). With ``backend=ray`` the GPUs Ray sees are checked before any worker
+            starts. On CPU the placement only decides which workers share a process (the CPU
+            ``split`` sync uses gloo).
         ray_address: join this existing Ray cluster (``auto``, ``host:port``, ``ray://...``;
             ``RAY_ADDRESS`` works too). None starts a local cluster that listens on 127.0.0.1 only.
         schedule: ``async`` (default): generation and training overlap — rollouts of a step are
@@ -161,6 +173,7 @@ class RunConfig(BaseModel):
     torch_threads: int | None = Field(1, ge=1)
     ray_address: str | None = None
     schedule: Literal["async", "sync"] = "async"
+    placement: Literal["auto", "colocated", "split"] = "auto"
 
     # defaults: the CPU demo (FINDINGS.md: an entropy bonus and no std division keep the tiny
     # policy from collapsing to one answer)
@@ -241,6 +254,17 @@ class RunConfig(BaseModel):
             raise ValueError("backend=local runs one train worker; use backend=ray for num_train_workers > 1")
         if self.backend == "local" and self.dataplane.kind == "transferqueue":
             raise ValueError("dataplane.kind=transferqueue needs backend=ray (TransferQueue runs on Ray); use dataplane.kind=inprocess")
+        if self.placement == "colocated" and self.num_generation_workers != self.num_train_workers:
+            raise ValueError(
+                f"placement=colocated puts one generation engine next to each train rank, but "
+                f"num_generation_workers={self.num_generation_workers} != num_train_workers={self.num_train_workers}; "
+                "make them equal, or use placement=split (a GPU per worker)"
+            )
+        if self.placement == "split" and self.backend == "local":
+            raise ValueError(
+                "placement=split gives every worker a process (and a GPU) of its own, but backend=local runs "
+                "them all in this process; use backend=ray, or placement=auto"
+            )
         if self.model.pretrained_path is not None and not (Path(self.model.pretrained_path) / "config.json").is_file():
             raise ValueError(f"model.pretrained_path={self.model.pretrained_path!r} has no config.json; check the path")
         out = Path(self.output_dir)

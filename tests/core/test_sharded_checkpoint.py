@@ -59,6 +59,34 @@ def test_async_save_is_a_snapshot_of_the_call(tmp_path):
     _assert_state_equal(fresh.state_dict(), before)
 
 
+def test_consecutive_saves_survive_dcp_closing_the_stager(tmp_path, monkeypatch):
+    """torch 2.11's dcp.async_save closes the stager it is given after each save (2.13 does not);
+    a reused DefaultStager then failed in the second save on the H200 ("KeyError: <class
+    'type'>"). Here every save is followed by what 2.11 does; both checkpoints load exactly."""
+    import torch.distributed.checkpoint as dcp
+
+    real = dcp.async_save
+
+    def closing_async_save(*args, async_stager=None, **kwargs):
+        out = real(*args, async_stager=async_stager, **kwargs)
+        if async_stager is not None:
+            async_stager.close()
+        return out
+
+    monkeypatch.setattr(dcp, "async_save", closing_async_save)
+    w = make_worker(make_model(D=1), lr=LR)
+    states = []
+    for i, seed in enumerate([1, 2]):
+        _train_steps(w, [seed])
+        states.append(w.state_dict())
+        w.save_checkpoint(str(tmp_path / f"ck{i}"))
+        w.wait_checkpoint()
+    for i, state in enumerate(states):
+        fresh = make_worker(make_model(D=1, seed=7), lr=LR)
+        fresh.load_checkpoint(str(tmp_path / f"ck{i}"))
+        _assert_state_equal(fresh.state_dict(), state)
+
+
 def test_save_refuses_while_the_previous_one_is_pending_and_a_missing_checkpoint_is_named(tmp_path):
     w = make_worker(make_model(D=0), lr=LR)
     w.save_checkpoint(str(tmp_path / "a"))

@@ -30,6 +30,11 @@ class LocalActor:
         # asyncio.run's shutdown of the default executor
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=cls.__name__)
 
+    @property
+    def obj(self) -> Any:
+        """The object itself (in this process: another local actor's call may take it)."""
+        return self._obj
+
     def _call(self, method: str, args, kwargs):
         return getattr(self._obj, method)(*args, **kwargs)
 
@@ -48,14 +53,22 @@ class LocalActor:
 
 
 class RayActor:
-    """A Ray actor behind the same interface; ``call`` awaits the ObjectRef."""
+    """A Ray actor behind the same interface; ``call`` awaits the ObjectRef.
+
+    ``ray_options`` go to ``.options`` (resources, scheduling); ``remote_options`` to
+    ``ray.remote`` (what ``.options`` does not take, e.g. ``concurrency_groups``).
+    """
 
     in_process = False
 
-    def __init__(self, cls: type, *args: Any, ray_options: dict | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, cls: type, *args: Any, ray_options: dict | None = None, remote_options: dict | None = None, **kwargs: Any
+    ) -> None:
         import ray
 
-        self._handle = ray.remote(cls).options(**(ray_options or {})).remote(*args, **kwargs)
+        remote = ray.remote(**remote_options)(cls) if remote_options else ray.remote(cls)
+        self._handle = remote.options(**(ray_options or {})).remote(*args, **kwargs)
+        self._killed = False
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return await self.submit(method, *args, **kwargs)
@@ -64,9 +77,17 @@ class RayActor:
         """Queue the call now (an actor runs one caller's calls in order) and return its awaitable ref."""
         return getattr(self._handle, method).remote(*args, **kwargs)
 
+    def submit_in(self, group: str, method: str, *args: Any, **kwargs: Any):
+        """Queue the call in the actor's concurrency ``group`` (given in ``remote_options``): it
+        runs beside the calls of the other groups."""
+        return getattr(self._handle, method).options(concurrency_group=group).remote(*args, **kwargs)
+
     def kill(self) -> None:
         import ray
 
+        if self._killed:  # an actor shared by two parts is killed once
+            return
+        self._killed = True
         try:
             ray.get(self._handle.close.remote(), timeout=10)
         except Exception:  # noqa: BLE001 - the actor may not have a close(), or be gone already
@@ -74,8 +95,38 @@ class RayActor:
         ray.kill(self._handle)
 
 
-def spawn(cls: type, *args: Any, backend: Backend, ray_options: dict | None = None, **kwargs: Any):
-    """Start ``cls(*args, **kwargs)`` as an actor of ``backend``."""
+class ActorPart:
+    """One part of a Ray actor that hosts several objects (a
+    :class:`~splitrl.controller.placement.ColocatedWorker`: ``train`` and ``gen``) behind the same
+    interface. The part's calls run in the actor's concurrency group of the same name (one
+    thread, one call at a time), so the other part's calls run meanwhile.
+    """
+
+    in_process = False
+
+    def __init__(self, actor: RayActor, part: str) -> None:
+        self.actor = actor
+        self.part = part
+
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return await self.submit(method, *args, **kwargs)
+
+    def submit(self, method: str, *args: Any, **kwargs: Any):
+        """Queue ``method`` of this part and return its awaitable ref."""
+        return self.actor._handle.call.options(concurrency_group=self.part).remote(self.part, method, args, kwargs)
+
+    def submit_host(self, method: str, *args: Any, **kwargs: Any):
+        """Queue ``method`` of the hosting object itself, in this part's group."""
+        return getattr(self.actor._handle, method).options(concurrency_group=self.part).remote(*args, **kwargs)
+
+    def kill(self) -> None:
+        self.actor.kill()
+
+
+def spawn(
+    cls: type, *args: Any, backend: Backend, ray_options: dict | None = None, remote_options: dict | None = None, **kwargs: Any
+):
+    """Start ``cls(*args, **kwargs)`` as an actor of ``backend`` (the options apply to Ray only)."""
     if backend == "ray":
-        return RayActor(cls, *args, ray_options=ray_options, **kwargs)
+        return RayActor(cls, *args, ray_options=ray_options, remote_options=remote_options, **kwargs)
     return LocalActor(cls, *args, **kwargs)

@@ -50,6 +50,14 @@ from splitrl.controller.advantages import advantage_metrics, compute_group_advan
 from splitrl.controller.buffer import ReplayBuffer, StepComposer, group_from_dict, group_to_dict, staleness_metrics
 from splitrl.controller.generation import GenerationWorker, load_tokenizer
 from splitrl.controller.health import RunHealth
+from splitrl.controller.placement import (
+    bundle_options,
+    check_cluster_gpus,
+    gpus_needed,
+    make_placement_group,
+    resolve_placement,
+    spawn_colocated,
+)
 from splitrl.controller.policy_client import PolicyClient
 from splitrl.controller.run_checkpoint import (
     TMP_SUFFIX,
@@ -347,53 +355,56 @@ class SingleController:
 
     def _build(self) -> None:
         cfg = self.config
+        G, T = cfg.num_generation_workers, cfg.num_train_workers
+        gpu = self.device == "cuda"
+        self.placement = resolve_placement(cfg.placement, self.backend, self.device, G, T)
+        self.placement_group = None
+        if self.backend == "ray" and gpu:
+            import ray
+
+            # before any worker (or the data plane) starts: a clear error instead of actors
+            # that wait forever for GPUs
+            check_cluster_gpus(self.placement, G, T, ray.cluster_resources())
+            self.placement_group = make_placement_group(gpus_needed(self.placement, G, T))
+            log.info("start-up: reserved %d GPU(s) for placement %s", gpus_needed(self.placement, G, T), self.placement)
         dp_cfg = cfg.dataplane if self.backend == "ray" else DataPlaneConfig(kind="inprocess")
         log.info("start-up: starting the %s data plane", dp_cfg.kind)
         self.data_plane = make_data_plane(dp_cfg)
         log.info(
-            "start-up: starting %d train worker(s) and %d generation worker(s) on %s; each imports torch and "
-            "builds the model", cfg.num_train_workers, cfg.num_generation_workers, self.device,
+            "start-up: starting %d train worker(s) and %d generation worker(s) on %s (placement %s); each imports "
+            "torch and builds the model", T, G, self.device, self.placement,
         )
         train_cfg = cfg.train.model_copy(update={"device": self.device})
-        world = cfg.num_train_workers
         port = _free_port()
-        gpu = self.device == "cuda"
-        self.train_actors = [
-            spawn(
-                TrainActor,
-                cfg.model,
-                train_cfg,
-                cfg.trainer_loss_config(),  # temperature and tis_cap resolved from the run
-                self.data_plane,
-                rank=r,
-                world_size=world,
-                master_port=port,
-                torch_threads=cfg.torch_threads,
-                backend=self.backend,
-                ray_options={"num_cpus": 1, "num_gpus": 1 if gpu else 0},
-            )
-            for r in range(world)
-        ]
+
+        def train_part(r: int) -> tuple[tuple, dict]:
+            args = (cfg.model, train_cfg, cfg.trainer_loss_config(), self.data_plane)  # temperature, tis_cap resolved
+            return args, dict(rank=r, world_size=T, master_port=port, torch_threads=cfg.torch_threads)
+
+        gen_part = (
+            (cfg.model, cfg.rollout, cfg.task, cfg.tokenizer, self.data_plane),
+            dict(run_seed=cfg.seed, reward_timeout_s=cfg.reward_timeout_s, mask_truncated=cfg.mask_truncated,
+                 device=self.device, dtype=cfg.rollout_dtype, torch_threads=cfg.torch_threads),
+        )
+        pg = self.placement_group
+        if self.backend == "ray" and self.placement == "colocated":
+            parts = [spawn_colocated(train_part(r), gen_part, ray_options=bundle_options(pg, r)) for r in range(T)]
+            self.train_actors = [t for t, _ in parts]
+            self.gen_actors = [g for _, g in parts]
+        else:
+            # split: train ranks in bundles 0..T-1, generation workers in T..T+G-1
+            self.train_actors = [
+                spawn(TrainActor, *args, **kwargs, backend=self.backend, ray_options=bundle_options(pg, r))
+                for r, (args, kwargs) in ((r, train_part(r)) for r in range(T))
+            ]
+            # a weight sync is received in a concurrency group of its own, beside generation
+            self.gen_actors = [
+                spawn(GenerationWorker, *gen_part[0], **gen_part[1], backend=self.backend,
+                      ray_options=bundle_options(pg, T + i), remote_options={"concurrency_groups": {"sync": 1}})
+                for i in range(G)
+            ]
         self.policy = PolicyClient(self.train_actors)
-        self.gen_actors = [
-            spawn(
-                GenerationWorker,
-                cfg.model,
-                cfg.rollout,
-                cfg.task,
-                cfg.tokenizer,
-                self.data_plane,
-                run_seed=cfg.seed,
-                reward_timeout_s=cfg.reward_timeout_s,
-                mask_truncated=cfg.mask_truncated,
-                device=self.device,
-                dtype=cfg.rollout_dtype,
-                torch_threads=cfg.torch_threads,
-                backend=self.backend,
-                ray_options={"num_cpus": 1, "num_gpus": 0},
-            )
-            for _ in range(cfg.num_generation_workers)
-        ]
+        self.sync_path: str | None = None  # chosen at the first weight sync (_open_weight_sync)
         self.buffer = ReplayBuffer(cfg.buffer, on_evict=self._on_evict)
         self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.pretrained_path)  # saved with checkpoints
 
@@ -838,11 +849,87 @@ class SingleController:
                     raise StepFailed(f"step {step + 1} failed after {attempt} attempt(s): {type(e).__name__}: {e}") from e
                 log.warning("step %d failed (%s: %s); retrying (%d/%d)", step + 1, type(e).__name__, e, attempt, cfg.max_step_retries)
 
+    async def _open_weight_sync(self) -> str:
+        """Choose how weights reach the generation engines, and say which (issue 9):
+
+        - ``in_process`` (``backend=local``): the train actor stages a copy on the device for each
+          engine of this process;
+        - ``colocated``: each colocated actor stages a copy on its device
+          (:class:`~splitrl.controller.placement.ColocatedWorker`);
+        - ``group``: a torch.distributed group from train rank 0 to the engines (NCCL / gloo);
+        - ``object_store``: the fallback where that group cannot be built — the full weights go
+          through CPU and Ray's object store at every sync (slow for large models).
+
+        Raises:
+            ValueError: the trainer's and the engines' tensors do not match (another model).
+        """
+        if self.backend == "local":
+            log.info("weight sync: in-process copy on %s, staged beside generation", self.device)
+            return "in_process"
+        if self.placement == "colocated":
+            log.info("weight sync: on-device copy inside each colocated worker (%d), staged beside generation", len(self.gen_actors))
+            return "colocated"
+        from splitrl.distributed.weight_sync import DEFAULT_BUCKET_BYTES
+
+        timeout = self.config.watchdog_timeout_s
+        layout = await self.gen_actors[0].call("weight_layout")
+        loopback = not (self.config.ray_address or os.environ.get("RAY_ADDRESS"))
+        try:
+            host, port = await self.train_actors[0].call("open_weight_sync", loopback, layout)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - e.g. no address to listen on: fall back below
+            results: list = [e]
+        else:
+            world = 1 + len(self.gen_actors)
+            calls = [t.call("join_weight_sync", host, port, world, layout, DEFAULT_BUCKET_BYTES, timeout) for t in self.train_actors]
+            calls += [
+                g.call("join_weight_sync", host, port, i + 1, world, layout, DEFAULT_BUCKET_BYTES, timeout)
+                for i, g in enumerate(self.gen_actors)
+            ]
+            # every member returns (joined or timed out) before the choice: none is left blocked
+            results = await asyncio.gather(*calls, return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if not errors:
+            log.info(
+                "weight sync: train rank 0 -> %d generation worker(s) over a torch.distributed %s group (%s:%d), "
+                "%.0f MB in %d MB buckets", len(self.gen_actors), results[0], host, port, layout.nbytes / 2**20,
+                DEFAULT_BUCKET_BYTES // 2**20,
+            )
+            return "group"
+        e = errors[0]
+        log.warning(
+            "weight sync: the torch.distributed group could not be built (%s: %s); falling back to Ray's object "
+            "store: the full weights go through CPU at every sync (slow for large models)", type(e).__name__, e,
+        )
+        return "object_store"
+
     async def _sync_weights(self) -> float:
+        """Bring the generation engines to the trainer's weights (``self.version``); returns
+        the seconds it took (logged as ``timing/weight_sync_s``)."""
         t0 = time.perf_counter()
-        # local backend: generation shares the process (and the GPU), so skip the trip through CPU
-        sd = await self._policy_call(self.policy.policy_state_dict(to_cpu=self.backend == "ray"), "policy_state_dict")
-        await asyncio.gather(*(a.call("load_weights", sd, self.version) for a in self.gen_actors))
+        if self.sync_path is None:
+            self.sync_path = await self._open_weight_sync()
+            t0 = time.perf_counter()  # the group's set-up is start-up time, not a sync
+        from splitrl.distributed.weight_sync import DEFAULT_BUCKET_BYTES
+
+        if self.sync_path == "in_process":
+            # on the train actor's thread: staged beside generation, taken at each engine's next call
+            gens = [a.obj for a in self.gen_actors]
+            await self._policy_call(
+                self.train_actors[0].call("stage_weights_into", gens, self.version, DEFAULT_BUCKET_BYTES), "weight sync"
+            )
+        elif self.sync_path == "colocated":
+            # in the train parts' thread: staged beside generation, taken at each engine's next call
+            stage = [a.submit_host("sync_weights", self.version, DEFAULT_BUCKET_BYTES) for a in self.train_actors]
+            await self._policy_call(asyncio.gather(*stage), "weight sync")
+        elif self.sync_path == "group":
+            # staged beside generation; each engine switches at the start of its next call
+            receive = [a.submit_in("sync", "receive_weights", self.version) for a in self.gen_actors]
+            await self._policy_call(asyncio.gather(self.policy.broadcast_weights(), *receive), "weight sync")
+        else:  # object_store: the fallback of split placement
+            sd = await self._policy_call(self.policy.policy_state_dict(to_cpu=True), "policy_state_dict")
+            await asyncio.gather(*(a.call("load_weights", sd, self.version) for a in self.gen_actors))
         self.synced_version = self.version
         self._wake_pumps()
         return time.perf_counter() - t0
@@ -1074,6 +1161,13 @@ class SingleController:
             self.data_plane.close()
         except Exception:  # noqa: BLE001
             pass
+        if getattr(self, "placement_group", None) is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
 
 
 def train(config: RunConfig) -> RunResult:

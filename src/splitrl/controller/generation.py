@@ -5,6 +5,7 @@ the data plane; the controller gets back light :class:`~splitrl.types.Group` rec
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections.abc import Callable
 
@@ -118,16 +119,117 @@ class GenerationWorker:
         self.data_plane = data_plane
         self.run_seed = run_seed
         self.mask_truncated = mask_truncated
+        # weights received through the weight-sync group, waiting for the next call
+        self._staging_lock = threading.Lock()
+        self._staged_version: int | None = None
+        self._staging: torch.Tensor | None = None
 
     @property
     def policy_version(self) -> int:
-        return self.engine.policy_version
+        return self.engine.policy_version if self._staged_version is None else self._staged_version
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
-        """Weight sync from the trainer (MTP tensors included); returns the new version."""
+        """Weight sync from the trainer (MTP tensors included), through Ray's object store or
+        in-process; returns the new version."""
         ref = next(self.engine.model.parameters())
         self.engine.load_state_dict({k: v.to(device=ref.device, dtype=ref.dtype) for k, v in state_dict.items()}, version)
         return version
+
+    def weights(self) -> tuple[dict[str, torch.Tensor], int]:
+        """CPU copies of the engine's weights (MTP included) and their policy version: what
+        generation samples with (for checks and debugging; a sync never needs it)."""
+        self._apply_staged_weights()
+        return {k: v.detach().cpu().clone() for k, v in self.engine.model.state_dict().items()}, self.engine.policy_version
+
+    def weight_layout(self):
+        """The :class:`~splitrl.distributed.weight_sync.WeightLayout` a sync into this engine carries."""
+        from splitrl.distributed.weight_sync import WeightLayout
+
+        return WeightLayout.of(self.engine.weight_tensors())
+
+    def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, layout, bucket_bytes: int, timeout_s: float) -> str:
+        """Join the weight-sync group as ``rank`` (>= 1; rank 0 is train rank 0); blocks until
+        every member joins. Allocates the staging buffer (one more copy of the engine's weights,
+        in its dtype, on its device). Returns the backend (``nccl`` / ``gloo``).
+
+        Raises:
+            ValueError: ``layout`` is not this engine's (another model config).
+        """
+        from splitrl.distributed.weight_sync import WeightSyncGroup
+
+        if self.weight_layout() != layout:
+            raise ValueError("weight sync: this generation worker's model differs from the others'; every worker builds the same model config")
+        device = self._ensure_staging(bucket_bytes)
+        self._sync_group = WeightSyncGroup(host, port, rank, world_size, device.type, timeout_s=timeout_s)
+        # the receive runs on a stream of its own: the generation kernels queued meanwhile on
+        # the engine's stream do not wait for the broadcast
+        self._sync_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        return self._sync_group.backend
+
+    def _ensure_staging(self, bucket_bytes: int) -> torch.device:
+        """Allocate the staging buffer once (one more copy of the engine's weights, in its
+        dtype, on its device); returns the device."""
+        device = next(self.engine.model.parameters()).device
+        if self._staging is None:
+            self._sync_layout, self._sync_bucket_bytes = self.weight_layout(), bucket_bytes
+            self._staging = torch.empty(self._sync_layout.staging_nbytes(bucket_bytes), dtype=torch.uint8, device=device)
+        return device
+
+    def stage_weights(self, source: torch.nn.Module, version: int, bucket_bytes: int) -> int:
+        """Colocated weight sync: copy the trainer's ``source`` (in this process, on this
+        device; FSDP2 shards gathered tensor by tensor, so every train rank calls this at once)
+        into the staging buffer, beside a generation call that may be running; the engine
+        switches to them at the start of its next call. Returns the bytes staged.
+
+        Raises:
+            ValueError: the trainer's tensors do not match the engine's (nothing is staged).
+        """
+        from splitrl.distributed.weight_sync import stage_weights
+
+        with self._staging_lock:
+            self._staged_version = None
+            device = self._ensure_staging(bucket_bytes)
+            n = stage_weights(self._sync_layout, source, self._staging, self._sync_bucket_bytes)
+            if device.type == "cuda":
+                # the trainer may change its weights as soon as this returns
+                torch.cuda.current_stream(device).synchronize()
+            self._staged_version = version
+        return n
+
+    def receive_weights(self, version: int) -> int:
+        """Split weight sync: receive the buckets broadcast by train rank 0 into the
+        staging buffer, beside generation (Ray runs this call in a concurrency group of its
+        own); the engine switches to them at the start of its next call (MTP tensors included).
+        Returns ``version``."""
+        import contextlib
+
+        from splitrl.distributed.weight_sync import receive_weights
+
+        with self._staging_lock:
+            self._staged_version = None
+            stream = self._sync_stream
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                receive_weights(self._sync_group, self._sync_layout, self._staging, self._sync_bucket_bytes)
+            if stream is not None:
+                stream.synchronize()
+            self._staged_version = version
+        return version
+
+    def _apply_staged_weights(self) -> None:
+        """Copy weights staged by :meth:`receive_weights` / :meth:`stage_weights` into the engine
+        (in place, between two calls: never inside a sample)."""
+        if self._staged_version is None:
+            # nothing staged, or a receive in progress: this call was issued before that sync
+            # finished, so it runs with the weights it was issued under
+            return
+        from splitrl.distributed.weight_sync import apply_staged
+
+        with self._staging_lock:
+            if self._staged_version is None:
+                return
+            apply_staged(self._sync_layout, self._staging, self.engine.weight_tensors(), self._sync_bucket_bytes)
+            self.engine.weights_updated(self._staged_version)
+            self._staged_version = None
 
     def _decode(self, ids: list[int]) -> str:
         return decode_response(self.tokenizer, ids)
@@ -147,6 +249,7 @@ class GenerationWorker:
         Returns:
             (groups in the order of ``prompt_indices``, rollout metrics of the call).
         """
+        self._apply_staged_weights()
         t0 = time.perf_counter()
         version = self.engine.policy_version
         prompts = [self.prompt_of(i) for i in prompt_indices]
@@ -262,6 +365,7 @@ class GenerationWorker:
         """
         from splitrl.evaluation import sample_and_score
 
+        self._apply_staged_weights()
         task, scorer = self.task, self.scorer
         if task_config is not None and task_config != self.task.config:
             if getattr(self, "_eval_task_config", None) != task_config:
@@ -285,8 +389,10 @@ class GenerationWorker:
 
     def close(self) -> None:
         self.scorer.close()
+        if getattr(self, "_sync_group", None) is not None:
+            self._sync_group.close()
         if getattr(self, "_eval_scorer", None) is not None:
             self._eval_scorer.close()
 
     def ping(self) -> int:
-        return self.engine.policy_version
+        return self.policy_version

@@ -85,6 +85,12 @@ class PolicyClient:
         outs = await self._all("policy_state_dict", [to_cpu] * len(self.actors))
         return outs[0]
 
+    async def broadcast_weights(self) -> int:
+        """Send the policy to the generation workers through the weight-sync group (every rank
+        takes part in the FSDP2 gathers; rank 0 broadcasts). Returns the bytes sent."""
+        outs = await self._all("broadcast_weights")
+        return outs[0]
+
     async def state_dict(self) -> dict:
         outs = await self._all("state_dict")
         return outs[0]

@@ -130,6 +130,61 @@ class TrainActor:
             return {k: v.detach() for k, v in self.worker.model.state_dict().items()}
         return self.worker.full_model_state_dict()
 
+    def stage_weights_into(self, workers: list, version: int, bucket_bytes: int) -> int:
+        """In-process weight sync (``backend: local``): stage this rank's policy into the
+        :class:`~splitrl.controller.generation.GenerationWorker` objects of this process, on the
+        device, beside their generation calls; each engine takes them at its next call. Runs on
+        this actor's thread (no train call runs meanwhile). Returns the bytes staged per worker.
+        """
+        n = 0
+        for w in workers:
+            n = w.stage_weights(self.worker.model, version, bucket_bytes)
+        return n
+
+    # ------------------------------------------------------------------ weight-sync group (split)
+    def open_weight_sync(self, loopback: bool, layout) -> tuple[str, int]:
+        """Rank 0: check that the generation engines' ``layout`` (a
+        :class:`~splitrl.distributed.weight_sync.WeightLayout`) matches this policy, then listen
+        for the weight-sync group's store on 127.0.0.1 (``loopback``) or this node's IP. Returns
+        (host, port) for the generation workers.
+
+        Raises:
+            ValueError: the layouts differ (nothing is opened).
+        """
+        from splitrl.distributed.weight_sync import listen_socket, unique_tensors
+
+        layout.check_sender(unique_tensors(self.worker.model.state_dict(keep_vars=True)))
+        if loopback:
+            host = "127.0.0.1"
+        else:
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        self._sync_sock, port = listen_socket(host)
+        return host, port
+
+    def join_weight_sync(self, host: str, port: int, world_size: int, layout, bucket_bytes: int, timeout_s: float) -> str:
+        """Every rank: remember the layout (each takes part in the FSDP2 gathers of a sync);
+        rank 0 also builds the weight-sync group as its rank 0 (blocks until the generation
+        workers join). Returns the group's backend (``nccl`` / ``gloo``; ``none`` on other ranks)."""
+        from splitrl.distributed.weight_sync import WeightSyncGroup
+
+        self._sync_layout, self._sync_bucket_bytes = layout, bucket_bytes
+        self._sync_group = None
+        if self.rank != 0:
+            return "none"
+        sock, self._sync_sock = self._sync_sock, None
+        device = "cuda" if self.worker.device.type == "cuda" else "cpu"
+        self._sync_group = WeightSyncGroup(host, port, 0, world_size, device, listen_sock=sock, timeout_s=timeout_s)
+        return self._sync_group.backend
+
+    def broadcast_weights(self) -> int:
+        """Send the policy (MTP included) to the generation workers through the weight-sync
+        group (every rank calls it: FSDP2 shards are gathered tensor by tensor). Returns bytes."""
+        from splitrl.distributed.weight_sync import send_weights
+
+        return send_weights(self._sync_group, self._sync_layout, self.worker.model, self._sync_bucket_bytes)
+
     def state_dict(self) -> dict:
         return self.worker.state_dict()
 

@@ -1,0 +1,92 @@
+"""Placement (issue 9): contradictions refused on load, and a CUDA run's placement checked
+against the GPUs Ray reports (a fake ``ray.cluster_resources()``) before any worker starts."""
+
+import pytest
+
+from splitrl.config import load_config
+from splitrl.controller.placement import check_cluster_gpus, gpus_needed, resolve_placement
+
+
+def test_colocated_needs_as_many_generation_workers_as_train_ranks():
+    with pytest.raises(ValueError, match=r"num_generation_workers=2 != num_train_workers=1.*placement=split"):
+        load_config(None, ["placement=colocated", "num_generation_workers=2"])
+    cfg = load_config(None, ["placement=colocated", "num_generation_workers=2", "num_train_workers=2", "backend=ray"])
+    assert cfg.placement == "colocated"
+
+
+def test_split_needs_ray():
+    with pytest.raises(ValueError, match=r"placement=split.*backend=local.*use backend=ray"):
+        load_config(None, ["placement=split", "backend=local"])
+
+
+def test_unknown_placement_is_refused():
+    with pytest.raises(ValueError, match="placement"):
+        load_config(None, ["placement=spread"])
+
+
+@pytest.mark.parametrize(
+    "placement, backend, device, G, T, want",
+    [
+        ("auto", "ray", "cuda", 1, 1, "colocated"),
+        ("auto", "ray", "cuda", 2, 2, "colocated"),
+        ("auto", "ray", "cuda", 3, 1, "split"),
+        ("auto", "ray", "cpu", 1, 1, "split"),  # separate processes: no shared interpreter on CPU
+        ("auto", "local", "cuda", 2, 1, "colocated"),  # one process, whatever the counts
+        ("split", "ray", "cuda", 1, 1, "split"),
+        ("colocated", "ray", "cpu", 2, 2, "colocated"),
+    ],
+)
+def test_resolve_placement(placement, backend, device, G, T, want):
+    assert resolve_placement(placement, backend, device, G, T) == want
+
+
+def test_gpus_needed():
+    assert gpus_needed("colocated", 2, 2) == 2
+    assert gpus_needed("split", 3, 2) == 5
+
+
+def test_split_on_too_few_gpus_names_the_numbers_and_the_ways_out():
+    with pytest.raises(ValueError) as e:
+        check_cluster_gpus("split", 1, 1, {"CPU": 16.0, "GPU": 1.0})
+    msg = str(e.value)
+    assert "placement=split needs 2 GPUs (1 generation worker(s) + 1 train worker(s), one GPU each)" in msg
+    assert "the Ray cluster has 1" in msg
+    assert "placement=colocated (needs 1)" in msg  # the one-GPU way out
+    assert "ray_address" in msg
+
+
+def test_split_with_unequal_counts_points_to_colocated_with_equal_ones():
+    # the issue's 2-GPU run: 2 train workers and the default 1 generation worker
+    with pytest.raises(ValueError, match=r"needs 3 GPUs .* has 2; use placement=colocated with num_generation_workers=2 \(needs 2\)"):
+        check_cluster_gpus("split", 1, 2, {"GPU": 2.0})
+
+
+def test_colocated_on_too_few_gpus():
+    with pytest.raises(ValueError, match=r"placement=colocated needs 4 GPUs .* the Ray cluster has 2; lower num_train_workers and num_generation_workers to 2"):
+        check_cluster_gpus("colocated", 4, 4, {"GPU": 2.0})
+    with pytest.raises(ValueError, match="the Ray cluster has 0"):
+        check_cluster_gpus("colocated", 1, 1, {"CPU": 8.0})  # no GPU key at all
+
+
+def test_enough_gpus_pass():
+    check_cluster_gpus("split", 2, 2, {"GPU": 4.0})
+    check_cluster_gpus("colocated", 2, 2, {"GPU": 2.0})
+    check_cluster_gpus("split", 1, 1, {"GPU": 8.0})
+
+
+def test_the_controller_checks_gpus_before_starting_anything(tmp_path, monkeypatch):
+    """SingleController._build raises on too few GPUs before the data plane or any worker
+    starts (a fake cluster with one GPU; the run asks for split with 1 + 1 workers)."""
+    ray = pytest.importorskip("ray")
+    from splitrl.controller import controller as ctl_mod
+
+    started = []
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 1.0})
+    monkeypatch.setattr(ctl_mod, "make_data_plane", lambda *a, **k: started.append("data plane"))
+    monkeypatch.setattr(ctl_mod, "spawn", lambda *a, **k: started.append("worker"))
+    monkeypatch.setattr(ctl_mod, "make_placement_group", lambda *a, **k: started.append("placement group"))
+    ctl = ctl_mod.SingleController(load_config(None, ["backend=ray", "placement=split", f"output_dir={tmp_path}"]))
+    ctl.device = "cuda"  # as resolved on a GPU machine
+    with pytest.raises(ValueError, match="placement=split needs 2 GPUs .* the Ray cluster has 1"):
+        ctl._build()
+    assert started == []
