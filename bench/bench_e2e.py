@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
                 dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
                 where = torch.cuda.get_device_name() if dev == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
                 print(
-                    f"{where}, torch {torch.__version__}, backend {_resolve_backend(cfg)}, {cfg.num_generation_workers} generation "
+                    f"{where}, torch {torch.__version__}, backend {_resolve_backend(cfg)}, placement {cfg.placement}, "
+                    f"{cfg.num_generation_workers} generation "
                     f"+ {cfg.num_train_workers} train worker(s); a step = {cfg.groups_per_step} prompts x {cfg.group_size} "
                     f"samples, <= {cfg.rollout.max_new_tokens} new tokens, chunks of {cfg.min_groups_per_chunk} groups; "
                     f"{args.steps} steps per run, figures over steps 2-{args.steps}; run order {order}; "
