@@ -206,7 +206,6 @@ def test_a_full_disk_gives_one_clear_error_and_leaves_nothing_half_written(tmp_p
 
     import torch
 
-    from splitrl import cli
     from splitrl.controller.run_checkpoint import damage
 
     full = {"on": False}
@@ -234,15 +233,7 @@ def test_a_full_disk_gives_one_clear_error_and_leaves_nothing_half_written(tmp_p
 
     monkeypatch.setattr(torch, "save", save)
     monkeypatch.setattr(os, "fsync", fsync)
-    old_term = signal.getsignal(signal.SIGTERM)
-    try:
-        rc = cli.main(["train", *TINY, f"output_dir={tmp_path}", "buffer.max_staleness=0", "num_steps=3", "checkpoint_every=1"])
-    finally:
-        signal.signal(signal.SIGTERM, old_term)
-    err = capsys.readouterr().err
-    assert rc == 1
-    stopped = [line for line in err.splitlines() if line.startswith("splitrl:")]
-    assert len(stopped) == 1 and "Traceback" not in err, err[-3000:]
+    stopped, err = _train_until_it_stops(tmp_path, capsys)
     assert "could not write the checkpoint of step 2" in stopped[0]
     assert ("No space left on device" if writer_error == "oserror" else "file write failed") in stopped[0]
     assert "newest intact checkpoint is step_000001" in stopped[0]
@@ -261,7 +252,6 @@ def test_a_failed_background_write_is_reported_and_never_marked_complete(tmp_pat
     import errno
     import os
 
-    from splitrl import cli
     from splitrl.train.checkpoint import ShardedCheckpointer
 
     real_wait = ShardedCheckpointer.wait
@@ -271,14 +261,7 @@ def test_a_failed_background_write_is_reported_and_never_marked_complete(tmp_pat
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "trainer/__0_0.distcp")
 
     monkeypatch.setattr(ShardedCheckpointer, "wait", failing_wait)
-    old_term = signal.getsignal(signal.SIGTERM)
-    try:
-        rc = cli.main(["train", *TINY, f"output_dir={tmp_path}", "buffer.max_staleness=0", "num_steps=3", "checkpoint_every=1"])
-    finally:
-        signal.signal(signal.SIGTERM, old_term)
-    err = capsys.readouterr().err
-    stopped = [line for line in err.splitlines() if line.startswith("splitrl:")]
-    assert rc == 1 and len(stopped) == 1 and "Traceback" not in err, err[-3000:]
+    stopped, err = _train_until_it_stops(tmp_path, capsys)
     assert "could not write the checkpoint of step 1" in stopped[0] and "No space left on device" in stopped[0]
     assert "No checkpoint is on disk yet" in stopped[0]
     assert not list((tmp_path / "checkpoints").iterdir())
@@ -296,3 +279,19 @@ def test_leftovers_of_a_killed_run_are_removed_on_start(tmp_path):
     assert len(gone) == 3
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_000003"]
     assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
+
+
+def _train_until_it_stops(tmp_path, capsys) -> tuple[list[str], str]:
+    """Run a 3-step CLI training that checkpoints every step and is expected to stop with exit
+    code 1 and one ``splitrl:`` line (no traceback); returns (those lines, stderr)."""
+    from splitrl import cli
+
+    old_term = signal.getsignal(signal.SIGTERM)
+    try:
+        rc = cli.main(["train", *TINY, f"output_dir={tmp_path}", "buffer.max_staleness=0", "num_steps=3", "checkpoint_every=1"])
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+    err = capsys.readouterr().err
+    stopped = [line for line in err.splitlines() if line.startswith("splitrl:")]
+    assert rc == 1 and len(stopped) == 1 and "Traceback" not in err, err[-3000:]
+    return stopped, err
