@@ -58,26 +58,18 @@ def _check_engines_equal_trainer(cfg, ctl, res):
         assert m["timing/weight_sync_s"] > 0.0
 
 
-def test_split_placement_syncs_through_the_gloo_group(tmp_path, caplog):
-    ray = pytest.importorskip("ray")
+def test_split_placement_syncs_through_the_gloo_group(tmp_path, caplog, ray_cluster):
     caplog.set_level(logging.INFO, logger="splitrl.controller.controller")
-    try:
-        cfg, ctl, res = _run(tmp_path, ["placement=split", "num_generation_workers=2"])
-    finally:
-        ray.shutdown()
+    cfg, ctl, res = _run(tmp_path, ["placement=split", "num_generation_workers=2"])
     assert ctl.placement == "split" and ctl.sync_path == "group"
     assert "over a torch.distributed gloo group" in caplog.text
     _check_engines_equal_trainer(cfg, ctl, res)
 
 
-def test_colocated_placement_copies_inside_the_process(tmp_path, caplog):
-    ray = pytest.importorskip("ray")
+def test_colocated_placement_copies_inside_the_process(tmp_path, caplog, ray_cluster):
     caplog.set_level(logging.INFO, logger="splitrl.controller.controller")
-    try:
-        # two ranks: each actor's copy gathers the FSDP2 shards tensor by tensor
-        cfg, ctl, res = _run(tmp_path, ["placement=colocated", "num_train_workers=2", "num_generation_workers=2"])
-    finally:
-        ray.shutdown()
+    # two ranks: each actor's copy gathers the FSDP2 shards tensor by tensor
+    cfg, ctl, res = _run(tmp_path, ["placement=colocated", "num_train_workers=2", "num_generation_workers=2"])
     assert ctl.placement == "colocated" and ctl.sync_path == "colocated"
     assert "on-device copy inside each colocated worker" in caplog.text
     _check_engines_equal_trainer(cfg, ctl, res)

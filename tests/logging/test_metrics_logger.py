@@ -2,6 +2,7 @@
 
 import json
 import math
+import time
 
 import pytest
 import yaml
@@ -80,6 +81,14 @@ def test_resume_drops_steps_at_and_after_the_resume_step(tmp_path):
     with MetricsLogger(tmp_path, total_steps=6, config=QUIET) as logger:
         for step in range(5):  # interrupted after step 4
             logger.log(step, step_metrics(step, run=0))
+    # A resumed run starts in a later second, and TensorBoard reads event files in name order:
+    # events.out.tfevents.<second>.<host>.<pid>.<writer number of the process>. Two writers of one
+    # process within one second sort by that number as text, so writer 10 came before writer 9
+    # (CI: the resumed run's events were read first and purged). Wait for the next second, as a
+    # real resume does.
+    start = int(time.time())
+    while int(time.time()) == start:
+        time.sleep(0.05)
 
     with MetricsLogger(tmp_path, total_steps=6, start_step=3, config=QUIET) as logger:
         assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]
