@@ -194,6 +194,36 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, 
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
 
 
+def test_no_usable_checkpoint_refuses_to_start_over_on_top_of_the_run(tmp_path, caplog):
+    """Kind: output lost. Every checkpoint of a run damaged (a truncated file; a directory whose
+    COMPLETE marker is gone): resume silently started at step 1 and replaced the run's metrics
+    and checkpoints (a new user's trial). Now preflight refuses, names each checkpoint and why,
+    and the run's files are untouched; resume=false starts over explicitly."""
+    from splitrl.logging import read_metrics
+
+    C.train(_cfg(tmp_path, "num_steps=2", "checkpoint_every=1"))
+    step1, step2 = (tmp_path / "checkpoints" / f"step_00000{i}" for i in (1, 2))
+    ctl = step1 / "controller.pt"
+    ctl.write_bytes(ctl.read_bytes()[:100])
+    (step2 / "COMPLETE").unlink()
+    metrics = (tmp_path / "metrics.jsonl").read_bytes()
+    from splitrl.controller import run_checkpoint
+
+    run_checkpoint._verified.clear()  # a new process: checksums not yet verified (the cache keys on COMPLETE)
+    with pytest.raises(ValueError, match=r"none can be resumed from: step_000001 \(damaged: controller.pt has 100 bytes.*"
+                                         r"step_000002 \(incomplete.*resume=false starts over"):
+        C.preflight(_cfg(tmp_path, "num_steps=3"))
+    assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
+    # a usable older checkpoint: resumed from, with a warning naming the newer unusable one
+    C.train(_cfg(tmp_path / "b", "num_steps=2", "checkpoint_every=1"))
+    (tmp_path / "b" / "checkpoints" / "step_000002" / "COMPLETE").unlink()
+    with caplog.at_level("WARNING"):
+        assert C.preflight(_cfg(tmp_path / "b", "num_steps=3")) == 1
+    assert "newer checkpoint(s) step_000002 cannot be used (incomplete" in caplog.text
+    res = C.train(_cfg(tmp_path, "num_steps=2", "resume=false"))
+    assert res.steps_done == 2 and [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
 @pytest.mark.parametrize("writer_error", ["oserror", "torch"])
 def test_a_full_disk_gives_one_clear_error_and_leaves_nothing_half_written(tmp_path, monkeypatch, capsys, writer_error):
     """Kind: a failed write leaves partial files that look like data. The disk fills up after the

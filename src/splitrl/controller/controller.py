@@ -64,6 +64,7 @@ from splitrl.controller.run_checkpoint import (
     CheckpointError,
     checkpoint_step,
     complete_checkpoints,
+    unusable_checkpoints,
     intact_checkpoints,
     latest_intact_checkpoint,
     mark_damaged,
@@ -139,6 +140,20 @@ def preflight(config: RunConfig) -> int:
     if task_config is not config.task:
         config.task = task_config  # the workers build the task from this: same prompts everywhere
     ckpt = latest_checkpoint(config.output_dir) if config.resume else None
+    if config.resume:
+        bad = unusable_checkpoints(config.output_dir)
+        if ckpt is None and bad:
+            # starting over would replace this run's metrics and checkpoints: the user decides
+            listed = "; ".join(f"{name} ({why})" for name, why in bad[-3:])
+            raise ValueError(
+                f"{config.output_dir} holds checkpoints but none can be resumed from: {listed}. "
+                "resume=false starts over in this output_dir (its metrics and checkpoints are replaced), or use a "
+                "new output_dir"
+            )
+        newer = [name for name, _ in bad if ckpt is not None and name > ckpt.name]
+        if newer:
+            log.warning("resuming from %s; newer checkpoint(s) %s cannot be used (%s)", ckpt.name, ", ".join(newer),
+                        "; ".join(why for name, why in bad if name in newer))
     if ckpt is None:
         return 0
     saved_path = ckpt / RUN_CONFIG

@@ -54,6 +54,27 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(TMP_SUFFIX) and (p / COMPLETE).exists())
 
 
+def unusable_checkpoints(output_dir: str | Path) -> list[tuple[str, str]]:
+    """(name, why) of every checkpoint directory that cannot be resumed from: no ``COMPLETE``
+    marker (a write that never finished), or damaged (see :func:`damage`); oldest first."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in sorted(root.glob("step_*")):
+        if not p.is_dir() or p.name.endswith(TMP_SUFFIX):
+            continue
+        if not (p / COMPLETE).exists():
+            out.append((p.name, "incomplete: no COMPLETE marker, its write never finished"))
+            continue
+        key = (str(p), (p / COMPLETE).stat().st_mtime_ns)
+        if key not in _verified:
+            _verified[key] = damage(p)
+        if _verified[key] is not None:
+            out.append((p.name, f"damaged: {_verified[key]}"))
+    return out
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
