@@ -244,7 +244,18 @@ class RunConfig(BaseModel):
                 f"buffer.max_staleness={self.buffer.max_staleness}; set buffer.max_staleness=0, or "
                 "schedule=async to let generation run ahead"
             )
-        if self.export_every and (not self.checkpoint_every or self.export_every % self.checkpoint_every):
+        if self.export_every and not self.checkpoint_every:
+            raise ValueError(
+                f"export_every={self.export_every} needs intermediate checkpoints, but checkpoint_every=0 writes "
+                "only the last one (which always has the export); set checkpoint_every (export_every must be a "
+                "multiple of it), or export_every=0"
+            )
+        if self.ray_address and self.backend == "local":
+            raise ValueError(
+                f"ray_address={self.ray_address!r} joins a Ray cluster, but backend=local runs without Ray; "
+                "set backend=ray (or auto), or drop ray_address"
+            )
+        if self.export_every and self.export_every % self.checkpoint_every:
             raise ValueError(
                 f"export_every={self.export_every} is not a multiple of checkpoint_every={self.checkpoint_every}: "
                 "the Hugging Face export is written into a checkpoint, so it can only happen at checkpoint steps; "

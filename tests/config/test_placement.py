@@ -82,11 +82,58 @@ def test_the_controller_checks_gpus_before_starting_anything(tmp_path, monkeypat
 
     started = []
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 1.0})
+    monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 8.0, "GPU": 1.0})
     monkeypatch.setattr(ctl_mod, "make_data_plane", lambda *a, **k: started.append("data plane"))
     monkeypatch.setattr(ctl_mod, "spawn", lambda *a, **k: started.append("worker"))
     monkeypatch.setattr(ctl_mod, "make_placement_group", lambda *a, **k: started.append("placement group"))
     ctl = ctl_mod.SingleController(load_config(None, ["backend=ray", "placement=split", f"output_dir={tmp_path}"]))
     ctl.device = "cuda"  # as resolved on a GPU machine
     with pytest.raises(ValueError, match="placement=split needs 2 GPUs .* the Ray cluster has 1"):
+        ctl._build()
+    assert started == []
+
+
+def test_join_errors_are_immediate_and_say_what_is_wrong():
+    """Kind: a hang with no splitrl error (a new user's trial): a ray_address nothing listens on
+    retried for minutes; a cluster with too few free CPUs waited forever for the actors."""
+    import socket
+
+    from splitrl.controller.controller import _check_reachable, check_cluster_cpus
+
+    with socket.socket() as s:  # a free port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(ValueError, match=rf"nothing accepts connections at 127.0.0.1:{port}.*ray start --head --port={port}"):
+        _check_reachable(f"127.0.0.1:{port}")
+    _check_reachable("auto")  # left to Ray
+    with pytest.raises(ValueError, match="expected host:port"):
+        _check_reachable("127.0.0.1:x")
+    with pytest.raises(ValueError, match=r"need 13 CPUs .* but 8 are free"):
+        check_cluster_cpus(13, {"CPU": 8.0})
+    check_cluster_cpus(8, {"CPU": 8.0})
+
+
+def test_ray_address_with_the_local_backend_is_refused_on_load():
+    with pytest.raises(ValueError, match="backend=local runs without Ray"):
+        load_config(None, ["ray_address=127.0.0.1:6379", "backend=local", "dataplane.kind=inprocess"])
+    with pytest.raises(ValueError, match="checkpoint_every=0 writes only the last one"):
+        load_config(None, ["checkpoint_every=0", "export_every=10"])
+
+
+def test_the_controller_checks_free_cpus_before_starting_anything(tmp_path, monkeypatch):
+    """Too few free CPUs on the cluster (a joined one): a clear error before the data plane or any
+    worker starts, instead of actors that wait forever (a new user's trial: 5 + 5 workers on 8 CPUs)."""
+    ray = pytest.importorskip("ray")
+    from splitrl.controller import controller as ctl_mod
+
+    started = []
+    monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 8.0})
+    monkeypatch.setattr(ctl_mod, "CPU_WAIT_S", 0.0)
+    monkeypatch.setattr(ctl_mod, "make_data_plane", lambda *a, **k: started.append("data plane"))
+    monkeypatch.setattr(ctl_mod, "spawn", lambda *a, **k: started.append("worker"))
+    ctl = ctl_mod.SingleController(load_config(
+        None, ["backend=ray", "placement=split", "num_train_workers=5", "num_generation_workers=5", f"output_dir={tmp_path}"]
+    ))
+    with pytest.raises(ValueError, match=r"need 13 CPUs of the Ray cluster .* but 8 are free"):
         ctl._build()
     assert started == []

@@ -39,6 +39,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -172,6 +173,42 @@ def preflight(config: RunConfig) -> int:
                 "same model. Use a new output_dir, or resume=false to start over in this one"
             )
     return checkpoint_step(ckpt)
+
+
+# Seconds to wait for the cluster's free CPUs to cover the run: the actors of a run that just
+# ended (in this process, or another job's) free theirs lazily.
+CPU_WAIT_S = 15.0
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Refuse a ``host:port`` Ray address that accepts no connection (Ray itself retries for
+    minutes with warnings only). ``auto`` and ``ray://`` addresses are left to Ray."""
+    if address == "auto" or "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        port_n = int(port)
+    except ValueError:
+        raise ValueError(f"ray_address={address!r}: expected host:port, auto or ray://host:port") from None
+    try:
+        socket.create_connection((host.strip("[]"), port_n), timeout=timeout_s).close()
+    except OSError as e:
+        raise ValueError(
+            f"nothing accepts connections at {address} (ray_address / RAY_ADDRESS: {e.strerror or e}); start the "
+            f"head there (`ray start --head --port={port_n}`) or fix the address"
+        ) from None
+
+
+def check_cluster_cpus(need: int, resources: Mapping[str, float]) -> None:
+    """Refuse a cluster with fewer free CPUs than the run's actors ask for (each asks for one;
+    Ray would wait forever for the missing ones). ``resources``: ``ray.available_resources()``."""
+    have = resources.get("CPU", 0.0)
+    if have < need:
+        raise ValueError(
+            f"the run's actors need {need} CPUs of the Ray cluster (one per train / generation worker, 3 for the "
+            f"TransferQueue data plane) but {have:g} are free; lower num_train_workers / num_generation_workers, "
+            "free the cluster, or start its nodes with more --num-cpus (logical CPUs may exceed the cores)"
+        )
 
 
 def _differences(a, b, prefix: str) -> list[tuple[str, object, object]]:
@@ -358,8 +395,16 @@ class SingleController:
             # a head started on this machine with --node-ip-address=127.0.0.1 listens on loopback
             # only; Ray would otherwise dial it at the machine's external address and never connect
             joining = _loopback_only_ray() if _is_loopback(address) else contextlib.nullcontext()
-            with joining:
-                ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
+            _check_reachable(address)
+            try:
+                with joining:
+                    ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
+            except ConnectionError as e:  # an OSError: not a file problem, say what it is
+                raise ValueError(
+                    f"could not join the Ray cluster at {address} ({str(e).strip().splitlines()[0]}). If the cluster "
+                    "uses token authentication (Ray's default since 2.5x), set RAY_AUTH_MODE=token (and the token, "
+                    "e.g. RAY_AUTH_TOKEN) in this shell as on the head; otherwise check ray_address"
+                ) from None
             return
         # transferqueue's controller and storage units ask for a CPU each: give Ray logical
         # CPUs beyond the physical ones (FINDINGS.md), or it waits forever
@@ -374,6 +419,15 @@ class SingleController:
         gpu = self.device == "cuda"
         self.placement = resolve_placement(cfg.placement, self.backend, self.device, G, T)
         self.placement_group = None
+        if self.backend == "ray":
+            import ray
+
+            actors = T if self.placement == "colocated" else G + T
+            need = actors + (3 if cfg.dataplane.kind == "transferqueue" else 0)
+            deadline = time.monotonic() + CPU_WAIT_S
+            while ray.available_resources().get("CPU", 0.0) < need and time.monotonic() < deadline:
+                time.sleep(0.5)
+            check_cluster_cpus(need, ray.available_resources())
         if self.backend == "ray" and gpu:
             import ray
 
