@@ -943,7 +943,9 @@ class SingleController:
 
         timeout = self.config.watchdog_timeout_s
         layout = await self.gen_actors[0].call("weight_layout")
-        loopback = not (self.config.ray_address or os.environ.get("RAY_ADDRESS"))
+        address = self.config.ray_address or os.environ.get("RAY_ADDRESS")
+        # our own local cluster, or a joined head on this machine's loopback: the group stays there
+        loopback = not address or _is_loopback(address)
         try:
             host, port = await self.train_actors[0].call("open_weight_sync", loopback, layout)
         except ValueError:
