@@ -209,6 +209,10 @@ class RunConfig(BaseModel):
         if not isinstance(data, dict):
             return data
         data = dict(data)
+        # YAML's true / false would pass as 1 / 0 for a count (`checkpoint_every: true` ran as 1)
+        for name, field in cls.model_fields.items():
+            if isinstance(data.get(name), bool) and field.annotation in (int, int | None):
+                raise ValueError(f"{name} must be an integer, got {str(data[name]).lower()} (a YAML boolean)")
         optim = _section(data, ("train", "optim"))
         if optim is not None and optim.get("schedule") == "cosine" and optim.get("total_steps") is None:
             optim["total_steps"] = data.get("num_steps", cls.model_fields["num_steps"].default)

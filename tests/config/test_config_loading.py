@@ -150,3 +150,12 @@ def test_a_key_written_twice_is_an_error_not_the_last_one_silently(tmp_path):
         load_config(None, ["rollout={temperature: 1.0, temperature: 0.5}"])
     cfg.write_text("num_steps: 5\nrollout: {temperature: 0.9}\nloss: {temperature: null}\n")  # same key, other mappings
     assert load_config(str(cfg), []).num_steps == 5
+
+
+def test_a_yaml_boolean_is_not_taken_as_a_count():
+    """Kind: input silently reinterpreted. `checkpoint_every: true` ran as checkpoint_every=1
+    (pydantic's lax int accepts bools; a new user's trial)."""
+    for key in ("checkpoint_every", "export_every", "num_steps"):
+        with pytest.raises(ValueError, match=rf"{key} must be an integer, got true \(a YAML boolean\)"):
+            load_config(None, [f"{key}=true"])
+    assert load_config(None, ["checkpoint_every=1"]).checkpoint_every == 1
