@@ -215,3 +215,27 @@ def test_eval_k_flag_errors_before_loading_anything(tmp_path, capsys):
     assert main(["eval", str(tmp_path / "nowhere"), "-n", "4", "--k", "1,8"]) == 2
     err = capsys.readouterr().err
     assert "--k 8 exceeds --num-samples 4" in err and "not a model directory" not in err
+
+
+def test_a_damaged_newest_export_falls_back_to_an_older_intact_one(tmp_path, capsys):
+    """Kind: one bad file blocks everything (a new user's trial): `splitrl eval RUN` stopped at a
+    truncated newest policy/model.safetensors. The run directory now resolves to the newest
+    export whose files match their COMPLETE record (sizes and SHA-256), and says which it skipped;
+    with every export damaged, one error names each."""
+    from splitrl.controller.run_checkpoint import write_complete
+
+    config, model, tok, step3 = _checkpoint(tmp_path)
+    write_complete(step3, 3)  # with the file list, as the controller writes it
+    step5 = step3.parent / "step_000005"
+    shutil.copytree(step3, step5)
+    write_complete(step5, 5)
+    weights = step5 / "policy" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert resolve_policy_dir(tmp_path / "run") == (step3 / "policy", step3 / "run_config.json")
+    assert "using step_000003: the newer export(s) are damaged (step_000005: policy/model.safetensors has 1000 bytes" in capsys.readouterr().err
+    w3 = step3 / "policy" / "model.safetensors"
+    data = bytearray(w3.read_bytes())
+    data[-1] ^= 1  # same size, other content
+    w3.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"every Hugging Face export of this run is damaged: step_000005: .*; step_000003: .*SHA-256"):
+        resolve_policy_dir(tmp_path / "run")

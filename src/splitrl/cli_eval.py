@@ -45,7 +45,7 @@ def resolve_policy_dir(path: str | Path) -> tuple[Path, Path | None]:
                 f"no checkpoint in {p / 'checkpoints'} holds a Hugging Face export (policy/) yet: a run exports at "
                 "its end, at a stop (Ctrl-C) and every export_every steps; wait for one, or set export_every"
             )
-        p = exported[-1]
+        p = _newest_intact_export(exported)
     if (p / "policy" / "config.json").is_file():
         run_cfg = p / RUN_CONFIG
         return p / "policy", run_cfg if run_cfg.is_file() else None
@@ -63,6 +63,27 @@ def resolve_policy_dir(path: str | Path) -> tuple[Path, Path | None]:
         f"{p} is not a model directory: expected a run output dir, a checkpoint (step_*/policy/), a policy/ "
         "directory or a Hugging Face directory with config.json"
     )
+
+
+def _newest_intact_export(exported: list[Path]) -> Path:
+    """The newest of ``exported`` (checkpoints with ``policy/``, oldest first) whose export files
+    match the sizes and checksums of its ``COMPLETE`` record; a damaged newer one is passed over
+    with a warning naming what is wrong. Only the export's files are read.
+
+    Raises:
+        ValueError: every export is damaged (each named, with why).
+    """
+    from splitrl.controller.run_checkpoint import damage
+
+    why = {}
+    for c in reversed(exported):
+        why[c.name] = damage(c, under="policy/")
+        if why[c.name] is None:
+            if len(why) > 1:
+                print(f"splitrl: using {c.name}: the newer export(s) are damaged ("
+                      + "; ".join(f"{n}: {w}" for n, w in why.items() if w) + ")", file=sys.stderr)
+            return c
+    raise ValueError("every Hugging Face export of this run is damaged: " + "; ".join(f"{n}: {w}" for n, w in why.items()))
 
 
 def _hf_generation_overrides(policy_dir: Path) -> list[str]:

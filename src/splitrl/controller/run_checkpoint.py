@@ -99,8 +99,9 @@ def write_complete(directory: Path, step: int) -> None:
         f.write(text)
 
 
-def damage(path: Path) -> str | None:
-    """Why the checkpoint at ``path`` cannot be trusted, or None when it is intact.
+def damage(path: Path, under: str = "") -> str | None:
+    """Why the checkpoint at ``path`` cannot be trusted, or None when it is intact; with
+    ``under`` (e.g. ``"policy/"``) only the files below that prefix are checked.
 
     A ``COMPLETE`` without a file list (written by an older splitrl) is trusted as before.
     """
@@ -112,6 +113,7 @@ def damage(path: Path) -> str | None:
     files = record.get("files")
     if files is None:
         return None
+    files = {name: want for name, want in files.items() if name.startswith(under)}
     for name, want in files.items():
         f = path / name
         if not f.is_file():
