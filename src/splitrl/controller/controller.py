@@ -65,12 +65,12 @@ from splitrl.controller.run_checkpoint import (
     CheckpointError,
     checkpoint_step,
     complete_checkpoints,
-    unusable_checkpoints,
     intact_checkpoints,
     latest_intact_checkpoint,
     mark_damaged,
     remove_leftovers,
     step_dir,
+    unusable_checkpoints,
     write_complete,
 )
 from splitrl.controller.train_actor import TOKEN_FIELDS, TrainActor
@@ -361,6 +361,10 @@ class SingleController:
         self.checkpoint_s = 0.0  # training blocked by checkpoints since the last step's metrics
 
     # ============================================================================== set-up
+    def _ray_address(self) -> str | None:
+        """The cluster this run joins (``ray_address``, else ``RAY_ADDRESS``), or None: its own."""
+        return self.config.ray_address or os.environ.get("RAY_ADDRESS")
+
     def _start_cluster(self) -> None:
         """Start a local Ray cluster, or join the one named by ``ray_address`` / ``RAY_ADDRESS``.
 
@@ -390,7 +394,7 @@ class SingleController:
                 "TQ_NUM_THREADS": str(min(8, os.cpu_count() or 1)),
             }
         }
-        address = self.config.ray_address or os.environ.get("RAY_ADDRESS")
+        address = self._ray_address()
         if address:
             log.info("start-up: joining the Ray cluster at %s", address)
             # a head started on this machine with --node-ip-address=127.0.0.1 listens on loopback
@@ -423,20 +427,18 @@ class SingleController:
         if self.backend == "ray":
             import ray
 
+            # before any worker (or the data plane) starts: a clear error instead of actors that
+            # wait forever for CPUs or GPUs
             actors = T if self.placement == "colocated" else G + T
             need = actors + (3 if cfg.dataplane.kind == "transferqueue" else 0)
             deadline = time.monotonic() + CPU_WAIT_S
             while ray.available_resources().get("CPU", 0.0) < need and time.monotonic() < deadline:
                 time.sleep(0.5)
             check_cluster_cpus(need, ray.available_resources())
-        if self.backend == "ray" and gpu:
-            import ray
-
-            # before any worker (or the data plane) starts: a clear error instead of actors
-            # that wait forever for GPUs
-            check_cluster_gpus(self.placement, G, T, ray.cluster_resources())
-            self.placement_group = make_placement_group(gpus_needed(self.placement, G, T))
-            log.info("start-up: reserved %d GPU(s) for placement %s", gpus_needed(self.placement, G, T), self.placement)
+            if gpu:
+                check_cluster_gpus(self.placement, G, T, ray.cluster_resources())
+                self.placement_group = make_placement_group(gpus_needed(self.placement, G, T))
+                log.info("start-up: reserved %d GPU(s) for placement %s", gpus_needed(self.placement, G, T), self.placement)
         dp_cfg = cfg.dataplane if self.backend == "ray" else DataPlaneConfig(kind="inprocess")
         log.info("start-up: starting the %s data plane", dp_cfg.kind)
         self.data_plane = make_data_plane(dp_cfg)
@@ -943,7 +945,7 @@ class SingleController:
 
         timeout = self.config.watchdog_timeout_s
         layout = await self.gen_actors[0].call("weight_layout")
-        address = self.config.ray_address or os.environ.get("RAY_ADDRESS")
+        address = self._ray_address()
         # our own local cluster, or a joined head on this machine's loopback: the group stays there
         loopback = not address or _is_loopback(address)
         try:

@@ -67,11 +67,9 @@ def unusable_checkpoints(output_dir: str | Path) -> list[tuple[str, str]]:
         if not (p / COMPLETE).exists():
             out.append((p.name, "incomplete: no COMPLETE marker, its write never finished"))
             continue
-        key = (str(p), (p / COMPLETE).stat().st_mtime_ns)
-        if key not in _verified:
-            _verified[key] = damage(p)
-        if _verified[key] is not None:
-            out.append((p.name, f"damaged: {_verified[key]}"))
+        why = _cached_damage(p)
+        if why is not None:
+            out.append((p.name, f"damaged: {why}"))
     return out
 
 
@@ -134,14 +132,20 @@ def intact_checkpoints(output_dir: str | Path):
     """Checkpoints that pass :func:`damage`, newest first (a generator: each is verified when
     reached). Each damaged one passed over is logged with what is wrong with it."""
     for path in reversed(complete_checkpoints(output_dir)):
-        key = (str(path), (path / COMPLETE).stat().st_mtime_ns)
-        if key not in _verified:  # preflight and restore both ask; hash each checkpoint once
-            _verified[key] = damage(path)
-        why = _verified[key]
+        why = _cached_damage(path)
         if why is None:
             yield path
         else:
             log.warning("checkpoint %s is damaged (%s); falling back to an older one", path.name, why)
+
+
+def _cached_damage(path: Path) -> str | None:
+    """:func:`damage` of a checkpoint with a ``COMPLETE`` marker, computed once per marker
+    (preflight, restore and the listing of unusable checkpoints all ask; hashing is slow)."""
+    key = (str(path), (path / COMPLETE).stat().st_mtime_ns)
+    if key not in _verified:
+        _verified[key] = damage(path)
+    return _verified[key]
 
 
 def mark_damaged(path: Path, why: str) -> None:

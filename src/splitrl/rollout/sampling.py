@@ -88,12 +88,6 @@ def _column_keys(vocab: int, device: torch.device) -> torch.Tensor:
     return _COLUMN_KEYS[key]
 
 
-def prepare(vocab: int, device: torch.device) -> None:
-    """Build the column keys of a vocabulary ahead of time (before a CUDA graph capture, which
-    must not allocate tensors that outlive it)."""
-    column_keys(vocab, device)
-
-
 def _race(log_weights_BN: torch.Tensor, row_keys_B: torch.Tensor, column_keys_BN: torch.Tensor) -> torch.Tensor:
     """argmax of log w + Gumbel noise, the noise of element (b, n) hashed from its two keys."""
     u = _to_uniform(_fmix32(row_keys_B[:, None] ^ column_keys_BN))
@@ -142,7 +136,8 @@ def race_sample(
 
 def column_keys(vocab: int, device: torch.device) -> torch.Tensor:
     """The per-column hash keys :func:`race_sample` uses for a vocabulary of ``vocab`` tokens
-    (int64 [ceil(V / block) · block]); built once per (vocab, device)."""
+    (int64 [ceil(V / block) · block]); built once per (vocab, device). Get them before a CUDA
+    graph capture, which must not allocate tensors that outlive it."""
     block = _block(vocab)
     return _column_keys(-(-vocab // block) * block, device)
 
