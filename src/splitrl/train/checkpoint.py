@@ -42,48 +42,68 @@ TRAINER_STATE = "trainer_state.pt"
 
 
 def _staging_options(cuda: bool):
-    """Copy to CPU synchronously inside the save call; pinned buffers and non-blocking copies on
-    CUDA, kept from one checkpoint to the next (see :class:`_KeptStager`)."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    """The stager of a checkpointer's saves: a synchronous copy to CPU inside the save call, into
+    buffers kept from one save to the next (pinned on CUDA; see :class:`_KeptStager`)."""
+    return _KeptStager(pin=cuda)
 
-    return _KeptStager(
-        DefaultStager(
-            StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda)
-        )
-    )
+
+def _layout(obj: Any, path: str = "") -> list[tuple]:
+    """Every tensor of a (nested) state dict as (path, local shape, dtype): when it changes (e.g. the
+    optimizer's moments appear after the first step) the kept staging buffers no longer fit."""
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return [(path, tuple(local.shape), local.dtype)]
+    if isinstance(obj, dict):
+        return [x for k in sorted(obj, key=str) for x in _layout(obj[k], f"{path}/{k}")]
+    if isinstance(obj, (list, tuple)):
+        return [x for i, v in enumerate(obj) for x in _layout(v, f"{path}/{i}")]
+    return []
 
 
 class _KeptStager:
-    """A DCP stager whose buffers outlive one save.
+    """A DCP async stager whose CPU buffers outlive one save.
 
-    torch 2.11's ``dcp.async_save`` closes the stager it is given once the save is done, which
-    empties ``DefaultStager``'s copy tables: the next save with it then fails inside staging
-    (``KeyError: <class 'type'>``, seen on the H200), and a new stager per save pays the pinned
-    allocation again (5 s for the 0.6 B model's 7.5 GB of model + optimizer state). torch 2.13
-    leaves a caller's stager open. This wrapper ignores ``close`` from DCP; :meth:`release`
-    closes the stager for real.
+    The first save allocates them (pinned on CUDA: 5 s for the 0.6 B model's 7.5 GB of model +
+    optimizer state), later saves copy into them, so a checkpoint blocks training for the copy
+    only; they are allocated again when the state's layout changes (:func:`_layout`).
+    ``DefaultStager`` does not fit: ``dcp.async_save`` of torch 2.11 empties its copy tables when
+    a save ends, and the next save with it fails inside staging (``KeyError: <class 'type'>``,
+    seen on the H200 even with DCP's ``close`` ignored). ``BlockingAsyncStager`` keeps its cache
+    but always pins it, which CPU-only builds cannot. So this class does what that one does, with
+    DCP's own state-dict copy helpers (``torch.distributed._state_dict_utils``, which those
+    stagers use; DTensor shards are copied as local shards). :meth:`release` frees the buffers.
     """
 
-    _synchronize_after_execute = True
+    _synchronize_after_execute = False  # staging is done when stage() returns
 
-    def __init__(self, inner) -> None:
-        self._inner = inner
+    def __init__(self, pin: bool) -> None:
+        self._pin = pin
+        self._buffers: dict[str, Any] | None = None
+        self._layout: list[tuple] | None = None
 
     @property
     def should_synchronize_after_execute(self) -> bool:
-        return self._inner.should_synchronize_after_execute
+        return False
 
     def stage(self, state_dict, **kwargs):
-        return self._inner.stage(state_dict, **kwargs)
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        layout = _layout(state_dict)
+        if self._buffers is None or layout != self._layout:
+            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=self._pin)
+            self._layout = layout
+        # scalars (step counters, learning rates) come from state_dict, tensors land in the buffers
+        return _copy_state_dict(state_dict, self._buffers, non_blocking=False)
 
     def synchronize_staging(self) -> None:
-        self._inner.synchronize_staging()
+        pass
 
     def close(self) -> None:
-        pass  # DCP's close after each save; see the class docstring
+        pass  # DCP calls this after each save; the buffers are for the next one
 
     def release(self) -> None:
-        self._inner.close()
+        self._buffers = None
+        self._layout = None
 
 
 @contextmanager
