@@ -170,7 +170,11 @@ def main(argv: list[str] | None = None) -> None:
             if name != "warm-up":
                 runs[name].append(res.metrics)
                 configs[name] = cfg
-            print(f"  {name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+            line = ""
+            if name != "warm-up":  # printed now, so that a run cut short still reports what it measured
+                f = figures(cfg, [res.metrics])
+                line = f", this run: {f['samples_per_s']:.1f} samples/s, step {f['step_s']:.3f} s, wait {f['wait_s']:.3f} s"
+            print(f"  {name}: done in {time.perf_counter() - t0:.0f} s{line}", flush=True)
             del res
             shutil.rmtree(out / "checkpoints", ignore_errors=True)  # 10 GB a run for the 0.6 B model
             gc.collect()  # the finished run's models and engines, before the next run builds its own

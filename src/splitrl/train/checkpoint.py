@@ -60,6 +60,52 @@ def _layout(obj: Any, path: str = "") -> list[tuple]:
     return []
 
 
+def _has_dtensor(obj: Any) -> bool:
+    if isinstance(obj, dict):
+        return any(_has_dtensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_dtensor(v) for v in obj)
+    return isinstance(obj, torch.Tensor) and hasattr(obj, "to_local")
+
+
+def _flat_buffers(state_dict: dict[str, Any], pin: bool) -> dict[str, Any]:
+    """CPU tensors shaped like every tensor of ``state_dict``, carved out of one allocation (one
+    pinned allocation instead of one per tensor: the first save blocked 8.3 s with one per
+    tensor on the H200). Non-tensor values are copied through. DCP's writer clones a view before
+    writing it, so each tensor's file holds its own bytes only."""
+    align = 64
+    sizes: list[int] = []
+
+    def collect(obj):
+        if isinstance(obj, torch.Tensor):
+            sizes.append(-(-obj.numel() * obj.element_size() // align) * align)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                collect(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                collect(v)
+
+    collect(state_dict)
+    flat = torch.empty(max(sum(sizes), align), dtype=torch.uint8, pin_memory=pin)
+    offset = 0
+
+    def carve(obj):
+        nonlocal offset
+        if isinstance(obj, torch.Tensor):
+            n = obj.numel() * obj.element_size()
+            view = flat[offset : offset + n].view(obj.dtype).view(obj.shape)
+            offset += -(-n // align) * align
+            return view
+        if isinstance(obj, dict):
+            return {k: carve(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(carve(v) for v in obj)
+        return obj
+
+    return carve(state_dict)
+
+
 class _KeptStager:
     """A DCP async stager whose CPU buffers outlive one save.
 
@@ -90,7 +136,11 @@ class _KeptStager:
 
         layout = _layout(state_dict)
         if self._buffers is None or layout != self._layout:
-            self._buffers = _create_cpu_state_dict(state_dict, pin_memory=self._pin)
+            self._buffers = None  # the old buffers go before the new ones are allocated
+            if _has_dtensor(state_dict):
+                self._buffers = _create_cpu_state_dict(state_dict, pin_memory=self._pin)
+            else:
+                self._buffers = _flat_buffers(state_dict, self._pin)
             self._layout = layout
         # scalars (step counters, learning rates) come from state_dict, tensors land in the buffers
         return _copy_state_dict(state_dict, self._buffers, non_blocking=False)
