@@ -239,3 +239,27 @@ def test_a_damaged_newest_export_falls_back_to_an_older_intact_one(tmp_path, cap
     w3.write_bytes(bytes(data))
     with pytest.raises(ValueError, match=r"every Hugging Face export of this run is damaged: step_000005: .*; step_000003: .*SHA-256"):
         resolve_policy_dir(tmp_path / "run")
+
+
+def test_eval_count_flags_and_output_path_are_checked_before_sampling(tmp_path, capsys, monkeypatch):
+    """Kind: a flag checked late or with a wrong message (a new user's trial). `eval --num-samples 0`
+    said "--k 1 exceeds --num-samples 0", `--num-prompts -2` said "the task has None, starting at
+    128", `generate -n 0` printed nothing with exit 0, and `eval --output DIR` (or a path that
+    cannot be written) raised a raw traceback after the whole evaluation had run."""
+    import splitrl.cli_eval as cli_eval
+
+    for argv in (["eval", "x", "--num-samples", "0"], ["eval", "x", "--num-prompts", "-2"],
+                 ["eval", "x", "--start-index", "-1"], ["generate", "x", "-p", "a", "-n", "0"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and "expected an integer >=" in capsys.readouterr().err
+
+    def must_not_load(args):
+        raise AssertionError("loaded the model although --output is unusable")
+
+    monkeypatch.setattr(cli_eval, "load_policy_and_config", must_not_load)
+    (tmp_path / "a_file").write_text("x")
+    for bad, why in ((tmp_path, "is a directory"), (tmp_path / "a_file" / "e.jsonl", "cannot write there")):
+        assert main(["eval", str(tmp_path / "run"), "--output", str(bad)]) == 2
+        assert why in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # no probe file left behind

@@ -197,6 +197,7 @@ def run_eval(args: argparse.Namespace) -> int:
             f"--k {','.join(map(str, too_big))} exceeds --num-samples {args.num_samples}: pass@k needs k samples per "
             "prompt; raise --num-samples or lower --k"
         )
+    out = _writable_output(args.output) if args.output else None  # before minutes of sampling, not after
     config, trained_task, policy_dir, model, tokenizer = load_policy_and_config(args)
     task = make_task(config.task)
     start, why = heldout_start(task.num_prompts, config, trained_task, args.start_index)
@@ -222,9 +223,7 @@ def run_eval(args: argparse.Namespace) -> int:
         samples += greedy.samples
     for key, value in metrics.items():
         print(f"{key:32s} {value:.4f}")
-    if args.output:
-        out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
+    if out is not None:
         with out.open("w", encoding="utf-8") as f:
             f.write(json.dumps({"metrics": metrics, "policy": str(policy_dir), "first_index": start}) + "\n")
             for s in samples:
@@ -265,7 +264,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", choices=["fp32", "bf16"], help="default: the run's rollout_dtype")
     p.add_argument("--seed", type=int, default=0, help="seed of the samples (sample j of prompt i: seed, i, j)")
-    p.add_argument("--num-samples", "-n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--num-samples", "-n", type=_positive, default=1, help="samples per prompt")
     p.add_argument("--greedy", action="store_true", help="also (eval) / instead (generate): greedy decoding, top_k=1")
     p.add_argument("--temperature", type=float)
     p.add_argument("--top-k", dest="top_k", type=int)
@@ -288,12 +287,52 @@ def add_eval_commands(sub) -> None:
     )
     _common(e)
     e.set_defaults(num_samples=8)
-    e.add_argument("--num-prompts", type=int, default=64)
+    e.add_argument("--num-prompts", type=_positive, default=64)
     e.add_argument("--k", default=[1], type=_pass_at_ks, help="comma-separated k of pass@k, each <= --num-samples (n = --num-samples is always added)")
-    e.add_argument("--start-index", type=int, help="first prompt index (default: the first the run never drew)")
+    e.add_argument("--start-index", type=_non_negative, help="first prompt index (default: the first the run never drew)")
     e.add_argument("--correct-threshold", type=float, default=1.0, help="reward >= this counts as correct")
     e.add_argument("--output", help="JSONL file: a metrics line, then one line per sample")
     e.set_defaults(run=_guarded(run_eval))
+
+
+def _positive(text: str) -> int:
+    """A count flag (``--num-samples``, ``--num-prompts``): an int >= 1, else a usage error."""
+    return _int_at_least(text, 1)
+
+
+def _non_negative(text: str) -> int:
+    """An index flag (``--start-index``): an int >= 0, else a usage error."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < low:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+    return value
+
+
+def _writable_output(path: str) -> Path:
+    """``--output``: refuse a path the results could not be written to, before any evaluation runs.
+
+    Raises:
+        ValueError: the path is a directory, or its folder cannot be created or written to.
+    """
+    import tempfile
+
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"--output {path} is a directory; give a file name (e.g. {out / 'eval.jsonl'})")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"):
+            pass
+    except OSError as e:
+        raise ValueError(f"--output {path}: cannot write there ({e.strerror or e}); choose a writable path") from None
+    return out
 
 
 def _pass_at_ks(text: str) -> list[int]:
