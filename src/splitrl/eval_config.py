@@ -9,7 +9,7 @@ index left: then ``eval.task`` must name a separate one.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from splitrl.tasks import TaskConfig
 
@@ -43,6 +43,17 @@ class EvalConfig(BaseModel):
     seed: int = 0
     task: TaskConfig | None = None
     start_index: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _ks_fit_num_samples(self) -> EvalConfig:
+        # pass@k needs k samples per prompt: a k above num_samples would be dropped without a word
+        bad = [k for k in self.ks if not 1 <= k <= self.num_samples]
+        if bad:
+            raise ValueError(
+                f"eval.ks={self.ks}: each k of pass@k must be between 1 and eval.num_samples={self.num_samples} "
+                f"(pass@k needs k samples per prompt), got {bad}; raise eval.num_samples or lower eval.ks"
+            )
+        return self
 
     @property
     def enabled(self) -> bool:

@@ -159,3 +159,13 @@ def test_a_yaml_boolean_is_not_taken_as_a_count():
         with pytest.raises(ValueError, match=rf"{key} must be an integer, got true \(a YAML boolean\)"):
             load_config(None, [f"{key}=true"])
     assert load_config(None, ["checkpoint_every=1"]).checkpoint_every == 1
+
+
+def test_eval_ks_above_num_samples_is_refused_on_load(capsys):
+    """Kind: a key whose documented limit was not checked (a new user's trial). `eval.ks=[8]` with
+    `eval.num_samples=4` loaded, trained, and the run's metrics silently had no eval/pass@8."""
+    err = _one_line_error(capsys, ["train", "eval.ks=[8]", "eval.at_end=true", "--print-config"], 2)
+    assert "eval.ks=[8]" in err and "eval.num_samples=4" in err
+    err = _one_line_error(capsys, ["train", "eval.ks=[0, 2]", "--print-config"], 2)
+    assert "got [0]" in err
+    assert load_config(None, ["eval.ks=[1, 2, 8]", "eval.num_samples=8"]).eval.ks == [1, 2, 8]
