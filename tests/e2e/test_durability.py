@@ -325,3 +325,22 @@ def _train_until_it_stops(tmp_path, capsys) -> tuple[list[str], str]:
     stopped = [line for line in err.splitlines() if line.startswith("splitrl:")]
     assert rc == 1 and len(stopped) == 1 and "Traceback" not in err, err[-3000:]
     return stopped, err
+
+
+def test_resume_false_replaces_the_earlier_runs_checkpoints(tmp_path, caplog):
+    """Kind: output lost. `resume=false` in an output_dir holding an earlier run's checkpoints
+    (steps 5, 6) kept those and pruned the fresh run's own (steps 1, 2 sort below them), so the
+    fresh run ended with no checkpoint of its own and the next start resumed the earlier run (a new
+    user's trial). The errors that suggest resume=false promise its checkpoints are replaced."""
+    from splitrl.controller.run_checkpoint import complete_checkpoints
+
+    for step in (5, 6):  # an earlier run's checkpoints (contents do not matter: they are not loaded)
+        d = tmp_path / "checkpoints" / f"step_00000{step}"
+        d.mkdir(parents=True)
+        (d / "COMPLETE").write_text(f'{{"step": {step}, "files": {{}}}}')
+    with caplog.at_level("WARNING"):
+        res = C.train(_cfg(tmp_path, "num_steps=2", "checkpoint_every=1", "resume=false"))
+    assert res.steps_done == 2
+    assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_000001", "step_000002"]
+    assert "removed the earlier run's checkpoints step_000005, step_000006" in caplog.text
+    assert C.preflight(_cfg(tmp_path, "num_steps=3")) == 2  # the next start resumes this run

@@ -65,6 +65,7 @@ from splitrl.controller.run_checkpoint import (
     CheckpointError,
     checkpoint_step,
     complete_checkpoints,
+    discard_checkpoints,
     intact_checkpoints,
     latest_intact_checkpoint,
     mark_damaged,
@@ -1151,6 +1152,10 @@ class SingleController:
             "x %d samples), then training",
             time.perf_counter() - t_ready, start + 1, cfg.groups_per_step, cfg.group_size,
         )
+        if not cfg.resume and (gone := discard_checkpoints(self.out)):
+            # with the metrics (replaced below), once the workers are up: a failed start keeps them
+            log.warning("resume=false: starting over in %s; removed the earlier run's checkpoints %s", self.out,
+                        ", ".join(gone))
         self.logger = MetricsLogger(self.out, cfg.num_steps, start_step=start + 1, config=cfg.logging)
         self.logger.save_config(cfg)
         loop = asyncio.get_running_loop()

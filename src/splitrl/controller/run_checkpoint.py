@@ -188,3 +188,21 @@ def remove_leftovers(output_dir: str | Path) -> list[Path]:
     if gone:
         log.info("removed %d leftover(s) of interrupted writes: %s", len(gone), ", ".join(p.name for p in gone))
     return gone
+
+
+def discard_checkpoints(output_dir: str | Path) -> list[str]:
+    """Delete every ``checkpoints/step_*`` directory of an earlier run in ``output_dir`` (a run
+    started with ``resume: false``). Returns the names removed.
+
+    Why: a fresh run's checkpoints (steps 1, 2, ...) sort below an earlier run's, so keeping those
+    would make the fresh run prune its own checkpoints as the oldest, and the next start resume
+    the earlier run.
+    """
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    gone = sorted(p.name for p in root.glob("step_*") if p.is_dir())
+    for name in gone:
+        shutil.rmtree(root / name, ignore_errors=True)
+    _verified.clear()  # the same paths will hold the fresh run's checkpoints
+    return gone
