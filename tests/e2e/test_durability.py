@@ -344,3 +344,21 @@ def test_resume_false_replaces_the_earlier_runs_checkpoints(tmp_path, caplog):
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_000001", "step_000002"]
     assert "removed the earlier run's checkpoints step_000005, step_000006" in caplog.text
     assert C.preflight(_cfg(tmp_path, "num_steps=3")) == 2  # the next start resumes this run
+
+
+def test_a_damaged_checkpoint_is_no_keeper_when_old_ones_are_pruned(tmp_path):
+    """Kind: output lost. Resuming past a damaged newest checkpoint (a truncated shard) from the
+    intact one before it, the end-of-run prune kept "the two newest": the damaged one and the new
+    one, and deleted the intact checkpoint the run had resumed from (a new user's trial)."""
+    from splitrl.controller import run_checkpoint
+
+    C.train(_cfg(tmp_path, "num_steps=3", "checkpoint_every=1"))
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000003"]
+    shard = next((ckpts / "step_000003" / "trainer").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    run_checkpoint._verified.clear()  # a new process
+    res = C.train(_cfg(tmp_path, "num_steps=4", "checkpoint_every=0"))
+    assert res.steps_done == 4
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000004"]
+    assert run_checkpoint.damage(ckpts / "step_000002") is None

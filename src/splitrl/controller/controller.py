@@ -67,6 +67,7 @@ from splitrl.controller.run_checkpoint import (
     complete_checkpoints,
     discard_checkpoints,
     intact_checkpoints,
+    known_damaged,
     latest_intact_checkpoint,
     mark_damaged,
     remove_leftovers,
@@ -568,10 +569,13 @@ class SingleController:
 
     def _prune_checkpoints(self) -> None:
         """Keep the two newest complete checkpoints, and the newest one with a Hugging Face export
-        (``policy/``), so that ``splitrl eval OUTPUT_DIR`` always finds one once it was written."""
+        (``policy/``), so that ``splitrl eval OUTPUT_DIR`` always finds one once it was written.
+        One found damaged (on resume) is no keeper and is removed: counting it deleted the intact
+        checkpoint the run resumed from and kept one that cannot load."""
         done = complete_checkpoints(self.out)
-        keep = set(done[-2:])
-        exported = [p for p in done if (p / "policy" / "config.json").is_file()]
+        good = [p for p in done if not known_damaged(p)]
+        keep = set(good[-2:])
+        exported = [p for p in good if (p / "policy" / "config.json").is_file()]
         if exported:
             keep.add(exported[-1])
         for old in done:

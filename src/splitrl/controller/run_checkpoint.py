@@ -148,6 +148,16 @@ def _cached_damage(path: Path) -> str | None:
     return _verified[key]
 
 
+def known_damaged(path: Path) -> bool:
+    """Whether ``path`` was already found damaged in this process (by :func:`intact_checkpoints`
+    or :func:`mark_damaged`); never hashes anything, so it is cheap on every prune."""
+    try:
+        key = (str(path), (path / COMPLETE).stat().st_mtime_ns)
+    except OSError:
+        return False
+    return _verified.get(key) is not None
+
+
 def mark_damaged(path: Path, why: str) -> None:
     """Record that ``path`` failed to load although its files matched (e.g. a checkpoint of an
     older splitrl without checksums): later calls skip it."""
