@@ -362,3 +362,16 @@ def test_a_damaged_checkpoint_is_no_keeper_when_old_ones_are_pruned(tmp_path):
     assert res.steps_done == 4
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000004"]
     assert run_checkpoint.damage(ckpts / "step_000002") is None
+
+
+def test_resume_with_another_groups_per_step_is_refused_before_anything_starts(tmp_path):
+    """Kind: a hang instead of an error. Resuming a 1-step run with groups_per_step 4 -> 2 mapped
+    step 2 onto prompt indices the checkpoint records as done: nothing was generated and the run
+    waited for the watchdog (600 s), then called it a bug (a new user's trial)."""
+    C.train(_cfg(tmp_path, "num_steps=1"))
+    metrics = (tmp_path / "metrics.jsonl").read_bytes()
+    with pytest.raises(ValueError, match=r"groups_per_step=4, this run has groups_per_step=2.*set groups_per_step=4"):
+        C.preflight(_cfg(tmp_path, "num_steps=2", "groups_per_step=2"))
+    assert C.preflight(_cfg(tmp_path, "num_steps=2")) == 1
+    assert C.preflight(_cfg(tmp_path, "num_steps=2", "groups_per_step=2", "resume=false")) == 0
+    assert (tmp_path / "metrics.jsonl").read_bytes() == metrics

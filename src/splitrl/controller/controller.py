@@ -174,6 +174,15 @@ def preflight(config: RunConfig) -> int:
                 f"{ckpt} was written by a different model config than this run's ({shown}{more}); resume needs the "
                 "same model. Use a new output_dir, or resume=false to start over in this one"
             )
+        was = saved.get("groups_per_step")
+        if was is not None and was != config.groups_per_step:
+            # step k trains prompt indices k*G .. (k+1)*G-1 and the checkpoint records which indices
+            # are done: another G maps the next step onto done prompts and the run waits forever
+            raise ValueError(
+                f"{ckpt} was written by a run with groups_per_step={was}, this run has "
+                f"groups_per_step={config.groups_per_step}; a resumed run keeps the prompts of each step, so set "
+                f"groups_per_step={was} (or use a new output_dir, or resume=false to start over in this one)"
+            )
     return checkpoint_step(ckpt)
 
 
