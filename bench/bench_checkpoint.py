@@ -51,7 +51,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.saves < 2:
         ap.error("--saves must be >= 2: the first save also allocates the staging buffers")
     print(f"command: python bench/bench_checkpoint.py {shlex.join(argv)}", flush=True)
-    cfg = load_config(args.config, [f"device={args.device}"])
+    try:
+        cfg = load_config(args.config, [f"device={args.device}"])
+    except ValueError as e:  # a config error is one message, not a traceback
+        ap.error(str(e))
     torch.manual_seed(0)
     model = PolicyModel.from_config(cfg.model)
     worker = TrainWorker(model, cfg.train.model_copy(update={"device": args.device}))

@@ -99,7 +99,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = [s for s in args.schedules.split(",") if s not in SCHEDULES]
     if unknown:
         p.error(f"--schedules: unknown {unknown}; choose from {list(SCHEDULES)}")
+    for name in args.schedules.split(","):  # every run's config, before the first run starts
+        try:
+            load_config(args.config, _overrides(args, name, args.steps, Path(tempfile.gettempdir()) / "bench_e2e_check"))
+        except ValueError as e:
+            p.error(f"{name}: {e}")
     return args
+
+
+def _overrides(args: argparse.Namespace, name: str, steps: int, out) -> list[str]:
+    """The overrides of one run of schedule ``name``: the user's, then the bench's."""
+    base = list(args.overrides) + ([f"device={args.device}"] if args.device else [])
+    return base + COMMON + SCHEDULES[name] + [f"num_steps={steps}", f"output_dir={out}"]
 
 
 def figures(config: RunConfig, runs: list[list[dict[str, float]]]) -> dict[str, float]:
@@ -137,7 +148,6 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(f"command: python bench/bench_e2e.py {shlex.join(argv)}", flush=True)
     root = Path(args.output_dir) if args.output_dir else Path(tempfile.mkdtemp(prefix="bench_e2e_"))
-    base = list(args.overrides) + ([f"device={args.device}"] if args.device else [])
     names = args.schedules.split(",")
     order = [n for r in range(args.repeats) for n in (names if r % 2 == 0 else names[::-1])]
     if args.warmup_steps:
@@ -148,8 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         for i, name in enumerate(order):
             out = root / f"{i}_{name.replace(' ', '_').replace('=', '')}"
             steps = args.warmup_steps if name == "warm-up" else args.steps
-            schedule = SCHEDULES[names[0] if name == "warm-up" else name]
-            cfg = load_config(args.config, base + COMMON + schedule + [f"num_steps={steps}", f"output_dir={out}"])
+            cfg = load_config(args.config, _overrides(args, names[0] if name == "warm-up" else name, steps, out))
             if i == 0:
                 dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
                 where = torch.cuda.get_device_name() if dev == "cuda" else f"CPU ({platform.processor() or platform.machine()})"

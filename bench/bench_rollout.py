@@ -76,6 +76,17 @@ PRESETS = {
 }
 
 
+def _batch_sizes(text: str) -> str:
+    """``--batch-sizes``: kept as the text (printed in the command line), checked to be positive ints."""
+    try:
+        ok = all(int(b) >= 1 for b in text.split(","))
+    except ValueError:
+        ok = False
+    if not ok:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 1,8,32, got {text!r}")
+    return text
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -83,7 +94,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--mtp-depths", type=int, default=2, help="MTP depths (drafted tokens when speculative)")
     p.add_argument("--init-range", type=float, default=0.02, help="init std; larger gives peakier distributions")
-    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--batch-sizes", default="1,8,32", type=_batch_sizes, help="comma list of positive ints")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0)

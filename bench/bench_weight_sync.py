@@ -120,7 +120,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.config:
         from splitrl.config import load_config
 
-        cfg = load_config(args.config)
+        try:
+            cfg = load_config(args.config)
+        except ValueError as e:  # a config error is one message, not a traceback
+            ap.error(str(e))
         model_cfg, dtype = cfg.model, cfg.rollout_dtype
     engine_dtype = DTYPES[args.engine_dtype or dtype]
     trainer, engine = _models(model_cfg, args.device, engine_dtype)

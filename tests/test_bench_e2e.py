@@ -51,3 +51,31 @@ def test_each_schedule_is_a_valid_config():
         cfg = load_config(ROOT / "examples" / "cpu_demo.yaml", bench.COMMON + overrides)
         assert cfg.schedule == name.split()[0] and not cfg.eval.enabled and cfg.checkpoint_every == 0, name
         assert cfg.buffer.max_staleness == (1 if name == "async s=1" else 0), name
+
+
+def _load_bench(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_config_errors_are_usage_errors_before_any_run(capsys, tmp_path):
+    """Kind: a raw traceback instead of a clear error (a new user's trial). A misspelled override
+    of bench_e2e.py, a missing --config of bench_checkpoint.py / bench_weight_sync.py and
+    `bench_rollout.py --batch-sizes 0` each raised a Python traceback (bench_e2e only when its run
+    started); now each is one usage error (exit 2) before anything runs."""
+    missing = str(tmp_path / "nowhere.yaml")
+    calls = [
+        (lambda: _bench().parse_args(["--steps", "2", "num_step=3"]), "sync: invalid config"),
+        (lambda: _bench().parse_args(["--schedules", "async s=1", "rollout.top_k=1"]), "async s=1: invalid config"),
+        (lambda: _load_bench("bench_checkpoint").main(["--device", "cpu", "--config", missing]), "does not exist"),
+        (lambda: _load_bench("bench_weight_sync").main(["--device", "cpu", "--config", missing]), "does not exist"),
+        (lambda: _load_bench("bench_rollout").parse_args(["--batch-sizes", "1,0"]), "positive integers"),
+    ]
+    for call, why in calls:
+        with pytest.raises(SystemExit) as e:
+            call()
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and why in err and "Traceback" not in err
+    assert _bench().parse_args(["--steps", "2", "backend=local"]).steps == 2
