@@ -127,3 +127,29 @@ def test_full_validation_still_checks_what_needs_imports():
         load_config(None, ["task.dataset=number_sortin"])
     cfg = load_config(None, ["num_steps=3"])
     assert cfg.num_steps == 3 and json.loads(cfg.model_dump_json())["task"]["dataset"] == "number_sorting"
+
+
+def test_ctrl_c_before_a_run_starts_is_one_line_not_a_traceback(capsys, monkeypatch):
+    """Kind: a raw traceback instead of a clear message (a new user's trial). Ctrl-C in the first
+    seconds of `splitrl train` (config validation, the torch import) or during `splitrl eval`
+    printed a KeyboardInterrupt traceback from deep inside pydantic / torch; now one line and the
+    shell's status for SIGINT (130)."""
+    import splitrl.cli_eval as cli_eval
+    import splitrl.config as config_mod
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    def run(argv):
+        try:
+            return main(argv)
+        except KeyboardInterrupt:  # escaped: the user would see its traceback
+            pytest.fail(f"KeyboardInterrupt escaped splitrl {argv[0]}")
+
+    monkeypatch.setattr(config_mod, "load_config", interrupted)
+    assert run(["train", "num_steps=1"]) == 130
+    err = capsys.readouterr().err
+    assert "splitrl: SIGINT: stopped before anything was written" in err and "Traceback" not in err
+    monkeypatch.setattr(cli_eval, "load_policy_and_config", interrupted)
+    assert run(["eval", "somewhere"]) == 130
+    assert "SIGINT: stopped" in capsys.readouterr().err

@@ -16,6 +16,17 @@ from splitrl.logging.console import guard_console
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C while the config loads or torch imports (seconds), or during eval / generate;
+        # a started run handles its own signals (it checkpoints, or a second one exits at once)
+        sig = _terminated.signum or signal.SIGINT
+        print(f"splitrl: {signal.Signals(sig).name}: stopped before anything was written", file=sys.stderr)
+        return 128 + int(sig)
+
+
+def _main(argv: list[str] | None) -> int:
     from splitrl import __version__
     from splitrl.cli_eval import add_eval_commands
     from splitrl.config_help import TRAIN_EPILOG, print_reference
