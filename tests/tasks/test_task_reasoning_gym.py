@@ -124,3 +124,23 @@ def test_default_task_is_compact_and_not_degenerate():
         assert mean == pytest.approx(sum(p.answer == constant for p in prompts) / 200)
         assert mean < 0.05
     assert {p.text.split()[0] for p in prompts} == {"asc", "desc"}
+
+
+def test_a_dataset_override_that_keeps_anothers_dataset_config_says_how_to_fix_it():
+    """Kind: an error that does not say how to fix it (a new user's trial). `splitrl train
+    task.dataset=spell_backward` (a generator the README names) kept the demo's number_sorting
+    dataset_config and failed with only "unexpected keyword argument 'min_numbers'"; the message
+    now names the keys that are not the generator's, its own settings, and the override to add."""
+    from splitrl.config import load_config
+
+    config = load_config(None, ["task.dataset=spell_backward"])
+    with pytest.raises(ValueError, match=r"\['max_decimals', .*'min_value'\] are not settings of 'spell_backward' "
+                                         r"\(its settings: \['min_word_len', 'max_word_len', 'data_file'\]\).*"
+                                         r"task.dataset_config=\{\}"):
+        make_task(config.task)
+    # a value the generator refuses (not an unknown key) keeps the plain message
+    bad_value = ReasoningGymTaskConfig(dataset="number_sorting", compact_prompts=False,
+                                       dataset_config={"min_numbers": 5, "max_numbers": 2})
+    with pytest.raises(ValueError, match="rejected dataset_config") as e:
+        make_task(bad_value)
+    assert "are not settings" not in str(e.value)

@@ -153,6 +153,27 @@ class ReasoningGymTaskConfig(TaskOptions):
         return self
 
 
+def _unknown_fields_hint(config: ReasoningGymTaskConfig) -> str:
+    """What to write instead when ``dataset_config`` has keys the generator's config lacks: most
+    often the demo's ``number_sorting`` keys, kept by a ``task.dataset=...`` override."""
+    import dataclasses
+
+    from reasoning_gym.factory import DATASETS
+
+    entry = DATASETS.get(config.dataset)
+    if entry is None or not dataclasses.is_dataclass(entry[1]):
+        return ""
+    fields = [f.name for f in dataclasses.fields(entry[1]) if f.name not in ("seed", "size")]
+    unknown = sorted(set(config.dataset_config) - set(fields))
+    if not unknown:
+        return ""
+    return (
+        f". {unknown} are not settings of {config.dataset!r} (its settings: {fields}); a task.dataset=... override "
+        "keeps the config's dataset_config, so set task.dataset_config too (e.g. task.dataset_config={} for the "
+        "generator's defaults)"
+    )
+
+
 class ReasoningGymTask(Task):
     """Prompts and scoring from one reasoning-gym generator.
 
@@ -172,7 +193,7 @@ class ReasoningGymTask(Task):
         except (TypeError, AssertionError, ValueError) as exc:
             raise ValueError(
                 f"reasoning-gym generator {config.dataset!r} rejected dataset_config "
-                f"{config.dataset_config}: {exc or type(exc).__name__}"
+                f"{config.dataset_config}: {exc or type(exc).__name__}{_unknown_fields_hint(config)}"
             ) from exc
         self.config = config
         self._format = (
