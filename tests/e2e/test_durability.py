@@ -4,6 +4,7 @@ interrupt still checkpoints, a damaged or unwritable checkpoint is handled. Loca
 import asyncio
 import signal
 import threading
+from pathlib import Path
 
 import pytest
 from _tiny import TINY_STEP
@@ -375,3 +376,26 @@ def test_resume_with_another_groups_per_step_is_refused_before_anything_starts(t
     assert C.preflight(_cfg(tmp_path, "num_steps=2")) == 1
     assert C.preflight(_cfg(tmp_path, "num_steps=2", "groups_per_step=2", "resume=false")) == 0
     assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_leftover_cleanup_leaves_the_users_own_tmp_files_alone(tmp_path, monkeypatch):
+    """Kind: output lost (user files). With `output_dir=.` in a project directory, the start-up
+    cleanup deleted every `*.tmp` file there (the user's `notes.tmp`, `.cache.tmp`), not only the
+    temporary files of splitrl's own atomic writes (a new user's trial)."""
+    import os
+
+    from splitrl.controller.run_checkpoint import remove_leftovers
+    from splitrl.logging import logger
+
+    (tmp_path / "notes.tmp").write_text("mine")
+    (tmp_path / ".cache.tmp").write_text("mine")
+    # what write_atomically really names its temporary files, caught at the rename
+    ours = []
+    monkeypatch.setattr(logger.os, "replace", lambda src, dst: ours.append(Path(src)))
+    for name in ("metrics.png", "config.yaml", "metrics.jsonl"):
+        logger.write_atomically(tmp_path / name, b"x")
+    monkeypatch.setattr(logger.os, "replace", os.replace)
+    assert len(ours) == 3 and all(p.is_file() for p in ours)
+    gone = remove_leftovers(tmp_path)
+    assert sorted(gone) == sorted(ours)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".cache.tmp", "notes.tmp"]

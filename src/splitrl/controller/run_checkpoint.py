@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -177,9 +178,16 @@ def checkpoint_step(path: Path) -> int:
     return int(json.loads((path / COMPLETE).read_text())["step"])
 
 
+# Temporary files of the run's atomic writes in output_dir (``.{name}.{pid}.tmp``, see
+# splitrl.logging.logger.write_atomically; ``{name}.tmp`` too). Only these are leftovers: output_dir
+# may be a directory of the user's own (``output_dir=.``) whose ``*.tmp`` files are not ours.
+_OWN_TMP = re.compile(r"\.?(metrics\.jsonl|metrics\.png|config\.yaml)(\.\d+)?\.tmp")
+
+
 def remove_leftovers(output_dir: str | Path) -> list[Path]:
-    """Delete what interrupted writes leave behind: ``checkpoints/*.tmp`` directories and
-    ``*.tmp`` files of atomic writes in ``output_dir``. Returns what was removed."""
+    """Delete what interrupted writes leave behind: ``checkpoints/*.tmp`` directories and the
+    temporary files of the run's atomic writes in ``output_dir`` (no other ``*.tmp`` file).
+    Returns what was removed."""
     out = Path(output_dir)
     gone = []
     root = checkpoint_root(out)
@@ -192,7 +200,7 @@ def remove_leftovers(output_dir: str | Path) -> list[Path]:
             gone.append(p)
     if out.is_dir():
         for p in [*out.glob(f"*{TMP_SUFFIX}"), *out.glob(f".*{TMP_SUFFIX}")]:
-            if p.is_file():
+            if p.is_file() and _OWN_TMP.fullmatch(p.name):
                 p.unlink(missing_ok=True)
                 gone.append(p)
     if gone:
