@@ -339,10 +339,14 @@ def test_resume_false_replaces_the_earlier_runs_checkpoints(tmp_path, caplog):
         d = tmp_path / "checkpoints" / f"step_00000{step}"
         d.mkdir(parents=True)
         (d / "COMPLETE").write_text(f'{{"step": {step}, "files": {{}}}}')
+    foreign = tmp_path / "checkpoints" / "step_100"  # another tool's folder: not ours to delete
+    foreign.mkdir()
+    (foreign / "model.bin").write_text("x")
     with caplog.at_level("WARNING"):
         res = C.train(_cfg(tmp_path, "num_steps=2", "checkpoint_every=1", "resume=false"))
     assert res.steps_done == 2
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_000001", "step_000002"]
+    assert (foreign / "model.bin").is_file()
     assert "removed the earlier run's checkpoints step_000005, step_000006" in caplog.text
     assert C.preflight(_cfg(tmp_path, "num_steps=3")) == 2  # the next start resumes this run
 

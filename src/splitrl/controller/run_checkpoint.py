@@ -219,7 +219,9 @@ def discard_checkpoints(output_dir: str | Path) -> list[str]:
     root = checkpoint_root(output_dir)
     if not root.is_dir():
         return []
-    gone = sorted(p.name for p in root.glob("step_*") if p.is_dir())
+    # only splitrl's: output_dir may be another tool's run directory with step_* folders of its own
+    ours = (COMPLETE, "controller.pt", "run_config.json")
+    gone = sorted(p.name for p in root.glob("step_*") if p.is_dir() and any((p / f).exists() for f in ours))
     for name in gone:
         shutil.rmtree(root / name, ignore_errors=True)
     _verified.clear()  # the same paths will hold the fresh run's checkpoints
