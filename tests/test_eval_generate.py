@@ -98,7 +98,12 @@ def test_heldout_start_is_past_what_the_run_drew():
     assert start == 0 and "training prompts" in why
     other = load_config(None, RUN + ["task.seed=99"])
     assert heldout_start(None, other, trained, None)[0] == 0  # a task config the run did not use
-    assert heldout_start(None, config, trained, 17)[0] == 17
+    assert heldout_start(None, config, trained, 17) == (17, "prompts from index 17 (--start-index)")
+    # Kind: a silent score on training prompts (a new user's trial): --start-index 3 below the
+    # N = 6 prompts the run drew was taken without a word; now the header line warns
+    start, why = heldout_start(None, config, trained, 3)
+    assert start == 3 and why.startswith("WARNING") and "trained on (0..5)" in why and "--start-index >= 6" in why
+    assert not heldout_start(None, other, trained, 3)[1].startswith("WARNING")  # another task: no overlap
     assert heldout_start(None, config, None, None)[0] == 0
 
 

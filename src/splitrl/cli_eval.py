@@ -153,6 +153,11 @@ def _device(name: str) -> str:
 def heldout_start(num_task_prompts: int | None, config, trained_task, start_index: int | None) -> tuple[int, str]:
     """First prompt index to evaluate and a sentence saying why (see the module docstring)."""
     if start_index is not None:
+        drawn = config.num_steps * config.groups_per_step
+        if trained_task is not None and config.task == trained_task and start_index < drawn:
+            # training's own eval refuses this overlap; here it may be meant (a score on seen prompts)
+            return start_index, (f"WARNING: prompts from index {start_index} (--start-index) include prompts the run "
+                                 f"trained on (0..{drawn - 1}); use --start-index >= {drawn} for held-out scores")
         return start_index, f"prompts from index {start_index} (--start-index)"
     if trained_task is None:
         return 0, ("no run config: prompts from index 0, which may include training prompts "
