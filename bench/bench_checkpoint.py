@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.saves < 2:
         ap.error("--saves must be >= 2: the first save also allocates the staging buffers")
     print(f"command: python bench/bench_checkpoint.py {shlex.join(argv)}", flush=True)
-    cfg = load_config(args.config, [f"device={args.device}"])
+    # the task plays no part in a checkpoint; a built-in one needs no task package
+    cfg = load_config(args.config, [f"device={args.device}", "task={kind: reverse_digits}"])
     torch.manual_seed(0)
     model = PolicyModel.from_config(cfg.model)
     worker = TrainWorker(model, cfg.train.model_copy(update={"device": args.device}))
