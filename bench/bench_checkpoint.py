@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.saves < 2:
         ap.error("--saves must be >= 2: the first save also allocates the staging buffers")
     print(f"command: python bench/bench_checkpoint.py {shlex.join(argv)}", flush=True)
-    try:
-        cfg = load_config(args.config, [f"device={args.device}"])
+    try:  # the task plays no part in a checkpoint; a built-in one needs no task package
+        cfg = load_config(args.config, [f"device={args.device}", "task={kind: reverse_digits}"])
     except ValueError as e:  # a config error is one message, not a traceback
         ap.error(str(e))
     torch.manual_seed(0)

@@ -111,6 +111,18 @@ def test_reasoning_gym_config_errors_are_clear():
                    "dataset_config": {"min_numbers": 0}})
 
 
+def test_missing_reasoning_gym_package_is_a_clear_config_error(monkeypatch):
+    """Seen on the GPU machine, which lacked the package: config loading raised a bare
+    ModuleNotFoundError from inside the validator."""
+    import sys
+
+    from splitrl.config import load_config
+
+    monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # makes `import reasoning_gym` fail
+    with pytest.raises(ValueError, match=r"needs the reasoning-gym package.*reverse_digits"):
+        load_config(None, ["task={kind: reasoning_gym, dataset: number_sorting}"])
+
+
 def test_default_task_is_compact_and_not_degenerate():
     task = make_task(default_task_config())
     prompts = [task.get_prompt(i) for i in range(200)]

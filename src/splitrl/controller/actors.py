@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 Backend = Literal["ray", "local"]
@@ -19,7 +20,8 @@ Backend = Literal["ray", "local"]
 class LocalActor:
     """An object of this process behind the actor interface.
 
-    ``in_process``: its calls can take Python callables (e.g. a callback run on its thread).
+    ``in_process``: its calls can take Python callables (e.g. a callback run on its thread);
+    a Ray actor's cannot, and streams a generator method's items instead (``stream``).
     """
 
     in_process = True
@@ -77,6 +79,14 @@ class RayActor:
         """Queue the call now (an actor runs one caller's calls in order) and return its awaitable ref."""
         return getattr(self._handle, method).remote(*args, **kwargs)
 
+    async def stream(self, method: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        """Call a generator method as a Ray streaming call and yield its items as the actor
+        yields them (the call still runs while the first items arrive). The generator's error
+        is raised here, after the items yielded before it."""
+        refs = getattr(self._handle, method).options(num_returns="streaming").remote(*args, **kwargs)
+        async for ref in refs:
+            yield await ref
+
     def submit_in(self, group: str, method: str, *args: Any, **kwargs: Any):
         """Queue the call in the actor's concurrency ``group`` (given in ``remote_options``): it
         runs beside the calls of the other groups."""
@@ -114,6 +124,14 @@ class ActorPart:
     def submit(self, method: str, *args: Any, **kwargs: Any):
         """Queue ``method`` of this part and return its awaitable ref."""
         return self.actor._handle.call.options(concurrency_group=self.part).remote(self.part, method, args, kwargs)
+
+    async def stream(self, method: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        """:meth:`RayActor.stream` for a generator method of this part."""
+        refs = self.actor._handle.call_stream.options(concurrency_group=self.part, num_returns="streaming").remote(
+            self.part, method, args, kwargs
+        )
+        async for ref in refs:
+            yield await ref
 
     def submit_host(self, method: str, *args: Any, **kwargs: Any):
         """Queue ``method`` of the hosting object itself, in this part's group."""

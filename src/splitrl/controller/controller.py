@@ -758,10 +758,10 @@ class SingleController:
             t0 = time.perf_counter()
             for j in indices:
                 self.generating[j] = t0
-            # in-process workers hand each group over as soon as its last sample finishes (the
-            # train pump's chunks stream from them); a Ray worker returns its groups with the call.
-            # schedule=sync takes them with the call too: the step trains only once every
-            # generation call of it has returned
+            # under schedule=async each group is handed over as soon as its last sample finishes
+            # (the train pump's chunks stream from them): an in-process worker calls on_group on
+            # its thread, a Ray worker yields the group from a streaming call. schedule=sync takes
+            # them with the call: the step trains only once every generation call of it returned
             streamed: dict[int, concurrent.futures.Future] = {}
             on_group = None
             if getattr(actor, "in_process", False) and cfg.schedule == "async":
@@ -771,7 +771,15 @@ class SingleController:
                     streamed[group.prompt_index] = asyncio.run_coroutine_threadsafe(self._deliver([group]), loop)
 
             try:
-                groups, metrics = await actor.call("generate_groups", indices, cfg.group_size, on_group)
+                if cfg.schedule == "async" and hasattr(actor, "stream"):
+                    groups, metrics = [], {}
+                    async for item in actor.stream("generate_groups_stream", indices, cfg.group_size):
+                        if isinstance(item, Group):
+                            await self._deliver([item])  # back-pressure holds this loop, not the worker
+                        else:
+                            metrics = item
+                else:
+                    groups, metrics = await actor.call("generate_groups", indices, cfg.group_size, on_group)
             except BaseException:
                 for j in indices:
                     self.in_flight.discard(j)

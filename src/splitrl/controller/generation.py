@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -249,6 +249,30 @@ class GenerationWorker:
         Returns:
             (groups in the order of ``prompt_indices``, rollout metrics of the call).
         """
+        metrics: dict[str, float] = {}
+        groups: list[Group | None] = [None] * len(prompt_indices)
+        for g, group in self._finished_groups(prompt_indices, group_size, metrics):
+            groups[g] = group
+            if on_group is not None:
+                on_group(group)
+        return groups, metrics  # type: ignore[return-value]
+
+    def generate_groups_stream(self, prompt_indices: list[int], group_size: int) -> Iterator[Group | dict[str, float]]:
+        """:meth:`generate_groups` as a generator, for a Ray streaming call (``num_returns=
+        "streaming"``): yields each group as soon as its last sample finishes (in finishing
+        order), then the call's rollout metrics (a dict) as the last item. A Ray worker's groups
+        reach the controller while its call still generates, as an in-process worker's do
+        through ``on_group``."""
+        metrics: dict[str, float] = {}
+        for _, group in self._finished_groups(prompt_indices, group_size, metrics):
+            yield group
+        yield metrics
+
+    def _finished_groups(
+        self, prompt_indices: list[int], group_size: int, metrics: dict[str, float]
+    ) -> Iterator[tuple[int, Group]]:
+        """Yield ``(position in prompt_indices, group)`` as each group finishes; fill ``metrics``
+        with the call's rollout metrics once the last one has."""
         self._apply_staged_weights()
         t0 = time.perf_counter()
         version = self.engine.policy_version
@@ -271,7 +295,6 @@ class GenerationWorker:
                 owners.append((g, j))
         results: list = [None] * len(flat_ids)
         pending = [group_size] * len(prompt_indices)
-        groups: list[Group | None] = [None] * len(prompt_indices)
         timeouts = errors = 0
         score_s = 0.0
         for k, res in self.engine.generate_stream(flat_ids, seeds):
@@ -285,14 +308,12 @@ class GenerationWorker:
                 prompt_indices[g], prompts[g], prompt_ids[g], results[g * group_size : (g + 1) * group_size], version
             )
             score_s += time.perf_counter() - t_score
-            groups[g] = group
             timeouts += n_timeouts
             errors += n_errors
-            if on_group is not None:
-                on_group(group)
+            yield g, group
         gen_s = time.perf_counter() - t0 - score_s
         stats = results[0].stats if results else None
-        metrics = {
+        metrics.update({
             "generated_tokens": float(sum(len(r.response_ids) for r in results)),
             "generation_s": gen_s,
             "scoring_s": score_s,
@@ -301,12 +322,11 @@ class GenerationWorker:
             "drafted_tokens": float(sum(r.drafted_tokens for r in results)),
             "accepted_tokens": float(sum(r.accepted_tokens for r in results)),
             "speculative_active": float(stats.speculative_active) if stats else 0.0,
-        }
+        })
         if stats is not None and stats.speculative_active:
             for k, (a, r) in enumerate(zip(stats.accepted_per_depth, stats.reached_per_depth), start=1):
                 metrics[f"accepted_depth_{k}"] = float(a)
                 metrics[f"reached_depth_{k}"] = float(r)
-        return groups, metrics  # type: ignore[return-value]
 
     def _finish_group(self, prompt_index: int, prompt, p_ids: list[int], results: list, version: int):
         """Cut stop strings, score, put the samples' tensors in the data plane; returns

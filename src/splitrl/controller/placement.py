@@ -16,7 +16,7 @@ On CPU the placement only decides which workers share a process: no GPUs and no 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 Placement = Literal["colocated", "split"]
@@ -129,6 +129,10 @@ class ColocatedWorker:
     def call(self, part: str, method: str, args: tuple, kwargs: dict) -> Any:
         """Run ``method`` of one half (``train`` or ``gen``)."""
         return getattr(getattr(self, part), method)(*args, **kwargs)
+
+    def call_stream(self, part: str, method: str, args: tuple, kwargs: dict) -> Iterator[Any]:
+        """Run the generator ``method`` of one half and yield its items (a Ray streaming call)."""
+        yield from getattr(getattr(self, part), method)(*args, **kwargs)
 
     def sync_weights(self, version: int, bucket_bytes: int) -> int:
         """Stage the trainer's weights for the engine on the device (MTP included) as

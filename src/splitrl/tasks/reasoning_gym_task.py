@@ -131,7 +131,14 @@ class ReasoningGymTaskConfig(TaskOptions):
     @model_validator(mode="after")
     def _check(self) -> ReasoningGymTaskConfig:
         if not import_checks_deferred():  # importing reasoning-gym takes seconds
-            import reasoning_gym
+            try:
+                import reasoning_gym
+            except ImportError as e:
+                raise ValueError(
+                    f"task.kind=reasoning_gym needs the reasoning-gym package, which does not import here ({e}); "
+                    "install splitrl with its dependencies (pip install -e .) or pip install reasoning-gym==0.1.25, "
+                    "or pick a built-in task such as task={kind: reverse_digits}"
+                ) from e
 
             known = sorted(reasoning_gym.factory.DATASETS)
             if self.dataset not in known:
