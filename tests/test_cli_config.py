@@ -153,3 +153,16 @@ def test_ctrl_c_before_a_run_starts_is_one_line_not_a_traceback(capsys, monkeypa
     monkeypatch.setattr(cli_eval, "load_policy_and_config", interrupted)
     assert run(["eval", "somewhere"]) == 130
     assert "SIGINT: stopped" in capsys.readouterr().err
+
+
+def test_a_key_of_several_forms_is_one_line_without_pydantic_tags(capsys):
+    """Kind: internals in an error message (a new user's trial). `loss.tis_cap=0` printed two lines
+    named `loss.tis_cap.constrained-float` and `loss.tis_cap.literal['auto']`; now one line names
+    the key and every allowed form. Tuple and list indices stay in the key."""
+    assert main(["train", "loss.tis_cap=0", "train.speed.activation_checkpointing=x", "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert "  loss.tis_cap: Input should be greater than 0, or 'auto'\n" in err
+    assert "  train.speed.activation_checkpointing: Input should be a valid boolean, unable to interpret input, or 'auto'\n" in err
+    assert "constrained" not in err and "literal[" not in err
+    assert main(["train", "train.optim.betas=[0.9]", "--print-config"]) == 2
+    assert "  train.optim.betas.1: Field required" in capsys.readouterr().err

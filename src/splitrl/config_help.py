@@ -277,14 +277,28 @@ def _key_path(loc: tuple, model_cls: type[BaseModel]) -> str:
     return ".".join(parts)
 
 
+# pydantic's location tag of one member of a union of plain types (``float | Literal["auto"]``)
+_SCALAR_UNION_MEMBER = re.compile(r"constrained-\w+|literal\[.*\]|bool|int|float|str|none|(list|dict|tuple|set)\[.*\]")
+
+
 def explain_validation_error(error: ValidationError, model_cls: type[BaseModel]) -> str:
     """The message of a config error: one line per problem, named by its dotted key, unknown keys
     with the closest valid one ("did you mean model.mtp.mtp_num_layers?"), and where to look."""
     lines = []
     valid: list[str] | None = None
+    scalar_union: dict[str, int] = {}  # path -> index in lines of a union key's first member error
     for err in error.errors():
-        path = _key_path(tuple(err["loc"]), model_cls)
+        loc = tuple(err["loc"])
+        member = loc and isinstance(loc[-1], str) and _SCALAR_UNION_MEMBER.fullmatch(loc[-1])
+        path = _key_path(loc[:-1] if member else loc, model_cls)
         msg = err["msg"]
+        if member:
+            # a key of several allowed forms (a number or "auto"): pydantic reports one error per
+            # form, named by its internal tag ("loss.tis_cap.constrained-float"); one line per key
+            if path in scalar_union:
+                lines[scalar_union[path]] += f", or {msg.removeprefix('Input should be ')}"
+                continue
+            scalar_union[path] = len(lines)
         if err["type"] == "value_error":
             # our validators' own messages, without pydantic's "Value error, " prefix
             msg = str(err.get("ctx", {}).get("error", msg.removeprefix("Value error, ")))
