@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from splitrl._lazy import deferred_import_checks, import_checks_deferred
 from splitrl.config_help import explain_validation_error
@@ -194,6 +195,12 @@ class RunConfig(BaseModel):
     dataplane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @field_validator("output_dir")
+    @classmethod
+    def _home(cls, path: str) -> str:
+        # the shell does not expand ~ in key=value (task.path does the same): "~/runs" made ./~/runs
+        return os.path.expanduser(path)
 
     @model_validator(mode="before")
     @classmethod

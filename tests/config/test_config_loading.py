@@ -169,3 +169,18 @@ def test_eval_ks_above_num_samples_is_refused_on_load(capsys):
     err = _one_line_error(capsys, ["train", "eval.ks=[0, 2]", "--print-config"], 2)
     assert "got [0]" in err
     assert load_config(None, ["eval.ks=[1, 2, 8]", "eval.num_samples=8"]).eval.ks == [1, 2, 8]
+
+
+def test_a_leading_tilde_in_a_path_key_is_the_home_directory(monkeypatch, tmp_path):
+    """Kind: output written somewhere unexpected (a new user's trial). The shell does not expand ~
+    in `key=value`, and `output_dir=~/runs/x` made a directory literally named `~` in the working
+    directory (task.path already expanded it; model.pretrained_path and tokenizer.path did not)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model_dir = tmp_path / "m"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    cfg = load_config(None, ["output_dir=~/runs/x", "model.pretrained_path=~/m", "tokenizer.path=~/tok"])
+    assert cfg.output_dir == str(tmp_path / "runs" / "x")
+    assert cfg.model.pretrained_path == str(model_dir)
+    assert cfg.tokenizer.path == str(tmp_path / "tok")
+    assert load_config(None, ["output_dir=runs/x"]).output_dir == "runs/x"  # anything else as written

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SUPPORTED_FAMILIES = ("qwen3", "llama", "qwen3_moe")
 
@@ -97,6 +98,12 @@ class ModelConfig(BaseModel):
     capabilities: ModelCapabilities = Field(default_factory=ModelCapabilities)
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     seed: int = 0
+
+    @field_validator("pretrained_path")
+    @classmethod
+    def _home(cls, path: str | None) -> str | None:
+        # the shell does not expand ~ in key=value overrides
+        return None if path is None else os.path.expanduser(path)
 
 
 TINY_BACKBONE: dict[str, Any] = {

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import string
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -73,3 +74,9 @@ class TokenizerConfig(BaseModel):
     kind: Literal["char", "pretrained"] = "char"
     path: str | None = None
     charset: str | None = None
+
+    @field_validator("path")
+    @classmethod
+    def _home(cls, path: str | None) -> str | None:
+        # the shell does not expand ~ in key=value overrides
+        return None if path is None else os.path.expanduser(path)
