@@ -163,3 +163,49 @@ def test_real_wandb_offline_run_holds_the_metrics_and_config(tmp_path, monkeypat
     rows = [(h["_step"], h["train/loss"], h["rollout/reward_mean"]) for h in history if "train/loss" in h]
     assert rows == [(1, 0.5, 0.1), (2, 0.25, 0.2), (3, 0.125, 0.3)]
     assert config["seed"] == 11 and config["model"] == {"mtp": {"mtp_num_layers": 2}}
+
+
+def test_online_mode_without_an_api_key_is_refused_before_any_worker_starts():
+    """Kind: an error raised after state changed (a new user's trial). `logging.wandb={project: p}`
+    (online) without a W&B key, run under nohup / a scheduler (no terminal), loaded the model, then
+    died in wandb.init with a UsageError traceback. Now preflight refuses it in one line."""
+    import types
+
+    import pytest
+
+    from splitrl.logging.wandb_logger import WandbConfig, check_credentials
+
+    calls = []
+
+    def stand_in(configured):
+        def login(**kwargs):
+            calls.append(kwargs)
+            return configured
+        return types.SimpleNamespace(login=login)
+
+    online = WandbConfig(project="p")
+    with pytest.raises(ValueError, match="no W&B API key is configured.*logging.wandb.mode=offline"):
+        check_credentials(online, stand_in(False), interactive=False)
+    assert calls == [{"prompt": False, "verify": False}]  # never prompts, never goes to the network
+    check_credentials(online, stand_in(True), interactive=False)
+    check_credentials(online, stand_in(False), interactive=True)  # wandb.init asks on the terminal
+    check_credentials(WandbConfig(project="p", mode="offline"), stand_in(False), interactive=False)
+    check_credentials(None, stand_in(False), interactive=False)
+    assert len(calls) == 2
+
+
+def test_preflight_checks_wandb_credentials(tmp_path, monkeypatch):
+    """The check above is wired into preflight (before any worker starts)."""
+    import pytest
+
+    from splitrl.config import load_config
+    from splitrl.controller import controller as C
+
+    def refuse(config, *a, **k):
+        if config is not None:
+            raise ValueError("no W&B API key")
+
+    monkeypatch.setattr(C, "check_wandb_credentials", refuse)
+    cfg = load_config(None, [f"output_dir={tmp_path}", "logging.wandb={project: p}", "backend=local"])
+    with pytest.raises(ValueError, match="no W&B API key"):
+        C.preflight(cfg)

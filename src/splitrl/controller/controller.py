@@ -79,6 +79,7 @@ from splitrl.controller.train_actor import TOKEN_FIELDS, TrainActor
 from splitrl.dataplane import DataPlaneConfig, make_data_plane
 from splitrl.eval_config import plan_eval
 from splitrl.logging import MetricsLogger
+from splitrl.logging.wandb_logger import check_credentials as check_wandb_credentials
 from splitrl.models.hf_files import write_inference_files
 from splitrl.train.checkpoint import SHARDS_DIR
 from splitrl.types import Group
@@ -122,6 +123,7 @@ def preflight(config: RunConfig) -> int:
     from splitrl.tasks import encode_prompt, make_task
 
     check_output_dir(config.output_dir)
+    check_wandb_credentials(config.logging.wandb)
     hf_cfg = model_hf_config(config)
     task = make_task(config.task)
     tok = load_checked_tokenizer(config)

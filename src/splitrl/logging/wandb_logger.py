@@ -7,7 +7,7 @@ resolved run config becomes the W&B run config; each step's metrics are logged a
 A resumed run continues the same W&B run: the run id is kept in ``out_dir/wandb_run_id`` and
 passed back to ``wandb.init(id=..., resume="allow")``.
 
-wandb is an optional dependency (``pip install 'splitrl[wandb]'``); configuring it without the
+wandb is an optional dependency (``pip install -e ".[wandb]"``); configuring it without the
 package installed is a config error, reported when the config is loaded.
 """
 
@@ -54,6 +54,38 @@ class WandbConfig(BaseModel):
                 "(or pip install wandb), or remove logging.wandb"
             )
         return self
+
+
+def check_credentials(config: WandbConfig | None, wandb_module: Any = None, interactive: bool | None = None) -> None:
+    """Refuse an ``online`` W&B run that has no API key and no terminal to ask for one, before any
+    worker starts (``wandb.init`` raised its UsageError only after the model had loaded).
+
+    Args:
+        config: ``logging.wandb`` (None: W&B off).
+        wandb_module: the ``wandb`` module (tests pass a stand-in); default: ``import wandb``.
+        interactive: whether W&B may prompt for a key (default: stdin is a terminal).
+
+    Raises:
+        ValueError: ``mode: online``, no key configured (``WANDB_API_KEY``, ``wandb login``) and
+            no terminal.
+    """
+    if config is None or config.mode != "online":
+        return
+    if interactive is None:
+        interactive = sys.stdin is not None and sys.stdin.isatty()
+    if interactive:  # wandb.init asks for the key itself
+        return
+    if wandb_module is None:
+        import wandb as wandb_module
+    try:
+        configured = wandb_module.login(prompt=False, verify=False)  # no network: is a key there at all
+    except TypeError:  # a wandb without login(prompt=...): wandb.init reports it
+        return
+    if not configured:
+        raise ValueError(
+            "logging.wandb.mode=online but no W&B API key is configured and there is no terminal to ask for one; "
+            "set WANDB_API_KEY or run `wandb login` first, or use logging.wandb.mode=offline (then `wandb sync`)"
+        )
 
 
 class WandbSink:
