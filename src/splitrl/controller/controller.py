@@ -1175,11 +1175,12 @@ class SingleController:
             "x %d samples), then training",
             time.perf_counter() - t_ready, start + 1, cfg.groups_per_step, cfg.group_size,
         )
+        self.logger = MetricsLogger(self.out, cfg.num_steps, start_step=start + 1, config=cfg.logging)
         if not cfg.resume and (gone := discard_checkpoints(self.out)):
-            # with the metrics (replaced below), once the workers are up: a failed start keeps them
+            # with the metrics (replaced just above), once the workers and loggers are up: a failed
+            # start keeps them
             log.warning("resume=false: starting over in %s; removed the earlier run's checkpoints %s", self.out,
                         ", ".join(gone))
-        self.logger = MetricsLogger(self.out, cfg.num_steps, start_step=start + 1, config=cfg.logging)
         self.logger.save_config(cfg)
         loop = asyncio.get_running_loop()
         for sig in STOP_SIGNALS:
