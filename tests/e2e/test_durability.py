@@ -328,18 +328,22 @@ def _train_until_it_stops(tmp_path, capsys) -> tuple[list[str], str]:
     return stopped, err
 
 
-def test_resume_false_replaces_the_earlier_runs_checkpoints(tmp_path, caplog):
+def test_resume_false_sets_the_earlier_run_aside_and_starts_over(tmp_path, caplog):
     """Kind: output lost. `resume=false` in an output_dir holding an earlier run's checkpoints
     (steps 5, 6) kept those and pruned the fresh run's own (steps 1, 2 sort below them), so the
     fresh run ended with no checkpoint of its own and the next start resumed the earlier run (a new
-    user's trial). The errors that suggest resume=false promise its checkpoints are replaced."""
+    user's trial); and the fresh run's logger overwrote the earlier metrics.jsonl. Now the earlier
+    run's checkpoints and metrics are moved, not deleted, to earlier_runs/<time>/ (nothing a run
+    produced is lost), and another tool's folder in checkpoints/ stays where it is."""
     from splitrl.controller.run_checkpoint import complete_checkpoints
+    from splitrl.logging import read_metrics
 
     for step in (5, 6):  # an earlier run's checkpoints (contents do not matter: they are not loaded)
         d = tmp_path / "checkpoints" / f"step_00000{step}"
         d.mkdir(parents=True)
         (d / "COMPLETE").write_text(f'{{"step": {step}, "files": {{}}}}')
-    foreign = tmp_path / "checkpoints" / "step_100"  # another tool's folder: not ours to delete
+    (tmp_path / "metrics.jsonl").write_text('{"step": 6, "train/reward": 0.5}\n')
+    foreign = tmp_path / "checkpoints" / "step_100"  # another tool's folder: not ours to move
     foreign.mkdir()
     (foreign / "model.bin").write_text("x")
     with caplog.at_level("WARNING"):
@@ -347,7 +351,11 @@ def test_resume_false_replaces_the_earlier_runs_checkpoints(tmp_path, caplog):
     assert res.steps_done == 2
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_000001", "step_000002"]
     assert (foreign / "model.bin").is_file()
-    assert "removed the earlier run's checkpoints step_000005, step_000006" in caplog.text
+    (earlier,) = (tmp_path / "earlier_runs").iterdir()
+    assert sorted(p.name for p in (earlier / "checkpoints").iterdir()) == ["step_000005", "step_000006"]
+    assert (earlier / "metrics.jsonl").read_text() == '{"step": 6, "train/reward": 0.5}\n'
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert f"step_000005, step_000006, metrics.jsonl moved to {earlier}" in caplog.text
     assert C.preflight(_cfg(tmp_path, "num_steps=3")) == 2  # the next start resumes this run
 
 

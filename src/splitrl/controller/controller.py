@@ -65,12 +65,12 @@ from splitrl.controller.run_checkpoint import (
     CheckpointError,
     checkpoint_step,
     complete_checkpoints,
-    discard_checkpoints,
     intact_checkpoints,
     known_damaged,
     latest_intact_checkpoint,
     mark_damaged,
     remove_leftovers,
+    set_aside_earlier_run,
     step_dir,
     unusable_checkpoints,
     write_complete,
@@ -1175,12 +1175,14 @@ class SingleController:
             "x %d samples), then training",
             time.perf_counter() - t_ready, start + 1, cfg.groups_per_step, cfg.group_size,
         )
+        if not cfg.resume:
+            # once the workers are up (a failed start leaves the earlier run in place), before the
+            # logger, which would start a fresh metrics.jsonl over the earlier one
+            dest, moved = set_aside_earlier_run(self.out)
+            if dest is not None:
+                log.warning("resume=false: starting over in %s; the earlier run's %s moved to %s (delete it to free "
+                            "the space)", self.out, ", ".join(moved), dest)
         self.logger = MetricsLogger(self.out, cfg.num_steps, start_step=start + 1, config=cfg.logging)
-        if not cfg.resume and (gone := discard_checkpoints(self.out)):
-            # with the metrics (replaced just above), once the workers and loggers are up: a failed
-            # start keeps them
-            log.warning("resume=false: starting over in %s; removed the earlier run's checkpoints %s", self.out,
-                        ", ".join(gone))
         self.logger.save_config(cfg)
         loop = asyncio.get_running_loop()
         for sig in STOP_SIGNALS:

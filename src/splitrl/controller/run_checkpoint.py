@@ -208,21 +208,44 @@ def remove_leftovers(output_dir: str | Path) -> list[Path]:
     return gone
 
 
-def discard_checkpoints(output_dir: str | Path) -> list[str]:
-    """Delete every ``checkpoints/step_*`` directory of an earlier run in ``output_dir`` (a run
-    started with ``resume: false``). Returns the names removed.
+EARLIER_RUNS = "earlier_runs"
+# what a run writes at the top of output_dir besides checkpoints/ (splitrl.logging.logger)
+RUN_RECORD = ("metrics.jsonl", "tensorboard", "metrics.png", "config.yaml")
 
-    Why: a fresh run's checkpoints (steps 1, 2, ...) sort below an earlier run's, so keeping those
-    would make the fresh run prune its own checkpoints as the oldest, and the next start resume
-    the earlier run.
+
+def set_aside_earlier_run(output_dir: str | Path) -> tuple[Path | None, list[str]]:
+    """Move an earlier run's record out of the way of a run started with ``resume: false`` in
+    the same ``output_dir``: its splitrl checkpoints (``checkpoints/step_*`` holding splitrl's
+    files; another tool's folders stay) and its ``metrics.jsonl``, ``tensorboard/``,
+    ``metrics.png`` and ``config.yaml`` go to ``output_dir/earlier_runs/<UTC time>/``.
+
+    Why: kept in place, the earlier checkpoints (steps 5, 6, ...) sort above the fresh run's
+    (1, 2, ...), so the fresh run would prune its own as the oldest and the next start would
+    resume the earlier run; and the fresh run's logger would overwrite the earlier metrics.
+    Moved rather than deleted, so that nothing a run produced is lost by a start-over.
+
+    Returns:
+        (the folder they went to, or None when there was nothing; the names moved).
     """
-    root = checkpoint_root(output_dir)
-    if not root.is_dir():
-        return []
-    # only splitrl's: output_dir may be another tool's run directory with step_* folders of its own
+    import time
+
+    out = Path(output_dir)
+    root = checkpoint_root(out)
     ours = (COMPLETE, "controller.pt", "run_config.json")
-    gone = sorted(p.name for p in root.glob("step_*") if p.is_dir() and any((p / f).exists() for f in ours))
-    for name in gone:
-        shutil.rmtree(root / name, ignore_errors=True)
+    ckpts = sorted(p for p in root.glob("step_*") if p.is_dir() and any((p / f).exists() for f in ours)) if root.is_dir() else []
+    files = [out / name for name in RUN_RECORD if (out / name).exists()]
+    if not ckpts and not files:
+        return None, []
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    dest = out / EARLIER_RUNS / stamp
+    n = 1
+    while dest.exists():
+        n += 1
+        dest = out / EARLIER_RUNS / f"{stamp}-{n}"
+    (dest / root.name).mkdir(parents=True)
+    for p in ckpts:
+        shutil.move(str(p), str(dest / root.name / p.name))
+    for p in files:
+        shutil.move(str(p), str(dest / p.name))
     _verified.clear()  # the same paths will hold the fresh run's checkpoints
-    return gone
+    return dest, [p.name for p in ckpts] + [p.name for p in files]
