@@ -22,7 +22,7 @@ class EvalConfig(BaseModel):
         at_end: also evaluate after the last step.
         num_prompts: held-out prompts per evaluation.
         num_samples: k, sampled responses per prompt (reported: pass@1 and pass@k).
-        ks: more k of pass@k (each at most ``num_samples``).
+        ks: more k of pass@k (each at most ``num_samples``; pass@1 and pass@num_samples are always reported).
         greedy: also decode each prompt greedily (top_k=1), reported as ``eval/greedy/*``.
         correct_threshold: a response counts as correct for pass@k when its reward >= this.
         seed: seed of the evaluation's samples (the same prompts and seeds at every evaluation).

@@ -38,7 +38,8 @@ def test_heldout_indices():
 
 
 def test_eval_during_training_matches_a_direct_evaluation_and_leaves_training_unchanged(tmp_path):
-    res = train(load_config(None, TINY + EVAL + [f"output_dir={tmp_path / 'eval'}"]))
+    # eval.ks=[2] adds k's; pass@1 is still reported (it went missing when ks left out 1)
+    res = train(load_config(None, TINY + EVAL + ["eval.ks=[2]", f"output_dir={tmp_path / 'eval'}"]))
     rows = read_metrics(tmp_path / "eval" / "metrics.jsonl")
     assert [("eval/reward_mean" in r) for r in rows] == [False, True, False, True]
     config = load_config(None, TINY + EVAL)

@@ -1097,7 +1097,7 @@ class SingleController:
             if name in parts[0]:
                 samples = [s for p in parts for s in p[name][0]]
                 drafted, accepted = sum(p[name][1] for p in parts), sum(p[name][2] for p in parts)
-                out.update(summarize(samples, k, [*ecfg.ks, k], prefix, drafted, accepted))
+                out.update(summarize(samples, k, [1, *ecfg.ks, k], prefix, drafted, accepted))
         out["timing/eval_s"] = time.perf_counter() - t0
         return out
 
