@@ -86,6 +86,10 @@ def test_pretrained_tokenizer_directory_without_tokenizer_files_is_refused(tmp_p
     without tokenizer files; every prompt would then be empty."""
     with pytest.raises(ValueError, match=r"model.pretrained_path \(tokenizer.path unset\)=.* has no tokenizer files"):
         preflight(_cfg(tmp_path, f"model.pretrained_path={saved_model}", "tokenizer.kind=pretrained"))
+    # no directory at all: one sentence naming both keys (was "... from model.pretrained_path
+    # (tokenizer.path unset)=None (tokenizer.kind='pretrained' needs ...)")
+    with pytest.raises(ValueError, match=r"^tokenizer.kind=pretrained needs a tokenizer directory.*set tokenizer.path"):
+        preflight(_cfg(tmp_path, "tokenizer.kind=pretrained"))
     with pytest.raises(ValueError, match=r"tokenizer.path=.* has no tokenizer files"):
         preflight(_cfg(tmp_path, f"model.pretrained_path={saved_model}", "tokenizer.kind=pretrained", f"tokenizer.path={tmp_path}"))
     # control: the same directory with the demo tokenizer saved into it
@@ -205,3 +209,16 @@ def test_a_run_over_a_file_with_an_overlong_row_trains_every_other_row(tmp_path,
     res = train(cfg)
     assert res.steps_done == 3
     assert sorted(seen) == sorted(["1+1", "2+3", "3+3", "1+1", "2+3", "3+3"])  # 6 prompts: the 3 rows, twice
+
+
+def test_settings_that_leave_part_of_the_run_idle_are_warned_about(tmp_path, caplog):
+    """Kind: a setting silently does nothing (a new user's trial): the policy never trained, or no
+    evaluation ran, with no word about it."""
+    with caplog.at_level(logging.WARNING):
+        preflight(_cfg(tmp_path, "num_steps=3", "train.mtp_warmup_steps=3", "eval.eval_every=5"))
+    assert "only the MTP heads train in this run" in caplog.text
+    assert "this run never evaluates" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # control: warm-up shorter than the run, evaluation at the end
+        preflight(_cfg(tmp_path, "num_steps=3", "train.mtp_warmup_steps=2", "eval.eval_every=5", "eval.at_end=true"))
+    assert "only the MTP heads" not in caplog.text and "never evaluates" not in caplog.text

@@ -128,6 +128,12 @@ def load_checked_tokenizer(config: RunConfig) -> Any:
     tc = config.tokenizer
     where = tc.path or config.model.pretrained_path
     key = "tokenizer.path" if tc.path else "model.pretrained_path (tokenizer.path unset)"
+    if tc.kind == "pretrained" and where is None:
+        raise ValueError(
+            "tokenizer.kind=pretrained needs a tokenizer directory, and neither tokenizer.path nor "
+            "model.pretrained_path is set: set tokenizer.path (or model.pretrained_path, whose tokenizer is used), "
+            "or use tokenizer.kind=char"
+        )
     if tc.kind == "pretrained" and where is not None and Path(where).is_dir():
         if not any((Path(where) / f).is_file() for f in _TOKENIZER_FILES):
             raise ValueError(

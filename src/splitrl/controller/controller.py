@@ -99,6 +99,25 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return latest_intact_checkpoint(output_dir)
 
 
+def settings_without_effect(config: RunConfig) -> list[str]:
+    """Valid settings that, together, leave part of the run doing nothing (warned about, not
+    refused: each can be meant, e.g. training only the MTP heads)."""
+    out = []
+    warm = config.train.mtp_warmup_steps
+    if warm and warm >= config.num_steps:
+        out.append(
+            f"train.mtp_warmup_steps={warm} >= num_steps={config.num_steps}: only the MTP heads train in this run, "
+            "the policy itself is never updated (lower mtp_warmup_steps to train the policy after the warm-up)"
+        )
+    ev = config.eval
+    if ev.eval_every > config.num_steps and not ev.at_end:
+        out.append(
+            f"eval.eval_every={ev.eval_every} > num_steps={config.num_steps} and eval.at_end=false: this run never "
+            "evaluates (lower eval.eval_every or set eval.at_end=true)"
+        )
+    return out
+
+
 def preflight(config: RunConfig) -> int:
     """Checks that need more than the config's own fields, run before any worker starts.
 
@@ -124,6 +143,8 @@ def preflight(config: RunConfig) -> int:
 
     check_output_dir(config.output_dir)
     check_wandb_credentials(config.logging.wandb)
+    for warning in settings_without_effect(config):
+        log.warning(warning)
     hf_cfg = model_hf_config(config)
     task = make_task(config.task)
     tok = load_checked_tokenizer(config)
@@ -152,8 +173,8 @@ def preflight(config: RunConfig) -> int:
             listed = "; ".join(f"{name} ({why})" for name, why in bad[-3:])
             raise ValueError(
                 f"{config.output_dir} holds checkpoints but none can be resumed from: {listed}. "
-                "resume=false starts over in this output_dir (its metrics and checkpoints are replaced), or use a "
-                "new output_dir"
+                "resume=false starts over in this output_dir (the earlier metrics and checkpoints are moved to "
+                "earlier_runs/), or use a new output_dir"
             )
         newer = [name for name, _ in bad if ckpt is not None and name > ckpt.name]
         if newer:
