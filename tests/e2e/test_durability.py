@@ -377,7 +377,7 @@ def test_a_damaged_checkpoint_is_no_keeper_when_old_ones_are_pruned(tmp_path):
     assert run_checkpoint.damage(ckpts / "step_000002") is None
 
 
-def test_resume_with_another_groups_per_step_is_refused_before_anything_starts(tmp_path):
+def test_resume_with_another_groups_per_step_or_tokenizer_is_refused_before_anything_starts(tmp_path):
     """Kind: a hang instead of an error. Resuming a 1-step run with groups_per_step 4 -> 2 mapped
     step 2 onto prompt indices the checkpoint records as done: nothing was generated and the run
     waited for the watchdog (600 s), then called it a bug (a new user's trial)."""
@@ -387,6 +387,10 @@ def test_resume_with_another_groups_per_step_is_refused_before_anything_starts(t
         C.preflight(_cfg(tmp_path, "num_steps=2", "groups_per_step=2"))
     assert C.preflight(_cfg(tmp_path, "num_steps=2")) == 1
     assert C.preflight(_cfg(tmp_path, "num_steps=2", "groups_per_step=2", "resume=false")) == 0
+    # Kind: silent corruption. The same characters in another order (the model's vocab_size
+    # still fits) resumed with every id meaning another character (a new user's trial)
+    with pytest.raises(ValueError, match=r"another tokenizer config.*tokenizer.charset: checkpoint ' ,0123456789=acdes'"):
+        C.preflight(_cfg(tmp_path, "num_steps=2", "tokenizer.charset='0123456789 ,=acdes'"))
     assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
 
 

@@ -197,6 +197,17 @@ def preflight(config: RunConfig) -> int:
                 f"{ckpt} was written by a different model config than this run's ({shown}{more}); resume needs the "
                 "same model. Use a new output_dir, or resume=false to start over in this one"
             )
+        # the same vocabulary size can map ids to other characters: the weights would be read with
+        # another meaning for every id. The path may move (a copied model directory): not compared
+        tok_was = {k: v for k, v in (saved.get("tokenizer") or {}).items() if k != "path"}
+        tok_now = {k: v for k, v in now["tokenizer"].items() if k != "path"}
+        if tok_was and tok_was != tok_now:
+            diffs = _differences(tok_was, tok_now, "tokenizer")
+            shown = "; ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, a, b in diffs[:5])
+            raise ValueError(
+                f"{ckpt} was written with another tokenizer config than this run's ({shown}); resume needs the same "
+                "tokenizer. Set it as the checkpoint has it, use a new output_dir, or resume=false to start over in this one"
+            )
         was = saved.get("groups_per_step")
         if was is not None and was != config.groups_per_step:
             # step k trains prompt indices k*G .. (k+1)*G-1 and the checkpoint records which indices
