@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-RUN_CONFIG = "run_config.json"  # the name the controller writes next to each checkpoint
+from splitrl.controller.run_checkpoint import COMPLETE, RUN_CONFIG, complete_checkpoints  # stdlib only: no torch at start
+
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
@@ -36,7 +37,7 @@ def resolve_policy_dir(path: str | Path) -> tuple[Path, Path | None]:
     """
     p = Path(path)
     if (p / "checkpoints").is_dir():  # a run's output directory: its newest complete checkpoint with an export
-        done = sorted(c for c in (p / "checkpoints").glob("step_*") if (c / "COMPLETE").exists())
+        done = complete_checkpoints(p)
         if not done:
             raise ValueError(f"{p} holds no complete checkpoint under checkpoints/")
         exported = [c for c in done if (c / "policy" / "config.json").is_file()]
@@ -49,7 +50,7 @@ def resolve_policy_dir(path: str | Path) -> tuple[Path, Path | None]:
     if (p / "policy" / "config.json").is_file():
         run_cfg = p / RUN_CONFIG
         return p / "policy", run_cfg if run_cfg.is_file() else None
-    if (p / "COMPLETE").is_file() and (p / RUN_CONFIG).is_file():
+    if (p / COMPLETE).is_file() and (p / RUN_CONFIG).is_file():
         others = sorted(c.name for c in p.parent.glob("step_*") if (c / "policy" / "config.json").is_file())
         raise ValueError(
             f"checkpoint {p} holds the trainer state only, no Hugging Face export (policy/): exports are written "

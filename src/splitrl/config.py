@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from splitrl._lazy import deferred_import_checks, import_checks_deferred
 from splitrl.config_help import explain_validation_error
+from splitrl.config_types import UserPath
 from splitrl.controller.advantages import AdvantageConfig
 from splitrl.controller.buffer import ReplayBufferConfig
 from splitrl.dataplane import DataPlaneConfig
@@ -152,7 +152,7 @@ class RunConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     seed: int = 0
-    output_dir: str = "runs/demo"
+    output_dir: UserPath = "runs/demo"
     num_steps: int = Field(300, ge=1)
     groups_per_step: int = Field(16, ge=1)
     group_size: int = Field(8, ge=1)
@@ -195,12 +195,6 @@ class RunConfig(BaseModel):
     dataplane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
-
-    @field_validator("output_dir")
-    @classmethod
-    def _home(cls, path: str) -> str:
-        # the shell does not expand ~ in key=value (task.path does the same): "~/runs" made ./~/runs
-        return os.path.expanduser(path)
 
     @model_validator(mode="before")
     @classmethod

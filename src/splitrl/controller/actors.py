@@ -10,8 +10,8 @@ Ray (the GPU benchmark machine).
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 Backend = Literal["ray", "local"]
@@ -79,13 +79,11 @@ class RayActor:
         """Queue the call now (an actor runs one caller's calls in order) and return its awaitable ref."""
         return getattr(self._handle, method).remote(*args, **kwargs)
 
-    async def stream(self, method: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+    def stream(self, method: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         """Call a generator method as a Ray streaming call and yield its items as the actor
         yields them (the call still runs while the first items arrive). The generator's error
         is raised here, after the items yielded before it."""
-        refs = getattr(self._handle, method).options(num_returns="streaming").remote(*args, **kwargs)
-        async for ref in refs:
-            yield await ref
+        return _items(getattr(self._handle, method).options(num_returns="streaming").remote(*args, **kwargs))
 
     def submit_in(self, group: str, method: str, *args: Any, **kwargs: Any):
         """Queue the call in the actor's concurrency ``group`` (given in ``remote_options``): it
@@ -103,6 +101,12 @@ class RayActor:
         except Exception:  # noqa: BLE001 - the actor may not have a close(), or be gone already
             pass
         ray.kill(self._handle)
+
+
+async def _items(refs) -> AsyncIterator[Any]:
+    """The objects of a Ray streaming call's refs (an ``ObjectRefGenerator``), as they come."""
+    async for ref in refs:
+        yield await ref
 
 
 class ActorPart:
@@ -125,13 +129,13 @@ class ActorPart:
         """Queue ``method`` of this part and return its awaitable ref."""
         return self.actor._handle.call.options(concurrency_group=self.part).remote(self.part, method, args, kwargs)
 
-    async def stream(self, method: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+    def stream(self, method: str, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
         """:meth:`RayActor.stream` for a generator method of this part."""
-        refs = self.actor._handle.call_stream.options(concurrency_group=self.part, num_returns="streaming").remote(
-            self.part, method, args, kwargs
+        return _items(
+            self.actor._handle.call_stream.options(concurrency_group=self.part, num_returns="streaming").remote(
+                self.part, method, args, kwargs
+            )
         )
-        async for ref in refs:
-            yield await ref
 
     def submit_host(self, method: str, *args: Any, **kwargs: Any):
         """Queue ``method`` of the hosting object itself, in this part's group."""

@@ -62,6 +62,8 @@ from splitrl.controller.placement import (
 from splitrl.controller.policy_client import PolicyClient
 from splitrl.controller.run_checkpoint import (
     TMP_SUFFIX,
+    CONTROLLER_STATE,
+    RUN_CONFIG,
     CheckpointError,
     checkpoint_step,
     complete_checkpoints,
@@ -87,7 +89,6 @@ from splitrl.types import Group
 log = logging.getLogger(__name__)
 
 
-RUN_CONFIG = "run_config.json"
 LEGACY_TRAINER_FILE = "trainer.pt"  # the whole trainer state in one file (checkpoints before sharded ones)
 # how often the controller asks whether a checkpoint's background writes are done
 CHECKPOINT_POLL_S = 0.2
@@ -190,11 +191,9 @@ def preflight(config: RunConfig) -> int:
             raise ValueError(f"{saved_path} cannot be read ({e}); resume=false starts over in this output_dir") from None
         now = config.model_dump(mode="json")
         if saved.get("model") != now["model"]:
-            diffs = _differences(saved.get("model") or {}, now["model"], "model")
-            shown = "; ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, a, b in diffs[:5])
-            more = f" (and {len(diffs) - 5} more)" if len(diffs) > 5 else ""
+            shown = _shown_differences(saved.get("model") or {}, now["model"], "model")
             raise ValueError(
-                f"{ckpt} was written by a different model config than this run's ({shown}{more}); resume needs the "
+                f"{ckpt} was written by a different model config than this run's ({shown}); resume needs the "
                 "same model. Use a new output_dir, or resume=false to start over in this one"
             )
         # the same vocabulary size can map ids to other characters: the weights would be read with
@@ -202,8 +201,7 @@ def preflight(config: RunConfig) -> int:
         tok_was = {k: v for k, v in (saved.get("tokenizer") or {}).items() if k != "path"}
         tok_now = {k: v for k, v in now["tokenizer"].items() if k != "path"}
         if tok_was and tok_was != tok_now:
-            diffs = _differences(tok_was, tok_now, "tokenizer")
-            shown = "; ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, a, b in diffs[:5])
+            shown = _shown_differences(tok_was, tok_now, "tokenizer")
             raise ValueError(
                 f"{ckpt} was written with another tokenizer config than this run's ({shown}); resume needs the same "
                 "tokenizer. Set it as the checkpoint has it, use a new output_dir, or resume=false to start over in this one"
@@ -254,6 +252,14 @@ def check_cluster_cpus(need: int, resources: Mapping[str, float]) -> None:
             f"TransferQueue data plane) but {have:g} are free; lower num_train_workers / num_generation_workers, "
             "free the cluster, or start its nodes with more --num-cpus (logical CPUs may exceed the cores)"
         )
+
+
+def _shown_differences(saved: dict, now: dict, prefix: str, most: int = 5) -> str:
+    """The first ``most`` leaves where a checkpoint's config section and this run's differ, for
+    an error message (``model.x: checkpoint 1, this run 2; ... (and 3 more)``)."""
+    diffs = _differences(saved, now, prefix)
+    shown = "; ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, a, b in diffs[:most])
+    return shown + (f" (and {len(diffs) - most} more)" if len(diffs) > most else "")
 
 
 def _differences(a, b, prefix: str) -> list[tuple[str, object, object]]:
@@ -678,7 +684,7 @@ class SingleController:
                 "expected_tokens": self.expected_tokens,
                 "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
             },
-            tmp / "controller.pt",
+            tmp / CONTROLLER_STATE,
         )
         # the model config a resume is checked against (preflight) comes from here, so a
         # checkpoint without policy/ is enough to resume
@@ -701,7 +707,7 @@ class SingleController:
         touched = None  # a checkpoint whose sharded load failed after it may have written into the model
         for path in intact_checkpoints(self.out):
             try:
-                state = torch.load(path / "controller.pt", weights_only=False)
+                state = torch.load(path / CONTROLLER_STATE, weights_only=False)
                 if (path / SHARDS_DIR).is_dir():
                     touched = path
                     await self.policy.load_checkpoint(str(path))

@@ -26,11 +26,14 @@ import json
 import logging
 import re
 import shutil
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 COMPLETE = "COMPLETE"
+RUN_CONFIG = "run_config.json"  # the run config the checkpoint was written by (resume checks it)
+CONTROLLER_STATE = "controller.pt"  # the controller's own state: buffer, prompt cursor, RNG
 TMP_SUFFIX = ".tmp"
 _CHUNK = 1 << 20
 
@@ -140,10 +143,15 @@ def intact_checkpoints(output_dir: str | Path):
             log.warning("checkpoint %s is damaged (%s); falling back to an older one", path.name, why)
 
 
+def _cache_key(path: Path) -> tuple[str, int]:
+    """A checkpoint's key in ``_verified``: a rewritten ``COMPLETE`` marker is a new checkpoint."""
+    return (str(path), (path / COMPLETE).stat().st_mtime_ns)
+
+
 def _cached_damage(path: Path) -> str | None:
     """:func:`damage` of a checkpoint with a ``COMPLETE`` marker, computed once per marker
     (preflight, restore and the listing of unusable checkpoints all ask; hashing is slow)."""
-    key = (str(path), (path / COMPLETE).stat().st_mtime_ns)
+    key = _cache_key(path)
     if key not in _verified:
         _verified[key] = damage(path)
     return _verified[key]
@@ -153,7 +161,7 @@ def known_damaged(path: Path) -> bool:
     """Whether ``path`` was already found damaged in this process (by :func:`intact_checkpoints`
     or :func:`mark_damaged`); never hashes anything, so it is cheap on every prune."""
     try:
-        key = (str(path), (path / COMPLETE).stat().st_mtime_ns)
+        key = _cache_key(path)
     except OSError:
         return False
     return _verified.get(key) is not None
@@ -162,7 +170,7 @@ def known_damaged(path: Path) -> bool:
 def mark_damaged(path: Path, why: str) -> None:
     """Record that ``path`` failed to load although its files matched (e.g. a checkpoint of an
     older splitrl without checksums): later calls skip it."""
-    _verified[(str(path), (path / COMPLETE).stat().st_mtime_ns)] = why
+    _verified[_cache_key(path)] = why
 
 
 def latest_intact_checkpoint(output_dir: str | Path) -> Path | None:
@@ -227,11 +235,9 @@ def set_aside_earlier_run(output_dir: str | Path) -> tuple[Path | None, list[str
     Returns:
         (the folder they went to, or None when there was nothing; the names moved).
     """
-    import time
-
     out = Path(output_dir)
     root = checkpoint_root(out)
-    ours = (COMPLETE, "controller.pt", "run_config.json")
+    ours = (COMPLETE, CONTROLLER_STATE, RUN_CONFIG)
     ckpts = sorted(p for p in root.glob("step_*") if p.is_dir() and any((p / f).exists() for f in ours)) if root.is_dir() else []
     files = [out / name for name in RUN_RECORD if (out / name).exists()]
     if not ckpts and not files:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from splitrl.config_types import UserPath
 
 SUPPORTED_FAMILIES = ("qwen3", "llama", "qwen3_moe")
 
@@ -91,19 +92,13 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    pretrained_path: str | None = None
+    pretrained_path: UserPath | None = None
     family: Literal["qwen3", "llama", "qwen3_moe"] = "qwen3"
     backbone: dict[str, Any] = Field(default_factory=lambda: dict(TINY_BACKBONE))
     mtp: MTPConfig = Field(default_factory=MTPConfig)
     capabilities: ModelCapabilities = Field(default_factory=ModelCapabilities)
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     seed: int = 0
-
-    @field_validator("pretrained_path")
-    @classmethod
-    def _home(cls, path: str | None) -> str | None:
-        # the shell does not expand ~ in key=value overrides
-        return None if path is None else os.path.expanduser(path)
 
 
 TINY_BACKBONE: dict[str, Any] = {

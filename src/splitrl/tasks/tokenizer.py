@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import string
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict
+
+from splitrl.config_types import UserPath
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -72,11 +73,5 @@ class TokenizerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     kind: Literal["char", "pretrained"] = "char"
-    path: str | None = None
+    path: UserPath | None = None
     charset: str | None = None
-
-    @field_validator("path")
-    @classmethod
-    def _home(cls, path: str | None) -> str | None:
-        # the shell does not expand ~ in key=value overrides
-        return None if path is None else os.path.expanduser(path)
