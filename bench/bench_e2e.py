@@ -45,6 +45,26 @@ TransferQueue) sync 97 samples/s, async s=0 0.85x, s=1 1.10x (an earlier run: 11
 1.08x, 1.57x); ``backend=local dataplane.kind=inprocess`` (in-process threads share the GIL;
 load 2) sync 234 samples/s, async s=0 1.28x, s=1 1.34x; the same with
 ``train.microbatch.micro_batch_size=32`` (load 5) sync 165 samples/s, 1.31x, 0.87x.
+
+Ragged response lengths (``--stop-prob P``). A random-init model (the GPU example: no hub access)
+almost never samples its tokenizer's EOS (1 id of 151936), so every response runs to
+``rollout.max_new_tokens``, all samples of a step finish at the same moment and streaming a step's
+groups at ``max_staleness: 0`` has nothing to overlap (measured on the H200: async s=0 = 1.06x
+sync), while real RL responses vary ~10x in length within a step. ``--stop-prob P`` gives every
+run (warm-up included) ``rollout.stop_token_ids`` = the ids the config already stops on (its own
+list and the tokenizer's EOS) plus the highest ids of the model's vocabulary that spell no text
+of the tokenizer (no text id, no pad), as many as make ``round(P · vocab_size)`` stopping ids in
+all (:func:`stop_token_ids`). A near-uniform random-init model then stops with probability ≈ P
+per token: response lengths are about geometric, mean ≈ (1 − (1 − P)^L) / P ≈ 1/P for
+L = ``max_new_tokens`` ≫ 1/P, capped at L. (A trained policy learns its own lengths; the option is
+for random-init models.) The table prints the observed response length (``rollout/
+response_length_mean`` averaged over the steady steps, the largest ``rollout/response_length_max``)
+and the share of responses cut at ``max_new_tokens`` (``rollout/truncation_rate``). The CPU demo's
+vocabulary (22 ids) is all text but for 4 specials, so there P <= 3/22 (EOS, <unk>, <bos>); raise
+``model.backbone.vocab_size`` for more.
+
+    python bench/bench_e2e.py --config examples/qwen3_0p6b_gpu.yaml --steps 6 --device cuda \\
+        --stop-prob 0.02   # 3039 stop ids; mean response ≈ 46 of 128 tokens
 """
 
 from __future__ import annotations
@@ -67,6 +87,7 @@ import torch
 from splitrl.config import RunConfig, load_config
 from splitrl.controller.controller import _resolve_backend, train
 from splitrl.controller.placement import resolve_placement
+from splitrl.models.hf_files import rollout_stop_token_ids
 
 SCHEDULES = {
     "sync": ["schedule=sync", "buffer.max_staleness=0"],
@@ -90,8 +111,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="keep each run's metrics and logs here (their checkpoints are removed); default: a temporary "
         "directory, removed at the end",
     )
+    p.add_argument(
+        "--stop-prob", type=float, default=0.0,
+        help="0 <= P < 1: stop responses with probability ~P per token (random-init models never sample EOS; "
+        "see the docstring); 0: off",
+    )
     p.add_argument("overrides", nargs="*", help="key.path=value overrides applied to every run")
     args = p.parse_args(argv)
+    args.stop_ids, args.stop_note = None, ""
+    if not 0.0 <= args.stop_prob < 1.0:
+        p.error(f"--stop-prob must be in [0, 1) (a per-token stop probability), got {args.stop_prob}")
     if args.steps < 2:
         p.error("--steps must be >= 2: step 1 (start-up, compilation) is left out of the figures")
     if args.repeats < 1 or args.warmup_steps < 0:
@@ -99,17 +128,79 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = [s for s in args.schedules.split(",") if s not in SCHEDULES]
     if unknown:
         p.error(f"--schedules: unknown {unknown}; choose from {list(SCHEDULES)}")
+    check_dir = Path(tempfile.gettempdir()) / "bench_e2e_check"
+    if args.stop_prob > 0:  # one id set for every run: the schedules differ in nothing the ids depend on
+        try:
+            base = load_config(args.config, _overrides(args, "sync", args.steps, check_dir))
+            args.stop_ids = stop_token_ids(base, args.stop_prob)
+        except ValueError as e:
+            p.error(f"--stop-prob {args.stop_prob}: {e}")
+        own = list(base.rollout.stop_token_ids)
+        args.stop_note = (
+            f"--stop-prob {args.stop_prob}: rollout.stop_token_ids = the config's {_describe_ids(own)} + "
+            f"{_describe_ids(args.stop_ids[len(own):])} spelling no text (+ the tokenizer's EOS, id {_eos(base)})"
+        )
     for name in args.schedules.split(","):  # every run's config, before the first run starts
         try:
-            load_config(args.config, _overrides(args, name, args.steps, Path(tempfile.gettempdir()) / "bench_e2e_check"))
+            load_config(args.config, _overrides(args, name, args.steps, check_dir))
         except ValueError as e:
             p.error(f"{name}: {e}")
     return args
 
 
+def stop_token_ids(config: RunConfig, p: float) -> list[int]:
+    """``rollout.stop_token_ids`` that stop a near-uniform model with probability ≈ ``p`` per token.
+
+    The ids the run already stops on (``config.rollout.stop_token_ids``, the tokenizer's EOS, a
+    pretrained model's ``eos_token_id``) count towards ``round(p · vocab_size)``; the rest are the
+    highest ids of the model's vocabulary that the tokenizer does not use for text and that are not
+    its pad id. Returns the config's own ids (order kept) then the added ones, ascending (the
+    tokenizer's EOS is added by the generation worker, as for any run).
+
+    Raises:
+        ValueError: ``p`` asks for fewer than one id, or for more ids than the vocabulary has
+            outside the tokenizer's text (how to fix is said); or the config's model/tokenizer
+            are invalid.
+    """
+    from splitrl.controller.checks import load_checked_tokenizer, model_hf_config
+
+    vocab = model_hf_config(config).vocab_size
+    tok = load_checked_tokenizer(config)
+    want = round(p * vocab)
+    if want < 1:
+        raise ValueError(f"round(P * vocab_size) = round({p} * {vocab}) = 0 stop ids; use P > {0.5 / vocab:.2g}")
+    stopping = set(rollout_stop_token_ids(config.rollout, tok, config.model.pretrained_path))
+    text = set(tok.get_vocab().values()) - set(tok.all_special_ids)
+    unusable = text | stopping | {tok.pad_token_id}
+    free = [i for i in range(vocab - 1, -1, -1) if i not in unusable]
+    need = max(0, want - len(stopping))
+    if need > len(free):
+        most = (len(stopping) + len(free)) / vocab
+        raise ValueError(
+            f"it needs {want} stop ids of the model's vocab_size={vocab}, but only {len(stopping)} stop already "
+            f"and {len(free)} more spell no text of the tokenizer (tokenizer.kind={config.tokenizer.kind}, "
+            f"{len(text)} text ids); use --stop-prob <= {math.floor(most * 1000) / 1000} or a larger "
+            "model.backbone.vocab_size (random init)"
+        )
+    return list(config.rollout.stop_token_ids) + sorted(free[:need])
+
+
+def _eos(config: RunConfig) -> int | None:
+    from splitrl.controller.checks import load_checked_tokenizer
+
+    return load_checked_tokenizer(config).eos_token_id
+
+
+def _describe_ids(ids: list[int]) -> str:
+    """``3039 ids in 148897-151935`` rather than the ids themselves (thousands of them)."""
+    return f"{len(ids)} id(s) in {min(ids)}-{max(ids)}" if ids else "none"
+
+
 def _overrides(args: argparse.Namespace, name: str, steps: int, out) -> list[str]:
     """The overrides of one run of schedule ``name``: the user's, then the bench's."""
     base = list(args.overrides) + ([f"device={args.device}"] if args.device else [])
+    if getattr(args, "stop_ids", None) is not None:
+        base.append(f"rollout.stop_token_ids=[{','.join(map(str, args.stop_ids))}]")
     return base + COMMON + SCHEDULES[name] + [f"num_steps={steps}", f"output_dir={out}"]
 
 
@@ -131,6 +222,10 @@ def figures(config: RunConfig, runs: list[list[dict[str, float]]]) -> dict[str, 
         "wait_s": sum(m["timing/exposed_wait_s"] for m in steady) / n,
         "overlap_s": sum(m["timing/generation_during_train_s"] for m in steady) / n,
         "reward": steady[-1]["train/reward"],
+        # how ragged the step was: observed lengths (tokens) and the share cut at max_new_tokens
+        "response_length_mean": sum(m["rollout/response_length_mean"] for m in steady) / n,
+        "response_length_max": max(m["rollout/response_length_max"] for m in steady),
+        "truncation_rate": sum(m["rollout/truncation_rate"] for m in steady) / n,
     }
 
 
@@ -142,7 +237,8 @@ def _load() -> str:
         return "unknown"
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
+    """Run the bench; returns each schedule's :func:`figures` (also printed as a table)."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -172,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
                     f"runs under {root}; load average {_load()} at the start",
                     flush=True,
                 )
+                if args.stop_note:
+                    print(args.stop_note, flush=True)
             t0 = time.perf_counter()
             res = train(cfg)
             if res.steps_done != steps or len(res.metrics) != steps:
@@ -202,7 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     ref = results.get("sync")
     head = (
         f"{'schedule':<10} {'samples/s':>10} {'gen tok/s':>11} {'train tok/s':>12} {'x sync':>7} "
-        f"{'step s':>8} {'wait s':>8} {'overlap s':>10} {'step 1 s':>9} {'reward':>7}"
+        f"{'step s':>8} {'wait s':>8} {'overlap s':>10} {'step 1 s':>9} {'reward':>7} "
+        f"{'resp mean':>9} {'resp max':>8} {'cut':>5}"
     )
     print(head)
     for name, f in results.items():
@@ -210,9 +309,15 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"{name:<10} {f['samples_per_s']:>10.1f} {f['gen_tokens_per_s']:>11.0f} {f['trained_tokens_per_s']:>12.0f} "
             f"{ratio:>6.2f}x {f['step_s']:>8.3f} {f['wait_s']:>8.3f} {f['overlap_s']:>10.3f} {f['step1_s']:>9.1f} "
-            f"{f['reward']:>7.3f}",
+            f"{f['reward']:>7.3f} {f['response_length_mean']:>9.1f} {f['response_length_max']:>8.0f} "
+            f"{f['truncation_rate']:>5.2f}",
             flush=True,
         )
+    print(
+        f"resp mean / max: response length in tokens (<= {configs[names[0]].rollout.max_new_tokens}), mean over the "
+        "steady steps / largest; cut: share of responses that reached max_new_tokens"
+    )
+    return results
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ def _step(step_s, prompt_len, response_len, reward=0.5):
     return {
         "timing/step_s": step_s, "rollout/prompt_length_mean": prompt_len, "rollout/response_length_mean": response_len,
         "timing/exposed_wait_s": 0.1 * step_s, "timing/generation_during_train_s": 0.2 * step_s, "train/reward": reward,
+        "rollout/response_length_max": 2 * response_len, "rollout/truncation_rate": response_len / 100,
     }
 
 
@@ -43,6 +44,10 @@ def test_figures_pool_the_steady_state_steps_of_every_run():
     assert f["step1_s"] == pytest.approx(75.0)
     assert f["wait_s"] == pytest.approx(0.1 * wall / 3)
     assert f["overlap_s"] == pytest.approx(0.2 * wall / 3)
+    # observed lengths of the steady steps: a mean over steps, the largest max (step 1's 18 left out)
+    assert f["response_length_mean"] == pytest.approx((6 + 4 + 2) / 3)
+    assert f["response_length_max"] == 12
+    assert f["truncation_rate"] == pytest.approx((6 + 4 + 2) / 300)
 
 
 def test_each_schedule_is_a_valid_config():
@@ -79,3 +84,48 @@ def test_bench_config_errors_are_usage_errors_before_any_run(capsys, tmp_path):
         err = capsys.readouterr().err
         assert e.value.code == 2 and why in err and "Traceback" not in err
     assert _bench().parse_args(["--steps", "2", "backend=local"]).steps == 2
+
+
+DEMO = ROOT / "examples" / "cpu_demo.yaml"
+
+
+def test_stop_prob_ids_count_to_p_times_vocab_and_spell_no_text():
+    """Kind: ragged-length stop ids that collide with text (a digit that ends every answer) or
+    that miss P·vocab. The CPU demo's tokenizer spells text with ids 4..21 (specials 0..3, EOS 2)."""
+    bench = _bench()
+    cfg = load_config(DEMO, ["model.backbone.vocab_size=1000", "rollout.stop_token_ids=[500,2]"])
+    ids = bench.stop_token_ids(cfg, 0.25)
+    # 250 stopping ids in all: the config's 500 and 2 (EOS) + the 248 highest free ids
+    assert ids == [500, 2] + list(range(752, 1000)) and len(set(ids)) == 250
+    assert bench.stop_token_ids(load_config(DEMO, ["model.backbone.vocab_size=1000"]), 0.1) == list(range(901, 1000))
+    # vocab 22: only <unk> (3) and <bos> (1) are neither text nor pad; EOS already stops (~1/22)
+    assert bench.stop_token_ids(load_config(DEMO, []), 0.1) == [3]
+    assert bench.stop_token_ids(load_config(DEMO, []), 0.13) == [1, 3]
+    assert bench.stop_token_ids(load_config(DEMO, []), 0.05) == []
+    with pytest.raises(ValueError, match="use --stop-prob <= 0.136"):
+        bench.stop_token_ids(load_config(DEMO, []), 0.2)
+
+
+def test_stop_prob_out_of_range_is_a_usage_error(capsys):
+    for p in ["1", "-0.1", "0.01"]:  # 0.01 * 22 rounds to 0 ids
+        with pytest.raises(SystemExit) as e:
+            _bench().parse_args(["--config", str(DEMO), "--stop-prob", p])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "--stop-prob" in err and "Traceback" not in err, p
+
+
+def test_stop_prob_makes_response_lengths_ragged(capsys):
+    """Kind: an option that does not reach the runs. A near-uniform random-init model (vocab 1000,
+    EOS 1 id of 1000) runs almost every response to max_new_tokens=16 (expected mean 15.9); with
+    --stop-prob 0.25 the lengths are about geometric, expected mean (1 - 0.75^16) / 0.25 = 3.96."""
+    common = [
+        "--config", str(DEMO), "--steps", "2", "--warmup-steps", "0", "--schedules", "sync",
+        "backend=local", "dataplane.kind=inprocess", "model.backbone.vocab_size=1000", "rollout.max_new_tokens=16",
+        "groups_per_step=4", "group_size=4", "min_groups_per_chunk=2", "generation_groups_per_call=4",
+    ]
+    full = _bench().main(common)["sync"]
+    ragged = _bench().main(common + ["--stop-prob", "0.25"])["sync"]
+    out = capsys.readouterr().out
+    assert full["response_length_mean"] >= 15.0 and full["response_length_max"] == 16 and full["truncation_rate"] >= 0.9
+    assert 2.5 <= ragged["response_length_mean"] <= 6.0 and ragged["truncation_rate"] <= 0.2
+    assert "249 id(s) in 751-999" in out and "resp mean" in out
