@@ -206,7 +206,7 @@ class DecoderForward:
         """h⁰ [B, Q, H] of Q new tokens per slot 0..B-1 (causal among them and over the cache)."""
         h = self.model.embed_tokens(ids_BQ)
         cos, sin = self.model.rotary_emb(h, positions_BQ)
-        plan = cache.plan(positions_BQ, positions_BQ, positions_BQ, length)  # shared by all layers
+        plan = cache.plan(positions_BQ, positions_BQ, positions_BQ, length, causal=True)  # shared by all layers
         return self._stack(h, cos, sin, cache, plan=plan)
 
     # ------------------------------------------------------------------------------ MTP
