@@ -32,6 +32,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from splitrl.rollout.fused import plan_tensors
+
 
 def _flash_decode_available() -> bool:
     """The aten flash varlen op takes ``seqused_k`` (torch >= 2.5 builds with flash attention)."""
@@ -121,6 +123,7 @@ class StaticKVCache:
         length: int,
         slots_B: torch.Tensor | None = None,
         causal: bool = False,
+        kernels=None,
     ) -> AttentionPlan:
         """Where a forward's Q entries per row go and what each may read (shared by all layers).
 
@@ -132,21 +135,19 @@ class StaticKVCache:
         ``causal=True`` is the caller's promise that the three index tensors are equal and each row's
         are consecutive (p-Q+1..p, p < ``length``), rows being slots 0..B-1: the backbone's decode.
         Such a plan runs on the flash path where the cache has one (:attr:`flash`).
+        ``kernels``: a :class:`~splitrl.rollout.fused.Kernels` whose (compiled) ``plan_tensors``
+        builds the index and mask.
         """
-        B, Q = write_pos_BQ.shape
-        Hk, M = self.k.shape[3], self.max_len
-        device = write_pos_BQ.device
-        rows = torch.arange(B, device=device) if slots_B is None else slots_B
-        heads = torch.arange(Hk, device=device)
-        flat = ((rows[:, None, None] * M + write_pos_BQ[:, :, None]) * Hk + heads).reshape(-1)  # [B*Q*Hk]
-        if causal and self.flash and slots_B is None:
+        B = write_pos_BQ.shape[0]
+        rows = torch.arange(B, device=write_pos_BQ.device) if slots_B is None else slots_B
+        flash = causal and self.flash and slots_B is None
+        fn = plan_tensors if kernels is None else kernels.plan_tensors
+        flat, mask = fn(write_pos_BQ, positions_BQ, limit_BQ, rows, self.k.shape[3], self.max_len, 0 if flash else length)
+        if flash:
             # clamped: a slot of the bucket that holds no row may carry a stale position
             seqused = (limit_BQ[:, -1] + 1).clamp(1, length).to(torch.int32)
             return AttentionPlan(flat, None, length, None, seqused)
-        j = torch.arange(length, device=device)
-        allowed = (j <= limit_BQ[..., None]) | (j == positions_BQ[..., None])  # [B, Q, L]
-        mask = torch.zeros(allowed.shape, dtype=torch.float32, device=device).masked_fill(~allowed, float("-inf"))
-        return AttentionPlan(flat, mask[:, None, None], length, slots_B)
+        return AttentionPlan(flat, mask, length, slots_B)
 
     def write(self, layer: int, plan: AttentionPlan, k_BQHd: torch.Tensor, v_BQHd: torch.Tensor) -> None:
         """Store a forward's keys and values where ``plan`` says (graph-safe: one index_copy_ each)."""
