@@ -20,12 +20,12 @@ def _caches():
     torch.manual_seed(0)
     flash = StaticKVCache(2, S, HK, M, D_HEAD, torch.bfloat16, "cuda", flash=True)
     masked = StaticKVCache(2, S, HK, M, D_HEAD, torch.bfloat16, "cuda", flash=False)
-    for c in (flash, masked):
-        assert c.flash == (c is flash)
+    assert flash.flash and not masked.flash
+    assert flash.k.shape == (2, S, M, HK, D_HEAD) and masked.k.shape == (2, S, HK, M, D_HEAD)
     flash.k.normal_()
     flash.v.normal_()
-    masked.k.copy_(flash.k)
-    masked.v.copy_(flash.v)
+    masked.k.copy_(flash.k.transpose(2, 3))  # [N, S, M, Hk, d] -> [N, S, Hk, M, d]
+    masked.v.copy_(flash.v.transpose(2, 3))
     return flash, masked
 
 

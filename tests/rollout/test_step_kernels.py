@@ -69,6 +69,7 @@ def test_compiled_step_bookkeeping_equals_eager(compiled, B, stops):
         c = compiled["draft_window"](st["pos"], out_e[0], n_minus_1, depth, D + 1, 63)
         assert all(torch.equal(x, z) for x, z in zip(e, c))
         rows = torch.arange(B)
-        pe = fused.plan_tensors(e[1], e[0], e[2], rows, 2, 64, 48)
-        pc = compiled["plan_tensors"](e[1], e[0], e[2], rows, 2, 64, 48)
-        assert torch.equal(pe[0], pc[0]) and torch.equal(pe[1], pc[1])
+        for position_major in (False, True):
+            pe = fused.plan_tensors(e[1], e[0], e[2], rows, 2, 64, 48, position_major)
+            pc = compiled["plan_tensors"](e[1], e[0], e[2], rows, 2, 64, 48, position_major)
+            assert torch.equal(pe[0], pc[0]) and torch.equal(pe[1], pc[1])

@@ -137,11 +137,17 @@ def draft_window(p0, accepted, query_pos, depth: int, width: int, scratch: int):
     return pos, write, limit
 
 
-def plan_tensors(write_pos_BQ, positions_BQ, limit_BQ, rows_B, kv_heads: int, max_len: int, length: int):
+def plan_tensors(
+    write_pos_BQ, positions_BQ, limit_BQ, rows_B, kv_heads: int, max_len: int, length: int, position_major: bool
+):
     """(flat write index int64 [B*Q*Hk], additive mask fp32 [B, 1, 1, Q, length]) of
-    :meth:`splitrl.rollout.kv.StaticKVCache.plan`; ``length`` 0: the index only (mask None)."""
+    :meth:`splitrl.rollout.kv.StaticKVCache.plan`, for a cache layer [S, M, Hk, d]
+    (``position_major``) or [S, Hk, M, d]; ``length`` 0: the index only (mask None)."""
     heads = torch.arange(kv_heads, device=write_pos_BQ.device)
-    flat = ((rows_B[:, None, None] * max_len + write_pos_BQ[:, :, None]) * kv_heads + heads).reshape(-1)
+    if position_major:
+        flat = ((rows_B[:, None, None] * max_len + write_pos_BQ[:, :, None]) * kv_heads + heads).reshape(-1)
+    else:
+        flat = ((rows_B[:, None, None] * kv_heads + heads) * max_len + write_pos_BQ[:, :, None]).reshape(-1)
     if length == 0:
         return flat, None
     j = torch.arange(length, device=write_pos_BQ.device)

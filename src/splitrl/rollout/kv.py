@@ -3,10 +3,13 @@
 Legend: S = slots (rows the engine can hold), N = layers, Hk = key/value heads, M = cache length,
 d = head dim, B = rows of a forward (slots 0..B-1), Q = new tokens per row, L = cache prefix read.
 
-A slot's entry for position p lives at index p: no padding, no compaction. The layout is
-[N, S, M, Hk, d] (position-major within a slot), so that a layer's cache is also a flat
-[S*M, Hk, d] sequence of tokens in which slot s starts at token s*M: the layout the flash
-variable-length kernel reads.
+A slot's entry for position p lives at index p: no padding, no compaction. Two layouts: a cache
+read by the flash kernel (below) is [N, S, M, Hk, d] (position-major within a slot), so that a
+layer's cache is also a flat [S*M, Hk, d] sequence of tokens in which slot s starts at token s*M,
+the layout the flash variable-length kernel reads; any other cache is [N, S, Hk, M, d]
+(head-major), which the masked path reads as [B, Hk, L, d] without a copy (on the H200 the masked
+path over the position-major layout made the MTP drafts' attention slow enough to cost
+speculation 7-26 %).
 
 Two attention paths read it. The general one (any mask: the MTP depths' queries, CPU, fp32) is one
 ``scaled_dot_product_attention`` call over the first L indices of every row with an additive mask,
@@ -81,7 +84,8 @@ class StaticKVCache:
     """Keys and values of ``num_layers`` attention layers for ``slots`` rows of ``max_len`` positions.
 
     Args:
-        num_layers, slots, kv_heads, max_len, head_dim: the shape [N, S, M, Hk, d].
+        num_layers, slots, kv_heads, max_len, head_dim: the shape [N, S, M, Hk, d] (flash) or
+            [N, S, Hk, M, d].
         dtype, device: of the tensors (the model's compute dtype).
         flash: use the flash varlen kernel for causal plans where it runs (default
             :data:`FLASH_DECODE`, CUDA, fp16 / bf16, head dim <= 256).
@@ -98,12 +102,15 @@ class StaticKVCache:
         device,
         flash: bool | None = None,
     ) -> None:
-        shape = (num_layers, slots, max_len, kv_heads, head_dim)
+        runs = torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim <= 256
+        self.flash = bool((FLASH_DECODE if flash is None else flash) and runs)
+        if self.flash:
+            shape = (num_layers, slots, max_len, kv_heads, head_dim)
+        else:
+            shape = (num_layers, slots, kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.slots, self.max_len = slots, max_len
-        runs = self.k.is_cuda and dtype in (torch.float16, torch.bfloat16) and head_dim <= 256
-        self.flash = (FLASH_DECODE if flash is None else flash) and runs
+        self.slots, self.max_len, self.kv_heads = slots, max_len, kv_heads
 
     @property
     def scratch(self) -> int:
@@ -112,8 +119,12 @@ class StaticKVCache:
     def write_prefix(self, layer: int, slot_ids: torch.Tensor, k_BMHd: torch.Tensor, v_BMHd: torch.Tensor) -> None:
         """Positions 0..M'-1 of the slots ``slot_ids`` [B] (a prefill)."""
         M = k_BMHd.shape[1]
-        self.k[layer, :, :M].index_copy_(0, slot_ids, k_BMHd)
-        self.v[layer, :, :M].index_copy_(0, slot_ids, v_BMHd)
+        if self.flash:
+            self.k[layer, :, :M].index_copy_(0, slot_ids, k_BMHd)
+            self.v[layer, :, :M].index_copy_(0, slot_ids, v_BMHd)
+        else:
+            self.k[layer, :, :, :M].index_copy_(0, slot_ids, k_BMHd.transpose(1, 2))
+            self.v[layer, :, :, :M].index_copy_(0, slot_ids, v_BMHd.transpose(1, 2))
 
     def plan(
         self,
@@ -142,7 +153,9 @@ class StaticKVCache:
         rows = torch.arange(B, device=write_pos_BQ.device) if slots_B is None else slots_B
         flash = causal and self.flash and slots_B is None
         fn = plan_tensors if kernels is None else kernels.plan_tensors
-        flat, mask = fn(write_pos_BQ, positions_BQ, limit_BQ, rows, self.k.shape[3], self.max_len, 0 if flash else length)
+        flat, mask = fn(
+            write_pos_BQ, positions_BQ, limit_BQ, rows, self.kv_heads, self.max_len, 0 if flash else length, self.flash
+        )
         if flash:
             # clamped: a slot of the bucket that holds no row may carry a stale position
             seqused = (limit_BQ[:, -1] + 1).clamp(1, length).to(torch.int32)
@@ -174,12 +187,13 @@ class StaticKVCache:
         length = plan.length
         if plan.seqused is not None:
             return self._attend_flash(layer, q_BQHd, plan, scale)
-        if plan.slots is None:
-            k = self.k[layer, :B, :length].transpose(1, 2)  # [B, Hk, L, d], a view: no copy
-            v = self.v[layer, :B, :length].transpose(1, 2)
+        rows = slice(0, B) if plan.slots is None else plan.slots  # slots: a copy of those rows
+        if self.flash:
+            k = self.k[layer][rows, :length].transpose(1, 2)  # [B, Hk, L, d]
+            v = self.v[layer][rows, :length].transpose(1, 2)
         else:
-            k = self.k[layer][plan.slots, :length].transpose(1, 2)
-            v = self.v[layer][plan.slots, :length].transpose(1, 2)
+            k = self.k[layer][rows, :, :length]  # [B, Hk, L, d], a view for slots 0..B-1
+            v = self.v[layer][rows, :, :length]
         Hk = k.shape[1]
         G = H // Hk
         q = q_BQHd.view(B, Q, Hk, G, d).permute(0, 2, 3, 1, 4).reshape(B, Hk, G * Q, d)
@@ -189,7 +203,7 @@ class StaticKVCache:
 
     def _attend_flash(self, layer: int, q_BQHd: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
         B, Q, H, d = q_BQHd.shape
-        M, Hk = self.max_len, self.k.shape[3]
+        M, Hk = self.max_len, self.kv_heads
         device = q_BQHd.device
         # slot b's tokens start at b*M in the flat [S*M, Hk, d] view; seqused_k cuts each row at its
         # length, and the causal mask is aligned to that end (query q sits at seqused - Q + q)
