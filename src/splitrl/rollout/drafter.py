@@ -148,30 +148,20 @@ class MTPDrafter:
         """
         B, W, H = h0_BWH.shape
         D = self.D
-        device = p0_B.device
-        rows = torch.arange(B, device=device)
-        i = torch.arange(W, device=device)
+        rows = torch.arange(B, device=p0_B.device)
         embeds = self.model.embed_tokens(targets_BW)
-        scratch = self.cache.scratch
-        n_minus_1 = (p0_B + accepted_B)[:, None]
+        n_minus_1 = p0_B + accepted_B
         prev = h0_BWH
         new_carry = []
         drafts: list[torch.Tensor] = []
         query = None
         for k in range(1, D + 1):
-            pos = p0_B[:, None] - (k - 1) + i
-            valid = (i <= accepted_B[:, None]) & (pos >= 0)
-            pos = pos.clamp(min=0)
-            write = torch.where(valid, pos, scratch)
-            limit = pos
+            pos, write, limit = self.fwd.k.draft_window(p0_B, accepted_B, n_minus_1, k, W, self.cache.scratch)
             hidden = prev if k == 1 else torch.cat([carry[k - 2][:, None], prev[:, : W - 1]], dim=1)
             emb = embeds
             if k >= 2:  # the query at n-1 reads the frontier n-k and itself
                 emb = torch.cat([embeds, self.model.embed_tokens(drafts[-1])[:, None]], dim=1)
                 hidden = torch.cat([hidden, query[:, None]], dim=1)
-                pos = torch.cat([pos, n_minus_1], dim=1)
-                write = torch.cat([write, n_minus_1], dim=1)
-                limit = torch.cat([limit, n_minus_1 - (k - 1)], dim=1)
             out = self.fwd.mtp_decode(k, emb, hidden, pos, write, limit, self.cache, length)
             window = out[:, :W]
             if k < D:

@@ -47,6 +47,7 @@ from splitrl.models.policy import PolicyModel
 from splitrl.rollout.config import GenerationConfig
 from splitrl.rollout.drafter import MTPDrafter
 from splitrl.rollout.forward import DecoderForward
+from splitrl.rollout.fused import stop_mask
 from splitrl.rollout.kv import StaticKVCache
 from splitrl.rollout.sampling import column_keys, seed_words
 
@@ -478,11 +479,6 @@ class RolloutEngine:
         logits = F.linear(hidden, self.model.output_weight).float()
         return logits / self.config.temperature if self.config.temperature != 1.0 else logits
 
-    def _is_stop(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self._stop_ids.numel() == 0:
-            return torch.zeros_like(tokens, dtype=torch.bool)
-        return (tokens[..., None] == self._stop_ids).any(-1)
-
     def _sample(self, logits: torch.Tensor, seed_lo, seed_hi, counter) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and their logprobs, any leading shape (seeds and counters broadcast to it)."""
         cfg = self.config
@@ -501,53 +497,28 @@ class RolloutEngine:
         st.out_logprobs.view(-1).index_copy_(0, flat, logprobs_BQ.reshape(-1))
 
     def _plain_step(self, B: int, L: int) -> None:
-        st, max_new = self._state, self.config.max_new_tokens
-        tok, pos, cnt, done = st.tokens[:B], st.pos[:B], st.counter[:B], st.done[:B]
-        live = ~done
+        st = self._state
+        tok, pos, cnt = st.tokens[:B], st.pos[:B], st.counter[:B]
         h = self.fwd.backbone_decode(tok[:, None], pos[:, None], self._cache, L)
         y, lp = self._sample(self._logits(h[:, 0]), st.seed_lo[:B], st.seed_hi[:B], cnt)
         self._write_outputs(B, cnt, y[:, None], lp[:, None])  # a done row writes past its length
-        stop = self._is_stop(y)
-        n = cnt + 1
-        fin = live & (stop | (n >= max_new))
-        st.stopped[:B] |= live & stop
-        st.counter[:B] = torch.where(live, n, cnt)
-        st.tokens[:B] = torch.where(live, y, tok)
-        st.pos[:B] = torch.where(live, pos + 1, pos)
-        st.done[:B] |= fin
+        self.fwd.k.plain_commit(tok, pos, cnt, st.done[:B], st.stopped[:B], y, self._stop_ids, self.config.max_new_tokens)
 
     def _spec_step(self, B: int, L: int) -> None:
-        st, D, max_new = self._state, self.num_drafts, self.config.max_new_tokens
+        st, D, k = self._state, self.num_drafts, self.fwd.k
         tok, pos, cnt, done, drafts = st.tokens[:B], st.pos[:B], st.counter[:B], st.done[:B], st.drafts[:B]
-        live = ~done
         steps = torch.arange(D + 1, device=pos.device)
-        positions = pos[:, None] + steps
-        h = self.fwd.backbone_decode(torch.cat([tok[:, None], drafts], dim=1), positions, self._cache, L)
+        h = self.fwd.backbone_decode(torch.cat([tok[:, None], drafts], dim=1), pos[:, None] + steps, self._cache, L)
         t, lp = self._sample(self._logits(h), st.seed_lo[:B, None], st.seed_hi[:B, None], cnt[:, None] + steps)
-        a = (drafts == t[:, :D]).long().cumprod(dim=1).sum(dim=1)  # leading drafts equal to the target
         self._write_outputs(B, cnt, t, lp)  # entries past the emitted ones are rewritten later
-        stop = self._is_stop(t) & (steps <= a[:, None])
-        first_stop = torch.where(stop, steps, D + 1).amin(dim=1)
-        emit = torch.minimum(a + 1, max_new - cnt)
-        stopped = live & (first_stop < emit)
-        emit = torch.minimum(emit, first_stop + 1)
-        n = cnt + emit
-        fin = live & (stopped | (n >= max_new))
-        rows = torch.arange(B, device=pos.device)
-        depth = torch.arange(D, device=pos.device)
-        live_l = live.long()
-        st.drafted[:B] += live_l * D
-        st.accepted[:B] += live_l * a
-        st.reached_depth[:B] += live_l[:, None] * (a[:, None] >= depth).long()
-        st.accepted_depth[:B] += live_l[:, None] * (a[:, None] > depth).long()
+        a, n, stopped, fin = k.spec_accept(drafts, t, cnt, done, self._stop_ids, self.config.max_new_tokens)
         new_drafts, new_carry = self._drafter.step(
             h, t, a, pos, n, st.carry[:, :B], st.seed_lo[:B], st.seed_hi[:B], L
-        )
-        st.stopped[:B] |= stopped
-        st.counter[:B] = torch.where(live, n, cnt)
-        st.tokens[:B] = torch.where(live, t[rows, a], tok)
-        st.pos[:B] = torch.where(live, pos + a + 1, pos)
-        st.done[:B] |= fin
+        )  # reads the state before the commit below (pos: the verify's first position)
+        k.spec_commit(
+            tok, pos, cnt, done, st.stopped[:B], st.drafted[:B], st.accepted[:B],
+            st.reached_depth[:B], st.accepted_depth[:B], t, a, n, stopped, fin,
+        )  # fmt: skip
         st.drafts[:B] = new_drafts
         st.carry[:, :B] = new_carry
 
@@ -622,7 +593,7 @@ class RolloutEngine:
         h = self.fwd.backbone_prefill(ids[:, :P], sl, self._cache)
         zero = torch.zeros(n, dtype=torch.int64, device=device)
         y, lp = self._sample(self._logits(h[rows, lens - 1]), lo, hi, zero)
-        stop = self._is_stop(y)
+        stop = stop_mask(y, self._stop_ids)
         st.tokens[sl], st.pos[sl], st.counter[sl] = y, lens, zero + 1
         st.seed_lo[sl], st.seed_hi[sl] = lo, hi
         st.done[sl] = stop | (cfg.max_new_tokens <= 1)

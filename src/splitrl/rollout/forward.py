@@ -206,7 +206,7 @@ class DecoderForward:
         """h⁰ [B, Q, H] of Q new tokens per slot 0..B-1 (causal among them and over the cache)."""
         h = self.model.embed_tokens(ids_BQ)
         cos, sin = self.model.rotary_emb(h, positions_BQ)
-        plan = cache.plan(positions_BQ, positions_BQ, positions_BQ, length)  # shared by all layers
+        plan = cache.plan(positions_BQ, positions_BQ, positions_BQ, length, causal=True, kernels=self.k)  # all layers
         return self._stack(h, cos, sin, cache, plan=plan)
 
     # ------------------------------------------------------------------------------ MTP
@@ -247,6 +247,6 @@ class DecoderForward:
         _, _, _, layer, norm = mtp_parts(self.model, depth)
         x = self._mtp_input(depth, embeds_BQH, hidden_BQH)
         cos, sin = self.model.rotary_emb(x, positions_BQ)
-        plan = cache.plan(write_pos_BQ, write_pos_BQ, limit_BQ, length, slots_B)
+        plan = cache.plan(write_pos_BQ, write_pos_BQ, limit_BQ, length, slots_B, kernels=self.k)
         h, delta = self._layer(layer, x, None, cos, sin, cache, depth - 1, plan=plan)
         return self.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)[1]

@@ -6,7 +6,10 @@ Each forward function is the exact op sequence of the transformers module it rep
 Llama RMSNorm in fp32, ``apply_rotary_pos_emb``, SiLU-gated MLP product). The sampler
 (:func:`~splitrl.rollout.sampling.draw`) is integer hashing plus a few reductions: eagerly it is
 ~100 tiny kernels per decode step, which at batch 1 cost more than a decoder layer; compiled, a
-handful. Its integer part is exact either way.
+handful. Its integer part is exact either way. The decode steps' bookkeeping (a step's state
+update, a verify's acceptance, the MTP draft window's cache indices, an attention plan's write index
+and mask) is integer and boolean work of a few dozen tiny ops per step; compiled, each is one or
+two kernels, which is what a batch-1 decode step pays for (its kernel count, not its bytes).
 """
 
 from __future__ import annotations
@@ -53,7 +56,110 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-_NAMES = ("rms_norm", "add_rms_norm", "rope", "qk_norm_rope", "qk_rope", "silu_mul", "draw", "draw_with_logprobs")
+def stop_mask(tokens: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
+    """bool, the shape of ``tokens``: the token is one of ``stop_ids`` [n] (n may be 0)."""
+    return (tokens[..., None] == stop_ids).any(-1)
+
+
+def plain_commit(tokens, pos, counter, done, stopped, y, stop_ids, max_new: int) -> None:
+    """A plain decode step's state update, in place on the [B] slot tensors (int64, bool): live rows
+    take their sampled token ``y``, advance one position and finish on a stop token or at
+    ``max_new`` tokens; done rows keep everything."""
+    live = ~done
+    stop = stop_mask(y, stop_ids)
+    n = counter + 1
+    fin = live & (stop | (n >= max_new))
+    stopped |= live & stop
+    counter.copy_(torch.where(live, n, counter))
+    tokens.copy_(torch.where(live, y, tokens))
+    pos.copy_(torch.where(live, pos + 1, pos))
+    done |= fin
+
+
+def spec_accept(drafts_BD, targets_BW, counter, done, stop_ids, max_new: int):
+    """What a verify emits (W = D + 1 target tokens per row, ``targets_BW[:, i]`` at response index
+    counter + i): a = leading drafts equal to their target, then the targets up to a (the
+    correction or bonus token), cut after the first stop token and at ``max_new``.
+
+    Returns (a [B], new counter n [B], stopped [B] (a stop token was emitted), finished [B]); done
+    rows have stopped = finished = False.
+    """
+    D = drafts_BD.shape[1]
+    steps = torch.arange(D + 1, device=targets_BW.device)
+    a = (drafts_BD == targets_BW[:, :D]).long().cumprod(dim=1).sum(dim=1)
+    stop = stop_mask(targets_BW, stop_ids) & (steps <= a[:, None])
+    first_stop = torch.where(stop, steps, D + 1).amin(dim=1)
+    live = ~done
+    emit = torch.minimum(a + 1, max_new - counter)
+    stopped = live & (first_stop < emit)
+    emit = torch.minimum(emit, first_stop + 1)
+    n = counter + emit
+    return a, n, stopped, live & (stopped | (n >= max_new))
+
+
+def spec_commit(
+    tokens, pos, counter, done, stopped_state, drafted, accepted, reached_depth, accepted_depth,
+    targets_BW, a, n, stopped, fin,
+) -> None:  # fmt: skip
+    """A verify's state update (in place), after :func:`spec_accept`: live rows count D drafted and
+    a accepted tokens (per depth: reached, accepted), take target a as their last token and move
+    a + 1 positions; done rows keep everything."""
+    live = ~done
+    live_l = live.long()
+    D = reached_depth.shape[1]
+    depth = torch.arange(D, device=a.device)
+    drafted += live_l * D
+    accepted += live_l * a
+    reached_depth += live_l[:, None] * (a[:, None] >= depth).long()
+    accepted_depth += live_l[:, None] * (a[:, None] > depth).long()
+    stopped_state |= stopped
+    counter.copy_(torch.where(live, n, counter))
+    tokens.copy_(torch.where(live, targets_BW.gather(1, a[:, None]).squeeze(1), tokens))
+    pos.copy_(torch.where(live, pos + a + 1, pos))
+    done |= fin
+
+
+def draft_window(p0, accepted, query_pos, depth: int, width: int, scratch: int):
+    """Cache indices of MTP depth ``depth``'s entries after a verify (see :mod:`splitrl.rollout.
+    drafter`): the window p0-(depth-1)+i, i < ``width``, written where valid (i <= accepted,
+    position >= 0) else at ``scratch``, each reading up to itself; for depth >= 2 one more entry,
+    the query at ``query_pos`` [B], reading up to query_pos-(depth-1). Returns (positions, write
+    indices, limits), int64 [B, width (+1)]."""
+    i = torch.arange(width, device=p0.device)
+    pos = p0[:, None] - (depth - 1) + i
+    valid = (i <= accepted[:, None]) & (pos >= 0)
+    pos = pos.clamp(min=0)
+    write = torch.where(valid, pos, scratch)
+    limit = pos
+    if depth >= 2:
+        q = query_pos[:, None]
+        pos, write, limit = torch.cat([pos, q], 1), torch.cat([write, q], 1), torch.cat([limit, q - (depth - 1)], 1)
+    return pos, write, limit
+
+
+def plan_tensors(
+    write_pos_BQ, positions_BQ, limit_BQ, rows_B, kv_heads: int, max_len: int, length: int, position_major: bool
+):
+    """(flat write index int64 [B*Q*Hk], additive mask fp32 [B, 1, 1, Q, length]) of
+    :meth:`splitrl.rollout.kv.StaticKVCache.plan`, for a cache layer [S, M, Hk, d]
+    (``position_major``) or [S, Hk, M, d]; ``length`` 0: the index only (mask None)."""
+    heads = torch.arange(kv_heads, device=write_pos_BQ.device)
+    if position_major:
+        flat = ((rows_B[:, None, None] * max_len + write_pos_BQ[:, :, None]) * kv_heads + heads).reshape(-1)
+    else:
+        flat = ((rows_B[:, None, None] * kv_heads + heads) * max_len + write_pos_BQ[:, :, None]).reshape(-1)
+    if length == 0:
+        return flat, None
+    j = torch.arange(length, device=write_pos_BQ.device)
+    allowed = (j <= limit_BQ[..., None]) | (j == positions_BQ[..., None])  # [B, Q, L]
+    mask = torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(~allowed, float("-inf"))
+    return flat, mask[:, None, None]
+
+
+_NAMES = (
+    "rms_norm", "add_rms_norm", "rope", "qk_norm_rope", "qk_rope", "silu_mul", "draw", "draw_with_logprobs",
+    "plain_commit", "spec_accept", "spec_commit", "draft_window", "plan_tensors",
+)  # fmt: skip
 _COMPILED: dict[str, object] = {}
 
 

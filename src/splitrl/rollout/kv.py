@@ -3,7 +3,22 @@
 Legend: S = slots (rows the engine can hold), N = layers, Hk = key/value heads, M = cache length,
 d = head dim, B = rows of a forward (slots 0..B-1), Q = new tokens per row, L = cache prefix read.
 
-A slot's entry for position p lives at index p: no padding, no compaction. A query at position p
+A slot's entry for position p lives at index p: no padding, no compaction. Two layouts: a cache
+read by the flash kernel (below) is [N, S, M, Hk, d] (position-major within a slot), so that a
+layer's cache is also a flat [S*M, Hk, d] sequence of tokens in which slot s starts at token s*M,
+the layout the flash variable-length kernel reads; any other cache is [N, S, Hk, M, d]
+(head-major), which the masked path reads as [B, Hk, L, d] without a copy (on the H200 the masked
+path over the position-major layout made the MTP drafts' attention slow enough to cost
+speculation 7-26 %).
+
+Two attention paths read it. The general one (any mask: the MTP depths' queries, CPU, fp32) is one
+``scaled_dot_product_attention`` call over the first L indices of every row with an additive mask,
+so every row pays for L, the longest row of the step. The backbone's decode step has a simple mask,
+each row's Q queries at consecutive positions ending at p reading indices <= their own (a causal
+block at the end of a row of length p+1); on CUDA in fp16/bf16 it runs the flash varlen kernel
+with ``seqused_k`` = p+1 per row (:data:`FLASH_DECODE`), which reads each row only up to its own
+length. With continuous batching the rows of a step have very different lengths (refilled rows are
+short, old rows long): the masked path read them all up to the longest. A query at position p
 attends to the indices j <= limit (its committed context, ``limit`` = p for the backbone) and to
 its own index. Entries past the context may hold stale values (rejected drafts, a finished row's
 leftovers): they are never read before being rewritten, because every position is written by the
@@ -15,8 +30,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import os
+
 import torch
 import torch.nn.functional as F
+
+from splitrl.rollout.fused import plan_tensors
+
+
+def _flash_decode_available() -> bool:
+    """The aten flash varlen op takes ``seqused_k`` (torch >= 2.5 builds with flash attention)."""
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    return op is not None and "seqused_k" in str(op.default._schema)
+
+
+# Backbone decode steps on CUDA (fp16 / bf16, head dim <= 256) read each row up to its own length
+# with the flash varlen kernel; SPLITRL_FLASH_DECODE=0 keeps the masked SDPA path everywhere.
+FLASH_DECODE = os.environ.get("SPLITRL_FLASH_DECODE", "1") != "0" and _flash_decode_available()
 
 
 @dataclass
@@ -24,16 +54,18 @@ class AttentionPlan:
     """Write indices and the additive mask of one forward (see :meth:`StaticKVCache.plan`).
 
     Attributes:
-        flat_index: int64 [B*Q*Hk] rows of the cache layer viewed as [S*Hk*M, d].
-        mask: fp32 [B, 1, 1, Q, L], 0 where allowed, -inf elsewhere.
+        flat_index: int64 [B*Q*Hk] rows of the cache layer viewed as [S*M*Hk, d].
+        mask: fp32 [B, 1, 1, Q, L], 0 where allowed, -inf elsewhere; None on the flash path.
         length: L, the cache prefix read.
         slots: the rows' slots, or None for slots 0..B-1.
+        seqused: int32 [B], the rows' lengths (last query position + 1) on the flash path, else None.
     """
 
     flat_index: torch.Tensor
-    mask: torch.Tensor
+    mask: torch.Tensor | None
     length: int
     slots: torch.Tensor | None
+    seqused: torch.Tensor | None = None
     _grouped: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     def grouped_mask(self, G: int, dtype: torch.dtype) -> torch.Tensor:
@@ -42,6 +74,7 @@ class AttentionPlan:
         shared by the others."""
         key = (G, dtype)
         if key not in self._grouped:
+            assert self.mask is not None, "a flash plan has no mask"
             B, _, _, Q, L = self.mask.shape
             self._grouped[key] = self.mask.expand(B, 1, G, Q, L).reshape(B, 1, G * Q, L).to(dtype)
         return self._grouped[key]
@@ -51,17 +84,33 @@ class StaticKVCache:
     """Keys and values of ``num_layers`` attention layers for ``slots`` rows of ``max_len`` positions.
 
     Args:
-        num_layers, slots, kv_heads, max_len, head_dim: the shape [N, S, Hk, M, d].
+        num_layers, slots, kv_heads, max_len, head_dim: the shape [N, S, M, Hk, d] (flash) or
+            [N, S, Hk, M, d].
         dtype, device: of the tensors (the model's compute dtype).
+        flash: use the flash varlen kernel for causal plans where it runs (default
+            :data:`FLASH_DECODE`, CUDA, fp16 / bf16, head dim <= 256).
     """
 
     def __init__(
-        self, num_layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, dtype, device
+        self,
+        num_layers: int,
+        slots: int,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        dtype,
+        device,
+        flash: bool | None = None,
     ) -> None:
-        shape = (num_layers, slots, kv_heads, max_len, head_dim)
+        runs = torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim <= 256
+        self.flash = bool((FLASH_DECODE if flash is None else flash) and runs)
+        if self.flash:
+            shape = (num_layers, slots, max_len, kv_heads, head_dim)
+        else:
+            shape = (num_layers, slots, kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.slots, self.max_len = slots, max_len
+        self.slots, self.max_len, self.kv_heads = slots, max_len, kv_heads
 
     @property
     def scratch(self) -> int:
@@ -70,8 +119,12 @@ class StaticKVCache:
     def write_prefix(self, layer: int, slot_ids: torch.Tensor, k_BMHd: torch.Tensor, v_BMHd: torch.Tensor) -> None:
         """Positions 0..M'-1 of the slots ``slot_ids`` [B] (a prefill)."""
         M = k_BMHd.shape[1]
-        self.k[layer, :, :, :M].index_copy_(0, slot_ids, k_BMHd.transpose(1, 2))
-        self.v[layer, :, :, :M].index_copy_(0, slot_ids, v_BMHd.transpose(1, 2))
+        if self.flash:
+            self.k[layer, :, :M].index_copy_(0, slot_ids, k_BMHd)
+            self.v[layer, :, :M].index_copy_(0, slot_ids, v_BMHd)
+        else:
+            self.k[layer, :, :, :M].index_copy_(0, slot_ids, k_BMHd.transpose(1, 2))
+            self.v[layer, :, :, :M].index_copy_(0, slot_ids, v_BMHd.transpose(1, 2))
 
     def plan(
         self,
@@ -80,6 +133,8 @@ class StaticKVCache:
         limit_BQ: torch.Tensor,
         length: int,
         slots_B: torch.Tensor | None = None,
+        causal: bool = False,
+        kernels=None,
     ) -> AttentionPlan:
         """Where a forward's Q entries per row go and what each may read (shared by all layers).
 
@@ -87,17 +142,25 @@ class StaticKVCache:
         query it reads the first ``length`` indices j with j <= ``limit_BQ[b, q]`` or
         j = ``positions_BQ[b, q]`` (its own entry). At least one index must be allowed (``limit``
         >= 0, or the own entry within ``length``).
+
+        ``causal=True`` is the caller's promise that the three index tensors are equal and each row's
+        are consecutive (p-Q+1..p, p < ``length``), rows being slots 0..B-1: the backbone's decode.
+        Such a plan runs on the flash path where the cache has one (:attr:`flash`).
+        ``kernels``: a :class:`~splitrl.rollout.fused.Kernels` whose (compiled) ``plan_tensors``
+        builds the index and mask.
         """
-        B, Q = write_pos_BQ.shape
-        Hk, M = self.k.shape[2], self.max_len
-        device = write_pos_BQ.device
-        rows = torch.arange(B, device=device) if slots_B is None else slots_B
-        heads = torch.arange(Hk, device=device)
-        flat = ((rows[:, None, None] * Hk + heads) * M + write_pos_BQ[:, :, None]).reshape(-1)  # [B*Q*Hk]
-        j = torch.arange(length, device=device)
-        allowed = (j <= limit_BQ[..., None]) | (j == positions_BQ[..., None])  # [B, Q, L]
-        mask = torch.zeros(allowed.shape, dtype=torch.float32, device=device).masked_fill(~allowed, float("-inf"))
-        return AttentionPlan(flat, mask[:, None, None], length, slots_B)
+        B = write_pos_BQ.shape[0]
+        rows = torch.arange(B, device=write_pos_BQ.device) if slots_B is None else slots_B
+        flash = causal and self.flash and slots_B is None
+        fn = plan_tensors if kernels is None else kernels.plan_tensors
+        flat, mask = fn(
+            write_pos_BQ, positions_BQ, limit_BQ, rows, self.kv_heads, self.max_len, 0 if flash else length, self.flash
+        )
+        if flash:
+            # clamped: a slot of the bucket that holds no row may carry a stale position
+            seqused = (limit_BQ[:, -1] + 1).clamp(1, length).to(torch.int32)
+            return AttentionPlan(flat, None, length, None, seqused)
+        return AttentionPlan(flat, mask, length, slots_B)
 
     def write(self, layer: int, plan: AttentionPlan, k_BQHd: torch.Tensor, v_BQHd: torch.Tensor) -> None:
         """Store a forward's keys and values where ``plan`` says (graph-safe: one index_copy_ each)."""
@@ -114,23 +177,53 @@ class StaticKVCache:
         ``scaled_dot_product_attention`` call (one fused kernel on CUDA, softmax in fp32) reads
         each key and value once, without repeating them.
 
+        A flash plan (``plan.seqused`` set) runs the flash varlen kernel instead: row b's Q queries are
+        a causal block at the end of its first ``seqused[b]`` entries, read in place.
+
         Returns:
             [B, Q, H * d] in the query's dtype.
         """
         B, Q, H, d = q_BQHd.shape
         length = plan.length
-        if plan.slots is None:
-            k = self.k[layer, :B, :, :length]  # [B, Hk, L, d], a view: no copy
-            v = self.v[layer, :B, :, :length]
+        if plan.seqused is not None:
+            return self._attend_flash(layer, q_BQHd, plan, scale)
+        rows = slice(0, B) if plan.slots is None else plan.slots  # slots: a copy of those rows
+        if self.flash:
+            k = self.k[layer][rows, :length].transpose(1, 2)  # [B, Hk, L, d]
+            v = self.v[layer][rows, :length].transpose(1, 2)
         else:
-            k = self.k[layer][plan.slots, :, :length]
-            v = self.v[layer][plan.slots, :, :length]
+            k = self.k[layer][rows, :, :length]  # [B, Hk, L, d], a view for slots 0..B-1
+            v = self.v[layer][rows, :, :length]
         Hk = k.shape[1]
         G = H // Hk
         q = q_BQHd.view(B, Q, Hk, G, d).permute(0, 2, 3, 1, 4).reshape(B, Hk, G * Q, d)
         mask = plan.grouped_mask(G, q.dtype)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, Hk, G*Q, d]
         return out.view(B, Hk, G, Q, d).permute(0, 3, 1, 2, 4).reshape(B, Q, H * d)
+
+    def _attend_flash(self, layer: int, q_BQHd: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
+        B, Q, H, d = q_BQHd.shape
+        M, Hk = self.max_len, self.kv_heads
+        device = q_BQHd.device
+        # slot b's tokens start at b*M in the flat [S*M, Hk, d] view; seqused_k cuts each row at its
+        # length, and the causal mask is aligned to that end (query q sits at seqused - Q + q)
+        cu_q = torch.arange(0, (B + 1) * Q, Q, dtype=torch.int32, device=device)
+        cu_k = torch.arange(0, (B + 1) * M, M, dtype=torch.int32, device=device)
+        out = torch.ops.aten._flash_attention_forward(
+            q_BQHd.reshape(B * Q, H, d),
+            self.k[layer].view(-1, Hk, d),
+            self.v[layer].view(-1, Hk, d),
+            cu_q,
+            cu_k,
+            Q,
+            plan.length,
+            0.0,
+            True,
+            False,
+            scale=scale,
+            seqused_k=plan.seqused,
+        )[0]
+        return out.view(B, Q, H * d)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy slots ``src`` [n] to ``dst`` [n] (all layers, all positions)."""

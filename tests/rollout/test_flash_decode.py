@@ -1,0 +1,94 @@
+"""The backbone decode's flash path (each row read up to its own length) against the masked SDPA
+path and an fp32 recomputation, in and out of a CUDA graph. CUDA only: the flash varlen kernel
+has no CPU build (the CPU runs the masked path, which the engine tests check against a full
+forward per token)."""
+
+import pytest
+import torch
+
+from splitrl.rollout import kv as kv_mod
+from splitrl.rollout.kv import StaticKVCache
+
+needs_flash = pytest.mark.skipif(
+    not (torch.cuda.is_available() and kv_mod.FLASH_DECODE), reason="needs CUDA and the flash varlen op"
+)
+
+S, M, HK, H, D_HEAD = 6, 320, 2, 8, 128
+
+
+def _caches():
+    torch.manual_seed(0)
+    flash = StaticKVCache(2, S, HK, M, D_HEAD, torch.bfloat16, "cuda", flash=True)
+    masked = StaticKVCache(2, S, HK, M, D_HEAD, torch.bfloat16, "cuda", flash=False)
+    assert flash.flash and not masked.flash
+    assert flash.k.shape == (2, S, M, HK, D_HEAD) and masked.k.shape == (2, S, HK, M, D_HEAD)
+    flash.k.normal_()
+    flash.v.normal_()
+    masked.k.copy_(flash.k.transpose(2, 3))  # [N, S, M, Hk, d] -> [N, S, Hk, M, d]
+    masked.v.copy_(flash.v.transpose(2, 3))
+    return flash, masked
+
+
+def _reference(cache: StaticKVCache, layer: int, q, last_pos, scale):
+    """fp32 attention of row b's query i at position p_b - Q + 1 + i over indices <= its position."""
+    B, Q, Hq, d = q.shape
+    G = Hq // HK
+    out = torch.empty(B, Q, Hq * d, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        for i in range(Q):
+            p = int(last_pos[b]) - Q + 1 + i
+            k = cache.k[layer, b, : p + 1].float().repeat_interleave(G, dim=1)  # [p+1, Hq, d]
+            v = cache.v[layer, b, : p + 1].float().repeat_interleave(G, dim=1)
+            w = torch.einsum("hd,thd->ht", q[b, i].float(), k) * scale
+            out[b, i] = torch.einsum("ht,thd->hd", w.softmax(-1), v).reshape(-1)
+    return out
+
+
+@needs_flash
+@pytest.mark.parametrize("Q", [1, 3])
+def test_flash_decode_reads_each_row_to_its_own_length(Q):
+    flash, masked = _caches()
+    B, L = 5, 288
+    last = torch.tensor([4, 287, 130, 17, 200], device="cuda")  # ragged: 5 to 288 entries
+    pos = last[:, None] - (Q - 1) + torch.arange(Q, device="cuda")
+    q = torch.randn(B, Q, H, D_HEAD, dtype=torch.bfloat16, device="cuda")
+    scale = D_HEAD**-0.5
+    plan_f = flash.plan(pos, pos, pos, L, causal=True)
+    plan_m = masked.plan(pos, pos, pos, L, causal=True)
+    assert plan_f.seqused is not None and plan_f.mask is None and plan_m.seqused is None
+    out_f = flash.attend(1, q, plan_f, scale).float()
+    out_m = masked.attend(1, q, plan_m, scale).float()
+    ref = _reference(flash, 1, q, last, scale)
+    # bf16 inputs, fp32 softmax in both kernels: the two paths differ by output rounding only
+    assert (out_f - ref).abs().max().item() < 2e-2
+    assert (out_m - ref).abs().max().item() < 2e-2
+    assert (out_f - out_m).abs().max().item() < 2e-2
+    # a wrong row length (e.g. every row read to L) would mix in the unread entries
+    wrong = masked.plan(pos, pos, torch.full_like(pos, L - 1), L)
+    assert (masked.attend(1, q, wrong, scale).float() - ref).abs().max().item() > 0.1
+
+
+@needs_flash
+def test_flash_decode_replays_in_a_cuda_graph_with_new_lengths():
+    flash, _ = _caches()
+    B, Q, L = 4, 1, 256
+    pos = torch.tensor([[10], [40], [90], [200]], device="cuda")
+    q = torch.randn(B, Q, H, D_HEAD, dtype=torch.bfloat16, device="cuda")
+    scale = D_HEAD**-0.5
+
+    def step():
+        return flash.attend(0, q, flash.plan(pos, pos, pos, L, causal=True), scale)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    pos.copy_(torch.tensor([[250], [3], [128], [64]], device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = _reference(flash, 0, q, pos[:, 0], scale)
+    assert (out.float() - ref).abs().max().item() < 2e-2
