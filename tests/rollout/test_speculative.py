@@ -1,6 +1,8 @@
 """Self-speculative decoding with the MTP heads: the same tokens as plain decoding (on, off, or
 switched off midway), exact draft caches, acceptance counts, the switch-off rule."""
 
+import time
+
 import pytest
 import torch
 from _rollout_helpers import make_model, random_prompts, teacher_forced, teacher_forced_mtp_hidden
@@ -374,3 +376,33 @@ def test_measured_choice_runs_the_faster_kind_and_revisits_the_slower(monkeypatc
     engine.speculative_switch_off = False
     engine.generate(prompts, seeds)
     assert engine.last_stats.speculative_active
+
+
+def test_measured_choice_rates_leave_out_setup_time(monkeypatch):
+    """A call's speed sample for the measured choice is tokens / (wall - setup), setup being CUDA
+    graph captures and the switch-off rule's plain-step timings: on the H200 counting a capture made
+    the rule decode plainly at batch 1, where speculation was 1.2x faster. Here the plain-step
+    timing is made to take 0.3 s inside the setup accounting; the recorded rate must not see it."""
+    model = make_model(vocab=VOCAB, depths=2)
+    engine = RolloutEngine(model, GenerationConfig(speculative=True, max_new_tokens=40, batch_size=2), "cpu")
+    real_timing = engine_mod.RolloutEngine._plain_step_time
+
+    def slow_timing(self, B, L, reps=3):
+        fresh = (B, L) not in self._step_times
+        value = real_timing(self, B, L, reps)
+        if fresh:
+            with self._setup_time():
+                time.sleep(0.3)
+        return value
+
+    recorded = []
+    monkeypatch.setattr(engine_mod.RolloutEngine, "_plain_step_time", slow_timing)
+    monkeypatch.setattr(engine_mod.RolloutEngine, "_should_switch_off", lambda *a: False)
+    monkeypatch.setattr(engine_mod, "SWITCH_MIN_ITERATIONS", 1)
+    monkeypatch.setattr(engine_mod.RolloutEngine, "_record_call", lambda self, spec, bucket, rate: recorded.append(rate))
+    engine.generate([[1, 2], [3]], [0, 1])
+    stats = engine.last_stats
+    assert stats.setup_s >= 0.3  # at least one bucket was timed
+    decoding = stats.wall_time_s - stats.setup_s
+    assert recorded == [pytest.approx(stats.generated_tokens / decoding, rel=1e-9)]
+    assert recorded[0] > 1.05 * stats.tokens_per_s  # the wall-clock rate would include the 0.3 s

@@ -37,6 +37,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -109,6 +110,8 @@ class RolloutStats:
         drafted_tokens, accepted_tokens: totals over the call.
         reached_per_depth, accepted_per_depth: per depth k = 1..D.
         graph_captures: CUDA graphs captured during the call.
+        setup_s: seconds of the call spent on work that decodes nothing: CUDA graph captures
+            (with their warm-up steps) and the plain-step timings of the switch-off rule.
     """
 
     num_samples: int = 0
@@ -127,6 +130,7 @@ class RolloutStats:
     reached_per_depth: list[int] = field(default_factory=list)
     accepted_per_depth: list[int] = field(default_factory=list)
     graph_captures: int = 0
+    setup_s: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -296,7 +300,10 @@ class RolloutEngine:
 
     Measured choice. The estimate can err (it misses prefill and scheduling work), so the engine
     also measures whole calls: tokens/s of speculative and of plain calls, per row bucket of the
-    call (a running mean of the last calls of each kind). Once a speculative call has run in a
+    call (a running mean of the last calls of each kind), over the call's decoding time (its wall
+    time less ``stats.setup_s``: a call that captures CUDA graphs is still a fair sample; counting
+    the capture made the rule decode plainly at batch 1 where speculation was 1.2x faster, and
+    skipping such calls cost an extra plain call). Once a speculative call has run in a
     bucket, the next call there runs plainly to measure it; from then on each call runs the
     faster kind, and every ``EXPLORE_EVERY`` calls the slower kind runs once more. Plain and
     speculative calls emit the same tokens, so the choice changes speed only.
@@ -353,6 +360,7 @@ class RolloutEngine:
         self._pool = None
         self._step_times: dict[tuple[int, int], float] = {}
         self._captures = 0
+        self._setup_s = 0.0  # seconds of graph captures and plain-step timings so far
         self._columns = column_keys(vocab, self.device)  # before any graph capture
 
     # ------------------------------------------------------------------------------ weights
@@ -541,23 +549,40 @@ class RolloutEngine:
         graph = self._graphs.get(key)
         if graph is not None:
             return graph
-        fn = self._step_fn(kind, B, L)
-        saved = self._state.snapshot()
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up (lazy inits) outside the capture; its writes are undone
-            fn()
-            fn()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            fn()
-        self._state.restore(saved)
+        with self._setup_time():
+            fn = self._step_fn(kind, B, L)
+            saved = self._state.snapshot()
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up (lazy inits) outside the capture; its writes are undone
+                fn()
+                fn()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: with placement=colocated the train step runs in another thread of this
+            # process; under the default "global" mode its allocations invalidated the capture
+            # (cudaErrorStreamCaptureInvalidated on 2 H200s, async s=1)
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                fn()
+            self._state.restore(saved)
         self._graphs[key] = graph
         self._captures += 1
         return graph
+
+    @contextmanager
+    def _setup_time(self) -> Iterator[None]:
+        """Count the enclosed seconds (device work included) into ``stats.setup_s``."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._setup_s += time.perf_counter() - start
 
     def _plain_step_time(self, B: int, L: int, reps: int = 3) -> float:
         """Seconds of one plain step of bucket (B, L), timed on the device (CUDA events after a
@@ -565,12 +590,13 @@ class RolloutEngine:
         key = (B, L)
         if key in self._step_times:
             return self._step_times[key]
-        saved = self._state.snapshot()
         if self.use_cuda_graphs:
             self._graph("plain", B, L)
-        with _DeviceTimer(self.device) as timer:
-            self._run_steps("plain", B, L, reps)
-        self._state.restore(saved)
+        with self._setup_time():
+            saved = self._state.snapshot()
+            with _DeviceTimer(self.device) as timer:
+                self._run_steps("plain", B, L, reps)
+            self._state.restore(saved)
         self._step_times[key] = timer.seconds / reps
         return self._step_times[key]
 
@@ -627,7 +653,7 @@ class RolloutEngine:
             accepted_per_depth=[0] * (D if spec else 0),
         )
         self.last_stats = stats
-        captures_before = self._captures
+        captures_before, setup_before = self._captures, self._setup_s
         st.done.fill_(True)
         waiting = deque(range(len(prompts)))
         item: list[int | None] = [None] * S  # sample index held by each slot
@@ -668,6 +694,8 @@ class RolloutEngine:
             top = max(len(prompts[item[s]]) + min(count[s] + n_steps * Q, max_new) for s in active)
             L = _length_bucket(top + 2 * D + 1, M)
             kind = "spec" if spec else "plain"
+            if self.use_cuda_graphs:
+                self._graph(kind, B, L)  # a capture is setup: not inside the chunk's timings
             timer = _DeviceTimer(self.device, synchronize=False) if spec else None
             t_launch = time.perf_counter()
             if timer is not None:
@@ -700,11 +728,10 @@ class RolloutEngine:
         stats.wall_time_s = time.perf_counter() - start_time
         stats.tokens_per_s = stats.generated_tokens / stats.wall_time_s if stats.wall_time_s > 0 else 0.0
         stats.graph_captures = self._captures - captures_before
-        # a call that captured CUDA graphs (the first ones in a bucket) is not a speed sample: on
-        # the H200 the warm-up's capture made the rule pick plain at batch 1, where speculation
-        # was 1.17x faster
-        if stats.switched_off_at_iteration is None and stats.generated_tokens and not stats.graph_captures:
-            self._record_call(stats.speculative_active, bucket, stats.tokens_per_s)
+        stats.setup_s = self._setup_s - setup_before
+        decoding_s = stats.wall_time_s - stats.setup_s
+        if stats.switched_off_at_iteration is None and stats.generated_tokens and decoding_s > 0:
+            self._record_call(stats.speculative_active, bucket, stats.generated_tokens / decoding_s)
         stats.speculative_next = self._choose_speculative(bucket, peek=True)
 
     def _choose_speculative(self, bucket: int, peek: bool = False) -> bool:
