@@ -117,6 +117,9 @@ def test_weight_sync_changes_the_policy_and_its_version(model):
 def test_user_mistakes_raise_value_errors(model):
     with pytest.raises(ValueError, match="top_k=1"):
         GenerationConfig(temperature=0.0)
+    # an infinite temperature samples uniformly: the run would learn nothing, silently
+    with pytest.raises(ValueError, match="temperature must be finite, got inf"):
+        GenerationConfig(temperature=float("inf"))
     with pytest.raises(ValueError):
         GenerationConfig(top_p=0.0)
     with pytest.raises(ValueError):

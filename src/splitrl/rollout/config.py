@@ -9,9 +9,10 @@ class GenerationConfig(BaseModel):
     """How rollouts are sampled.
 
     Attributes:
-        temperature: T > 0. Tokens are drawn from softmax(logits / T) (after the filters below) and
+        temperature: 0 < T < inf. Tokens are drawn from softmax(logits / T) (after the filters below) and
             every returned logprob is of the *unfiltered* softmax(logits / T) (DESIGN §5). T = 0 is
-            rejected: its logprobs are undefined; for greedy decoding use ``top_k=1``.
+            rejected: its logprobs are undefined; for greedy decoding use ``top_k=1``. T = inf is
+            rejected too: it samples uniformly and ignores the model.
         top_p: nucleus filter, keep the smallest set of most likely tokens whose mass reaches
             ``top_p`` (1.0 = off). Applied after ``top_k``, on the top-k-renormalized distribution.
         top_k: keep the ``top_k`` most likely tokens (0 = off; tokens tied with the k-th are kept).
@@ -47,6 +48,13 @@ class GenerationConfig(BaseModel):
             raise ValueError(
                 f"temperature must be > 0 (logprobs are of softmax(logits / T)), got {value}; "
                 "for greedy decoding keep a temperature > 0 and set top_k=1"
+            )
+        if value == float("inf"):
+            # logits / inf = 0: every token equally likely whatever the model says, and every
+            # logprob the constant -log(V), so the policy gradient is 0 and nothing is learned
+            raise ValueError(
+                "temperature must be finite, got inf: softmax(logits / inf) is uniform over the vocabulary "
+                "(the model plays no part, every logprob is -log(vocab_size)); use a finite T such as 1.0"
             )
         return value
 
