@@ -97,6 +97,15 @@ SCHEDULES = {
 # the same run for every schedule: no intermediate checkpoints, no evaluation, a fresh start
 COMMON = ["checkpoint_every=0", "resume=false", "eval.eval_every=0", "eval.at_end=false", "logging.progress_bar=false"]
 
+# keys every run's config gets from the bench (after the user's overrides): what to use instead
+BENCH_KEYS = {
+    "num_steps": "use --steps",
+    "output_dir": "use --output-dir",
+    "schedule": "use --schedules (sync, async s=0, async s=1)",
+    "buffer.max_staleness": "use --schedules (sync and async s=0 run at 0, async s=1 at 1)",
+    **{o.split("=")[0]: "the runs are timed without it; remove the override" for o in COMMON},
+}
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,7 +125,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="0 <= P < 1: stop responses with probability ~P per token (random-init models never sample EOS; "
         "see the docstring); 0: off",
     )
-    p.add_argument("overrides", nargs="*", help="key.path=value overrides applied to every run")
+    p.add_argument(
+        "overrides", nargs="*", help="key.path=value overrides applied to every run (not the keys the bench sets: num_steps, output_dir, "
+        "schedule, buffer.max_staleness, checkpoint_every, resume, eval.eval_every, eval.at_end, logging.progress_bar)",
+    )
     args = p.parse_args(argv)
     args.stop_ids, args.stop_note = None, ""
     if not 0.0 <= args.stop_prob < 1.0:
@@ -125,6 +137,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--steps must be >= 2: step 1 (start-up, compilation) is left out of the figures")
     if args.repeats < 1 or args.warmup_steps < 0:
         p.error("--repeats must be >= 1 and --warmup-steps >= 0")
+    for override in args.overrides:  # a key the bench sets for every run would be silently replaced
+        key = override.split("=", 1)[0].strip()
+        if key in BENCH_KEYS:
+            p.error(f"{override!r}: the bench sets {key} itself for every run, so this override would have no "
+                    f"effect; {BENCH_KEYS[key]}")
+    if args.output_dir and (Path(args.output_dir).is_file() or any(q.is_file() for q in Path(args.output_dir).parents)):
+        p.error(f"--output-dir {args.output_dir}: is (or lies under) a file; give a directory (it is created if needed)")
     unknown = [s for s in args.schedules.split(",") if s not in SCHEDULES]
     if unknown:
         p.error(f"--schedules: unknown {unknown}; choose from {list(SCHEDULES)}")

@@ -86,6 +86,30 @@ def test_bench_config_errors_are_usage_errors_before_any_run(capsys, tmp_path):
     assert _bench().parse_args(["--steps", "2", "backend=local"]).steps == 2
 
 
+def test_overrides_the_bench_replaces_are_usage_errors(capsys, tmp_path):
+    """Kind: a setting silently without effect. `bench_e2e.py num_steps=5` ran 6 steps a run and
+    `output_dir=x` wrote elsewhere (the bench's own num_steps / output_dir / schedule come after
+    the user's overrides); `--output-dir` naming a file raised a traceback after the warm-up had
+    started. Each is now a usage error (exit 2) that names the flag to use instead."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    calls = [
+        (["num_steps=5"], "use --steps"),
+        (["output_dir=/tmp/x"], "use --output-dir"),
+        (["schedule=sync"], "use --schedules"),
+        (["buffer.max_staleness=2"], "use --schedules"),
+        (["checkpoint_every=3"], "remove the override"),
+        (["--output-dir", str(afile)], "lies under) a file"),
+        (["--output-dir", str(afile / "sub")], "lies under) a file"),
+    ]
+    for argv, why in calls:
+        with pytest.raises(SystemExit) as e:
+            _bench().parse_args(["--steps", "2", *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and why in err and "Traceback" not in err, (argv, err)
+    assert _bench().parse_args(["--steps", "2", "buffer.capacity_groups=32"]).overrides == ["buffer.capacity_groups=32"]
+
+
 DEMO = ROOT / "examples" / "cpu_demo.yaml"
 
 
