@@ -50,6 +50,14 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.saves < 2:
         ap.error("--saves must be >= 2: the first save also allocates the staging buffers")
+    if args.dir:  # before the model is built: a bad path is a usage error, not a traceback after the setup
+        taken = [n for n in [f"ck{i}" for i in range(args.saves)] + ["plain.pt"] if (Path(args.dir) / n).exists()]
+        if taken:
+            ap.error(f"--dir {args.dir} already holds {taken}: the bench would overwrite them; give an empty or new directory")
+        try:
+            Path(args.dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--dir {args.dir}: cannot create the directory ({e.strerror}); give a writable directory path")
     print(f"command: python bench/bench_checkpoint.py {shlex.join(argv)}", flush=True)
     try:  # the task plays no part in a checkpoint; a built-in one needs no task package
         cfg = load_config(args.config, [f"device={args.device}", "task={kind: reverse_digits}"])

@@ -153,3 +153,22 @@ def test_stop_prob_makes_response_lengths_ragged(capsys):
     assert full["response_length_mean"] >= 15.0 and full["response_length_max"] == 16 and full["truncation_rate"] >= 0.9
     assert 2.5 <= ragged["response_length_mean"] <= 6.0 and ragged["truncation_rate"] <= 0.2
     assert "249 id(s) in 751-999" in out and "resp mean" in out
+
+
+def test_bench_checkpoint_bad_dir_is_a_usage_error_and_overwrites_nothing(capsys, tmp_path):
+    """Kind: a traceback for a user mistake, and files lost. `bench_checkpoint.py --dir` naming a
+    path under a file raised NotADirectoryError after the model and optimizer were built, and a
+    --dir holding an earlier run's ck0/ or plain.pt had them overwritten. Both are now usage
+    errors (exit 2) before anything is built or written."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "plain.pt").write_bytes(b"an earlier result")
+    for d, why in [(afile / "x", "cannot create the directory"), (earlier, "would overwrite them")]:
+        with pytest.raises(SystemExit) as e:
+            _load_bench("bench_checkpoint").main(["--device", "cpu", "--dir", str(d)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and why in err and "Traceback" not in err, err
+    assert (earlier / "plain.pt").read_bytes() == b"an earlier result"
+    assert sorted(p.name for p in earlier.iterdir()) == ["plain.pt"]
