@@ -37,6 +37,7 @@ import random
 import shlex
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -89,7 +90,7 @@ def _batch_sizes(text: str) -> str:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--mtp-depths", type=int, default=2, help="MTP depths (drafted tokens when speculative)")
@@ -112,7 +113,37 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hbm-tb-s", type=float, default=4.3, help="HBM bandwidth for the roofline (TB/s)")
     p.add_argument("--check", action="store_true", help="first check fp32 exactness on the device")
     p.add_argument("--profile", default="", help="write a torch.profiler summary of plain decode here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    _check_args(p, args)
+    return args
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A user mistake is a usage error (exit 2) before any model is built, not a traceback (or a
+    ZeroDivisionError, an empty table) after minutes of setup."""
+    for name in ("prompt_len", "new_tokens", "repeats", "ragged_max_new", "ragged_batch"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("mtp_depths", "train_mtp_steps", "ragged", "top_k"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    if not 0 < args.ragged_mean_len < float("inf"):
+        p.error(f"--ragged-mean-len must be a positive number of tokens, got {args.ragged_mean_len}")
+    try:  # the engine's own rules for the sampling settings (temperature > 0 and finite ...)
+        GenerationConfig(temperature=args.temperature, top_k=args.top_k)
+    except ValueError as e:
+        p.error(f"--temperature / --top-k: {e.errors()[0]['msg']}")
+    if args.speculative and args.mtp_depths < 1:
+        p.error("--speculative drafts with the MTP heads: set --mtp-depths >= 1")
+    unknown = [b for b in args.baselines.split(",") if b and b not in ("hf-eager", "hf-static")]
+    if unknown:
+        p.error(f"--baselines: unknown {unknown}; choose from hf-eager, hf-static")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but no CUDA GPU is visible here; use --device cpu")
+    if args.profile and not Path(args.profile).resolve().parent.is_dir():
+        p.error(f"--profile {args.profile}: its directory does not exist; give a path in an existing directory")
 
 
 def build_model(args: argparse.Namespace, dtype: torch.dtype) -> PolicyModel:

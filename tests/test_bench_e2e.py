@@ -172,3 +172,34 @@ def test_bench_checkpoint_bad_dir_is_a_usage_error_and_overwrites_nothing(capsys
         assert e.value.code == 2 and why in err and "Traceback" not in err, err
     assert (earlier / "plain.pt").read_bytes() == b"an earlier result"
     assert sorted(p.name for p in earlier.iterdir()) == ["plain.pt"]
+
+
+def test_bench_rollout_bad_flags_are_usage_errors_before_any_model(capsys, tmp_path):
+    """Kind: tracebacks and silent no-ops for user mistakes (a new user's trial of
+    bench_rollout.py): --temperature 0 / --top-k -1 / --new-tokens 0 printed pydantic tracebacks,
+    --repeats 0 an AttributeError, --prompt-len 0 a ValueError, --speculative --mtp-depths 0
+    "optimizer got an empty parameter list", --device tpu a RuntimeError, --ragged-mean-len 0 a
+    ZeroDivisionError after the table; --baselines foo was timed as a plain HF call named foo and
+    --profile into a missing directory failed only after the run. Each is now a usage error (exit 2)."""
+    calls = [
+        (["--temperature", "0"], "temperature must be > 0"),
+        (["--temperature", "inf"], "temperature must be finite"),
+        (["--top-k", "-1"], "--top-k must be >= 0"),
+        (["--new-tokens", "0"], "--new-tokens must be >= 1"),
+        (["--prompt-len", "0"], "--prompt-len must be >= 1"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--threads", "0"], "--threads must be >= 1"),
+        (["--speculative", "--mtp-depths", "0"], "--mtp-depths >= 1"),
+        (["--device", "tpu"], "invalid choice"),
+        (["--ragged", "4", "--ragged-mean-len", "0"], "--ragged-mean-len must be a positive"),
+        (["--baselines", "hf-eager,foo"], "unknown ['foo']"),
+        (["--profile", str(tmp_path / "missing" / "p.txt")], "its directory does not exist"),
+    ]
+    bench = _load_bench("bench_rollout")
+    for argv, why in calls:
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and why in err and "Traceback" not in err, (argv, err)
+    ok = bench.parse_args(["--baselines", "hf-eager,hf-static", "--top-k", "1", "--profile", str(tmp_path / "p.txt")])
+    assert ok.baselines == "hf-eager,hf-static" and ok.top_k == 1
