@@ -268,3 +268,18 @@ def test_eval_count_flags_and_output_path_are_checked_before_sampling(tmp_path, 
         assert main(["eval", str(tmp_path / "run"), "--output", str(bad)]) == 2
         assert why in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # no probe file left behind
+
+
+def test_correct_threshold_outside_the_reward_range_is_refused(capsys):
+    """Kind: a setting accepted silently that makes the result a constant. Rewards lie in [0, 1]:
+    `eval --correct-threshold nan` (or 2, inf) counted no sample correct and printed pass@k = 0,
+    `0` (or below) counted every one correct (pass@k = 1). Now a usage error (CLI) / a load error
+    (`eval.correct_threshold` of a run config), before any model is loaded."""
+    for bad in ("nan", "inf", "2", "0", "-0.5", "x"):
+        with pytest.raises(SystemExit) as e:
+            main(["eval", "x", "--correct-threshold", bad])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "expected a reward in (0, 1]" in err, (bad, err)
+        with pytest.raises(ValueError, match="eval.correct_threshold"):
+            load_config(None, [f"eval.correct_threshold={bad}"])
+    assert load_config(None, ["eval.correct_threshold=0.5"]).eval.correct_threshold == 0.5

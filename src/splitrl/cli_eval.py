@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -296,7 +297,8 @@ def add_eval_commands(sub) -> None:
     e.add_argument("--num-prompts", type=_positive, default=64)
     e.add_argument("--k", default=[1], type=_pass_at_ks, help="comma-separated k of pass@k, each <= --num-samples (n = --num-samples is always added)")
     e.add_argument("--start-index", type=_non_negative, help="first prompt index (default: the first the run never drew)")
-    e.add_argument("--correct-threshold", type=float, default=1.0, help="reward >= this counts as correct")
+    e.add_argument("--correct-threshold", type=_threshold, default=1.0,
+                   help="reward >= this counts as correct (0 < t <= 1: rewards lie in [0, 1])")
     e.add_argument("--output", help="JSONL file: a metrics line, then one line per sample")
     e.set_defaults(run=_guarded(run_eval))
 
@@ -304,6 +306,19 @@ def add_eval_commands(sub) -> None:
 def _positive(text: str) -> int:
     """A count flag (``--num-samples``, ``--num-prompts``): an int >= 1, else a usage error."""
     return _int_at_least(text, 1)
+
+
+def _threshold(text: str) -> float:
+    """``--correct-threshold``: a reward in (0, 1], else a usage error. Rewards lie in [0, 1], so a
+    threshold <= 0 counts every sample correct and one above 1 (or nan) none: pass@k would be a
+    constant 1 or 0 that looks like a result."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a reward in (0, 1] (rewards lie in [0, 1]), got {text!r}")
+    return value
 
 
 def _non_negative(text: str) -> int:

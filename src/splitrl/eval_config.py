@@ -24,7 +24,8 @@ class EvalConfig(BaseModel):
         num_samples: k, sampled responses per prompt (reported: pass@1 and pass@k).
         ks: more k of pass@k (each at most ``num_samples``; pass@1 and pass@num_samples are always reported).
         greedy: also decode each prompt greedily (top_k=1), reported as ``eval/greedy/*``.
-        correct_threshold: a response counts as correct for pass@k when its reward >= this.
+        correct_threshold: a response counts as correct for pass@k when its reward >= this; in (0, 1]
+            (rewards lie in [0, 1]).
         seed: seed of the evaluation's samples (the same prompts and seeds at every evaluation).
         task: a separate held-out task (e.g. ``{kind: math_file, path: test.jsonl}``); default:
             the training task at prompt indices the run never draws.
@@ -39,7 +40,8 @@ class EvalConfig(BaseModel):
     num_samples: int = Field(4, ge=1)
     ks: list[int] = Field(default_factory=lambda: [1])
     greedy: bool = True
-    correct_threshold: float = 1.0
+    # rewards lie in [0, 1]: <= 0 counts every sample correct, > 1 (or nan) none — a constant pass@k
+    correct_threshold: float = Field(1.0, gt=0.0, le=1.0)
     seed: int = 0
     task: TaskConfig | None = None
     start_index: int | None = Field(None, ge=0)
