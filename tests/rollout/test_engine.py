@@ -120,6 +120,9 @@ def test_user_mistakes_raise_value_errors(model):
     # an infinite temperature samples uniformly: the run would learn nothing, silently
     with pytest.raises(ValueError, match="temperature must be finite, got inf"):
         GenerationConfig(temperature=float("inf"))
+    # "" is in every text: every response was cut to one token, silently
+    with pytest.raises(ValueError, match="empty string"):
+        GenerationConfig(stop_strings=["</answer>", ""])
     with pytest.raises(ValueError):
         GenerationConfig(top_p=0.0)
     with pytest.raises(ValueError):

@@ -19,7 +19,7 @@ class GenerationConfig(BaseModel):
         max_new_tokens: response length limit; a row that reaches it ends with ``"length"``.
         stop_token_ids: tokens that end a row (EOS, end-of-turn ...); the stop token is part of the
             response and of its logprobs.
-        stop_strings: texts that end a response; applied by the generation worker, which cuts the
+        stop_strings: texts that end a response (non-empty); applied by the generation worker, which cuts the
             response after the first token that completes one (the tokens up to there, and their
             logprobs, are exactly what was sampled).
         speculative: self-speculative decoding with the model's MTP heads as the draft; the output
@@ -55,6 +55,17 @@ class GenerationConfig(BaseModel):
             raise ValueError(
                 "temperature must be finite, got inf: softmax(logits / inf) is uniform over the vocabulary "
                 "(the model plays no part, every logprob is -log(vocab_size)); use a finite T such as 1.0"
+            )
+        return value
+
+    @field_validator("stop_strings")
+    @classmethod
+    def _non_empty_stop_strings(cls, value: list[str]) -> list[str]:
+        # "" is in every text: every response would be cut after its first token
+        if any(s == "" for s in value):
+            raise ValueError(
+                f"stop_strings {value} has an empty string, which every text contains: every response would "
+                "end after its first token; remove it (or give the text that should end a response)"
             )
         return value
 
