@@ -317,6 +317,12 @@ class RunConfig(BaseModel):
             )
         D = self.model.mtp.mtp_num_layers
         n_draft = self.rollout.num_draft_tokens
+        if n_draft is not None and not self.rollout.speculative:
+            raise ValueError(
+                f"rollout.num_draft_tokens={n_draft} is set but rollout.speculative=false: only speculative "
+                "decoding drafts tokens, so it would have no effect; set rollout.speculative=true, or remove "
+                "rollout.num_draft_tokens"
+            )
         if self.rollout.speculative and n_draft is not None and n_draft > D:
             raise ValueError(
                 f"rollout.num_draft_tokens={n_draft} > model.mtp.mtp_num_layers={D}: depth k drafts the "

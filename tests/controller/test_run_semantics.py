@@ -100,6 +100,10 @@ def test_group_size_one_is_refused(estimator):
 def test_settings_a_run_would_ignore_or_fail_on_late_are_refused():
     with pytest.raises(ValueError, match="num_draft_tokens=3 > model.mtp.mtp_num_layers=1"):
         load_config(None, ["rollout.speculative=true", "rollout.num_draft_tokens=3"])
+    # kind: a setting silently without effect (plain decoding drafts nothing)
+    with pytest.raises(ValueError, match="num_draft_tokens=1 is set but rollout.speculative=false"):
+        load_config(None, ["rollout.num_draft_tokens=1"])
+    assert load_config(None, ["rollout.speculative=true", "rollout.num_draft_tokens=1"]).rollout.num_draft_tokens == 1
     with pytest.raises(ValueError, match="train.device=cpu differs from device=auto"):
         load_config(None, ["train.device=cpu"])
     assert load_config(None, ["device=cpu", "train.device=cpu"]).train.device == "cpu"
