@@ -225,7 +225,6 @@ def main(argv: list[str] | None = None) -> None:
             med, ratio = time_interleaved(fns, dev, max(args.repeats, 2))
             for name, t in med.items():
                 report(name + " (interleaved)" if name.endswith("sync") else name, t, batch.lengths, D)
-            results[f"{tag}, packed, sync"] = sum(batch.lengths) / med[f"{tag}, packed, sync"]
             print("  split / sync (interleaved rounds, median over forward-reverse pairs): " + ", ".join(
                 f"{k} chunks {ratio[f'{tag}, packed, split {k} chunks']:.3f}" for k in (1, 4, 16)), flush=True)
             results[f"{tag}, split 16 / sync"] = ratio[f"{tag}, packed, split 16 chunks"]
