@@ -45,6 +45,10 @@ TransferQueue) sync 97 samples/s, async s=0 0.85x, s=1 1.10x (an earlier run: 11
 1.08x, 1.57x); ``backend=local dataplane.kind=inprocess`` (in-process threads share the GIL;
 load 2) sync 234 samples/s, async s=0 1.28x, s=1 1.34x; the same with
 ``train.microbatch.micro_batch_size=32`` (load 5) sync 165 samples/s, 1.31x, 0.87x.
+On H200s (the GPU example on reverse_digits, ``--steps 8 --warmup-steps 0``, every response 128
+tokens): split placement on two GPUs sync 84.9 samples/s, async s=0 1.06x, s=1 1.77x; one GPU
+(local backend) 112.3 samples/s, 0.95x, 1.05x; colocated on two GPUs (``--steps 6``) 39.0
+samples/s, 0.94x. The README's benchmark section says what bounds each.
 
 Ragged response lengths (``--stop-prob P``). A random-init model (the GPU example: no hub access)
 almost never samples its tokenizer's EOS (1 id of 151936), so every response runs to

@@ -18,15 +18,14 @@ speedup is a pure speed figure.
     python bench/bench_rollout.py --device cuda --preset qwen3-0.6b --batch-sizes 1,32,256 \\
         --prompt-len 128 --new-tokens 128 --speculative --baselines hf-eager,hf-static --ragged 1024 --check
 
-Measured 2026-11-30 on one H200 (torch 2.11, bf16, `--device cuda --preset qwen3-0.6b --batch-sizes
-1,32,256 --prompt-len 128 --new-tokens 128 --speculative --no-graph-column --check --ragged 1024
---profile profile.txt --baselines hf-static`): plain 350 / 10,381 / 42,018 tokens/s at batch 1 / 32 /
-256 (9.9 / 14.3 / 26.1 % of the roofline); profile: 2.2 / 2.5 / 5.7 ms of kernels per step, GPU busy
-75 / 75 / 88 % of the wall time; small-M GEMMs (cuBLAS nvjet) are ~60 % of the kernel time at batch 1.
-That run's speculative column is plain speed: the warm-up call's switch-off rule turned speculation
-off (fixed since: the bench now measures speculation with ``speculative_switch_off = False``). The
-first run, before kernel fusion: plain 187 / 5,279 / 24,362, eager (no graphs) 32 / 1,007 / 7,342,
-HF eager 38 / 1,137 / 8,044, speculative 1.36x / 1.15x / 0.90x plain at 43 % acceptance.
+Measured 2026-11-30 (evening) on one H200 (torch 2.11, bf16, `--device cuda --preset qwen3-0.6b
+--batch-sizes 1,32,256 --prompt-len 128 --new-tokens 128 --speculative --no-graph-column --ragged
+1024`): plain 528 / 13,363 / 42,021 tokens/s at batch 1 / 32 / 256 (14.9 / 18.4 / 26.1 % of the
+roofline); speculative 1.20x / 0.99x / 0.69x plain at 42-43 % acceptance; ragged: continuous
+batching 23.3 k tokens/s against static batches 19.9 k. The run before it, with `--check
+--baselines hf-static --profile`: HF static cache + compile 261 / 6,150 / 15,598; profile: 1.61 /
+2.08 / 5.9 ms of kernels per step, GPU busy 70 / 69 / 91 % (at batch 1 the gaps are the ~450
+kernels of a step, even inside one CUDA graph). The README's benchmark table has the history.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ ragged GRPO samples:
   bf16 autocast, next-token CE) on the *same padded rows* the microbatch builder makes, and on
   full-length rows;
 - the splitrl synchronous step without MTP and with ``--mtp`` depths, on padded and on packed
-  rows, and the split step fed as 1, 4 and 16 chunks (packed, with MTP);
+  rows, and the split step fed as 1, 4 and 16 chunks (packed, with MTP), timed in rounds that
+  alternate with the synchronous step (their ratio: median over forward-reverse pairs of rounds);
 - packed rows with the other attention kernel (``SpeedConfig.packed_attention``: flex / varlen);
 - the rows above run eager decoder layers; then the packed steps with MTP run again with
   compiled decoder layers (``SpeedConfig.compile_layers``, the default on one GPU);
@@ -33,6 +34,7 @@ causal QKᵀ and PV (2 · 2 · n_h · d_h per attended pair, L(L+1)/2 pairs per 
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import statistics
 import sys
@@ -84,6 +86,38 @@ def time_it(fn, device: str, repeats: int, warmups: int = 1) -> float:
         sync(device)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def time_interleaved(fns: dict[str, object], device: str, repeats: int, warmups: int = 1):
+    """Median seconds of each of ``fns``, and per function its speed relative to the first one.
+
+    Rounds run every function once, in forward then reverse order (A B C, C B A, ...; ``repeats``
+    is rounded up to an even count). The relative speed is t_first / t_function within a round;
+    the two rounds of a forward-reverse pair are combined by their geometric mean, which cancels a
+    steady drift of the device's speed (clocks, other jobs); the figure is the median over pairs.
+    On the H200 a one-after-the-other order made configurations measured later look 4-7 % slower
+    than the same work measured first.
+    """
+    names = list(fns)
+    repeats += repeats % 2
+    for name in names:
+        for _ in range(warmups):
+            fns[name]()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else reversed(names):
+            sync(device)
+            t = time.perf_counter()
+            fns[name]()
+            sync(device)
+            times[name].append(time.perf_counter() - t)
+    base = times[names[0]]
+    med = {n: statistics.median(ts) for n, ts in times.items()}
+    ratio = {}
+    for n, ts in times.items():
+        per_round = [b / t for b, t in zip(base, ts)]
+        ratio[n] = statistics.median(math.sqrt(per_round[i] * per_round[i + 1]) for i in range(0, repeats, 2))
+    return med, ratio
 
 
 def model_flops(cfg: dict, lengths: list[int], D: int) -> float:
@@ -184,9 +218,16 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  varlen attention failed: {type(e).__name__}: {e}"[:1500], flush=True)
             model.packed_attention = "flex"
         if D > 0:
+            # sync and the split steps in alternating rounds: their ratio is the figure (DESIGN §2: same work)
+            fns = {f"{tag}, packed, sync": lambda: worker.train(batch, loss)}
             for k in (1, 4, 16):
-                cs = chunks_of(k)
-                report(f"{tag}, packed, split {k} chunks", time_it(lambda: split_step(worker, cs), dev, args.repeats), batch.lengths, D)
+                fns[f"{tag}, packed, split {k} chunks"] = (lambda cs: lambda: split_step(worker, cs))(chunks_of(k))
+            med, ratio = time_interleaved(fns, dev, max(args.repeats, 2))
+            for name, t in med.items():
+                report(name + " (interleaved)" if name.endswith("sync") else name, t, batch.lengths, D)
+            print("  split / sync (interleaved rounds, median over forward-reverse pairs): " + ", ".join(
+                f"{k} chunks {ratio[f'{tag}, packed, split {k} chunks']:.3f}" for k in (1, 4, 16)), flush=True)
+            results[f"{tag}, split 16 / sync"] = ratio[f"{tag}, packed, split 16 chunks"]
         if D > 0 and dev == "cuda":
             for budget in args.memory_budgets:
                 big = make_batch(2 * args.samples, args.prompt, args.response, cfg["vocab_size"], seed=1)
@@ -210,15 +251,17 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 compile_layers(model)
                 set_layout(worker, True, args.max_tokens)
-                c = report(f"{tag}, packed, sync, compiled layers", time_it(lambda: worker.train(batch, loss), dev, args.repeats, warmups=2), batch.lengths, D)
-                line = f"  compiled / eager layers ({tag}, packed, sync): {c / results[f'{tag}, packed, sync']:.3f}"
                 if D == 0:
-                    line += f"; no MTP, splitrl packed compiled / plain HF padded: {c / h_pad:.3f}"
+                    c = report(f"{tag}, packed, sync, compiled layers", time_it(lambda: worker.train(batch, loss), dev, args.repeats, warmups=2), batch.lengths, D)
+                    line = f"; no MTP, splitrl packed compiled / plain HF padded: {c / h_pad:.3f}"
                 else:
                     cs = chunks_of(16)
-                    c16 = report(f"{tag}, packed, split 16 chunks, compiled layers", time_it(lambda: split_step(worker, cs), dev, args.repeats), batch.lengths, D)
-                    line += f"; compiled split 16 / sync: {c16 / c:.3f}"
-                print(line, flush=True)
+                    fns = {"sync": lambda: worker.train(batch, loss), "split 16": lambda: split_step(worker, cs)}
+                    med, ratio = time_interleaved(fns, dev, max(args.repeats, 2), warmups=2)
+                    c = report(f"{tag}, packed, sync, compiled layers", med["sync"], batch.lengths, D)
+                    report(f"{tag}, packed, split 16 chunks, compiled layers", med["split 16"], batch.lengths, D)
+                    line = f"; compiled split 16 / sync (interleaved rounds): {ratio['split 16']:.3f}"
+                print(f"  compiled / eager layers ({tag}, packed, sync): {c / results[f'{tag}, packed, sync']:.3f}" + line, flush=True)
             except Exception as e:  # noqa: BLE001 - report and keep the figures above
                 print(f"  compiled layers failed: {type(e).__name__}: {e}"[:2000])
         worker = model = None
@@ -230,8 +273,7 @@ def summarize(r: dict[str, float], h_pad: float, D: int) -> None:
     print("summary:")
     print(f"  no MTP, splitrl padded / plain HF padded: {r['splitrl, 0 MTP, padded, sync'] / h_pad:.3f}")
     print(f"  no MTP, splitrl packed / plain HF padded: {r['splitrl, 0 MTP, packed, sync'] / h_pad:.3f}")
-    print(f"  {D} MTP, split 16 chunks / sync (packed): "
-          f"{r[f'splitrl, {D} MTP, packed, split 16 chunks'] / r[f'splitrl, {D} MTP, packed, sync']:.3f}", flush=True)
+    print(f"  {D} MTP, split 16 chunks / sync (packed, interleaved rounds): {r[f'splitrl, {D} MTP, split 16 / sync']:.3f}", flush=True)
 
 
 if __name__ == "__main__":

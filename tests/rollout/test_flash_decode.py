@@ -63,7 +63,7 @@ def test_flash_decode_reads_each_row_to_its_own_length(Q):
     assert (out_f - ref).abs().max().item() < 2e-2
     assert (out_m - ref).abs().max().item() < 2e-2
     assert (out_f - out_m).abs().max().item() < 2e-2
-    # a wrong row length (e.g. every row read to L) would mix in the unread entries
+    # the reference is sensitive to the row lengths: reading every row to L (a masked plan) differs
     wrong = masked.plan(pos, pos, torch.full_like(pos, L - 1), L)
     assert (masked.attend(1, q, wrong, scale).float() - ref).abs().max().item() > 0.1
 
@@ -92,3 +92,80 @@ def test_flash_decode_replays_in_a_cuda_graph_with_new_lengths():
     torch.cuda.synchronize()
     ref = _reference(flash, 0, q, pos[:, 0], scale)
     assert (out.float() - ref).abs().max().item() < 2e-2
+
+
+# ------------------------------------------------------------------ the layouts, on any device
+
+
+def _pair(dtype=torch.float64):
+    """A head-major and a position-major cache (CPU) with the same contents."""
+    torch.manual_seed(1)
+    head = StaticKVCache(2, S, HK, 40, 8, dtype, "cpu", flash=False)
+    pos = StaticKVCache(2, S, HK, 40, 8, dtype, "cpu", flash=False, position_major=True)
+    assert head.k.shape == (2, S, HK, 40, 8) and pos.k.shape == (2, S, 40, HK, 8)
+    head.k.normal_()
+    head.v.normal_()
+    pos.k.copy_(head.k.transpose(2, 3))
+    pos.v.copy_(head.v.transpose(2, 3))
+    return head, pos
+
+
+def _same(head, pos):
+    return torch.equal(head.k, pos.k.transpose(2, 3)) and torch.equal(head.v, pos.v.transpose(2, 3))
+
+
+def test_both_layouts_write_move_and_attend_alike():
+    """Every operation of the cache gives the same entries and outputs in both layouts (the
+    position-major one is what the flash kernel reads on CUDA; here its index arithmetic is
+    checked on the CPU, through the masked path)."""
+    head, pos = _pair()
+    g = torch.Generator().manual_seed(2)
+    # a prefill of slots 3 and 1
+    k = torch.randn(2, 7, HK, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 7, HK, 8, generator=g, dtype=torch.float64)
+    for c in (head, pos):
+        c.write_prefix(1, torch.tensor([3, 1]), k, v)
+    assert _same(head, pos)
+    # a decode write + attend of slots 0..2, and of given slots (the MTP queries' case)
+    for slots in (None, torch.tensor([4, 0, 2])):
+        B, Q = 3, 2
+        write = torch.tensor([[9, 10], [5, 39], [20, 21]])  # 39: the scratch entry
+        limit = torch.tensor([[8, 9], [4, 4], [19, 20]])
+        kq = torch.randn(B, Q, HK, 8, generator=g, dtype=torch.float64)
+        q = torch.randn(B, Q, 4, 8, generator=g, dtype=torch.float64)
+        outs = []
+        for c in (head, pos):
+            plan = c.plan(write, write, limit, 24, slots)
+            c.write(0, plan, kq, -kq)
+            outs.append(c.attend(0, q, plan, 0.3))
+        assert _same(head, pos)
+        assert torch.equal(outs[0], outs[1])
+        assert not torch.equal(head.k[0, 0], torch.zeros_like(head.k[0, 0]))
+    for c in (head, pos):
+        c.move(torch.tensor([4, 3]), torch.tensor([0, 5]))
+    assert _same(head, pos)
+
+
+def test_the_mtp_cache_is_never_a_flash_cache(monkeypatch):
+    """The MTP depths' queries read through masks (not a causal block at the end of a row), so
+    their cache must not take the flash layout on CUDA: a first version built it with the default
+    and read it through a transposed view on every draft."""
+    from _rollout_helpers import make_model
+
+    from splitrl.rollout import GenerationConfig, RolloutEngine
+    from splitrl.rollout import engine as engine_mod
+
+    built = []
+
+    class Recording(StaticKVCache):
+        def __init__(self, num_layers, *args, **kwargs):
+            built.append((num_layers, kwargs.get("flash")))
+            super().__init__(num_layers, *args, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "StaticKVCache", Recording)
+    model = make_model(vocab=32, depths=2)
+    engine = RolloutEngine(model, GenerationConfig(speculative=True, max_new_tokens=4, batch_size=2), "cpu")
+    engine.generate([[1, 2]], [0])
+    layers = model.config.num_hidden_layers
+    assert (layers, None) in built  # the backbone's: flash where it runs
+    assert (2, False) in built  # the MTP depths'

@@ -73,3 +73,18 @@ def test_compiled_step_bookkeeping_equals_eager(compiled, B, stops):
             pe = fused.plan_tensors(e[1], e[0], e[2], rows, 2, 64, 48, position_major)
             pc = compiled["plan_tensors"](e[1], e[0], e[2], rows, 2, 64, 48, position_major)
             assert torch.equal(pe[0], pc[0]) and torch.equal(pe[1], pc[1])
+            # the flash plan: the index only
+            pe0 = fused.plan_tensors(e[1], e[0], e[2], rows, 2, 64, 0, position_major)
+            pc0 = compiled["plan_tensors"](e[1], e[0], e[2], rows, 2, 64, 0, position_major)
+            assert pe0[1] is None and pc0[1] is None and torch.equal(pe0[0], pc0[0]) and torch.equal(pe0[0], pe[0])
+
+
+def test_kernels_compile_and_warm_up_without_falling_back(monkeypatch, caplog):
+    """On CUDA the engine's kernels are compiled once per process and warmed up with small inputs
+    (a compiler failure falls back to eager with a warning). Here the same start-up runs with the
+    CPU backend: a warm-up call that does not fit a function's signature would make every engine
+    fall back to eager kernels (a silent 2x-10x slowdown on the GPU), and this fails instead."""
+    monkeypatch.setattr(fused, "_COMPILED", {})
+    kernels = fused.Kernels(True, torch.device("cpu"), torch.float32)
+    assert kernels.compiled, caplog.text
+    assert all(getattr(kernels, n) is fused._COMPILED[n] for n in fused._NAMES)

@@ -72,6 +72,16 @@ COMPILE_KERNELS = os.environ.get("SPLITRL_COMPILE_KERNELS", "1") != "0"
 _ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
 
+def _compilations() -> int:
+    """Graphs torch.compile has made in this process so far (Dynamo's own count; 0 where absent)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:  # noqa: BLE001 - a torch without the counter: every call is a sample
+        return 0
+
+
 def _row_bucket(n: int, cap: int) -> int:
     for b in _ROW_BUCKETS:
         if b >= n:
@@ -303,7 +313,8 @@ class RolloutEngine:
     call (a running mean of the last calls of each kind), over the call's decoding time (its wall
     time less ``stats.setup_s``: a call that captures CUDA graphs is still a fair sample; counting
     the capture made the rule decode plainly at batch 1 where speculation was 1.2x faster, and
-    skipping such calls cost an extra plain call). Once a speculative call has run in a
+    skipping such calls cost an extra plain call). A call during which torch.compile compiled a
+    kernel (seconds, once per shape) is not a sample. Once a speculative call has run in a
     bucket, the next call there runs plainly to measure it; from then on each call runs the
     faster kind, and every ``EXPLORE_EVERY`` calls the slower kind runs once more. Plain and
     speculative calls emit the same tokens, so the choice changes speed only.
@@ -476,7 +487,8 @@ class RolloutEngine:
             mcfg.num_hidden_layers, S, mcfg.num_key_value_heads, M, head_dim, dtype, self.device
         )
         if D:
-            self._mtp_cache = StaticKVCache(D, S, mcfg.num_key_value_heads, M, head_dim, dtype, self.device)
+            # the MTP queries' masks are not a causal block (see drafter): the masked path, head-major
+            self._mtp_cache = StaticKVCache(D, S, mcfg.num_key_value_heads, M, head_dim, dtype, self.device, flash=False)
             c = self.config
             self._drafter = MTPDrafter(self.fwd, D, self._mtp_cache, c.temperature, c.top_k, c.top_p)
         self._state = _SlotState(S, cfg.max_new_tokens + D + 1, D, mcfg.hidden_size, dtype, self.device)
@@ -573,15 +585,18 @@ class RolloutEngine:
 
     @contextmanager
     def _setup_time(self) -> Iterator[None]:
-        """Count the enclosed seconds (device work included) into ``stats.setup_s``."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        """Count the enclosed seconds (the engine's device work included) into ``stats.setup_s``.
+        Waits for the engine's stream only: with placement=colocated the train half of the process
+        queues work on the same device, which is not the engine's setup."""
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if stream is not None:
+            stream.synchronize()
         start = time.perf_counter()
         try:
             yield
         finally:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            if stream is not None:
+                stream.synchronize()
             self._setup_s += time.perf_counter() - start
 
     def _plain_step_time(self, B: int, L: int, reps: int = 3) -> float:
@@ -653,7 +668,7 @@ class RolloutEngine:
             accepted_per_depth=[0] * (D if spec else 0),
         )
         self.last_stats = stats
-        captures_before, setup_before = self._captures, self._setup_s
+        captures_before, setup_before, compiles_before = self._captures, self._setup_s, _compilations()
         st.done.fill_(True)
         waiting = deque(range(len(prompts)))
         item: list[int | None] = [None] * S  # sample index held by each slot
@@ -730,7 +745,10 @@ class RolloutEngine:
         stats.graph_captures = self._captures - captures_before
         stats.setup_s = self._setup_s - setup_before
         decoding_s = stats.wall_time_s - stats.setup_s
-        if stats.switched_off_at_iteration is None and stats.generated_tokens and decoding_s > 0:
+        # a call during which torch.compile compiled something (a kernel's first shape: seconds)
+        # is no speed sample; the measured setup (captures, plain-step timings) is left out of it
+        compiled = _compilations() != compiles_before
+        if stats.switched_off_at_iteration is None and stats.generated_tokens and decoding_s > 0 and not compiled:
             self._record_call(stats.speculative_active, bucket, stats.generated_tokens / decoding_s)
         stats.speculative_next = self._choose_speculative(bucket, peek=True)
 

@@ -192,6 +192,17 @@ class Kernels:
                 fns["qk_norm_rope"](x[:, :, None], x[:, :, None], w, w, 1e-6, x, x)
                 fns["qk_rope"](x[:, :, None], x[:, :, None], x, x)
                 fns["silu_mul"](x, x)
+                # the step bookkeeping too, so that a compiler failure falls back here rather than
+                # raising inside a decode call (other shapes compile at their first use)
+                i = torch.zeros(2, dtype=torch.int64, device=device)
+                b = torch.zeros(2, dtype=torch.bool, device=device)
+                drafts, targets, stops = i[:, None].repeat(1, 2), i[:, None].repeat(1, 3), i[:1] + 5
+                fns["plain_commit"](i.clone(), i.clone(), i.clone(), b.clone(), b.clone(), i, stops, 8)
+                accepted = fns["spec_accept"](drafts, targets, i, b, stops, 8)
+                fns["spec_commit"](i.clone(), i.clone(), i.clone(), b.clone(), b.clone(), i.clone(), i.clone(),
+                                   drafts.clone(), drafts.clone(), targets, *accepted)  # fmt: skip
+                pos, write, limit = fns["draft_window"](i + 4, i, i + 4, 2, 3, 15)
+                fns["plan_tensors"](write, pos, limit, i, 2, 16, 8, False)
                 # the samplers compile at their first call (one graph per vocabulary size)
                 _COMPILED.update(fns)
             except Exception as err:  # noqa: BLE001 - any compiler failure: fall back to eager

@@ -7,9 +7,8 @@ A slot's entry for position p lives at index p: no padding, no compaction. Two l
 read by the flash kernel (below) is [N, S, M, Hk, d] (position-major within a slot), so that a
 layer's cache is also a flat [S*M, Hk, d] sequence of tokens in which slot s starts at token s*M,
 the layout the flash variable-length kernel reads; any other cache is [N, S, Hk, M, d]
-(head-major), which the masked path reads as [B, Hk, L, d] without a copy (on the H200 the masked
-path over the position-major layout made the MTP drafts' attention slow enough to cost
-speculation 7-26 %).
+(head-major), which the masked path reads as [B, Hk, L, d] without a copy (over a position-major
+cache it reads a transposed view, which SDPA may copy first).
 
 Two attention paths read it. The general one (any mask: the MTP depths' queries, CPU, fp32) is one
 ``scaled_dot_product_attention`` call over the first L indices of every row with an additive mask,
@@ -39,14 +38,30 @@ from splitrl.rollout.fused import plan_tensors
 
 
 def _flash_decode_available() -> bool:
-    """The aten flash varlen op takes ``seqused_k`` (torch >= 2.5 builds with flash attention)."""
+    """The aten flash varlen op takes ``seqused_k`` (torch 2.11 and 2.13 do) and this build has the
+    flash kernels (CUDA, not ROCm)."""
     op = getattr(torch.ops.aten, "_flash_attention_forward", None)
-    return op is not None and "seqused_k" in str(op.default._schema)
+    return (
+        op is not None
+        and "seqused_k" in str(op.default._schema)
+        and torch.version.hip is None
+        and getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)()
+    )
 
 
-# Backbone decode steps on CUDA (fp16 / bf16, head dim <= 256) read each row up to its own length
-# with the flash varlen kernel; SPLITRL_FLASH_DECODE=0 keeps the masked SDPA path everywhere.
+# Backbone decode steps on CUDA (fp16 / bf16, sm80+, head dim a multiple of 8 up to 256) read each
+# row up to its own length with the flash varlen kernel; SPLITRL_FLASH_DECODE=0 keeps the masked
+# SDPA path everywhere.
 FLASH_DECODE = os.environ.get("SPLITRL_FLASH_DECODE", "1") != "0" and _flash_decode_available()
+
+
+def _flash_runs(device, dtype: torch.dtype, head_dim: int) -> bool:
+    device = torch.device(device)
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if head_dim > 256 or head_dim % 8:  # other head dims would be padded: a copy of the cache per call
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 @dataclass
@@ -54,11 +69,13 @@ class AttentionPlan:
     """Write indices and the additive mask of one forward (see :meth:`StaticKVCache.plan`).
 
     Attributes:
-        flat_index: int64 [B*Q*Hk] rows of the cache layer viewed as [S*M*Hk, d].
+        flat_index: int64 [B*Q*Hk] rows of the cache layer (in its own layout) viewed as [-1, d].
         mask: fp32 [B, 1, 1, Q, L], 0 where allowed, -inf elsewhere; None on the flash path.
         length: L, the cache prefix read.
         slots: the rows' slots, or None for slots 0..B-1.
         seqused: int32 [B], the rows' lengths (last query position + 1) on the flash path, else None.
+        cu_seqlens_q, cu_seqlens_k: int32 [B+1], the flash kernel's sequence starts (row b's
+            queries at b*Q, its cache at b*M); built once per plan, shared by all layers.
     """
 
     flat_index: torch.Tensor
@@ -66,6 +83,8 @@ class AttentionPlan:
     length: int
     slots: torch.Tensor | None
     seqused: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
     _grouped: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     def grouped_mask(self, G: int, dtype: torch.dtype) -> torch.Tensor:
@@ -87,8 +106,11 @@ class StaticKVCache:
         num_layers, slots, kv_heads, max_len, head_dim: the shape [N, S, M, Hk, d] (flash) or
             [N, S, Hk, M, d].
         dtype, device: of the tensors (the model's compute dtype).
-        flash: use the flash varlen kernel for causal plans where it runs (default
-            :data:`FLASH_DECODE`, CUDA, fp16 / bf16, head dim <= 256).
+        flash: read causal plans with the flash varlen kernel where it runs (default
+            :data:`FLASH_DECODE`; CUDA sm80+, fp16 / bf16, head dim a multiple of 8 up to 256).
+            A flash cache is position-major, which the kernel needs.
+        position_major: the layout, when not chosen by ``flash`` (tests build a position-major
+            cache on the CPU; the masked path reads either).
     """
 
     def __init__(
@@ -101,10 +123,13 @@ class StaticKVCache:
         dtype,
         device,
         flash: bool | None = None,
+        position_major: bool | None = None,
     ) -> None:
-        runs = torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim <= 256
-        self.flash = bool((FLASH_DECODE if flash is None else flash) and runs)
-        if self.flash:
+        self.flash = bool((FLASH_DECODE if flash is None else flash) and _flash_runs(device, dtype, head_dim))
+        if position_major is not None and self.flash and not position_major:
+            raise ValueError("a flash cache is position-major")
+        self.position_major = self.flash if position_major is None else position_major
+        if self.position_major:
             shape = (num_layers, slots, max_len, kv_heads, head_dim)
         else:
             shape = (num_layers, slots, kv_heads, max_len, head_dim)
@@ -119,7 +144,7 @@ class StaticKVCache:
     def write_prefix(self, layer: int, slot_ids: torch.Tensor, k_BMHd: torch.Tensor, v_BMHd: torch.Tensor) -> None:
         """Positions 0..M'-1 of the slots ``slot_ids`` [B] (a prefill)."""
         M = k_BMHd.shape[1]
-        if self.flash:
+        if self.position_major:
             self.k[layer, :, :M].index_copy_(0, slot_ids, k_BMHd)
             self.v[layer, :, :M].index_copy_(0, slot_ids, v_BMHd)
         else:
@@ -154,12 +179,17 @@ class StaticKVCache:
         flash = causal and self.flash and slots_B is None
         fn = plan_tensors if kernels is None else kernels.plan_tensors
         flat, mask = fn(
-            write_pos_BQ, positions_BQ, limit_BQ, rows, self.kv_heads, self.max_len, 0 if flash else length, self.flash
-        )
+            write_pos_BQ, positions_BQ, limit_BQ, rows, self.kv_heads, self.max_len, 0 if flash else length,
+            self.position_major,
+        )  # fmt: skip
         if flash:
+            B, Q = write_pos_BQ.shape
+            device = write_pos_BQ.device
             # clamped: a slot of the bucket that holds no row may carry a stale position
             seqused = (limit_BQ[:, -1] + 1).clamp(1, length).to(torch.int32)
-            return AttentionPlan(flat, None, length, None, seqused)
+            cu_q = torch.arange(0, (B + 1) * Q, Q, dtype=torch.int32, device=device)
+            cu_k = torch.arange(0, (B + 1) * self.max_len, self.max_len, dtype=torch.int32, device=device)
+            return AttentionPlan(flat, None, length, None, seqused, cu_q, cu_k)
         return AttentionPlan(flat, mask, length, slots_B)
 
     def write(self, layer: int, plan: AttentionPlan, k_BQHd: torch.Tensor, v_BQHd: torch.Tensor) -> None:
@@ -188,7 +218,7 @@ class StaticKVCache:
         if plan.seqused is not None:
             return self._attend_flash(layer, q_BQHd, plan, scale)
         rows = slice(0, B) if plan.slots is None else plan.slots  # slots: a copy of those rows
-        if self.flash:
+        if self.position_major:
             k = self.k[layer][rows, :length].transpose(1, 2)  # [B, Hk, L, d]
             v = self.v[layer][rows, :length].transpose(1, 2)
         else:
@@ -203,18 +233,15 @@ class StaticKVCache:
 
     def _attend_flash(self, layer: int, q_BQHd: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
         B, Q, H, d = q_BQHd.shape
-        M, Hk = self.max_len, self.kv_heads
-        device = q_BQHd.device
+        Hk = self.kv_heads
         # slot b's tokens start at b*M in the flat [S*M, Hk, d] view; seqused_k cuts each row at its
         # length, and the causal mask is aligned to that end (query q sits at seqused - Q + q)
-        cu_q = torch.arange(0, (B + 1) * Q, Q, dtype=torch.int32, device=device)
-        cu_k = torch.arange(0, (B + 1) * M, M, dtype=torch.int32, device=device)
         out = torch.ops.aten._flash_attention_forward(
             q_BQHd.reshape(B * Q, H, d),
             self.k[layer].view(-1, Hk, d),
             self.v[layer].view(-1, Hk, d),
-            cu_q,
-            cu_k,
+            plan.cu_seqlens_q,
+            plan.cu_seqlens_k,
             Q,
             plan.length,
             0.0,
