@@ -81,6 +81,7 @@ import os
 import platform
 import shlex
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -295,6 +296,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                     print(args.stop_note, flush=True)
             t0 = time.perf_counter()
             res = train(cfg)
+            if res.interrupted:  # Ctrl-C / SIGTERM: the user's stop, not a bench failure (no traceback)
+                sig = res.interrupt_signal or signal.SIGINT
+                print(f"{name}: stopped by {signal.Signals(sig).name} after {res.steps_done} of {steps} steps; "
+                      "the lines above are what was measured", file=sys.stderr, flush=True)
+                raise SystemExit(128 + sig)
             if res.steps_done != steps or len(res.metrics) != steps:
                 raise RuntimeError(f"{name}: the run stopped after {res.steps_done} of {steps} steps")
             if name != "warm-up":

@@ -203,3 +203,19 @@ def test_bench_rollout_bad_flags_are_usage_errors_before_any_model(capsys, tmp_p
         assert e.value.code == 2 and why in err and "Traceback" not in err, (argv, err)
     ok = bench.parse_args(["--baselines", "hf-eager,hf-static", "--top-k", "1", "--profile", str(tmp_path / "p.txt")])
     assert ok.baselines == "hf-eager,hf-static" and ok.top_k == 1
+
+
+def test_a_run_stopped_by_a_signal_exits_with_its_code_not_a_traceback(capsys, monkeypatch, tmp_path):
+    """Kind: a traceback for a user's action. Ctrl-C / SIGTERM (`timeout 120 python bench/bench_e2e.py`)
+    stops the running train() cleanly, and the bench then raised "RuntimeError: sync: the run
+    stopped after 1 of 6 steps". It now says which signal stopped which run and exits 128 + signal."""
+    from splitrl.controller.controller import RunResult
+
+    bench = _bench()
+    monkeypatch.setattr(bench, "train", lambda cfg: RunResult(
+        output_dir=str(cfg.output_dir), steps_done=1, stopped_early=True, interrupted=True, interrupt_signal=15))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--steps", "2", "--warmup-steps", "0", "--schedules", "sync", "--output-dir", str(tmp_path),
+                    "backend=local"])
+    assert e.value.code == 143
+    assert "sync: stopped by SIGTERM after 1 of 2 steps" in capsys.readouterr().err
