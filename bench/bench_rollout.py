@@ -24,8 +24,9 @@ Measured 2026-11-30 (evening) on one H200 (torch 2.11, bf16, `--device cuda --pr
 roofline); speculative 1.20x / 0.99x / 0.69x plain at 42-43 % acceptance; ragged: continuous
 batching 23.3 k tokens/s against static batches 19.9 k. The run before it, with `--check
 --baselines hf-static --profile`: HF static cache + compile 261 / 6,150 / 15,598; profile: 1.61 /
-2.08 / 5.9 ms of kernels per step, GPU busy 70 / 69 / 91 % (at batch 1 the gaps are the ~450
-kernels of a step, even inside one CUDA graph). The README's benchmark table has the history.
+2.08 / 5.9 ms of kernels per step, GPU busy 70 / 69 / 91 % (at batch 1 the idle time is, by
+estimate, the gaps between a step's ~450 kernels inside its CUDA graph). The README's benchmark
+table has the history.
 """
 
 from __future__ import annotations
