@@ -1,6 +1,7 @@
 """The whole run through the single controller with the local backend and the in-process data
 plane (fast): metric keys, overlap evidence, on-policy steps, deterministic resume, bad configs."""
 
+import logging
 import math
 
 import pytest
@@ -245,6 +246,19 @@ def test_preflight_catches_data_tokenizer_and_resume_mismatches(tmp_path):
         preflight(_cfg(out, "num_steps=2", "model.backbone.hidden_size=64"))
     assert preflight(_cfg(out, "num_steps=2")) == 1
     assert train(_cfg(out, "num_steps=1")).steps_done == 1  # finished: nothing to do, no workers
+
+
+def test_fewer_steps_than_a_run_made_is_said_not_passed_for_a_finished_run(tmp_path, monkeypatch, caplog):
+    """A new user's trial: num_steps=40 on a directory whose run made 50 steps logged 'a finished
+    run; nothing to do' at INFO, which reads as if the 40 asked for were done."""
+    from splitrl.controller import controller as controller_mod
+
+    monkeypatch.setattr(controller_mod, "preflight", lambda cfg: 3)  # a 3-step run is on disk
+    with caplog.at_level(logging.INFO, logger="splitrl.controller.controller"):
+        assert train(_cfg(tmp_path / "run", "num_steps=2")).steps_done == 3
+    [record] = [r for r in caplog.records if "nothing to do" in r.getMessage()]
+    assert record.levelno == logging.WARNING
+    assert "more than num_steps=2" in record.getMessage() and "resume=false" in record.getMessage()
 
 
 def test_a_failed_chunk_is_retried_and_the_run_goes_on(tmp_path, monkeypatch):

@@ -1175,7 +1175,15 @@ class SingleController:
         self.eval_indices = plan_eval(cfg) if cfg.eval.enabled else []  # raises before anything starts
         log.log(*cfg.off_policy_summary())
         self.health = RunHealth(cfg.reward_timeout_s, loss_scaling=cfg.train.precision == "fp16")
-        if done_before >= cfg.num_steps:
+        if done_before > cfg.num_steps:
+            # the user asked for fewer steps than were made: say so, or it reads as a success
+            log.warning(
+                "%s already holds a run of %d steps, more than num_steps=%d; nothing to do (raise num_steps to "
+                "continue it, or set resume=false to start over: the earlier run is set aside, not deleted)",
+                self.out, done_before, cfg.num_steps,
+            )  # fmt: skip
+            return RunResult(str(self.out), done_before)
+        if done_before == cfg.num_steps:
             log.info("%s already holds a finished run (%d steps); nothing to do", self.out, done_before)
             return RunResult(str(self.out), done_before)
         self.out.mkdir(parents=True, exist_ok=True)
