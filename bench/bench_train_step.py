@@ -75,17 +75,19 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def timed(fn, device: str) -> float:
+    """Seconds of one call of ``fn``, the device's queued work included."""
+    sync(device)
+    t = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t
+
+
 def time_it(fn, device: str, repeats: int, warmups: int = 1) -> float:
     for _ in range(warmups):  # first calls pay kernel selection and compilation
         fn()
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return statistics.median(timed(fn, device) for _ in range(repeats))
 
 
 def time_interleaved(fns: dict[str, object], device: str, repeats: int, warmups: int = 1):
@@ -106,11 +108,7 @@ def time_interleaved(fns: dict[str, object], device: str, repeats: int, warmups:
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(repeats):
         for name in names if r % 2 == 0 else reversed(names):
-            sync(device)
-            t = time.perf_counter()
-            fns[name]()
-            sync(device)
-            times[name].append(time.perf_counter() - t)
+            times[name].append(timed(fns[name], device))
     base = times[names[0]]
     med = {n: statistics.median(ts) for n, ts in times.items()}
     ratio = {}

@@ -17,7 +17,9 @@ each row's Q queries at consecutive positions ending at p reading indices <= the
 block at the end of a row of length p+1); on CUDA in fp16/bf16 it runs the flash varlen kernel
 with ``seqused_k`` = p+1 per row (:data:`FLASH_DECODE`), which reads each row only up to its own
 length. With continuous batching the rows of a step have very different lengths (refilled rows are
-short, old rows long): the masked path read them all up to the longest. A query at position p
+short, old rows long): the masked path read them all up to the longest.
+
+A query at position p
 attends to the indices j <= limit (its committed context, ``limit`` = p for the backbone) and to
 its own index. Entries past the context may hold stale values (rejected drafts, a finished row's
 leftovers): they are never read before being rewritten, because every position is written by the
@@ -27,9 +29,8 @@ window entries) go to the last index, ``scratch``, which no context reaches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import os
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
