@@ -112,7 +112,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU")
     p.add_argument("--hbm-tb-s", type=float, default=4.3, help="HBM bandwidth for the roofline (TB/s)")
     p.add_argument("--check", action="store_true", help="first check fp32 exactness on the device")
-    p.add_argument("--profile", default="", help="write a torch.profiler summary of plain decode here")
+    p.add_argument("--profile", default="", help="write a torch.profiler summary of plain (and speculative) decode here")
     args = p.parse_args(argv)
     _check_args(p, args)
     return args
@@ -314,12 +314,18 @@ def check_exactness(args: argparse.Namespace) -> None:
         torch.cuda.empty_cache()
 
 
-def profile_decode(model: PolicyModel, args: argparse.Namespace, batch: int, path: str) -> None:
-    """Kernel time vs wall time of plain decode at ``batch`` (after warm-up), with the top kernels."""
+def profile_decode(
+    model: PolicyModel, args: argparse.Namespace, batch: int, path: str, speculative: bool = False
+) -> None:
+    """Kernel time vs wall time of plain (or speculative, rules off) decode at ``batch`` after
+    warm-up, with the top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    cfg = GenerationConfig(temperature=args.temperature, max_new_tokens=args.new_tokens, batch_size=batch)
+    cfg = GenerationConfig(
+        temperature=args.temperature, max_new_tokens=args.new_tokens, batch_size=batch, speculative=speculative
+    )
     engine = RolloutEngine(model, cfg, args.device)
+    engine.speculative_switch_off = False
     prompts = prompts_for(model, batch, args.prompt_len)
     seeds = list(range(batch))
     engine.generate(prompts, seeds)
@@ -333,8 +339,9 @@ def profile_decode(model: PolicyModel, args: argparse.Namespace, batch: int, pat
     kernel_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
     table = events.table(sort_by="self_device_time_total", row_limit=15)
     summary = (
-        f"profile plain decode batch {batch}: wall {wall * 1e3:.1f} ms, GPU kernel time {kernel_us / 1e3:.1f} ms "
+        f"profile {'speculative' if speculative else 'plain'} decode batch {batch}: wall {wall * 1e3:.1f} ms, GPU kernel time {kernel_us / 1e3:.1f} ms "
         f"({100 * kernel_us / 1e6 / wall:.0f}% busy), {engine.last_stats.num_forwards} decode steps"
+        + (f", acceptance {engine.last_stats.acceptance_rate:.1f}%" if speculative else "")
     )
     print(summary, flush=True)
     with open(path, "a") as f:
@@ -499,6 +506,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.profile:
             for batch in (1, 32, 256):
                 profile_decode(model, args, batch, args.profile)
+                if args.speculative:
+                    profile_decode(model, args, batch, args.profile, speculative=True)
     except Exception as err:  # noqa: BLE001
         print(f"profile failed: {err!r}", flush=True)
     try:
