@@ -10,7 +10,7 @@ import torch
 
 from splitrl.loss import ClippedPGLoss, GRPOLossConfig, LossType
 from splitrl.models import ModelConfig, MTPConfig, PolicyModel
-from splitrl.train import MicrobatchConfig, OptimConfig, TrainBatch, TrainConfig, TrainWorker
+from splitrl.train import MicrobatchConfig, OptimConfig, SpeedConfig, TrainBatch, TrainConfig, TrainWorker
 
 VOCAB = 128
 # SPLITRL_TEST_DEVICE=cuda runs the worker tests on a GPU (the device machine); comparisons
@@ -64,10 +64,15 @@ def make_loss(loss_type=LossType.TOKEN_LEVEL, **kw) -> ClippedPGLoss:
     return ClippedPGLoss(GRPOLossConfig(**base))
 
 
-def make_worker(model, lr=1e-3, precision="fp32", mbs=3, max_tokens=None, pack=False, max_grad_norm=1.0, **optim):
+def make_worker(
+    model, lr=1e-3, precision="fp32", mbs=3, max_tokens=None, pack=False, max_grad_norm=1.0, device=None, speed=None, **optim
+):
+    """A train worker on ``device`` (default: ``SPLITRL_TEST_DEVICE``, else cpu); ``speed``: a
+    :class:`SpeedConfig` (default: the defaults)."""
     cfg = TrainConfig(
         precision=precision,
-        device=DEVICE,
+        device=device or DEVICE,
+        speed=speed or SpeedConfig(),
         microbatch=MicrobatchConfig(micro_batch_size=mbs, max_tokens_per_microbatch=max_tokens, pack_sequences=pack),
         optim=OptimConfig(lr=lr, max_grad_norm=max_grad_norm, weight_decay=0.01, warmup_steps=1, **optim),
     )
