@@ -46,7 +46,9 @@ def _reference(cache: StaticKVCache, layer: int, q, last_pos, scale):
 
 @needs_flash
 @pytest.mark.parametrize("Q", [1, 3])
-def test_flash_decode_reads_each_row_to_its_own_length(Q):
+@pytest.mark.parametrize("fold_min_q", [1, 2, 1 << 30])
+def test_flash_decode_reads_each_row_to_its_own_length(monkeypatch, Q, fold_min_q):
+    monkeypatch.setattr(kv_mod, "FLASH_FOLD_MIN_Q", fold_min_q)  # folded G query heads, or the kernel's own
     flash, masked = _caches()
     B, L = 5, 288
     last = torch.tensor([4, 287, 130, 17, 200], device="cuda")  # ragged: 5 to 288 entries
@@ -69,10 +71,11 @@ def test_flash_decode_reads_each_row_to_its_own_length(Q):
 
 
 @needs_flash
-def test_flash_decode_replays_in_a_cuda_graph_with_new_lengths():
+@pytest.mark.parametrize("Q", [1, 3])
+def test_flash_decode_replays_in_a_cuda_graph_with_new_lengths(Q):
     flash, _ = _caches()
-    B, Q, L = 4, 1, 256
-    pos = torch.tensor([[10], [40], [90], [200]], device="cuda")
+    B, L = 4, 256
+    pos = torch.tensor([10, 40, 90, 200], device="cuda")[:, None] + torch.arange(Q, device="cuda")
     q = torch.randn(B, Q, H, D_HEAD, dtype=torch.bfloat16, device="cuda")
     scale = D_HEAD**-0.5
 
@@ -87,10 +90,10 @@ def test_flash_decode_replays_in_a_cuda_graph_with_new_lengths():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    pos.copy_(torch.tensor([[250], [3], [128], [64]], device="cuda"))
+    pos.copy_(torch.tensor([250, 3, 128, 64], device="cuda")[:, None] + torch.arange(Q, device="cuda"))
     graph.replay()
     torch.cuda.synchronize()
-    ref = _reference(flash, 0, q, pos[:, 0], scale)
+    ref = _reference(flash, 0, q, pos[:, -1], scale)
     assert (out.float() - ref).abs().max().item() < 2e-2
 
 
@@ -169,3 +172,54 @@ def test_the_mtp_cache_is_never_a_flash_cache(monkeypatch):
     layers = model.config.num_hidden_layers
     assert (layers, None) in built  # the backbone's: flash where it runs
     assert (2, False) in built  # the MTP depths'
+
+
+def _varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, seqused_k):
+    """The flash varlen kernel's semantics in fp64 (each sequence alone; causal aligned to the end)."""
+    out = torch.zeros_like(q)
+    G = q.shape[1] // k.shape[1]
+    for s in range(len(seqused_k)):
+        q0, q1, k0 = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s])
+        n = int(seqused_k[s])
+        assert q1 - q0 <= max_q and n <= max_k
+        ks = k[k0 : k0 + n].repeat_interleave(G, dim=1)
+        vs = v[k0 : k0 + n].repeat_interleave(G, dim=1)
+        w = torch.einsum("qhd,khd->hqk", q[q0:q1], ks) * scale
+        if causal:
+            Tq = q1 - q0
+            allowed = torch.arange(n)[None, :] <= torch.arange(Tq)[:, None] + (n - Tq)
+            w = w.masked_fill(~allowed, float("-inf"))
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", w.softmax(-1), vs)
+    return out
+
+
+@pytest.mark.parametrize("Q", [1, 3])
+@pytest.mark.parametrize("fold_min_q", [1, 2, 1 << 30])
+def test_flash_plans_read_what_the_masked_path_reads(monkeypatch, Q, fold_min_q):
+    """The flash path's index arithmetic, on the CPU with the kernel's semantics in its place: the
+    plain call (the kernel folds Q = 1 itself) and the folded one (B*Q sequences of G query heads,
+    each reading its own causal prefix of the row; the verify forward's Q > 1) give the masked
+    path's output. Guards: a fold that transposes heads and queries the wrong way, a sequence's
+    length off by one (a draft seeing the token after it), rows mixed up."""
+    from splitrl.rollout import kv
+
+    monkeypatch.setattr(kv, "flash_varlen", _varlen_reference)
+    monkeypatch.setattr(kv, "FLASH_FOLD_MIN_Q", fold_min_q)
+    head, pos = _pair()
+    pos.flash = True  # position-major, read through the (emulated) kernel
+    Hq, B, L = 4, 4, 24
+    last = torch.tensor([5, 23, 11, 2])
+    write = last[:, None] - (Q - 1) + torch.arange(Q)
+    g = torch.Generator().manual_seed(3)
+    kq = torch.randn(B, Q, HK, 8, generator=g, dtype=torch.float64)
+    q = torch.randn(B, Q, Hq, 8, generator=g, dtype=torch.float64)
+    outs = []
+    for c in (head, pos):
+        plan = c.plan(write, write, write, L, causal=True)
+        c.write(1, plan, kq, -kq)
+        outs.append(c.attend(1, q, plan, 0.3))
+    assert pos.plan(write, write, write, L, causal=True).seqused is not None
+    assert torch.allclose(outs[0], outs[1], atol=1e-12, rtol=0)
+    # the check can fail: one entry more for every query changes the output
+    plan = pos.plan(write + 1, write + 1, write + 1, L, causal=True)
+    assert not torch.allclose(outs[0], pos.attend(1, q, plan, 0.3), atol=1e-6)

@@ -56,6 +56,13 @@ def _flash_decode_available() -> bool:
 FLASH_DECODE = os.environ.get("SPLITRL_FLASH_DECODE", "1") != "0" and _flash_decode_available()
 
 
+# The verify forward's Q > 1 queries a row: folded so that each key/value head is read once for its
+# G query heads (see StaticKVCache._attend_flash). The kernel folds Q = 1 itself. SPLITRL_FLASH_FOLD:
+# "verify" (Q > 1, default), "all" (Q >= 1) or "none"; the bench compares them.
+_FOLD_MODES = {"verify": 2, "all": 1, "none": 1 << 30}
+FLASH_FOLD_MIN_Q = _FOLD_MODES.get(os.environ.get("SPLITRL_FLASH_FOLD", "verify"), 2)
+
+
 def _flash_runs(device, dtype: torch.dtype, head_dim: int) -> bool:
     device = torch.device(device)
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
@@ -86,7 +93,7 @@ class AttentionPlan:
     seqused: torch.Tensor | None = None
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
-    _grouped: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    _grouped: dict[tuple, object] = field(default_factory=dict)
 
     def grouped_mask(self, G: int, dtype: torch.dtype) -> torch.Tensor:
         """The mask repeated for G query heads per key/value head, [B, 1, G*Q, L] in ``dtype``
@@ -97,6 +104,24 @@ class AttentionPlan:
             assert self.mask is not None, "a flash plan has no mask"
             B, _, _, Q, L = self.mask.shape
             self._grouped[key] = self.mask.expand(B, 1, G, Q, L).reshape(B, 1, G * Q, L).to(dtype)
+        return self._grouped[key]
+
+    def folded(self, Q: int, G: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The flash plan as B*Q sequences of G queries each, (cu_seqlens_q [B*Q+1], cu_seqlens_k
+        [B*Q+1], seqused_k [B*Q]) int32: sequence (b, i) holds query i of row b for the G query
+        heads of one key/value head and reads row b's first p_b - Q + 2 + i entries (its causal
+        prefix), so no mask is needed; built once per plan (the first layer) and shared."""
+        key = ("folded", Q, G)
+        if key not in self._grouped:
+            assert self.seqused is not None, "only a flash plan folds"
+            device = self.seqused.device
+            B = self.seqused.shape[0]
+            n = torch.arange(B * Q + 1, dtype=torch.int32, device=device)
+            i = torch.arange(Q, dtype=torch.int32, device=device)
+            lengths = (self.seqused[:, None] - (Q - 1) + i).clamp(min=1).reshape(-1).to(torch.int32)
+            # sequences of one row share its cache: their key ranges overlap, which the kernel allows
+            # (with seqused_k it reads [cu_seqlens_k[s], cu_seqlens_k[s] + seqused_k[s]) only)
+            self._grouped[key] = (n * G, (n // Q) * max_len, lengths)
         return self._grouped[key]
 
 
@@ -235,28 +260,36 @@ class StaticKVCache:
     def _attend_flash(self, layer: int, q_BQHd: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
         B, Q, H, d = q_BQHd.shape
         Hk = self.kv_heads
+        G = H // Hk
+        if G > 1 and Q >= FLASH_FOLD_MIN_Q:
+            # unfolded, the kernel reads each key/value head once per query head (G times) and fills a
+            # 64/128-row query tile with Q rows; folded, G*1 queries share one read of the prefix
+            cu_q, cu_k, lengths = plan.folded(Q, G, self.max_len)
+            q = q_BQHd.view(B, Q, Hk, G, d).transpose(2, 3).reshape(B * Q * G, Hk, d)
+            k, v = self.k[layer].view(-1, Hk, d), self.v[layer].view(-1, Hk, d)
+            out = flash_varlen(q, k, v, cu_q, cu_k, G, plan.length, False, scale, lengths)
+            return out.view(B, Q, G, Hk, d).transpose(2, 3).reshape(B, Q, H * d)
         # slot b's tokens start at b*M in the flat [S*M, Hk, d] view; seqused_k cuts each row at its
         # length, and the causal mask is aligned to that end (query q sits at seqused - Q + q)
-        out = torch.ops.aten._flash_attention_forward(
-            q_BQHd.reshape(B * Q, H, d),
-            self.k[layer].view(-1, Hk, d),
-            self.v[layer].view(-1, Hk, d),
-            plan.cu_seqlens_q,
-            plan.cu_seqlens_k,
-            Q,
-            plan.length,
-            0.0,
-            True,
-            False,
-            scale=scale,
-            seqused_k=plan.seqused,
-        )[0]
+        k, v = self.k[layer].view(-1, Hk, d), self.v[layer].view(-1, Hk, d)
+        q = q_BQHd.reshape(B * Q, H, d)
+        out = flash_varlen(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, Q, plan.length, True, scale, plan.seqused)
         return out.view(B, Q, H * d)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy slots ``src`` [n] to ``dst`` [n] (all layers, all positions)."""
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
+
+
+def flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, causal: bool, scale: float, seqused_k):
+    """The flash variable-length kernel: sequence s's queries q[cu_seqlens_q[s]:cu_seqlens_q[s+1]]
+    ([T_q, H, d]) attend to k/v[cu_seqlens_k[s] : cu_seqlens_k[s] + seqused_k[s]] ([T_k, Hk, d]),
+    with the causal mask aligned to the end when ``causal``. Returns [T_q, H, d]. (One name for
+    the op, so that CPU tests can put a reference in its place.)"""
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, 0.0, causal, False, scale=scale, seqused_k=seqused_k
+    )[0]
 
 
 def causal_attention(q_BMHd: torch.Tensor, k_BMHd: torch.Tensor, v_BMHd: torch.Tensor, scale: float) -> torch.Tensor:
