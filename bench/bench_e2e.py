@@ -9,7 +9,10 @@ One process runs the same config three times, one after the other, with only the
   chunks as they finish, so generation of a step's later groups overlaps training of its first;
 - ``async s=1``: ``schedule: async``, ``buffer.max_staleness: 1`` — generation also runs one
   policy version ahead (stale samples, corrected by truncated importance weights when the config
-  says so), so it overlaps the whole train step and the weight sync.
+  says so), so it overlaps the whole train step and the weight sync;
+- ``async s=0 arrival``: ``async s=0`` with ``chunk_order: arrival`` — the step's own groups are
+  trained in the order they finish, not in prompt order, so the first chunk does not wait for the
+  group of the step's first prompt (same samples and math, summed in another order).
 
 Each run gets ``num_steps = --steps``, a fresh output directory, no intermediate checkpoints and no
 held-out evaluation. The first run of a process is slower even after its first step (lazily built
@@ -98,6 +101,8 @@ SCHEDULES = {
     "sync": ["schedule=sync", "buffer.max_staleness=0"],
     "async s=0": ["schedule=async", "buffer.max_staleness=0"],
     "async s=1": ["schedule=async", "buffer.max_staleness=1"],
+    # s=0 with the step's groups trained in the order they finish (chunk_order: arrival)
+    "async s=0 arrival": ["schedule=async", "buffer.max_staleness=0", "chunk_order=arrival"],
 }
 # the same run for every schedule: no intermediate checkpoints, no evaluation, a fresh start
 COMMON = ["checkpoint_every=0", "resume=false", "eval.eval_every=0", "eval.at_end=false", "logging.progress_bar=false"]
@@ -106,7 +111,8 @@ COMMON = ["checkpoint_every=0", "resume=false", "eval.eval_every=0", "eval.at_en
 BENCH_KEYS = {
     "num_steps": "use --steps",
     "output_dir": "use --output-dir",
-    "schedule": "use --schedules (sync, async s=0, async s=1)",
+    "schedule": "use --schedules (sync, async s=0, async s=1, async s=0 arrival)",
+    "chunk_order": "use --schedules (async s=0 arrival)",
     "buffer.max_staleness": "use --schedules (sync and async s=0 run at 0, async s=1 at 1)",
     **{o.split("=")[0]: "the runs are timed without it; remove the override" for o in COMMON},
 }
@@ -328,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     results = {n: figures(configs[n], runs[n]) for n in names}
     ref = results.get("sync")
     head = (
-        f"{'schedule':<10} {'samples/s':>10} {'gen tok/s':>11} {'train tok/s':>12} {'x sync':>7} "
+        f"{'schedule':<17} {'samples/s':>10} {'gen tok/s':>11} {'train tok/s':>12} {'x sync':>7} "
         f"{'step s':>8} {'wait s':>8} {'overlap s':>10} {'step 1 s':>9} {'reward':>7} "
         f"{'resp mean':>9} {'resp max':>8} {'cut':>5}"
     )
@@ -336,7 +342,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     for name, f in results.items():
         ratio = f["samples_per_s"] / ref["samples_per_s"] if ref else math.nan
         print(
-            f"{name:<10} {f['samples_per_s']:>10.1f} {f['gen_tokens_per_s']:>11.0f} {f['trained_tokens_per_s']:>12.0f} "
+            f"{name:<17} {f['samples_per_s']:>10.1f} {f['gen_tokens_per_s']:>11.0f} {f['trained_tokens_per_s']:>12.0f} "
             f"{ratio:>6.2f}x {f['step_s']:>8.3f} {f['wait_s']:>8.3f} {f['overlap_s']:>10.3f} {f['step1_s']:>9.1f} "
             f"{f['reward']:>7.3f} {f['response_length_mean']:>9.1f} {f['response_length_max']:>8.0f} "
             f"{f['truncation_rate']:>5.2f}",

@@ -146,6 +146,16 @@ class RunConfig(BaseModel):
             value is refused. It trains on the same samples with the same math as ``async`` at
             ``max_staleness: 0`` (the baseline that ``bench/bench_e2e.py`` measures the
             asynchronous speed-up against).
+        chunk_order: how a step's chunks take its groups at ``buffer.max_staleness: 0`` (DESIGN §1:
+            the split step equals the synchronous step for any chunking). ``prompt`` (default):
+            in prompt order, so a chunk waits for the group of its lowest prompt index; the run
+            is bitwise reproducible and a resumed run reproduces the uninterrupted one.
+            ``arrival``: the step's own groups in the order they finish, so training starts as
+            soon as any ``min_groups_per_chunk`` of them are done (more overlap with generation
+            when response lengths vary); the same groups, samples and math, summed in another
+            order: equal to ``prompt`` up to float rounding, not bitwise, and not bitwise
+            reproducible run to run. No effect with ``max_staleness > 0`` (chunks then are by
+            arrival anyway) or ``schedule: sync`` (the whole step is there before it trains).
         eval: held-out evaluation during training (:class:`~splitrl.eval_config.EvalConfig`).
     """
 
@@ -174,6 +184,7 @@ class RunConfig(BaseModel):
     torch_threads: int | None = Field(1, ge=1)
     ray_address: str | None = None
     schedule: Literal["async", "sync"] = "async"
+    chunk_order: Literal["prompt", "arrival"] = "prompt"
     placement: Literal["auto", "colocated", "split"] = "auto"
 
     # defaults: the CPU demo (FINDINGS.md: an entropy bonus and no std division keep the tiny

@@ -116,6 +116,13 @@ def settings_without_effect(config: RunConfig) -> list[str]:
             f"eval.eval_every={ev.eval_every} > num_steps={config.num_steps} and eval.at_end=false: this run never "
             "evaluates (lower eval.eval_every or set eval.at_end=true)"
         )
+    if config.chunk_order == "arrival" and (config.buffer.max_staleness > 0 or config.schedule == "sync"):
+        why = (
+            "schedule=sync generates the whole step before it trains"
+            if config.schedule == "sync"
+            else f"buffer.max_staleness={config.buffer.max_staleness} already takes groups as they arrive"
+        )
+        out.append(f"chunk_order=arrival has no effect: {why} (leave chunk_order at its default, prompt)")
     return out
 
 
@@ -384,6 +391,14 @@ def _resolve_backend(config: RunConfig) -> str:
         return "ray"
     except ImportError:
         return "local"
+
+
+def arrived_first(held_in_arrival_order: list[int], step_prompts: list[int], n: int) -> list[int]:
+    """The next chunk under ``chunk_order: arrival``: the first ``n`` prompt indices of
+    ``step_prompts`` (the open step's untrained prompts) in the order their groups arrived
+    (``held_in_arrival_order``); fewer when fewer have arrived."""
+    wanted = set(step_prompts)
+    return [i for i in held_in_arrival_order if i in wanted][:n]
 
 
 def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
@@ -857,12 +872,22 @@ class SingleController:
     async def _wait_groups(self, n: int) -> list[Group]:
         cfg = self.config
         t0 = time.perf_counter()
-        if cfg.buffer.max_staleness == 0:
+        if cfg.buffer.max_staleness == 0 and cfg.chunk_order == "prompt":
             # deterministic: the step's own prompts, in prompt order
             want = list(range(self.next_index, self.next_index + n))
             await self._hold(want)
             groups = [self.held.pop(i) for i in want]
             self.next_index += n
+        elif cfg.buffer.max_staleness == 0:
+            # chunk_order=arrival: the step's own prompts, in the order their groups arrive
+            end = (self.step + 1) * cfg.groups_per_step
+            left = [i for i in range(self.next_index, end) if i not in self.taken]
+            await self._hold(left, at_least=min(n, len(left)))
+            chosen = arrived_first(list(self.held), left, n)
+            groups = [self.held.pop(i) for i in chosen]
+            self.taken.update(chosen)
+            if len(self.taken) == end - self.next_index:  # the step is complete
+                self.next_index, self.taken = end, set()
         else:
             ok = await self.buffer.wait_ready(min(n, cfg.min_groups_per_chunk), timeout=cfg.watchdog_timeout_s, current_version=self.version)
             if not ok:
@@ -871,16 +896,17 @@ class SingleController:
         self.wait_s += time.perf_counter() - t0
         return groups
 
-    async def _hold(self, want: list[int]) -> None:
-        """Wait until the group of every prompt index in ``want`` is held (``max_staleness: 0``:
-        the train pump takes a step's own prompts in prompt order; groups that arrive first are
-        moved from the buffer to ``held`` until their turn).
+    async def _hold(self, want: list[int], at_least: int | None = None) -> None:
+        """Wait until the group of every prompt index in ``want`` (or of ``at_least`` of them) is
+        held (``max_staleness: 0``: the train pump takes a step's own prompts; groups that arrive
+        before their turn are moved from the buffer to ``held``, in arrival order).
 
         Raises:
             StallError: no group arrived for ``watchdog_timeout_s``; says where the prompts are.
         """
         cfg = self.config
-        while not all(i in self.held for i in want):
+        need = len(want) if at_least is None else at_least
+        while sum(i in self.held for i in want) < need:
             ok = await self.buffer.wait_ready(1, timeout=cfg.watchdog_timeout_s, current_version=self.version)
             if not ok:
                 raise StallError(self._stall_report("rollouts for prompts " + str([i for i in want if i not in self.held])))
@@ -1198,7 +1224,8 @@ class SingleController:
         self.generating: dict[int, float] = {}  # prompt index -> start time of its request
         self.pending: dict[int, Group] = {}  # generated, waiting for buffer room
         self._restored_pending: list[Group] = []
-        self.held: dict[int, Group] = {}
+        self.held: dict[int, Group] = {}  # insertion order = arrival order
+        self.taken: set[int] = set()  # chunk_order=arrival: prompts of the open step already trained
         self.gen_intervals: list[tuple[float, float]] = []
         self.train_intervals: list[tuple[float, float]] = []
         self.rollout_acc: list[dict] = []
