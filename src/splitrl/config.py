@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import logging
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -221,10 +221,7 @@ class RunConfig(BaseModel):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        # YAML's true / false would pass as 1 / 0 for a count (`checkpoint_every: true` ran as 1)
-        for name, field in cls.model_fields.items():
-            if isinstance(data.get(name), bool) and field.annotation in (int, int | None):
-                raise ValueError(f"{name} must be an integer, got {str(data[name]).lower()} (a YAML boolean)")
+        _refuse_boolean_counts(cls, data)
         optim = _section(data, ("train", "optim"))
         if optim is not None and optim.get("schedule") == "cosine" and optim.get("total_steps") is None:
             optim["total_steps"] = data.get("num_steps", cls.model_fields["num_steps"].default)
@@ -382,6 +379,36 @@ class RunConfig(BaseModel):
             f"off-policy correction ON: truncated importance weights min(exp(prev - gen), {cap:g}) per token "
             f"(buffer.max_staleness={stale}; loss.tis_cap sets the cap, null turns it off)"
         )
+
+
+def _config_classes(annotation: Any, kind: Any) -> list[type[BaseModel]]:
+    """The config classes a field's annotation admits (``X``, ``X | None``, a union of task
+    configs); of a union, those whose ``kind`` accepts ``kind`` (the section's discriminator)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    found = [c for arg in get_args(annotation) for c in _config_classes(arg, kind)]
+    if len(found) > 1:
+        found = [c for c in found if "kind" in c.model_fields and kind in get_args(c.model_fields["kind"].annotation)]
+    return found
+
+
+def _refuse_boolean_counts(cls: type[BaseModel], data: dict[str, Any], prefix: str = "") -> None:
+    """Refuse a YAML ``true`` / ``false`` given for an integer key, in any section: pydantic's lax
+    int takes them as 1 / 0 (``checkpoint_every: true`` ran as 1, ``buffer.max_staleness: true``
+    as 1).
+
+    Raises:
+        ValueError: names the key and the boolean.
+    """
+    for name, value in data.items():
+        field = cls.model_fields.get(name)
+        if field is None:
+            continue  # unknown keys are reported by validation, with "did you mean"
+        if isinstance(value, bool) and field.annotation in (int, int | None):
+            raise ValueError(f"{prefix}{name} must be an integer, got {str(value).lower()} (a YAML boolean)")
+        if isinstance(value, dict):
+            for section in _config_classes(field.annotation, value.get("kind")):
+                _refuse_boolean_counts(section, value, f"{prefix}{name}.")
 
 
 def _section(data: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any] | None:

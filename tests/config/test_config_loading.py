@@ -161,6 +161,23 @@ def test_a_yaml_boolean_is_not_taken_as_a_count():
     assert load_config(None, ["checkpoint_every=1"]).checkpoint_every == 1
 
 
+def test_a_yaml_boolean_is_not_taken_as_a_count_in_a_section():
+    """Kind: input silently reinterpreted. The run-level check missed the sections:
+    `buffer.max_staleness=true` ran at staleness 1, `model.mtp.mtp_num_layers=true` with one
+    depth (a new user's trial)."""
+    for key in ("buffer.max_staleness", "model.mtp.mtp_num_layers", "rollout.max_new_tokens", "eval.eval_every",
+                "train.optim.total_steps"):
+        with pytest.raises(ValueError, match=rf"{key} must be an integer, got true \(a YAML boolean\)"):
+            load_config(None, [f"{key}=true"])
+    # a task section: the class its `kind` names is checked, in training and in evaluation
+    for section in ("task", "eval.task"):
+        with pytest.raises(ValueError, match=rf"{section}.num_digits must be an integer, got false"):
+            load_config(None, [f"{section}={{kind: reverse_digits, num_digits: false}}"])
+    cfg = load_config(None, ["buffer.max_staleness=0", "task={kind: reverse_digits, num_digits: 4}"])
+    assert (cfg.buffer.max_staleness, cfg.task.num_digits) == (0, 4)
+    assert load_config(None, ["rollout.speculative=true"]).rollout.speculative is True  # a real bool stays one
+
+
 def test_eval_ks_above_num_samples_is_refused_on_load(capsys):
     """Kind: a key whose documented limit was not checked (a new user's trial). `eval.ks=[8]` with
     `eval.num_samples=4` loaded, trained, and the run's metrics silently had no eval/pass@8."""
