@@ -160,8 +160,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--schedules: unknown {unknown}; choose from {list(SCHEDULES)}")
     check_dir = Path(tempfile.gettempdir()) / "bench_e2e_check"
     if args.stop_prob > 0:  # one id set for every run: the schedules differ in nothing the ids depend on
+        first = args.schedules.split(",")[0]
+        try:  # an invalid config is the config's error, not --stop-prob's
+            base = load_config(args.config, _overrides(args, first, args.steps, check_dir))
+        except ValueError as e:
+            p.error(f"{first}: {e}")
         try:
-            base = load_config(args.config, _overrides(args, "sync", args.steps, check_dir))
             args.stop_ids = stop_token_ids(base, args.stop_prob)
         except ValueError as e:
             p.error(f"--stop-prob {args.stop_prob}: {e}")

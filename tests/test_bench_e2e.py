@@ -138,6 +138,18 @@ def test_stop_prob_out_of_range_is_a_usage_error(capsys):
         assert e.value.code == 2 and "--stop-prob" in err and "Traceback" not in err, p
 
 
+def test_a_config_error_with_stop_prob_is_not_blamed_on_stop_prob(capsys):
+    """Kind: an error that names the wrong cause (a new user's trial). `--stop-prob 0.136
+    backend=local` on the CPU demo (which sets dataplane.kind=transferqueue) said `--stop-prob
+    0.136: invalid config: ...`, as if the probability were wrong; the config error now names the
+    schedule it was loaded for, as without --stop-prob."""
+    with pytest.raises(SystemExit) as e:
+        _bench().parse_args(["--config", str(DEMO), "--stop-prob", "0.136", "--schedules", "async s=1", "backend=local"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "async s=1: invalid config" in err and "dataplane.kind=inprocess" in err, err
+    assert "--stop-prob 0.136:" not in err
+
+
 def test_stop_prob_makes_response_lengths_ragged(capsys):
     """Kind: an option that does not reach the runs. A near-uniform random-init model (vocab 1000,
     EOS 1 id of 1000) runs almost every response to max_new_tokens=16 (expected mean 15.9); with
