@@ -178,3 +178,48 @@ def test_arrival_order_picks_the_open_steps_groups_first_come():
     assert arrived_first([9, 5, 4, 6], [4, 5, 6, 7], 2) == [5, 4]  # 9 is another step's
     assert arrived_first([6], [4, 5, 6, 7], 2) == [6]
     assert arrived_first([], [4], 1) == []
+
+
+def test_arrival_chunk_order_has_no_effect_under_sync(tmp_path, monkeypatch):
+    """``schedule: sync`` trains in prompt order whatever ``chunk_order`` says (config docs and the
+    settings-without-effect warning: "no effect"): bitwise the same metrics and parameters as
+    with ``chunk_order: prompt`` when the generation calls hand their groups back out of prompt
+    order (as several generation workers' calls finishing in any order do). Guards: sync taking
+    the arrival path, whose order then depends on which call finished first (not reproducible)."""
+    original = GenerationWorker.generate_groups
+
+    def reversed_groups(self, prompt_indices, group_size, on_group=None):
+        groups, metrics = original(self, prompt_indices, group_size, on_group)
+        return groups[::-1], metrics
+
+    runs = {}
+    for order in ("prompt", "arrival"):
+        monkeypatch.setattr(GenerationWorker, "generate_groups", reversed_groups)
+        extra = ["schedule=sync", "min_groups_per_chunk=1", f"chunk_order={order}"]
+        cfg = load_config(None, TINY + [f"num_steps={NUM_STEPS}", f"output_dir={tmp_path / order}", *extra])
+        res = train(cfg)
+        monkeypatch.undo()
+        assert res.steps_done == NUM_STEPS
+        runs[order] = (res.metrics, _final_policy(tmp_path / order))
+    (pm, pw), (am, aw) = runs["prompt"], runs["arrival"]
+    for step, (a, b) in enumerate(zip(pm, am), start=1):
+        for k, v in a.items():
+            if k.startswith("timing/") or k == "rollout/tokens_per_s":
+                continue
+            assert b[k] == v or (math.isnan(v) and math.isnan(b[k])), (step, k, v, b[k])
+    assert pw.keys() == aw.keys()
+    for k in pw:
+        assert torch.equal(pw[k], aw[k]), k
+
+
+def test_arrival_chunk_order_without_effect_is_warned_about():
+    """Kind: a setting silently does nothing. chunk_order=arrival acts only at async max_staleness 0."""
+    from splitrl.controller.controller import settings_without_effect
+
+    def warned(*overrides):
+        return [w for w in settings_without_effect(load_config(None, list(overrides))) if "chunk_order" in w]
+
+    assert "max_staleness=1" in warned("chunk_order=arrival", "buffer.max_staleness=1")[0]
+    assert "schedule=sync" in warned("chunk_order=arrival", "schedule=sync")[0]
+    assert warned("chunk_order=arrival", "schedule=async", "buffer.max_staleness=0") == []
+    assert warned("chunk_order=prompt", "buffer.max_staleness=1") == []
