@@ -223,3 +223,49 @@ def test_arrival_chunk_order_without_effect_is_warned_about():
     assert "schedule=sync" in warned("chunk_order=arrival", "schedule=sync")[0]
     assert warned("chunk_order=arrival", "schedule=async", "buffer.max_staleness=0") == []
     assert warned("chunk_order=prompt", "buffer.max_staleness=1") == []
+
+
+def test_arrival_bookkeeping_never_takes_another_steps_group():
+    """The train pump's ``_wait_groups`` under ``chunk_order: arrival``, driven directly: a group of
+    the next step already held (e.g. one restored from a checkpoint) is left for its step; the
+    open step's groups go first come, each once; when the step is complete ``next_index`` moves
+    to the next step and ``taken`` empties (the stall report and the next step start from them).
+    Kinds: a chunk taken from the next step, the step's end computed wrongly, ``taken`` not kept
+    (the end-to-end test cannot see these: at max_staleness 0 no later group exists mid-step)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from splitrl.controller.controller import SingleController
+    from splitrl.types import Group
+
+    class Arrivals:  # the buffer: hands over the queued groups one wait at a time
+        def __init__(self, queue):
+            self.queue, self.size = queue, 0
+
+        async def wait_ready(self, min_groups, timeout=None, current_version=None):
+            self.size = 1 if self.queue else 0
+            return bool(self.queue)
+
+        def select(self, version, max_groups, min_groups=1):
+            self.size = 0
+            return [self.queue.pop(0)]
+
+    def group(i):
+        return Group(f"p{i}", i, [], 0)
+
+    ctl = SingleController.__new__(SingleController)
+    ctl.config = load_config(None, ["schedule=async", "buffer.max_staleness=0", "groups_per_step=4", "chunk_order=arrival"])
+    ctl.step, ctl.next_index, ctl.version, ctl.wait_s = 0, 0, 0, 0.0
+    ctl.held = {5: group(5), 2: group(2)}  # 5: of step 1
+    ctl.taken = set()
+    ctl.buffer = Arrivals([group(3), group(0), group(1)])
+
+    def take(n):
+        return [g.prompt_index for g in asyncio.run(ctl._wait_groups(n))]
+
+    assert take(1) == [2] and ctl.taken == {2} and ctl.next_index == 0
+    assert take(2) == [3, 0] and ctl.taken == {0, 2, 3}
+    assert take(1) == [1]
+    assert ctl.next_index == 4 and ctl.taken == set() and list(ctl.held) == [5]
+    ctl.step = 1
+    assert take(1) == [5] and ctl.taken == {5} and ctl.next_index == 4
