@@ -129,8 +129,10 @@ def test_arrival_chunk_order_trains_the_same_steps_in_the_order_groups_arrive(tm
     """``chunk_order: arrival`` at ``max_staleness: 0``: each step trains exactly its own groups,
     one chunk per group as it arrives (here the reverse of prompt order), and the per-step metrics
     and final parameters equal those of the prompt-ordered run up to float summation order
-    (metrics rtol 1e-5; parameters atol 2e-5, 4 % of one AdamW step). Guards: a chunk taken from the next step, a group trained twice or never, the
-    arrival order ignored (then the check of the chosen order fails)."""
+    (metrics rtol 1e-5; parameters atol 2e-5, 4 % of one AdamW step). Guards: a group trained twice
+    or never, the arrival order ignored (then the check of the chosen order fails). A chunk taken
+    from the next step cannot happen here (at max_staleness 0 no later group exists mid-step):
+    test_arrival_bookkeeping_never_takes_another_steps_group guards that."""
     from splitrl.controller import controller as controller_mod
 
     _deliver_groups_in_reverse(monkeypatch)
