@@ -1,6 +1,7 @@
 """End-to-end training throughput: the asynchronous controller against a plain synchronous GRPO loop.
 
-One process runs the same config three times, one after the other, with only the schedule changed:
+One process runs the same config once per schedule (four by default, ``--schedules``), one after
+the other, with only the schedule changed:
 
 - ``sync``: ``schedule: sync`` — generate the whole step with the current weights, then train it,
   then sync the weights (what a plain GRPO loop does; nothing overlaps);
