@@ -1,6 +1,7 @@
 """End-to-end training throughput: the asynchronous controller against a plain synchronous GRPO loop.
 
-One process runs the same config three times, one after the other, with only the schedule changed:
+One process runs the same config once per schedule (four by default, ``--schedules``), one after
+the other, with only the schedule changed:
 
 - ``sync``: ``schedule: sync`` — generate the whole step with the current weights, then train it,
   then sync the weights (what a plain GRPO loop does; nothing overlaps);
@@ -51,7 +52,11 @@ load 2) sync 234 samples/s, async s=0 1.28x, s=1 1.34x; the same with
 On H200s (the GPU example on reverse_digits, ``--steps 8 --warmup-steps 0``, every response 128
 tokens): split placement on two GPUs sync 84.9 samples/s, async s=0 1.06x, s=1 1.77x; one GPU
 (local backend) 112.3 samples/s, 0.95x, 1.05x; colocated on two GPUs (``--steps 6``) 39.0
-samples/s, 0.94x. The README's benchmark section says what bounds each.
+samples/s, 0.94x. With ragged lengths (``--stop-prob 0.02``, response mean 46 tokens) split on
+two GPUs: sync 82.7 samples/s, async s=0 1.07x, s=1 1.48x; s=0 overlapped 0.02 s a step because
+its chunks waited for the step's first prompts (``chunk_order: prompt``); ``async s=0 arrival``
+was built after that run and is not measured on a GPU yet. The README's benchmark section says
+what bounds each.
 
 Ragged response lengths (``--stop-prob P``). A random-init model (the GPU example: no hub access)
 almost never samples its tokenizer's EOS (1 id of 151936), so every response runs to

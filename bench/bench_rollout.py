@@ -18,14 +18,16 @@ speedup is a pure speed figure.
     python bench/bench_rollout.py --device cuda --preset qwen3-0.6b --batch-sizes 1,32,256 \\
         --prompt-len 128 --new-tokens 128 --speculative --baselines hf-eager,hf-static --ragged 1024 --check
 
-Measured 2026-11-30 (evening) on one H200 (torch 2.11, bf16, `--device cuda --preset qwen3-0.6b
---batch-sizes 1,32,256 --prompt-len 128 --new-tokens 128 --speculative --no-graph-column --ragged
-1024`): plain 528 / 13,363 / 42,021 tokens/s at batch 1 / 32 / 256 (14.9 / 18.4 / 26.1 % of the
-roofline); speculative 1.20x / 0.99x / 0.69x plain at 42-43 % acceptance; ragged: continuous
-batching 23.3 k tokens/s against static batches 19.9 k. The run before it, with `--check
---baselines hf-static --profile`: HF static cache + compile 261 / 6,150 / 15,598; profile: 1.61 /
-2.08 / 5.9 ms of kernels per step, GPU busy 70 / 69 / 91 % (at batch 1 the idle time is, by
-estimate, the gaps between a step's ~450 kernels inside its CUDA graph). The README's benchmark
+Measured 2026-11-30 (late evening) on one H200 (torch 2.11, bf16, `--device cuda --preset
+qwen3-0.6b --batch-sizes 1,32,256 --prompt-len 128 --new-tokens 128 --speculative --no-graph-column
+--ragged 1024 --profile p.txt`): plain 537 / 13,557 / 42,422 tokens/s at batch 1 / 32 / 256 (15.2 /
+18.7 / 26.3 % of the roofline); speculative 1.25x / 0.99x / 0.68x plain at 42-44 % acceptance, with
+the verify forward's attention folded (each kv head read once for its G query heads: 10.6 / 40 us a
+layer at batch 1 / 32, was 21 / 50 us; plain decode 9.5 / 16 us); ragged: continuous batching 23.2 k
+tokens/s against static batches 19.7 k. The run of the same evening with `--check --baselines
+hf-static --profile`: HF static cache + compile 261 / 6,150 / 15,598; profile: 1.61 / 2.08 / 5.9 ms
+of kernels per plain step, GPU busy 70 / 69 / 91 % (at batch 1 the idle time is, by estimate, the
+gaps between a step's ~450 kernels inside its CUDA graph). The README's benchmark
 table has the history.
 """
 

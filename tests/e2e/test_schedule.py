@@ -129,8 +129,10 @@ def test_arrival_chunk_order_trains_the_same_steps_in_the_order_groups_arrive(tm
     """``chunk_order: arrival`` at ``max_staleness: 0``: each step trains exactly its own groups,
     one chunk per group as it arrives (here the reverse of prompt order), and the per-step metrics
     and final parameters equal those of the prompt-ordered run up to float summation order
-    (metrics rtol 1e-5; parameters atol 2e-5, 4 % of one AdamW step). Guards: a chunk taken from the next step, a group trained twice or never, the
-    arrival order ignored (then the check of the chosen order fails)."""
+    (metrics rtol 1e-5; parameters atol 2e-5, 4 % of one AdamW step). Guards: a group trained twice
+    or never, the arrival order ignored (then the check of the chosen order fails). A chunk taken
+    from the next step cannot happen here (at max_staleness 0 no later group exists mid-step):
+    test_arrival_bookkeeping_never_takes_another_steps_group guards that."""
     from splitrl.controller import controller as controller_mod
 
     _deliver_groups_in_reverse(monkeypatch)
@@ -178,3 +180,94 @@ def test_arrival_order_picks_the_open_steps_groups_first_come():
     assert arrived_first([9, 5, 4, 6], [4, 5, 6, 7], 2) == [5, 4]  # 9 is another step's
     assert arrived_first([6], [4, 5, 6, 7], 2) == [6]
     assert arrived_first([], [4], 1) == []
+
+
+def test_arrival_chunk_order_has_no_effect_under_sync(tmp_path, monkeypatch):
+    """``schedule: sync`` trains in prompt order whatever ``chunk_order`` says (config docs and the
+    settings-without-effect warning: "no effect"): bitwise the same metrics and parameters as
+    with ``chunk_order: prompt`` when the generation calls hand their groups back out of prompt
+    order (as several generation workers' calls finishing in any order do). Guards: sync taking
+    the arrival path, whose order then depends on which call finished first (not reproducible)."""
+    original = GenerationWorker.generate_groups
+
+    def reversed_groups(self, prompt_indices, group_size, on_group=None):
+        groups, metrics = original(self, prompt_indices, group_size, on_group)
+        return groups[::-1], metrics
+
+    runs = {}
+    for order in ("prompt", "arrival"):
+        monkeypatch.setattr(GenerationWorker, "generate_groups", reversed_groups)
+        extra = ["schedule=sync", "min_groups_per_chunk=1", f"chunk_order={order}"]
+        cfg = load_config(None, TINY + [f"num_steps={NUM_STEPS}", f"output_dir={tmp_path / order}", *extra])
+        res = train(cfg)
+        monkeypatch.undo()
+        assert res.steps_done == NUM_STEPS
+        runs[order] = (res.metrics, _final_policy(tmp_path / order))
+    (pm, pw), (am, aw) = runs["prompt"], runs["arrival"]
+    for step, (a, b) in enumerate(zip(pm, am), start=1):
+        for k, v in a.items():
+            if k.startswith("timing/") or k == "rollout/tokens_per_s":
+                continue
+            assert b[k] == v or (math.isnan(v) and math.isnan(b[k])), (step, k, v, b[k])
+    assert pw.keys() == aw.keys()
+    for k in pw:
+        assert torch.equal(pw[k], aw[k]), k
+
+
+def test_arrival_chunk_order_without_effect_is_warned_about():
+    """Kind: a setting silently does nothing. chunk_order=arrival acts only at async max_staleness 0."""
+    from splitrl.controller.controller import settings_without_effect
+
+    def warned(*overrides):
+        return [w for w in settings_without_effect(load_config(None, list(overrides))) if "chunk_order" in w]
+
+    assert "max_staleness=1" in warned("chunk_order=arrival", "buffer.max_staleness=1")[0]
+    assert "schedule=sync" in warned("chunk_order=arrival", "schedule=sync")[0]
+    assert warned("chunk_order=arrival", "schedule=async", "buffer.max_staleness=0") == []
+    assert warned("chunk_order=prompt", "buffer.max_staleness=1") == []
+
+
+def test_arrival_bookkeeping_never_takes_another_steps_group():
+    """The train pump's ``_wait_groups`` under ``chunk_order: arrival``, driven directly: a group of
+    the next step already held (e.g. one restored from a checkpoint) is left for its step; the
+    open step's groups go first come, each once; when the step is complete ``next_index`` moves
+    to the next step and ``taken`` empties (the stall report and the next step start from them).
+    Kinds: a chunk taken from the next step, the step's end computed wrongly, ``taken`` not kept
+    (the end-to-end test cannot see these: at max_staleness 0 no later group exists mid-step)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from splitrl.controller.controller import SingleController
+    from splitrl.types import Group
+
+    class Arrivals:  # the buffer: hands over the queued groups one wait at a time
+        def __init__(self, queue):
+            self.queue, self.size = queue, 0
+
+        async def wait_ready(self, min_groups, timeout=None, current_version=None):
+            self.size = 1 if self.queue else 0
+            return bool(self.queue)
+
+        def select(self, version, max_groups, min_groups=1):
+            self.size = 0
+            return [self.queue.pop(0)]
+
+    def group(i):
+        return Group(f"p{i}", i, [], 0)
+
+    ctl = SingleController.__new__(SingleController)
+    ctl.config = load_config(None, ["schedule=async", "buffer.max_staleness=0", "groups_per_step=4", "chunk_order=arrival"])
+    ctl.step, ctl.next_index, ctl.version, ctl.wait_s = 0, 0, 0, 0.0
+    ctl.held = {5: group(5), 2: group(2)}  # 5: of step 1
+    ctl.taken = set()
+    ctl.buffer = Arrivals([group(3), group(0), group(1)])
+
+    def take(n):
+        return [g.prompt_index for g in asyncio.run(ctl._wait_groups(n))]
+
+    assert take(1) == [2] and ctl.taken == {2} and ctl.next_index == 0
+    assert take(2) == [3, 0] and ctl.taken == {0, 2, 3}
+    assert take(1) == [1]
+    assert ctl.next_index == 4 and ctl.taken == set() and list(ctl.held) == [5]
+    ctl.step = 1
+    assert take(1) == [5] and ctl.taken == {5} and ctl.next_index == 4

@@ -223,3 +223,24 @@ def test_flash_plans_read_what_the_masked_path_reads(monkeypatch, Q, fold_min_q)
     # the check can fail: one entry more for every query changes the output
     plan = pos.plan(write + 1, write + 1, write + 1, L, causal=True)
     assert not torch.allclose(outs[0], pos.attend(1, q, plan, 0.3), atol=1e-6)
+
+
+@pytest.mark.parametrize("mode, min_q", [("verify", 2), ("all", 1), ("none", 1 << 30), ("ALL", None)])
+def test_the_fold_mode_is_read_or_refused(mode, min_q):
+    """Kind: bad input taken silently. A misspelt SPLITRL_FLASH_FOLD ran the default fold under
+    the name the bench user gave it; now the import says which values exist."""
+    import os
+    import subprocess
+    import sys
+
+    import splitrl
+
+    src = os.path.dirname(os.path.dirname(splitrl.__file__))  # the splitrl this test imported
+    env = {**os.environ, "SPLITRL_FLASH_FOLD": mode, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    code = "from splitrl.rollout import kv; print(kv.FLASH_FOLD_MIN_Q)"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    if min_q is None:
+        assert res.returncode != 0 and "SPLITRL_FLASH_FOLD='ALL': use one of verify, all, none" in res.stderr
+    else:
+        assert res.returncode == 0, res.stderr
+        assert int(res.stdout.split()[-1]) == min_q

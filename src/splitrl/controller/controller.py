@@ -872,8 +872,9 @@ class SingleController:
     async def _wait_groups(self, n: int) -> list[Group]:
         cfg = self.config
         t0 = time.perf_counter()
-        if cfg.buffer.max_staleness == 0 and cfg.chunk_order == "prompt":
-            # deterministic: the step's own prompts, in prompt order
+        if cfg.buffer.max_staleness == 0 and (cfg.chunk_order == "prompt" or cfg.schedule == "sync"):
+            # deterministic: the step's own prompts, in prompt order (sync too: the whole step is
+            # held before it trains, so arrival order would only cost reproducibility)
             want = list(range(self.next_index, self.next_index + n))
             await self._hold(want)
             groups = [self.held.pop(i) for i in want]

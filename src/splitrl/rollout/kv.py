@@ -60,7 +60,10 @@ FLASH_DECODE = os.environ.get("SPLITRL_FLASH_DECODE", "1") != "0" and _flash_dec
 # G query heads (see StaticKVCache._attend_flash). The kernel folds Q = 1 itself. SPLITRL_FLASH_FOLD:
 # "verify" (Q > 1, default), "all" (Q >= 1) or "none"; the bench compares them.
 _FOLD_MODES = {"verify": 2, "all": 1, "none": 1 << 30}
-FLASH_FOLD_MIN_Q = _FOLD_MODES.get(os.environ.get("SPLITRL_FLASH_FOLD", "verify"), 2)
+_fold_mode = os.environ.get("SPLITRL_FLASH_FOLD", "verify")
+if _fold_mode not in _FOLD_MODES:  # a typo would otherwise measure the default under another name
+    raise ValueError(f"SPLITRL_FLASH_FOLD={_fold_mode!r}: use one of {', '.join(_FOLD_MODES)} (or leave it unset)")
+FLASH_FOLD_MIN_Q = _FOLD_MODES[_fold_mode]
 
 
 def _flash_runs(device, dtype: torch.dtype, head_dim: int) -> bool:
