@@ -127,6 +127,16 @@ def test_output_dir_filesystem_errors_are_one_line(tmp_path, capsys, monkeypatch
         check_output_dir("/proc/splitrl_x/run")
     err = _one_line_error(capsys, ["train", "output_dir=/proc/splitrl_x/run", "backend=local"], 2)
     assert err.startswith("splitrl: output_dir='/proc/splitrl_x/run': cannot create it") and len(err.splitlines()) == 1
+    # an entry of the run's of the wrong kind: a file named checkpoints let the run train every
+    # step up to its first checkpoint, then stop (a new user's trial)
+    (tmp_path / "f" / "checkpoints").parent.mkdir()
+    (tmp_path / "f" / "checkpoints").write_text("")
+    (tmp_path / "d" / "metrics.jsonl").mkdir(parents=True)
+    for out, entry, kind in [("f", "checkpoints", "a file"), ("d", "metrics.jsonl", "a directory")]:
+        err = _one_line_error(capsys, ["train", f"output_dir={tmp_path / out}", "backend=local"], 2)
+        assert f"{tmp_path / out / entry} is {kind}, but the run writes its {entry} there" in err, err
+    assert not (tmp_path / "f" / "config.yaml").exists()  # refused before the run wrote anything
+    check_output_dir(str(tmp_path / "f" / "sub"))  # an existing output_dir with no such entry passes
 
     from splitrl.controller import controller
 

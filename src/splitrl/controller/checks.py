@@ -24,10 +24,14 @@ PROCEDURAL_PROMPTS_CHECKED = 64
 
 
 def check_output_dir(output_dir: str) -> None:
-    """Create ``output_dir`` (and its parents) and write a probe file there.
+    """Create ``output_dir`` (and its parents), write a probe file there, and check that the
+    run's own entries in it, where they exist, are of their kind (``checkpoints/`` and
+    ``tensorboard/`` directories; ``metrics.jsonl``, ``metrics.png``, ``config.yaml`` files).
 
     Raises:
-        ValueError: ``output_dir=...: cannot create / write ... (<OS reason>)``.
+        ValueError: ``output_dir=...: cannot create / write ... (<OS reason>)``, or names the entry
+            of the wrong kind (a file named ``checkpoints`` failed only at the first checkpoint,
+            after the steps before it had trained).
     """
     out = Path(output_dir)
     try:
@@ -44,6 +48,16 @@ def check_output_dir(output_dir: str) -> None:
         raise ValueError(
             f"output_dir={output_dir!r}: cannot write there ({e.strerror or e}); choose a directory you can write to"
         ) from None
+    from splitrl.controller.run_checkpoint import checkpoint_root
+    from splitrl.logging.logger import CONFIG_FILE, METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
+
+    for path, is_dir in [(checkpoint_root(out), True), (out / TENSORBOARD_DIR, True), (out / METRICS_FILE, False),
+                         (out / PLOT_FILE, False), (out / CONFIG_FILE, False)]:
+        if path.exists() and path.is_dir() != is_dir:
+            raise ValueError(
+                f"output_dir={output_dir!r}: {path} is a {'directory' if path.is_dir() else 'file'}, but the run writes "
+                f"its {path.name} there as a {'directory' if is_dir else 'file'}; move it away, or choose another output_dir"
+            )
 
 
 def model_hf_config(config: RunConfig) -> Any:
