@@ -155,6 +155,33 @@ def test_ctrl_c_before_a_run_starts_is_one_line_not_a_traceback(capsys, monkeypa
     assert "SIGINT: stopped" in capsys.readouterr().err
 
 
+def test_ctrl_c_in_a_runs_shutdown_names_the_checkpoint_it_wrote(capsys, monkeypatch, tmp_path):
+    """Kind: a message that says the opposite of what happened (a new user's trial). Ctrl-C, then
+    Ctrl-C again 0.5 s later: the first one's checkpoint (step 11) was written, the second reached
+    the run's shutdown after its signal handlers were removed, and splitrl printed `SIGINT before
+    the first step: stopped, nothing to save`."""
+    import splitrl.controller.controller as controller_mod
+    from splitrl.controller.run_checkpoint import COMPLETE, step_dir
+
+    def stopped_in_shutdown(config):
+        step_dir(config.output_dir, 11).mkdir(parents=True)
+        (step_dir(config.output_dir, 11) / COMPLETE).write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(controller_mod, "train", stopped_in_shutdown)
+    assert main(["train", f"output_dir={tmp_path}", "backend=local"]) == 130
+    err = capsys.readouterr().err
+    assert f"splitrl: SIGINT: stopped; the newest checkpoint is {tmp_path}/checkpoints/step_000011" in err, err
+    assert "nothing to save" not in err and "Traceback" not in err
+
+    def stopped_in_startup(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(controller_mod, "train", stopped_in_startup)
+    assert main(["train", f"output_dir={tmp_path / 'new'}", "backend=local"]) == 130
+    assert f"splitrl: SIGINT: stopped; no checkpoint in {tmp_path / 'new'}" in capsys.readouterr().err
+
+
 def test_a_key_of_several_forms_is_one_line_without_pydantic_tags(capsys):
     """Kind: internals in an error message (a new user's trial). `loss.tis_cap=0` printed two lines
     named `loss.tis_cap.constrained-float` and `loss.tis_cap.literal['auto']`; now one line names

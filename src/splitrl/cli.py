@@ -92,8 +92,17 @@ def _main(argv: list[str] | None) -> int:
         with logging_redirect_tqdm():  # log lines above the progress bar, not through it
             result = train(config)
     except KeyboardInterrupt:
+        # during start-up, or a second Ctrl-C after the run's handlers are gone (its shutdown,
+        # after the stop checkpoint was written): say what is on disk, not "nothing to save"
+        from splitrl.controller.run_checkpoint import complete_checkpoints
+
         sig = _terminated.signum or signal.SIGINT
-        print(f"splitrl: {signal.Signals(sig).name} before the first step: stopped, nothing to save", file=sys.stderr)
+        saved = complete_checkpoints(config.output_dir)
+        print(
+            f"splitrl: {signal.Signals(sig).name}: stopped; "
+            + (f"the newest checkpoint is {saved[-1]}" if saved else f"no checkpoint in {config.output_dir}"),
+            file=sys.stderr,
+        )
         return 128 + int(sig)
     except StallError as e:
         print(f"splitrl: stopped: {e}", file=sys.stderr)
