@@ -91,6 +91,14 @@ def test_splitrl_config_prints_filtered_keys(capsys):
     assert main(["config", "no_such_key_anywhere"]) == 1
 
 
+def test_splitrl_config_says_what_each_chunk_order_does(capsys):
+    """Kind: a key's meaning missing from its help (a new user's trial). `splitrl config
+    chunk_order` printed only the docstring's first sentence, which named neither value."""
+    assert main(["config", "chunk_order"]) == 0
+    meaning = capsys.readouterr().out.split("#", 1)[1]
+    assert "``prompt`` (default; bitwise reproducible)" in meaning and "``arrival`` (as they finish" in meaning
+
+
 def test_version_and_train_help(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])

@@ -146,8 +146,10 @@ class RunConfig(BaseModel):
             value is refused. It trains on the same samples with the same math as ``async`` at
             ``max_staleness: 0`` (the baseline that ``bench/bench_e2e.py`` measures the
             asynchronous speed-up against).
-        chunk_order: how a step's chunks take its groups at ``buffer.max_staleness: 0`` (DESIGN §1:
-            the split step equals the synchronous step for any chunking). ``prompt`` (default):
+        chunk_order: at ``buffer.max_staleness: 0``, the order a step's chunks take its groups in:
+            ``prompt`` (default; bitwise reproducible) or ``arrival`` (as they finish; more
+            overlap, equal to ``prompt`` up to float rounding). The split step equals the
+            synchronous step for any chunking (DESIGN §1). ``prompt`` (default):
             in prompt order, so a chunk waits for the group of its lowest prompt index; the run
             is bitwise reproducible and a resumed run reproduces the uninterrupted one.
             ``arrival``: the step's own groups in the order they finish, so training starts as
