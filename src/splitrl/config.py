@@ -596,6 +596,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ValueError(f"config file {str(p)!r} is a directory; give a YAML run config file (e.g. examples/cpu_demo.yaml)")
         if not p.is_file():
             raise ValueError(f"config file {str(p)!r} does not exist")
         what = f"config file {str(p)!r}"

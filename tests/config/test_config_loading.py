@@ -171,6 +171,15 @@ def test_a_yaml_boolean_is_not_taken_as_a_count():
     assert load_config(None, ["checkpoint_every=1"]).checkpoint_every == 1
 
 
+def test_a_config_path_naming_a_directory_says_so(tmp_path):
+    """Kind: an error that names the wrong cause (a new user's trial). `--config examples` said
+    `config file 'examples' does not exist`, though it does, as a directory."""
+    with pytest.raises(ValueError, match=r"config file '.*' is a directory; give a YAML run config file"):
+        load_config(str(tmp_path), [])
+    with pytest.raises(ValueError, match=r"config file '.*nowhere.yaml' does not exist"):
+        load_config(str(tmp_path / "nowhere.yaml"), [])
+
+
 def test_a_yaml_boolean_is_not_taken_as_a_count_in_a_section():
     """Kind: input silently reinterpreted. The run-level check missed the sections:
     `buffer.max_staleness=true` ran at staleness 1, `model.mtp.mtp_num_layers=true` with one
