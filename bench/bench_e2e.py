@@ -142,8 +142,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "see the docstring); 0: off",
     )
     p.add_argument(
-        "overrides", nargs="*", help="key.path=value overrides applied to every run (not the keys the bench sets: num_steps, output_dir, "
-        "schedule, buffer.max_staleness, checkpoint_every, resume, eval.eval_every, eval.at_end, logging.progress_bar)",
+        "overrides", nargs="*",
+        help=f"key.path=value overrides applied to every run (not the keys the bench sets: {', '.join(BENCH_KEYS)})",
     )
     args = p.parse_args(argv)
     args.stop_ids, args.stop_note = None, ""

@@ -138,6 +138,17 @@ def test_stop_prob_out_of_range_is_a_usage_error(capsys):
         assert e.value.code == 2 and "--stop-prob" in err and "Traceback" not in err, p
 
 
+def test_help_lists_every_key_the_bench_sets(capsys):
+    """Kind: documentation out of step with the code. `--help` listed the keys an override may not
+    set by hand, and missed chunk_order when the arrival schedule made it one."""
+    bench = _bench()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    listed = out.split("not the keys the bench sets:", 1)[1].split(")", 1)[0]
+    assert [k.strip() for k in listed.split(",")] == list(bench.BENCH_KEYS) and "chunk_order" in listed
+
+
 def test_a_config_error_with_stop_prob_is_not_blamed_on_stop_prob(capsys):
     """Kind: an error that names the wrong cause (a new user's trial). `--stop-prob 0.136
     backend=local` on the CPU demo (which sets dataplane.kind=transferqueue) said `--stop-prob
