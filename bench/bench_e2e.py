@@ -349,10 +349,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     )
     print(head)
     for name, f in results.items():
-        ratio = f["samples_per_s"] / ref["samples_per_s"] if ref else math.nan
+        # without a sync run there is nothing to divide by: a dash, not "nanx"
+        ratio = f"{f['samples_per_s'] / ref['samples_per_s']:>6.2f}x" if ref else f"{'-':>7}"
         print(
             f"{name:<17} {f['samples_per_s']:>10.1f} {f['gen_tokens_per_s']:>11.0f} {f['trained_tokens_per_s']:>12.0f} "
-            f"{ratio:>6.2f}x {f['step_s']:>8.3f} {f['wait_s']:>8.3f} {f['overlap_s']:>10.3f} {f['step1_s']:>9.1f} "
+            f"{ratio} {f['step_s']:>8.3f} {f['wait_s']:>8.3f} {f['overlap_s']:>10.3f} {f['step1_s']:>9.1f} "
             f"{f['reward']:>7.3f} {f['response_length_mean']:>9.1f} {f['response_length_max']:>8.0f} "
             f"{f['truncation_rate']:>5.2f}",
             flush=True,
