@@ -19,11 +19,10 @@ with ``seqused_k`` = p+1 per row (:data:`FLASH_DECODE`), which reads each row on
 length. With continuous batching the rows of a step have very different lengths (refilled rows are
 short, old rows long): the masked path read them all up to the longest.
 
-A query at position p
-attends to the indices j <= limit (its committed context, ``limit`` = p for the backbone) and to
-its own index. Entries past the context may hold stale values (rejected drafts, a finished row's
-leftovers): they are never read before being rewritten, because every position is written by the
-forward that first makes it part of a context. Writes that must not land anywhere (invalid draft
+A query at position p attends to the indices j <= limit (its committed context, ``limit`` = p
+for the backbone) and to its own index. Entries past the context may hold stale values (rejected
+drafts, a finished row's leftovers): they are never read before being rewritten, because every
+position is written by the forward that first makes it part of a context. Writes that must not land anywhere (invalid draft
 window entries) go to the last index, ``scratch``, which no context reaches.
 """
 
@@ -85,8 +84,6 @@ class AttentionPlan:
         length: L, the cache prefix read.
         slots: the rows' slots, or None for slots 0..B-1.
         seqused: int32 [B], the rows' lengths (last query position + 1) on the flash path, else None.
-        cu_seqlens_q, cu_seqlens_k: int32 [B+1], the flash kernel's sequence starts (row b's
-            queries at b*Q, its cache at b*M); built once per plan, shared by all layers.
     """
 
     flat_index: torch.Tensor
@@ -94,8 +91,6 @@ class AttentionPlan:
     length: int
     slots: torch.Tensor | None
     seqused: torch.Tensor | None = None
-    cu_seqlens_q: torch.Tensor | None = None
-    cu_seqlens_k: torch.Tensor | None = None
     _grouped: dict[tuple, object] = field(default_factory=dict)
 
     def grouped_mask(self, G: int, dtype: torch.dtype) -> torch.Tensor:
@@ -107,6 +102,17 @@ class AttentionPlan:
             assert self.mask is not None, "a flash plan has no mask"
             B, _, _, Q, L = self.mask.shape
             self._grouped[key] = self.mask.expand(B, 1, G, Q, L).reshape(B, 1, G * Q, L).to(dtype)
+        return self._grouped[key]
+
+    def row_sequences(self, Q: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flash plan's rows as the kernel's sequences, (cu_seqlens_q, cu_seqlens_k) int32
+        [B+1]: row b's Q queries start at b*Q, its cache at b*``max_len``; built once per plan
+        (the first layer) and shared (a folded plan never builds them)."""
+        key = ("rows", Q)
+        if key not in self._grouped:
+            assert self.seqused is not None, "only a flash plan has kernel sequences"
+            n = torch.arange(self.seqused.shape[0] + 1, dtype=torch.int32, device=self.seqused.device)
+            self._grouped[key] = (n * Q, n * max_len)
         return self._grouped[key]
 
     def folded(self, Q: int, G: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -212,13 +218,9 @@ class StaticKVCache:
             self.position_major,
         )  # fmt: skip
         if flash:
-            B, Q = write_pos_BQ.shape
-            device = write_pos_BQ.device
             # clamped: a slot of the bucket that holds no row may carry a stale position
             seqused = (limit_BQ[:, -1] + 1).clamp(1, length).to(torch.int32)
-            cu_q = torch.arange(0, (B + 1) * Q, Q, dtype=torch.int32, device=device)
-            cu_k = torch.arange(0, (B + 1) * self.max_len, self.max_len, dtype=torch.int32, device=device)
-            return AttentionPlan(flat, None, length, None, seqused, cu_q, cu_k)
+            return AttentionPlan(flat, None, length, None, seqused)
         return AttentionPlan(flat, mask, length, slots_B)
 
     def write(self, layer: int, plan: AttentionPlan, k_BQHd: torch.Tensor, v_BQHd: torch.Tensor) -> None:
@@ -276,7 +278,8 @@ class StaticKVCache:
         # length, and the causal mask is aligned to that end (query q sits at seqused - Q + q)
         k, v = self.k[layer].view(-1, Hk, d), self.v[layer].view(-1, Hk, d)
         q = q_BQHd.reshape(B * Q, H, d)
-        out = flash_varlen(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, Q, plan.length, True, scale, plan.seqused)
+        cu_q, cu_k = plan.row_sequences(Q, self.max_len)
+        out = flash_varlen(q, k, v, cu_q, cu_k, Q, plan.length, True, scale, plan.seqused)
         return out.view(B, Q, H * d)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
