@@ -148,16 +148,15 @@ class RunConfig(BaseModel):
             asynchronous speed-up against).
         chunk_order: at ``buffer.max_staleness: 0``, the order a step's chunks take its groups in:
             ``prompt`` (default; bitwise reproducible) or ``arrival`` (as they finish; more
-            overlap, equal to ``prompt`` up to float rounding). The split step equals the
-            synchronous step for any chunking (DESIGN §1). ``prompt`` (default):
-            in prompt order, so a chunk waits for the group of its lowest prompt index; the run
-            is bitwise reproducible and a resumed run reproduces the uninterrupted one.
-            ``arrival``: the step's own groups in the order they finish, so training starts as
-            soon as any ``min_groups_per_chunk`` of them are done (more overlap with generation
-            when response lengths vary); the same groups, samples and math, summed in another
-            order: equal to ``prompt`` up to float rounding, not bitwise, and not bitwise
-            reproducible run to run. No effect with ``max_staleness > 0`` (chunks then are by
-            arrival anyway) or ``schedule: sync`` (the whole step is there before it trains).
+            overlap, equal to ``prompt`` up to float rounding). With ``prompt`` a chunk waits for
+            the group of its lowest untrained prompt index, and a resumed run reproduces the
+            uninterrupted one. With ``arrival`` training starts as soon as any
+            ``min_groups_per_chunk`` of the step's own groups are done (more overlap with
+            generation when response lengths vary): the same groups, samples and math (the split
+            step equals the synchronous step for any chunking, DESIGN §1) summed in another
+            order, so not bitwise reproducible run to run. No effect with ``max_staleness > 0``
+            (chunks then are by arrival anyway) or ``schedule: sync`` (the whole step is there
+            before it trains).
         eval: held-out evaluation during training (:class:`~splitrl.eval_config.EvalConfig`).
     """
 
