@@ -16,7 +16,8 @@ so every row pays for L, the longest row of the step. The backbone's decode step
 each row's Q queries at consecutive positions ending at p reading indices <= their own (a causal
 block at the end of a row of length p+1); on CUDA in fp16/bf16 it runs the flash varlen kernel
 with ``seqused_k`` = p+1 per row (:data:`FLASH_DECODE`), which reads each row only up to its own
-length. With continuous batching the rows of a step have very different lengths (refilled rows are
+length; a verify forward's block (Q > 1) runs our Triton kernel where Triton imports
+(:data:`VERIFY_KERNEL`, :mod:`splitrl.rollout.verify_attention`). With continuous batching the rows of a step have very different lengths (refilled rows are
 short, old rows long): the masked path read them all up to the longest.
 
 A query at position p attends to the indices j <= limit (its committed context, ``limit`` = p
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from splitrl.rollout import verify_attention as _verify
 from splitrl.rollout.fused import plan_tensors
 
 
@@ -63,6 +65,19 @@ _fold_mode = os.environ.get("SPLITRL_FLASH_FOLD", "verify")
 if _fold_mode not in _FOLD_MODES:  # a typo would otherwise measure the default under another name
     raise ValueError(f"SPLITRL_FLASH_FOLD={_fold_mode!r}: use one of {', '.join(_FOLD_MODES)} (or leave it unset)")
 FLASH_FOLD_MIN_Q = _FOLD_MODES[_fold_mode]
+
+# The verify forward's attention (Q > 1 on a flash cache): "triton" runs our kernel
+# (:mod:`splitrl.rollout.verify_attention`: each key/value head of a row read once for all Q*G of its
+# queries; the default where Triton imports), "flash" the folded flash call above. Read from
+# SPLITRL_VERIFY_ATTENTION; the bench compares them.
+_VERIFY_MODES = ("triton", "flash")
+VERIFY_KERNEL = os.environ.get("SPLITRL_VERIFY_ATTENTION", "triton" if _verify.AVAILABLE else "flash")
+if VERIFY_KERNEL not in _VERIFY_MODES:
+    raise ValueError(
+        f"SPLITRL_VERIFY_ATTENTION={VERIFY_KERNEL!r}: use one of {', '.join(_VERIFY_MODES)} (or leave it unset)"
+    )
+if VERIFY_KERNEL == "triton" and not _verify.AVAILABLE:
+    raise ValueError("SPLITRL_VERIFY_ATTENTION=triton but Triton does not import here; pip install triton or use flash")
 
 
 def _flash_runs(device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -239,7 +254,8 @@ class StaticKVCache:
         each key and value once, without repeating them.
 
         A flash plan (``plan.seqused`` set) runs the flash varlen kernel instead: row b's Q queries are
-        a causal block at the end of its first ``seqused[b]`` entries, read in place.
+        a causal block at the end of its first ``seqused[b]`` entries, read in place; with Q > 1 (a
+        verify) our Triton kernel does (:data:`VERIFY_KERNEL`).
 
         Returns:
             [B, Q, H * d] in the query's dtype.
@@ -266,6 +282,8 @@ class StaticKVCache:
         B, Q, H, d = q_BQHd.shape
         Hk = self.kv_heads
         G = H // Hk
+        if Q > 1 and VERIFY_KERNEL == "triton":
+            return _verify.verify_attention(q_BQHd, self.k[layer], self.v[layer], plan.seqused, scale)
         if G > 1 and Q >= FLASH_FOLD_MIN_Q:
             # unfolded, the kernel reads each key/value head once per query head (G times) and fills a
             # 64/128-row query tile with Q rows; folded, G*1 queries share one read of the prefix
