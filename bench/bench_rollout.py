@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from splitrl.models import ModelConfig, MTPConfig, PolicyModel
-from splitrl.rollout import GenerationConfig, RolloutEngine
+from splitrl.rollout import GenerationConfig, RolloutEngine, kv
 
 PRESETS = {
     "tiny": dict(
@@ -115,6 +115,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--hbm-tb-s", type=float, default=4.3, help="HBM bandwidth for the roofline (TB/s)")
     p.add_argument("--check", action="store_true", help="first check fp32 exactness on the device")
     p.add_argument("--profile", default="", help="write a torch.profiler summary of plain (and speculative) decode here")
+    p.add_argument(
+        "--attention", action="store_true",
+        help="also time one layer's decode attention (flash call vs our Triton kernel) per batch size (CUDA)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     _check_args(p, args)
     return args
@@ -144,6 +148,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--baselines: unknown {unknown}; choose from hf-eager, hf-static")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA GPU is visible here; use --device cpu")
+    if args.attention and args.device != "cuda":
+        p.error("--attention times the CUDA kernels: add --device cuda")
     if args.profile and not Path(args.profile).resolve().parent.is_dir():
         p.error(f"--profile {args.profile}: its directory does not exist; give a path in an existing directory")
 
@@ -350,6 +356,62 @@ def profile_decode(
         f.write(summary + "\n" + table + "\n\n")
 
 
+def time_attention(model: PolicyModel, args: argparse.Namespace) -> None:
+    """One layer's decode attention, us per call (20 calls in a CUDA graph, replayed 10 times),
+    for Q = 1 (plain) and Q = 1 + D (a verify), the flash varlen call against our Triton kernel,
+    at the mean context of the run and at 4x it (every row that long)."""
+    from splitrl.rollout import decode_attention
+
+    c = model.config
+    Hk, H = c.num_key_value_heads, c.num_attention_heads
+    d = getattr(c, "head_dim", None) or c.hidden_size // H
+    kernels = ["flash"] + (["triton"] if decode_attention.AVAILABLE else [])
+    saved = kv.DECODE_KERNEL
+    contexts = [int(args.prompt_len + args.new_tokens / 2)] * 2
+    contexts[1] *= 4
+    try:
+        for batch in [int(b) for b in args.batch_sizes.split(",")]:
+            for L in contexts:
+                cache = kv.StaticKVCache(1, batch, Hk, L + 8, d, next(model.parameters()).dtype, args.device)
+                cache.k.normal_()
+                cache.v.normal_()
+                cells = []
+                for Q in sorted({1, 1 + args.mtp_depths}):
+                    for name in kernels:
+                        kv.DECODE_KERNEL = name
+                        pos = torch.full((batch, 1), L - 1, device=args.device) - (Q - 1) + torch.arange(Q, device=args.device)
+                        q = torch.randn(batch, Q, H, d, dtype=cache.k.dtype, device=args.device)
+                        plan = cache.plan(pos, pos, pos, L, causal=True)
+                        us = _graph_time(lambda: cache.attend(0, q, plan, d**-0.5))
+                        cells.append(f"Q={Q} {name} {us:6.1f}")
+                print(f"attention batch {batch:>4}, {L:>5} entries a row: " + ", ".join(cells) + " us", flush=True)
+    finally:
+        kv.DECODE_KERNEL = saved
+
+
+def _graph_time(fn, calls: int = 20, replays: int = 10) -> float:
+    """Microseconds per ``fn()`` call, from CUDA events around replays of a graph of ``calls`` calls."""
+    for _ in range(3):
+        fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (calls * replays)
+
+
 def ragged_scenario(model: PolicyModel, args: argparse.Namespace, spec_ok: bool) -> None:
     """1,024-ish samples whose lengths are set by stop tokens: a set of tokens whose mean
     probability under the model (softmax(logits / T) averaged over the positions of 16 sampled
@@ -444,7 +506,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"device {device_name}, {dtype}, preset {args.preset} ({n_params / 1e6:.1f} M backbone params, "
         f"D={args.mtp_depths}), prompt {args.prompt_len} + {args.new_tokens} new tokens, "
-        f"T={args.temperature}, top_k={args.top_k}, torch {torch.__version__}",
+        f"T={args.temperature}, top_k={args.top_k}, torch {torch.__version__}, decode attention {kv.DECODE_KERNEL}",
         flush=True,
     )
     if args.speculative and args.train_mtp_steps:
@@ -505,6 +567,11 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
     try:  # a failing extra must not cost the figures after it
+        if args.attention:
+            time_attention(model, args)
+    except Exception as err:  # noqa: BLE001
+        print(f"attention timing failed: {err!r}", flush=True)
+    try:
         if args.profile:
             for batch in (1, 32, 256):
                 profile_decode(model, args, batch, args.profile)
