@@ -359,16 +359,18 @@ def profile_decode(
 def time_attention(model: PolicyModel, args: argparse.Namespace) -> None:
     """One layer's decode attention, us per call (20 calls in a CUDA graph, replayed 10 times),
     for Q = 1 (plain) and Q = 1 + D (a verify), the flash varlen call against our Triton kernel,
-    at the mean context of the run and at 4x it (every row that long)."""
+    at the mean context of the run, 2,048 and 8,192 entries (every row that long; the kernel's
+    switch to the flash call for few long rows, ``decode_attention.preferred``, is bypassed so that
+    both are timed)."""
     from splitrl.rollout import decode_attention
 
     c = model.config
     Hk, H = c.num_key_value_heads, c.num_attention_heads
     d = getattr(c, "head_dim", None) or c.hidden_size // H
     kernels = ["flash"] + (["triton"] if decode_attention.AVAILABLE else [])
-    saved = kv.DECODE_KERNEL
-    contexts = [int(args.prompt_len + args.new_tokens / 2)] * 2
-    contexts[1] *= 4
+    saved = kv.DECODE_KERNEL, decode_attention.FEW_PROGRAMS
+    decode_attention.FEW_PROGRAMS = 0  # time the kernel everywhere
+    contexts = [int(args.prompt_len + args.new_tokens / 2), 2048, 8192]
     try:
         for batch in [int(b) for b in args.batch_sizes.split(",")]:
             for L in contexts:
@@ -386,7 +388,7 @@ def time_attention(model: PolicyModel, args: argparse.Namespace) -> None:
                         cells.append(f"Q={Q} {name} {us:6.1f}")
                 print(f"attention batch {batch:>4}, {L:>5} entries a row: " + ", ".join(cells) + " us", flush=True)
     finally:
-        kv.DECODE_KERNEL = saved
+        kv.DECODE_KERNEL, decode_attention.FEW_PROGRAMS = saved
 
 
 def _graph_time(fn, calls: int = 20, replays: int = 10) -> float:

@@ -325,3 +325,26 @@ def test_the_decode_kernel_mode_is_read_or_refused(mode):
     else:
         assert res.returncode == 0, res.stderr
         assert res.stdout.split()[-1] == "flash"
+
+
+def test_few_long_rows_go_to_the_flash_call(monkeypatch):
+    """With few (row, kv head) programs and long rows the flash call's split over the entries keeps
+    more of the GPU busy: the Triton kernel is chosen only where ``decode_attention.preferred``
+    says so (on the CPU, with the flash call emulated and the kernel replaced by a recorder)."""
+    from splitrl.rollout import kv
+
+    calls = []
+    monkeypatch.setattr(kv, "flash_varlen", _varlen_reference)
+    monkeypatch.setattr(kv, "DECODE_KERNEL", "triton")
+    monkeypatch.setattr(decode_mod, "decode_attention", lambda q, *a: calls.append(q.shape[0]) or q.flatten(2))
+    monkeypatch.setattr(decode_mod, "LONG_ROW", 16)
+    monkeypatch.setattr(decode_mod, "FEW_PROGRAMS", 4 * HK)
+    _, pos = _pair()
+    pos.flash = True
+    q = torch.zeros(4, 1, 4, 8, dtype=torch.float64)
+    for B, L in ((1, 16), (1, 24), (4, 24)):  # short rows / few long rows / enough programs
+        write = torch.full((B, 1), L - 1)
+        pos.attend(0, q[:B], pos.plan(write, write, write, L, causal=True), 0.3)
+    assert calls == [1, 4]
+    monkeypatch.undo()
+    assert decode_mod.preferred(1, 8, 2048) and not decode_mod.preferred(1, 8, 2049) and decode_mod.preferred(8, 8, 9000)

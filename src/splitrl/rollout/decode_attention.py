@@ -46,7 +46,7 @@ if AVAILABLE:
         so_b, so_q, so_h,
         scale_log2e,
         Q: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -75,14 +75,14 @@ if AVAILABLE:
             j_ok = j < used
             offs = kv_base + j[:, None] * sk_m + dd[None, :]
             k = tl.load(k_ptr + offs, mask=j_ok[:, None] & d_ok[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale_log2e  # [BLOCK_M, BLOCK_N], log2 units
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N], log2 units
             s = tl.where(j[None, :] <= limit[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + offs, mask=j_ok[:, None] & d_ok[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
         tl.store(
@@ -90,6 +90,19 @@ if AVAILABLE:
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & d_ok[None, :],
         )
+
+
+# One program per (row, kv head) walks the row's entries alone: with few programs and long rows the
+# flash kernel's split over the entries (splitkv) keeps more of the GPU busy. Below this many
+# programs, rows longer than LONG_ROW entries go to the flash call.
+FEW_PROGRAMS = 64
+LONG_ROW = 2048
+
+
+def preferred(rows: int, kv_heads: int, length: int) -> bool:
+    """Whether this kernel (rather than the flash call) should run a decode step of ``rows`` rows
+    reading up to ``length`` entries (see :data:`FEW_PROGRAMS`)."""
+    return rows * kv_heads >= FEW_PROGRAMS or length <= LONG_ROW
 
 
 def decode_attention(
@@ -131,6 +144,8 @@ def decode_attention(
         out.stride(0), out.stride(1), out.stride(2),
         scale * 1.4426950408889634,  # log2(e): the kernel works with exp2
         Q=Q, G=G, D=d, BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=block_d,
+        # fp32 products stay fp32 (Triton's default for fp32 is TF32); fp16 / bf16 take the default
+        PRECISION="ieee" if q_BQHd.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2,
     )  # fmt: skip
     return out.view(B, Q, H * d)
