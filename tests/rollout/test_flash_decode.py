@@ -341,10 +341,38 @@ def test_few_long_rows_go_to_the_flash_call(monkeypatch):
     monkeypatch.setattr(decode_mod, "FEW_PROGRAMS", 4 * HK)
     _, pos = _pair()
     pos.flash = True
-    q = torch.zeros(4, 1, 4, 8, dtype=torch.float64)
-    for B, L in ((1, 16), (1, 24), (4, 24)):  # short rows / few long rows / enough programs
-        write = torch.full((B, 1), L - 1)
-        pos.attend(0, q[:B], pos.plan(write, write, write, L, causal=True), 0.3)
-    assert calls == [1, 4]
+    q = torch.zeros(4, 2, 4, 8, dtype=torch.float64)
+    # short rows / few long rows / enough programs / a verify (2 queries a row)
+    for B, L, Q in ((1, 16, 1), (1, 24, 1), (4, 24, 1), (1, 24, 2)):
+        write = torch.arange(L - Q, L).expand(B, Q)
+        pos.attend(0, q[:B, :Q], pos.plan(write, write, write, L, causal=True), 0.3)
+    assert calls == [1, 4, 1]
     monkeypatch.undo()
-    assert decode_mod.preferred(1, 8, 2048) and not decode_mod.preferred(1, 8, 2049) and decode_mod.preferred(8, 8, 9000)
+    assert decode_mod.preferred(1, 8, 512) and not decode_mod.preferred(1, 8, 513)
+    assert decode_mod.preferred(16, 8, 9000) and decode_mod.preferred(1, 8, 9000, queries=3)
+
+
+@needs_flash
+@pytest.mark.skipif(not decode_mod.AVAILABLE, reason="no Triton")
+def test_the_triton_kernel_addresses_caches_past_two_billion_entries():
+    """A cache layer of 300 slots x 8,200 entries x 8 heads x 128 has 2.5e9 elements: slot offsets
+    past 2**31 overflowed int32 arithmetic (an illegal memory access at batch 256 x 8,192 in the
+    bench) before the kernel computed them in int64."""
+    S_big, M_big, Hk = 300, 8200, 8
+    k = torch.zeros(S_big, M_big, Hk, D_HEAD, dtype=torch.bfloat16, device="cuda")
+    v = torch.zeros_like(k)
+    k[-1, :5].normal_()
+    v[-1, :5].normal_()
+    used = torch.full((S_big,), 5, dtype=torch.int32, device="cuda")
+    q = torch.randn(S_big, 2, 2 * Hk, D_HEAD, dtype=torch.bfloat16, device="cuda")
+    out = decode_mod.decode_attention(q, k, v, used, D_HEAD**-0.5)
+    torch.cuda.synchronize()
+    # the last slot: query i reads entries 0..3+i
+    for i in range(2):
+        kk = k[-1, : 4 + i].float().repeat_interleave(2, dim=1)
+        vv = v[-1, : 4 + i].float().repeat_interleave(2, dim=1)
+        w = (torch.einsum("hd,thd->ht", q[-1, i].float(), kk) * D_HEAD**-0.5).softmax(-1)
+        ref = torch.einsum("ht,thd->hd", w, vv).reshape(-1)
+        assert (out[-1, i].float() - ref).abs().max().item() < 2e-2
+    del k, v
+    torch.cuda.empty_cache()

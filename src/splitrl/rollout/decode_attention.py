@@ -69,7 +69,8 @@ if AVAILABLE:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        kv_base = b * sk_s + kvh * sk_h
+        # int64: a layer of 256 slots x 8k entries x 8 heads x 128 is past 2**31 elements
+        kv_base = b.to(tl.int64) * sk_s + kvh * sk_h
         for start in range(0, used, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             j_ok = j < used
@@ -93,16 +94,18 @@ if AVAILABLE:
 
 
 # One program per (row, kv head) walks the row's entries alone: with few programs and long rows the
-# flash kernel's split over the entries (splitkv) keeps more of the GPU busy. Below this many
-# programs, rows longer than LONG_ROW entries go to the flash call.
-FEW_PROGRAMS = 64
-LONG_ROW = 2048
+# flash kernel's split over the entries (splitkv) keeps more of the GPU busy. Measured on the H200
+# (``bench_rollout.py --attention``), one query a row, 8 programs: 4.9 vs 9.3 us at 192 entries,
+# 34 vs 13 us at 2,048; 256 programs: faster at every length up to 8,192. A verify (Q > 1) is
+# faster here at every size measured (the flash call then reads a row Q times or G times).
+FEW_PROGRAMS = 128
+LONG_ROW = 512
 
 
-def preferred(rows: int, kv_heads: int, length: int) -> bool:
+def preferred(rows: int, kv_heads: int, length: int, queries: int = 1) -> bool:
     """Whether this kernel (rather than the flash call) should run a decode step of ``rows`` rows
-    reading up to ``length`` entries (see :data:`FEW_PROGRAMS`)."""
-    return rows * kv_heads >= FEW_PROGRAMS or length <= LONG_ROW
+    with ``queries`` queries each, reading up to ``length`` entries (see :data:`FEW_PROGRAMS`)."""
+    return queries > 1 or rows * kv_heads >= FEW_PROGRAMS or length <= LONG_ROW
 
 
 def decode_attention(

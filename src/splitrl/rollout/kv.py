@@ -282,7 +282,7 @@ class StaticKVCache:
         B, Q, H, d = q_BQHd.shape
         Hk = self.kv_heads
         G = H // Hk
-        if DECODE_KERNEL == "triton" and _decode.preferred(B, Hk, plan.length):
+        if DECODE_KERNEL == "triton" and _decode.preferred(B, Hk, plan.length, Q):
             return _decode.decode_attention(q_BQHd, self.k[layer], self.v[layer], plan.seqused, scale)
         if G > 1 and Q >= FLASH_FOLD_MIN_Q:
             # unfolded, the kernel reads each key/value head once per query head (G times) and fills a
