@@ -474,6 +474,7 @@ class RolloutEngine:
         cfg, D = self.config, self.num_drafts
         need = max_prompt + cfg.max_new_tokens + 2 * D + 3  # the last index is the scratch entry
         if self._cache is not None and self._cache.max_len >= need:
+            self.fwd.sync_rope_table(self._cache.max_len)  # in place if the frequencies changed
             return
         M = -(-need // 64) * 64
         mcfg = self.model.config
@@ -492,6 +493,8 @@ class RolloutEngine:
             c = self.config
             self._drafter = MTPDrafter(self.fwd, D, self._mtp_cache, c.temperature, c.top_k, c.top_p)
         self._state = _SlotState(S, cfg.max_new_tokens + D + 1, D, mcfg.hidden_size, dtype, self.device)
+        # cos/sin of every cache index, gathered by position in the decode forwards
+        self.fwd.sync_rope_table(M)
 
     # ----------------------------------------------------------------------------- device steps
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,16 @@ the ``Parameter`` object stays, so optimizers and ``state_dict`` see the same na
 in-place update of q_proj.weight is an update of the fused tensor. Each output element is the same
 dot product as in the separate GEMMs.
 
+Rotary table. The backbone's ``rotary_emb`` computes cos/sin from the positions with ~8 small ops
+(a matmul, a transpose, a cat, cos, sin, scalings, casts) at every call: in every decode forward,
+the verify and each MTP depth. :meth:`DecoderForward.sync_rope_table` calls that module once for
+positions 0..M-1 (the cache length; every position a decode forward uses is a cache index) and a
+forward gathers its rows by position (one index op). Each element of cos/sin is an elementwise
+function of (inv_freq, position) — the matmul has an inner dimension of 1, a single product — so a
+row of the table is the value the module computes for that position in any call (tests check it
+bit for bit). RoPE types whose frequencies depend on the call's positions (dynamic, longrope) keep
+calling the module.
+
 The MTP depth forward follows ``MTPBlock.depth_forward`` (DESIGN §3):
 h^k = norm(layer_k(fc(concat[enorm(Emb), hnorm(h^{k-1})]))), with the parts read through
 :func:`mtp_parts` so that a per-depth layout of the norms and ``fc`` only changes that function.
@@ -111,6 +121,13 @@ def check_supported(model: PolicyModel) -> None:
         raise ValueError("dynamic RoPE scaling depends on the sequence length; the rollout engine needs a static RoPE")
 
 
+def _static_rope(model: PolicyModel) -> bool:
+    """The rotary module's cos/sin at a position do not depend on the other positions of the call."""
+    rope = model.rotary_emb
+    rope_type = getattr(rope, "rope_type", "default")
+    return isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope"
+
+
 class DecoderForward:
     """Prefill and cached decode through the backbone (and the MTP depths) of ``model``."""
 
@@ -122,6 +139,56 @@ class DecoderForward:
         self.k = Kernels(compiled, model.output_weight.device, model.output_weight.dtype)
         self.silu = model.config.hidden_act == "silu"
         fuse_projections(model)
+        self.rope_table: torch.Tensor | None = None  # [M, 2, d]: cos, sin by position (see module doc)
+        self._rope_key: tuple | None = None
+
+    # ------------------------------------------------------------------------------ rotary
+    def _rope_source(self, length: int) -> tuple:
+        """What the table's values depend on: the module's frequencies (object, storage, version),
+        its scaling, dtype, device, length. Read on the host (no kernel)."""
+        rope = self.model.rotary_emb
+        inv = rope.inv_freq
+        w = self.model.output_weight
+        return (id(inv), inv.data_ptr(), inv._version, inv.dtype, float(getattr(rope, "attention_scaling", 1.0)),
+                w.dtype, w.device, length)  # fmt: skip
+
+    @torch.no_grad()
+    def sync_rope_table(self, length: int) -> None:
+        """Make :attr:`rope_table` the module's cos/sin of positions 0..``length``-1 (a no-op when
+        nothing it depends on changed). A table of the same shape is refreshed in place (captured
+        CUDA graphs read its storage)."""
+        if not _static_rope(self.model):
+            self.rope_table = None
+            return
+        key = self._rope_source(length)
+        if key == self._rope_key:
+            return
+        w = self.model.output_weight
+        pos = torch.arange(length, device=w.device)[None]
+        cos, sin = self.model.rotary_emb(w.new_empty(0), pos)  # the module reads x's dtype and device only
+        table = torch.stack([cos[0], sin[0]], dim=1)
+        if self.rope_table is not None and self.rope_table.shape == table.shape and self.rope_table.dtype == table.dtype:
+            self.rope_table.copy_(table)
+        else:
+            self.rope_table = table
+        self._rope_key = key
+
+    def rope(self, x: torch.Tensor, positions_BQ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B, Q, d] in x's dtype at ``positions_BQ``: rows of the table (one gather), or
+        the rotary module where there is no table. Positions must be < the table's length."""
+        table = self.rope_table
+        if table is None or table.dtype != x.dtype or table.device != x.device:
+            return self.model.rotary_emb(x, positions_BQ)
+        cos, sin = table[positions_BQ].unbind(2)
+        return cos, sin
+
+    def _rope_prefix(self, x: torch.Tensor, B: int, M: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B, M, d] of positions 0..M-1 (a view of the table when it has them)."""
+        table = self.rope_table
+        if table is None or table.dtype != x.dtype or table.device != x.device or M > table.shape[0]:
+            return self.model.rotary_emb(x, torch.arange(M, device=x.device).expand(B, M))
+        cos, sin = table[:M].unbind(1)
+        return cos.expand(B, M, -1), sin.expand(B, M, -1)
 
     def _norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.k.rms_norm(x, module.weight, module.variance_epsilon)
@@ -196,8 +263,7 @@ class DecoderForward:
         writing their keys and values to slots ``slots_B``."""
         B, M = ids_BM.shape
         h = self.model.embed_tokens(ids_BM)
-        pos = torch.arange(M, device=ids_BM.device).expand(B, M)
-        cos, sin = self.model.rotary_emb(h, pos)
+        cos, sin = self._rope_prefix(h, B, M)
         return self._stack(h, cos, sin, cache, prefill_slots=slots_B)
 
     def backbone_decode(
@@ -205,7 +271,7 @@ class DecoderForward:
     ) -> torch.Tensor:
         """h⁰ [B, Q, H] of Q new tokens per slot 0..B-1 (causal among them and over the cache)."""
         h = self.model.embed_tokens(ids_BQ)
-        cos, sin = self.model.rotary_emb(h, positions_BQ)
+        cos, sin = self.rope(h, positions_BQ)
         plan = cache.plan(positions_BQ, positions_BQ, positions_BQ, length, causal=True, kernels=self.k)  # all layers
         return self._stack(h, cos, sin, cache, plan=plan)
 
@@ -226,7 +292,7 @@ class DecoderForward:
         _, _, _, layer, norm = mtp_parts(self.model, depth)
         x = self._mtp_input(depth, embeds_BMH, hidden_BMH)
         B, M, _ = x.shape
-        cos, sin = self.model.rotary_emb(x, torch.arange(M, device=x.device).expand(B, M))
+        cos, sin = self._rope_prefix(x, B, M)
         h, delta = self._layer(layer, x, None, cos, sin, cache, depth - 1, prefill_slots=slots_B)
         return self.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)[1]
 
@@ -246,7 +312,7 @@ class DecoderForward:
         reading cache indices <= ``limit_BQ`` and their own; rows are slots 0..B-1 or ``slots_B``."""
         _, _, _, layer, norm = mtp_parts(self.model, depth)
         x = self._mtp_input(depth, embeds_BQH, hidden_BQH)
-        cos, sin = self.model.rotary_emb(x, positions_BQ)
+        cos, sin = self.rope(x, positions_BQ)
         plan = cache.plan(write_pos_BQ, write_pos_BQ, limit_BQ, length, slots_B, kernels=self.k)
         h, delta = self._layer(layer, x, None, cos, sin, cache, depth - 1, plan=plan)
         return self.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)[1]
