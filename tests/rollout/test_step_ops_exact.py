@@ -7,7 +7,7 @@ import torch
 from _rollout_helpers import make_model, random_prompts
 
 from splitrl.rollout import GenerationConfig, RolloutEngine
-from splitrl.rollout.forward import DecoderForward
+from splitrl.rollout.forward import DecoderForward, mtp_parts
 
 VOCAB = 128
 
@@ -98,3 +98,123 @@ def test_rollouts_with_the_rope_table_equal_rollouts_with_the_module(dtype, spec
     for a, b in zip(*out):
         assert a.response_ids == b.response_ids
         assert torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+
+
+# ---------------------------------------------------------------------------------------- MTP input
+
+
+def _reference_drafter_step(drafter, h0_BWH, targets_BW, accepted_B, p0_B, counter_B, carry, seed_lo, seed_hi, length):
+    """MTPDrafter.step as it was before its inputs were fused (embedding lookups, concatenations
+    and norms as separate ops): the reference of the fused version."""
+    B, W, H = h0_BWH.shape
+    D = drafter.D
+    model, fwd = drafter.model, drafter.fwd
+    rows = torch.arange(B)
+    embeds = model.embed_tokens(targets_BW)
+    n_minus_1 = p0_B + accepted_B
+    prev = h0_BWH
+    new_carry, drafts, query = [], [], None
+    for k in range(1, D + 1):
+        pos, write, limit = fwd.k.draft_window(p0_B, accepted_B, n_minus_1, k, W, drafter.cache.scratch)
+        hidden = prev if k == 1 else torch.cat([carry[k - 2][:, None], prev[:, : W - 1]], dim=1)
+        emb = embeds
+        if k >= 2:
+            emb = torch.cat([embeds, model.embed_tokens(drafts[-1])[:, None]], dim=1)
+            hidden = torch.cat([hidden, query[:, None]], dim=1)
+        enorm, hnorm, fc, _, _ = mtp_parts(model, k)
+        x = fc(torch.cat([fwd._norm(enorm, emb), fwd._norm(hnorm, hidden)], dim=-1))
+        out = _mtp_decode_from_input(fwd, k, x, pos, write, limit, drafter.cache, length)
+        window = out[:, :W]
+        if k < D:
+            new_carry.append(window[rows, accepted_B])
+        query = window[rows, accepted_B] if k == 1 else out[:, W]
+        drafts.append(drafter._draw(query, seed_lo, seed_hi, counter_B + (k - 1), k))
+        prev = window
+    carry_out = torch.stack(new_carry) if new_carry else carry
+    return torch.stack(drafts, dim=1), carry_out
+
+
+def _mtp_decode_from_input(fwd, depth, x, positions, write, limit, cache, length):
+    _, _, _, layer, norm = mtp_parts(fwd.model, depth)
+    cos, sin = fwd.model.rotary_emb(x, positions)
+    plan = cache.plan(write, write, limit, length, None, kernels=fwd.k)
+    h, delta = fwd._layer(layer, x, None, cos, sin, cache, depth - 1, plan=plan)
+    return fwd.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("depths", [2, 3])
+def test_drafter_step_equals_the_unfused_reference(dtype, depths):
+    """The drafter step (fused MTP inputs, gathers, one carry copy) against the op-by-op reference:
+    the same drafts, carry and MTP cache entries, bit for bit, over several acceptance lengths."""
+    model = make_model(vocab=VOCAB, depths=depths).to(dtype)
+    B = 4
+    engine = RolloutEngine(model, GenerationConfig(speculative=True, max_new_tokens=30, batch_size=B), "cpu")
+    engine.speculative_switch_off = False
+    engine.generate(random_prompts(B, VOCAB, (3, 9), seed=1), list(range(B)))  # caches, state, drafter
+    drafter, st = engine._drafter, engine._state
+    D, W, H = drafter.D, drafter.D + 1, model.config.hidden_size
+    g = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        for trial in range(3):
+            h0 = torch.randn(B, W, H, generator=g).to(dtype)
+            targets = torch.randint(0, VOCAB, (B, W), generator=g)
+            accepted = torch.tensor([0, D, 1, D - 1])[torch.randperm(B, generator=g)]
+            p0 = torch.randint(2, 20, (B,), generator=g)
+            counter = torch.randint(1, 10, (B,), generator=g)
+            carry = torch.randn(D - 1, B, H, generator=g).to(dtype)
+            args = (h0, targets, accepted, p0, counter, carry, st.seed_lo[:B], st.seed_hi[:B], 64)
+            cache = drafter.cache
+            saved = cache.k.clone(), cache.v.clone()
+            drafts, new_carry = drafter.step(*args)
+            after = cache.k.clone(), cache.v.clone()
+            cache.k.copy_(saved[0])
+            cache.v.copy_(saved[1])
+            ref_drafts, ref_carry = _reference_drafter_step(drafter, *args)
+            assert torch.equal(drafts, ref_drafts) and torch.equal(new_carry, ref_carry), trial
+            assert torch.equal(after[0], cache.k) and torch.equal(after[1], cache.v), trial
+            assert new_carry.shape == (D - 1, B, H)
+
+
+def test_mtp_input_with_a_custom_embedding_module():
+    """An embedding that is not a plain lookup runs its own forward (here: a scaled embedding)."""
+    model = make_model(vocab=VOCAB, depths=2)
+    fwd = DecoderForward(model)
+    assert fwd.plain_embedding is model.embed_tokens.weight
+    ids = [torch.tensor([[1, 2, 3]]), torch.tensor([[4]])]
+    hidden = [torch.randn(1, 3, 64), torch.randn(1, 1, 64)]
+    enorm, hnorm, fc, _, _ = mtp_parts(model, 1)
+
+    def reference(emb):
+        h = torch.cat(hidden, 1)
+        return fc(torch.cat([fwd._norm(enorm, emb), fwd._norm(hnorm, h)], dim=-1))
+
+    with torch.no_grad():
+        assert torch.equal(fwd._mtp_input(1, ids, hidden), reference(model.embed_tokens(torch.cat(ids, 1))))
+
+        class Scaled(torch.nn.Embedding):
+            def forward(self, x):
+                return super().forward(x) * 2.0
+
+        scaled = Scaled(VOCAB, 64)
+        scaled.weight.copy_(model.embed_tokens.weight)
+        model.backbone.set_input_embeddings(scaled)
+        assert fwd.plain_embedding is None
+        assert torch.equal(fwd._mtp_input(1, ids, hidden), reference(scaled(torch.cat(ids, 1))))
+
+
+def test_step_index_helpers_equal_their_inline_versions():
+    from splitrl.rollout import fused
+
+    g = torch.Generator().manual_seed(0)
+    for B, D in [(1, 1), (3, 2), (5, 3)]:
+        tok, pos, cnt = (torch.randint(0, 50, (B,), generator=g) for _ in range(3))
+        drafts = torch.randint(0, 50, (B, D), generator=g)
+        steps = torch.arange(D + 1)
+        ids, positions, counters = fused.verify_inputs(tok, drafts, pos, cnt)
+        assert torch.equal(ids, torch.cat([tok[:, None], drafts], dim=1))
+        assert torch.equal(positions, pos[:, None] + steps) and torch.equal(counters, cnt[:, None] + steps)
+        width = 37
+        rows = torch.arange(B)[:, None] * width
+        ref = (rows + cnt[:, None] + torch.arange(D + 1)).reshape(-1)
+        assert torch.equal(fused.output_index(cnt, width, D + 1), ref)

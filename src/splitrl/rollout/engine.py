@@ -513,9 +513,7 @@ class RolloutEngine:
 
     def _write_outputs(self, B: int, start: torch.Tensor, tokens_BQ: torch.Tensor, logprobs_BQ: torch.Tensor) -> None:
         st = self._state
-        Q = tokens_BQ.shape[1]
-        rows = torch.arange(B, device=start.device)[:, None] * st.width
-        flat = (rows + start[:, None] + torch.arange(Q, device=start.device)).reshape(-1)
+        flat = self.fwd.k.output_index(start, st.width, tokens_BQ.shape[1])
         st.out_tokens.view(-1).index_copy_(0, flat, tokens_BQ.reshape(-1))
         st.out_logprobs.view(-1).index_copy_(0, flat, logprobs_BQ.reshape(-1))
 
@@ -530,9 +528,9 @@ class RolloutEngine:
     def _spec_step(self, B: int, L: int) -> None:
         st, D, k = self._state, self.num_drafts, self.fwd.k
         tok, pos, cnt, done, drafts = st.tokens[:B], st.pos[:B], st.counter[:B], st.done[:B], st.drafts[:B]
-        steps = torch.arange(D + 1, device=pos.device)
-        h = self.fwd.backbone_decode(torch.cat([tok[:, None], drafts], dim=1), pos[:, None] + steps, self._cache, L)
-        t, lp = self._sample(self._logits(h), st.seed_lo[:B, None], st.seed_hi[:B, None], cnt[:, None] + steps)
+        ids, positions, counters = k.verify_inputs(tok, drafts, pos, cnt)  # [B, D+1] each
+        h = self.fwd.backbone_decode(ids, positions, self._cache, L)
+        t, lp = self._sample(self._logits(h), st.seed_lo[:B, None], st.seed_hi[:B, None], counters)
         self._write_outputs(B, cnt, t, lp)  # entries past the emitted ones are rewritten later
         a, n, stopped, fin = k.spec_accept(drafts, t, cnt, done, self._stop_ids, self.config.max_new_tokens)
         new_drafts, new_carry = self._drafter.step(

@@ -276,9 +276,29 @@ class DecoderForward:
         return self._stack(h, cos, sin, cache, plan=plan)
 
     # ------------------------------------------------------------------------------ MTP
-    def _mtp_input(self, depth: int, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    @property
+    def plain_embedding(self) -> torch.Tensor | None:
+        """The embedding table when ``embed_tokens`` is a plain lookup (an ``nn.Embedding`` without
+        ``max_norm``: its forward is ``F.embedding(ids, weight)``), else None."""
+        emb = self.model.embed_tokens
+        return emb.weight if type(emb) is nn.Embedding and emb.max_norm is None else None
+
+    def _mtp_input(self, depth: int, embeds, hidden) -> torch.Tensor:
+        """fc(cat[enorm(E), hnorm(h)]): ``embeds`` is E [B, Q, H], or a list of int64 token tensors
+        [B, Qi] (concatenated along positions, then embedded); ``hidden`` is h [B, Q, H], or a list
+        of parts [B, Qi, H] concatenated along positions. The lookup, the concatenations and both
+        norms are one fused function (:func:`~splitrl.rollout.fused.mtp_input`)."""
         enorm, hnorm, fc, _, _ = mtp_parts(self.model, depth)
-        return fc(torch.cat([self._norm(enorm, embeds), self._norm(hnorm, hidden)], dim=-1))
+        emb_weight = None
+        if isinstance(embeds, (list, tuple)):
+            emb_weight = self.plain_embedding
+            if emb_weight is None:  # a custom embedding module: its own forward
+                embeds = self.model.embed_tokens(torch.cat(list(embeds), dim=1) if len(embeds) > 1 else embeds[0])
+        hidden = list(hidden) if isinstance(hidden, (list, tuple)) else [hidden]
+        x = self.k.mtp_input(
+            embeds, hidden, enorm.weight, enorm.variance_epsilon, hnorm.weight, hnorm.variance_epsilon, emb_weight
+        )
+        return fc(x)
 
     def mtp_prefill(
         self,
@@ -309,7 +329,8 @@ class DecoderForward:
         slots_B: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """h^k [B, Q, H] of entries at ``positions_BQ`` (>= 0), written at ``write_pos_BQ``,
-        reading cache indices <= ``limit_BQ`` and their own; rows are slots 0..B-1 or ``slots_B``."""
+        reading cache indices <= ``limit_BQ`` and their own; rows are slots 0..B-1 or ``slots_B``.
+        ``embeds_BQH`` and ``hidden_BQH`` may be lists of parts (see :meth:`_mtp_input`)."""
         _, _, _, layer, norm = mtp_parts(self.model, depth)
         x = self._mtp_input(depth, embeds_BQH, hidden_BQH)
         cos, sin = self.rope(x, positions_BQ)

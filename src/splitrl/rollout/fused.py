@@ -56,6 +56,31 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def mtp_input(
+    embeds, hidden_parts: list, e_weight, e_eps: float, h_weight, h_eps: float, emb_weight=None
+) -> torch.Tensor:
+    """An MTP depth's input before ``fc``: cat[enorm(E), hnorm(h)] [B, Q, 2H], h = the ``hidden_parts``
+    ([B, Qi, H]) concatenated along positions; E = ``embeds`` [B, Q, H], or with ``emb_weight``
+    [V, H] the embedding of the token ids ``embeds`` (a list of int64 [B, Qi], concatenated)."""
+    if emb_weight is not None:
+        ids = torch.cat(embeds, dim=1) if len(embeds) > 1 else embeds[0]
+        embeds = F.embedding(ids, emb_weight)
+    h = torch.cat(hidden_parts, dim=1) if len(hidden_parts) > 1 else hidden_parts[0]
+    return torch.cat([rms_norm(embeds, e_weight, e_eps), rms_norm(h, h_weight, h_eps)], dim=-1)
+
+
+def verify_inputs(tokens, drafts_BD, pos, counter):
+    """A verify's token ids [B, D+1] (x_n, then the drafts), their positions and response indices."""
+    steps = torch.arange(drafts_BD.shape[1] + 1, device=pos.device)
+    return torch.cat([tokens[:, None], drafts_BD], dim=1), pos[:, None] + steps, counter[:, None] + steps
+
+
+def output_index(start, width: int, Q: int):
+    """Flat indices [B*Q] of entries start[b] .. start[b]+Q-1 of rows 0..B-1 of a [*, width] buffer."""
+    rows = torch.arange(start.shape[0], device=start.device)[:, None] * width
+    return (rows + start[:, None] + torch.arange(Q, device=start.device)).reshape(-1)
+
+
 def stop_mask(tokens: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
     """bool, the shape of ``tokens``: the token is one of ``stop_ids`` [n] (n may be 0)."""
     return (tokens[..., None] == stop_ids).any(-1)
@@ -158,7 +183,8 @@ def plan_tensors(
 
 _NAMES = (
     "rms_norm", "add_rms_norm", "rope", "qk_norm_rope", "qk_rope", "silu_mul", "draw", "draw_with_logprobs",
-    "plain_commit", "spec_accept", "spec_commit", "draft_window", "plan_tensors",
+    "plain_commit", "spec_accept", "spec_commit", "draft_window", "plan_tensors", "mtp_input", "verify_inputs",
+    "output_index",
 )  # fmt: skip
 _COMPILED: dict[str, object] = {}
 
@@ -192,6 +218,10 @@ class Kernels:
                 fns["qk_norm_rope"](x[:, :, None], x[:, :, None], w, w, 1e-6, x, x)
                 fns["qk_rope"](x[:, :, None], x[:, :, None], x, x)
                 fns["silu_mul"](x, x)
+                emb = torch.randn(5, 8, device=device, dtype=dtype)
+                ids = torch.zeros(2, 3, dtype=torch.int64, device=device)
+                fns["mtp_input"](x, [x], w, 1e-6, w, 1e-6)
+                fns["mtp_input"]([ids[:, :2], ids[:, :1]], [x[:, :1], x[:, :2]], w, 1e-6, w, 1e-6, emb)
                 # the step bookkeeping too, so that a compiler failure falls back here rather than
                 # raising inside a decode call (other shapes compile at their first use)
                 i = torch.zeros(2, dtype=torch.int64, device=device)
@@ -203,6 +233,8 @@ class Kernels:
                                    drafts.clone(), drafts.clone(), targets, *accepted)  # fmt: skip
                 pos, write, limit = fns["draft_window"](i + 4, i, i + 4, 2, 3, 15)
                 fns["plan_tensors"](write, pos, limit, i, 2, 16, 8, False)
+                fns["verify_inputs"](i, drafts, i, i)
+                fns["output_index"](i, 8, 3)
                 # the samplers compile at their first call (one graph per vocabulary size)
                 _COMPILED.update(fns)
             except Exception as err:  # noqa: BLE001 - any compiler failure: fall back to eager
