@@ -218,3 +218,25 @@ def test_step_index_helpers_equal_their_inline_versions():
         rows = torch.arange(B)[:, None] * width
         ref = (rows + cnt[:, None] + torch.arange(D + 1)).reshape(-1)
         assert torch.equal(fused.output_index(cnt, width, D + 1), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,M", [(1, 1), (3, 1), (2, 3)])
+def test_qkv_rope_equals_split_then_qk_rope(dtype, B, M):
+    """The decode layer's split + norms + rotary of the fused q/k/v projection, against the separate
+    ops; v comes back contiguous (the cache write views it as [-1, d] without a copy)."""
+    from splitrl.rollout import fused
+
+    H, Hk, d = 4, 2, 16
+    g = torch.Generator().manual_seed(B * 10 + M)
+    qkv = torch.randn(B, M, (H + 2 * Hk) * d, generator=g).to(dtype)
+    cos, sin = torch.randn(2, B, M, d, generator=g).to(dtype)
+    qw, kw = torch.randn(2, d, generator=g).to(dtype)
+    q, k, v = qkv.split([H * d, Hk * d, Hk * d], dim=-1)
+    q, k, v = q.reshape(B, M, -1, d), k.reshape(B, M, -1, d), v.reshape(B, M, -1, d)
+    for new, ref in (
+        (fused.qkv_norm_rope(qkv, H * d, Hk * d, d, qw, kw, 1e-6, cos, sin), fused.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin)),
+        (fused.qkv_rope(qkv, H * d, Hk * d, d, cos, sin), fused.qk_rope(q, k, cos, sin)),
+    ):  # fmt: skip
+        assert torch.equal(new[0], ref[0]) and torch.equal(new[1], ref[1]) and torch.equal(new[2], v)
+        assert new[2].is_contiguous()

@@ -220,19 +220,30 @@ class DecoderForward:
             x = self.k.rms_norm(h, norm.weight, norm.variance_epsilon)
         else:
             h, x = self.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)
-        if hasattr(attn, _FUSED):
+        qk_norm = hasattr(attn, "q_norm")  # Qwen3
+        if hasattr(attn, _FUSED) and prefill_slots is None:
+            # decode: split, norms, rotary and a contiguous v (the cache write's layout) in one function
             nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
-            q, k, v = _fused_linear(attn, x).split([nq, nk, nk], dim=-1)
-            q, k, v = q.reshape(B, M, -1, d), k.reshape(B, M, -1, d), v.reshape(B, M, -1, d)
+            qkv = _fused_linear(attn, x)
+            if qk_norm:
+                eps = attn.q_norm.variance_epsilon
+                q, k, v = self.k.qkv_norm_rope(qkv, nq, nk, d, attn.q_norm.weight, attn.k_norm.weight, eps, cos, sin)
+            else:
+                q, k, v = self.k.qkv_rope(qkv, nq, nk, d, cos, sin)
         else:
-            q = attn.q_proj(x).view(B, M, -1, d)
-            k = attn.k_proj(x).view(B, M, -1, d)
-            v = attn.v_proj(x).view(B, M, -1, d)
-        if hasattr(attn, "q_norm"):  # Qwen3
-            eps = attn.q_norm.variance_epsilon
-            q, k = self.k.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, eps, cos, sin)
-        else:
-            q, k = self.k.qk_rope(q, k, cos, sin)
+            if hasattr(attn, _FUSED):
+                nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+                q, k, v = _fused_linear(attn, x).split([nq, nk, nk], dim=-1)
+                q, k, v = q.reshape(B, M, -1, d), k.reshape(B, M, -1, d), v.reshape(B, M, -1, d)
+            else:
+                q = attn.q_proj(x).view(B, M, -1, d)
+                k = attn.k_proj(x).view(B, M, -1, d)
+                v = attn.v_proj(x).view(B, M, -1, d)
+            if qk_norm:
+                eps = attn.q_norm.variance_epsilon
+                q, k = self.k.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, eps, cos, sin)
+            else:
+                q, k = self.k.qk_rope(q, k, cos, sin)
         if prefill_slots is not None:
             cache.write_prefix(index, prefill_slots, k, v)
             o = causal_attention(q, k, v, attn.scaling)

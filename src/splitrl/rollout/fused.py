@@ -52,6 +52,29 @@ def qk_rope(q, k, cos, sin):
     return rope(q, cos, sin), rope(k, cos, sin)
 
 
+def _split_heads(qkv: torch.Tensor, nq: int, nk: int, d: int):
+    B, M, _ = qkv.shape
+    q, k, v = qkv.split([nq, nk, nk], dim=-1)
+    return q.reshape(B, M, -1, d), k.reshape(B, M, -1, d), v.reshape(B, M, -1, d)
+
+
+def qkv_norm_rope(qkv, nq: int, nk: int, d: int, q_weight, k_weight, eps: float, cos, sin):
+    """:func:`qk_norm_rope` on the output of the fused q/k/v projection [B, M, nq + 2 nk], split into
+    heads of ``d``; returns (q, k, v) [B, M, heads, d], v contiguous: the cache write reads it as
+    [-1, d], which would otherwise copy it in a kernel of its own (compiled, the copy can share a
+    kernel with k's norm and rotary, which read the same buffer)."""
+    q, k, v = _split_heads(qkv, nq, nk, d)
+    q, k = qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
+    return q, k, v.contiguous()
+
+
+def qkv_rope(qkv, nq: int, nk: int, d: int, cos, sin):
+    """:func:`qkv_norm_rope` without the per-head norms (Llama)."""
+    q, k, v = _split_heads(qkv, nq, nk, d)
+    q, k = qk_rope(q, k, cos, sin)
+    return q, k, v.contiguous()
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
@@ -182,7 +205,7 @@ def plan_tensors(
 
 
 _NAMES = (
-    "rms_norm", "add_rms_norm", "rope", "qk_norm_rope", "qk_rope", "silu_mul", "draw", "draw_with_logprobs",
+    "rms_norm", "add_rms_norm", "rope", "qk_norm_rope", "qk_rope", "qkv_norm_rope", "qkv_rope", "silu_mul", "draw", "draw_with_logprobs",
     "plain_commit", "spec_accept", "spec_commit", "draft_window", "plan_tensors", "mtp_input", "verify_inputs",
     "output_index",
 )  # fmt: skip
@@ -218,6 +241,9 @@ class Kernels:
                 fns["qk_norm_rope"](x[:, :, None], x[:, :, None], w, w, 1e-6, x, x)
                 fns["qk_rope"](x[:, :, None], x[:, :, None], x, x)
                 fns["silu_mul"](x, x)
+                qkv = torch.randn(2, 3, 32, device=device, dtype=dtype)
+                fns["qkv_norm_rope"](qkv, 16, 8, 8, w, w, 1e-6, x, x)
+                fns["qkv_rope"](qkv, 16, 8, 8, x, x)
                 emb = torch.randn(5, 8, device=device, dtype=dtype)
                 ids = torch.zeros(2, 3, dtype=torch.int64, device=device)
                 fns["mtp_input"](x, [x], w, 1e-6, w, 1e-6)
