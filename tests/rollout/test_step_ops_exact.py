@@ -166,7 +166,9 @@ def test_drafter_step_equals_the_unfused_reference(dtype, depths):
             args = (h0, targets, accepted, p0, counter, carry, st.seed_lo[:B], st.seed_hi[:B], 64)
             cache = drafter.cache
             saved = cache.k.clone(), cache.v.clone()
-            drafts, new_carry = drafter.step(*args)
+            drafts_out = torch.full((B, D), -1, dtype=torch.int64) if trial % 2 else None  # the engine's way
+            drafts, new_carry = drafter.step(*args, drafts_out=drafts_out)
+            assert drafts_out is None or drafts is drafts_out
             after = cache.k.clone(), cache.v.clone()
             cache.k.copy_(saved[0])
             cache.v.copy_(saved[1])
@@ -240,3 +242,14 @@ def test_qkv_rope_equals_split_then_qk_rope(dtype, B, M):
     ):  # fmt: skip
         assert torch.equal(new[0], ref[0]) and torch.equal(new[1], ref[1]) and torch.equal(new[2], v)
         assert new[2].is_contiguous()
+
+
+def test_draft_window_default_query_is_p0_plus_accepted():
+    from splitrl.rollout import fused
+
+    g = torch.Generator().manual_seed(1)
+    p0, a = torch.randint(0, 30, (6,), generator=g), torch.randint(0, 3, (6,), generator=g)
+    for depth in (1, 2, 3):
+        new = fused.draft_window(p0, a, None, depth, 3, 63)
+        ref = fused.draft_window(p0, a, p0 + a, depth, 3, 63)
+        assert all(torch.equal(x, y) for x, y in zip(new, ref))

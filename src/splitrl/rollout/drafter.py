@@ -131,6 +131,7 @@ class MTPDrafter:
         seed_lo: torch.Tensor,
         seed_hi: torch.Tensor,
         length: int,
+        drafts_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Enter a verify's window (W = D+1 positions from ``p0_B``) and draft (slots 0..B-1; static shapes).
 
@@ -142,6 +143,7 @@ class MTPDrafter:
             counter_B: response index of the first token to draft (tokens emitted so far).
             carry: [D-1, B, H] carried hidden states (see the module docstring).
             length: cache prefix the attention reads (> every position involved).
+            drafts_out: int64 [B, D], contiguous, where to write the drafts (returned then).
 
         Returns:
             (drafts [B, D], new carry [D-1, B, H]).
@@ -149,13 +151,12 @@ class MTPDrafter:
         B, W, H = h0_BWH.shape
         D = self.D
         at_accepted = accepted_B[:, None, None].expand(B, 1, H)  # gather index of window entry a
-        n_minus_1 = p0_B + accepted_B
         prev = h0_BWH
         new_carry = []
         drafts: list[torch.Tensor] = []
         query = None
         for k in range(1, D + 1):
-            pos, write, limit = self.fwd.k.draft_window(p0_B, accepted_B, n_minus_1, k, W, self.cache.scratch)
+            pos, write, limit = self.fwd.k.draft_window(p0_B, accepted_B, None, k, W, self.cache.scratch)  # query: n-1
             # token ids and hidden parts, concatenated and embedded inside the fused MTP input op
             if k == 1:
                 ids, hidden = [targets_BW], [prev]
@@ -174,4 +175,6 @@ class MTPDrafter:
             carry_out = carry
         else:
             carry_out = new_carry[0][None] if len(new_carry) == 1 else torch.stack(new_carry)
-        return torch.stack(drafts, dim=1), carry_out
+        if drafts_out is None:
+            return torch.stack(drafts, dim=1), carry_out
+        return torch.stack(drafts, dim=1, out=drafts_out), carry_out

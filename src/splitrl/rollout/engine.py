@@ -533,14 +533,14 @@ class RolloutEngine:
         t, lp = self._sample(self._logits(h), st.seed_lo[:B, None], st.seed_hi[:B, None], counters)
         self._write_outputs(B, cnt, t, lp)  # entries past the emitted ones are rewritten later
         a, n, stopped, fin = k.spec_accept(drafts, t, cnt, done, self._stop_ids, self.config.max_new_tokens)
-        new_drafts, new_carry = self._drafter.step(
-            h, t, a, pos, n, st.carry[:, :B], st.seed_lo[:B], st.seed_hi[:B], L
-        )  # reads the state before the commit below (pos: the verify's first position)
+        _, new_carry = self._drafter.step(
+            h, t, a, pos, n, st.carry[:, :B], st.seed_lo[:B], st.seed_hi[:B], L, drafts_out=drafts
+        )  # reads the state before the commit below (pos: the verify's first position); writes the new drafts
+        # into st.drafts (the old ones were last read by spec_accept above)
         k.spec_commit(
             tok, pos, cnt, done, st.stopped[:B], st.drafted[:B], st.accepted[:B],
             st.reached_depth[:B], st.accepted_depth[:B], t, a, n, stopped, fin,
         )  # fmt: skip
-        st.drafts[:B] = new_drafts
         st.carry[:, :B] = new_carry
 
     def _step_fn(self, kind: str, B: int, L: int):

@@ -171,8 +171,8 @@ def draft_window(p0, accepted, query_pos, depth: int, width: int, scratch: int):
     """Cache indices of MTP depth ``depth``'s entries after a verify (see :mod:`splitrl.rollout.
     drafter`): the window p0-(depth-1)+i, i < ``width``, written where valid (i <= accepted,
     position >= 0) else at ``scratch``, each reading up to itself; for depth >= 2 one more entry,
-    the query at ``query_pos`` [B], reading up to query_pos-(depth-1). Returns (positions, write
-    indices, limits), int64 [B, width (+1)]."""
+    the query at ``query_pos`` [B] (None: p0 + accepted), reading up to query_pos-(depth-1). Returns
+    (positions, write indices, limits), int64 [B, width (+1)]."""
     i = torch.arange(width, device=p0.device)
     pos = p0[:, None] - (depth - 1) + i
     valid = (i <= accepted[:, None]) & (pos >= 0)
@@ -180,7 +180,7 @@ def draft_window(p0, accepted, query_pos, depth: int, width: int, scratch: int):
     write = torch.where(valid, pos, scratch)
     limit = pos
     if depth >= 2:
-        q = query_pos[:, None]
+        q = (p0 + accepted if query_pos is None else query_pos)[:, None]
         pos, write, limit = torch.cat([pos, q], 1), torch.cat([write, q], 1), torch.cat([limit, q - (depth - 1)], 1)
     return pos, write, limit
 
@@ -258,6 +258,7 @@ class Kernels:
                 fns["spec_commit"](i.clone(), i.clone(), i.clone(), b.clone(), b.clone(), i.clone(), i.clone(),
                                    drafts.clone(), drafts.clone(), targets, *accepted)  # fmt: skip
                 pos, write, limit = fns["draft_window"](i + 4, i, i + 4, 2, 3, 15)
+                fns["draft_window"](i + 4, i, None, 2, 3, 15)
                 fns["plan_tensors"](write, pos, limit, i, 2, 16, 8, False)
                 fns["verify_inputs"](i, drafts, i, i)
                 fns["output_index"](i, 8, 3)
