@@ -253,3 +253,26 @@ def test_draft_window_default_query_is_p0_plus_accepted():
         new = fused.draft_window(p0, a, None, depth, 3, 63)
         ref = fused.draft_window(p0, a, p0 + a, depth, 3, 63)
         assert all(torch.equal(x, y) for x, y in zip(new, ref))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backbone_decode_with_fused_embedding_equals_the_module_path(dtype, monkeypatch):
+    """backbone_decode's lookup + first input norm (one fused function) against the embedding module
+    and a separate norm: the same h⁰ and the same cache entries, bit for bit."""
+    from splitrl.rollout.kv import StaticKVCache
+
+    model = make_model(vocab=VOCAB).to(dtype)
+    fwd = DecoderForward(model)
+    fwd.sync_rope_table(64)
+    c = model.config
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, VOCAB, (3, 2), generator=g)
+    positions = torch.randint(0, 40, (3, 1), generator=g) + torch.arange(2)
+    outs = []
+    for fused_lookup in (True, False):
+        if not fused_lookup:
+            monkeypatch.setattr(DecoderForward, "plain_embedding", property(lambda self: None))
+        cache = StaticKVCache(c.num_hidden_layers, 3, c.num_key_value_heads, 64, c.head_dim, dtype, "cpu")
+        with torch.no_grad():
+            outs.append((fwd.backbone_decode(ids, positions, cache, 48), cache.k, cache.v))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))

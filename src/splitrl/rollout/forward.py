@@ -206,9 +206,11 @@ class DecoderForward:
         *,
         prefill_slots: torch.Tensor | None = None,
         plan: AttentionPlan | None = None,
+        normed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder layer on the residual stream h + delta (delta: the previous layer's MLP
         output, added here so that the add and this layer's input norm are one fused op).
+        ``normed``: the input norm of h (delta None), already computed by the caller.
 
         Returns (residual stream after attention, MLP output): the layer's output is their sum.
         """
@@ -216,7 +218,9 @@ class DecoderForward:
         B, M, _ = h.shape
         d = attn.head_dim
         norm = layer.input_layernorm
-        if delta is None:
+        if normed is not None:
+            x = normed
+        elif delta is None:
             x = self.k.rms_norm(h, norm.weight, norm.variance_epsilon)
         else:
             h, x = self.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)
@@ -260,11 +264,11 @@ class DecoderForward:
             return h, mlp.down_proj(self.k.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
         return h, mlp(x)
 
-    def _stack(self, h, cos, sin, cache, **kw) -> torch.Tensor:
-        """The backbone's layers, then its final norm."""
+    def _stack(self, h, cos, sin, cache, normed=None, **kw) -> torch.Tensor:
+        """The backbone's layers, then its final norm (``normed``: the first layer's input norm of h)."""
         delta = None
         for i, layer in enumerate(self.layers):
-            h, delta = self._layer(layer, h, delta, cos, sin, cache, i, **kw)
+            h, delta = self._layer(layer, h, delta, cos, sin, cache, i, normed=normed if i == 0 else None, **kw)
         norm = self.final_norm
         return self.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)[1]
 
@@ -281,10 +285,15 @@ class DecoderForward:
         self, ids_BQ: torch.Tensor, positions_BQ: torch.Tensor, cache: StaticKVCache, length: int
     ) -> torch.Tensor:
         """h⁰ [B, Q, H] of Q new tokens per slot 0..B-1 (causal among them and over the cache)."""
-        h = self.model.embed_tokens(ids_BQ)
+        emb_weight, normed = self.plain_embedding, None
+        if emb_weight is not None:  # the lookup and the first layer's input norm: one fused function
+            norm = self.layers[0].input_layernorm
+            h, normed = self.k.embed_rms_norm(ids_BQ, emb_weight, norm.weight, norm.variance_epsilon)
+        else:
+            h = self.model.embed_tokens(ids_BQ)
         cos, sin = self.rope(h, positions_BQ)
         plan = cache.plan(positions_BQ, positions_BQ, positions_BQ, length, causal=True, kernels=self.k)  # all layers
-        return self._stack(h, cos, sin, cache, plan=plan)
+        return self._stack(h, cos, sin, cache, normed=normed, plan=plan)
 
     # ------------------------------------------------------------------------------ MTP
     @property

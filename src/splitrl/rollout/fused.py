@@ -79,6 +79,12 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def embed_rms_norm(ids, emb_weight, weight, eps: float):
+    """(E, rms_norm(E)), E = emb_weight[ids]: a decode forward's embeddings and its first layer's input norm."""
+    h = F.embedding(ids, emb_weight)
+    return h, rms_norm(h, weight, eps)
+
+
 def mtp_input(
     embeds, hidden_parts: list, e_weight, e_eps: float, h_weight, h_eps: float, emb_weight=None
 ) -> torch.Tensor:
@@ -205,9 +211,9 @@ def plan_tensors(
 
 
 _NAMES = (
-    "rms_norm", "add_rms_norm", "rope", "qk_norm_rope", "qk_rope", "qkv_norm_rope", "qkv_rope", "silu_mul", "draw", "draw_with_logprobs",
-    "plain_commit", "spec_accept", "spec_commit", "draft_window", "plan_tensors", "mtp_input", "verify_inputs",
-    "output_index",
+    "rms_norm", "add_rms_norm", "rope", "qk_norm_rope", "qk_rope", "qkv_norm_rope", "qkv_rope", "silu_mul",
+    "draw", "draw_with_logprobs", "plain_commit", "spec_accept", "spec_commit", "draft_window", "plan_tensors",
+    "embed_rms_norm", "mtp_input", "verify_inputs", "output_index",
 )  # fmt: skip
 _COMPILED: dict[str, object] = {}
 
@@ -246,6 +252,7 @@ class Kernels:
                 fns["qkv_rope"](qkv, 16, 8, 8, x, x)
                 emb = torch.randn(5, 8, device=device, dtype=dtype)
                 ids = torch.zeros(2, 3, dtype=torch.int64, device=device)
+                fns["embed_rms_norm"](ids, emb, w, 1e-6)
                 fns["mtp_input"](x, [x], w, 1e-6, w, 1e-6)
                 fns["mtp_input"]([ids[:, :2], ids[:, :1]], [x[:, :1], x[:, :2]], w, 1e-6, w, 1e-6, emb)
                 # the step bookkeeping too, so that a compiler failure falls back here rather than
