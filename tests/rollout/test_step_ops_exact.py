@@ -276,3 +276,22 @@ def test_backbone_decode_with_fused_embedding_equals_the_module_path(dtype, monk
         with torch.no_grad():
             outs.append((fwd.backbone_decode(ids, positions, cache, 48), cache.k, cache.v))
     assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_compiled_index_helpers_equal_eager():
+    """The integer helpers are compiled on CUDA: compiled (CPU backend, shape-dynamic) against eager."""
+    from splitrl.rollout import fused
+
+    torch._dynamo.reset()
+    comp = {n: torch.compile(getattr(fused, n), dynamic=True) for n in ("verify_inputs", "output_index", "draft_window")}
+    g = torch.Generator().manual_seed(2)
+    for B in (3, 7):
+        tok, pos, cnt = (torch.randint(0, 50, (B,), generator=g) for _ in range(3))
+        drafts = torch.randint(0, 50, (B, 2), generator=g)
+        new, ref = comp["verify_inputs"](tok, drafts, pos, cnt), fused.verify_inputs(tok, drafts, pos, cnt)
+        assert all(torch.equal(x, y) for x, y in zip(new, ref))
+        assert torch.equal(comp["output_index"](cnt, 41, 3), fused.output_index(cnt, 41, 3))
+        a = torch.randint(0, 3, (B,), generator=g)
+        for depth in (1, 2):
+            e, c = fused.draft_window(pos, a, None, depth, 3, 63), comp["draft_window"](pos, a, None, depth, 3, 63)
+            assert all(torch.equal(x, y) for x, y in zip(e, c))
