@@ -236,10 +236,11 @@ def test_qkv_rope_equals_split_then_qk_rope(dtype, B, M):
     qw, kw = torch.randn(2, d, generator=g).to(dtype)
     q, k, v = qkv.split([H * d, Hk * d, Hk * d], dim=-1)
     q, k, v = q.reshape(B, M, -1, d), k.reshape(B, M, -1, d), v.reshape(B, M, -1, d)
+    nq, nk = H * d, Hk * d
     for new, ref in (
-        (fused.qkv_norm_rope(qkv, H * d, Hk * d, d, qw, kw, 1e-6, cos, sin), fused.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin)),
-        (fused.qkv_rope(qkv, H * d, Hk * d, d, cos, sin), fused.qk_rope(q, k, cos, sin)),
-    ):  # fmt: skip
+        (fused.qkv_norm_rope(qkv, nq, nk, d, qw, kw, 1e-6, cos, sin), fused.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin)),
+        (fused.qkv_rope(qkv, nq, nk, d, cos, sin), fused.qk_rope(q, k, cos, sin)),
+    ):
         assert torch.equal(new[0], ref[0]) and torch.equal(new[1], ref[1]) and torch.equal(new[2], v)
         assert new[2].is_contiguous()
 
@@ -283,7 +284,8 @@ def test_compiled_index_helpers_equal_eager():
     from splitrl.rollout import fused
 
     torch._dynamo.reset()
-    comp = {n: torch.compile(getattr(fused, n), dynamic=True) for n in ("verify_inputs", "output_index", "draft_window")}
+    names = ("verify_inputs", "output_index", "draft_window")
+    comp = {n: torch.compile(getattr(fused, n), dynamic=True) for n in names}
     g = torch.Generator().manual_seed(2)
     for B in (3, 7):
         tok, pos, cnt = (torch.randint(0, 50, (B,), generator=g) for _ in range(3))

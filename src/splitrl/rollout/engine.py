@@ -526,7 +526,7 @@ class RolloutEngine:
         self.fwd.k.plain_commit(tok, pos, cnt, st.done[:B], st.stopped[:B], y, self._stop_ids, self.config.max_new_tokens)
 
     def _spec_step(self, B: int, L: int) -> None:
-        st, D, k = self._state, self.num_drafts, self.fwd.k
+        st, k = self._state, self.fwd.k
         tok, pos, cnt, done, drafts = st.tokens[:B], st.pos[:B], st.counter[:B], st.done[:B], st.drafts[:B]
         ids, positions, counters = k.verify_inputs(tok, drafts, pos, cnt)  # [B, D+1] each
         h = self.fwd.backbone_decode(ids, positions, self._cache, L)

@@ -167,8 +167,9 @@ class DecoderForward:
         pos = torch.arange(length, device=w.device)[None]
         cos, sin = self.model.rotary_emb(w.new_empty(0), pos)  # the module reads x's dtype and device only
         table = torch.stack([cos[0], sin[0]], dim=1)
-        if self.rope_table is not None and self.rope_table.shape == table.shape and self.rope_table.dtype == table.dtype:
-            self.rope_table.copy_(table)
+        old = self.rope_table
+        if old is not None and old.shape == table.shape and old.dtype == table.dtype and old.device == table.device:
+            old.copy_(table)
         else:
             self.rope_table = table
         self._rope_key = key
