@@ -281,9 +281,9 @@ def test_every_mtp_cache_entry_matches_teacher_forcing(monkeypatch):
         context.update(seeds=lo.tolist(), n=n.tolist(), scratch=self.cache.scratch)
         return original_prefill(self, h0, seq, n, slots, lo, hi)
 
-    def step(self, h0, t, a, p0, counter, carry, lo, hi, length):
+    def step(self, h0, t, a, p0, counter, carry, lo, hi, length, **kw):
         context.update(seeds=lo.tolist(), n=None, scratch=self.cache.scratch)
-        return original_step(self, h0, t, a, p0, counter, carry, lo, hi, length)
+        return original_step(self, h0, t, a, p0, counter, carry, lo, hi, length, **kw)
 
     def mtp_prefill(self, depth, embeds, hidden, slots, cache):
         out = original_mtp_prefill(self, depth, embeds, hidden, slots, cache)

@@ -131,6 +131,7 @@ class MTPDrafter:
         seed_lo: torch.Tensor,
         seed_hi: torch.Tensor,
         length: int,
+        drafts_out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Enter a verify's window (W = D+1 positions from ``p0_B``) and draft (slots 0..B-1; static shapes).
 
@@ -142,32 +143,38 @@ class MTPDrafter:
             counter_B: response index of the first token to draft (tokens emitted so far).
             carry: [D-1, B, H] carried hidden states (see the module docstring).
             length: cache prefix the attention reads (> every position involved).
+            drafts_out: int64 [B, D], contiguous, where to write the drafts (returned then).
 
         Returns:
             (drafts [B, D], new carry [D-1, B, H]).
         """
         B, W, H = h0_BWH.shape
         D = self.D
-        rows = torch.arange(B, device=p0_B.device)
-        embeds = self.model.embed_tokens(targets_BW)
-        n_minus_1 = p0_B + accepted_B
+        at_accepted = accepted_B[:, None, None].expand(B, 1, H)  # gather index of window entry a
         prev = h0_BWH
         new_carry = []
         drafts: list[torch.Tensor] = []
         query = None
         for k in range(1, D + 1):
-            pos, write, limit = self.fwd.k.draft_window(p0_B, accepted_B, n_minus_1, k, W, self.cache.scratch)
-            hidden = prev if k == 1 else torch.cat([carry[k - 2][:, None], prev[:, : W - 1]], dim=1)
-            emb = embeds
-            if k >= 2:  # the query at n-1 reads the frontier n-k and itself
-                emb = torch.cat([embeds, self.model.embed_tokens(drafts[-1])[:, None]], dim=1)
-                hidden = torch.cat([hidden, query[:, None]], dim=1)
-            out = self.fwd.mtp_decode(k, emb, hidden, pos, write, limit, self.cache, length)
+            pos, write, limit = self.fwd.k.draft_window(p0_B, accepted_B, None, k, W, self.cache.scratch)  # query: n-1
+            # token ids and hidden parts, concatenated and embedded inside the fused MTP input op
+            if k == 1:
+                ids, hidden = [targets_BW], [prev]
+            else:  # the query at n-1 reads the frontier n-k and itself
+                ids = [targets_BW, drafts[-1][:, None]]
+                hidden = [carry[k - 2][:, None], prev[:, : W - 1], query[:, None]]
+            out = self.fwd.mtp_decode(k, ids, hidden, pos, write, limit, self.cache, length)
             window = out[:, :W]
+            last = window.gather(1, at_accepted)[:, 0] if k == 1 or k < D else None  # entry a: [B, H]
             if k < D:
-                new_carry.append(window[rows, accepted_B])
-            query = window[rows, accepted_B] if k == 1 else out[:, W]
-            drafts.append(self._draw(query, seed_lo, seed_hi, counter_B + (k - 1), k))
+                new_carry.append(last)
+            query = last if k == 1 else out[:, W]
+            drafts.append(self._draw(query, seed_lo, seed_hi, counter_B if k == 1 else counter_B + (k - 1), k))
             prev = window
-        carry_out = torch.stack(new_carry) if new_carry else carry
-        return torch.stack(drafts, dim=1), carry_out
+        if not new_carry:
+            carry_out = carry
+        else:
+            carry_out = new_carry[0][None] if len(new_carry) == 1 else torch.stack(new_carry)
+        if drafts_out is None:
+            return torch.stack(drafts, dim=1), carry_out
+        return torch.stack(drafts, dim=1, out=drafts_out), carry_out

@@ -474,6 +474,7 @@ class RolloutEngine:
         cfg, D = self.config, self.num_drafts
         need = max_prompt + cfg.max_new_tokens + 2 * D + 3  # the last index is the scratch entry
         if self._cache is not None and self._cache.max_len >= need:
+            self.fwd.sync_rope_table(self._cache.max_len)  # in place if the frequencies changed
             return
         M = -(-need // 64) * 64
         mcfg = self.model.config
@@ -492,6 +493,8 @@ class RolloutEngine:
             c = self.config
             self._drafter = MTPDrafter(self.fwd, D, self._mtp_cache, c.temperature, c.top_k, c.top_p)
         self._state = _SlotState(S, cfg.max_new_tokens + D + 1, D, mcfg.hidden_size, dtype, self.device)
+        # cos/sin of every cache index, gathered by position in the decode forwards
+        self.fwd.sync_rope_table(M)
 
     # ----------------------------------------------------------------------------- device steps
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -510,9 +513,7 @@ class RolloutEngine:
 
     def _write_outputs(self, B: int, start: torch.Tensor, tokens_BQ: torch.Tensor, logprobs_BQ: torch.Tensor) -> None:
         st = self._state
-        Q = tokens_BQ.shape[1]
-        rows = torch.arange(B, device=start.device)[:, None] * st.width
-        flat = (rows + start[:, None] + torch.arange(Q, device=start.device)).reshape(-1)
+        flat = self.fwd.k.output_index(start, st.width, tokens_BQ.shape[1])
         st.out_tokens.view(-1).index_copy_(0, flat, tokens_BQ.reshape(-1))
         st.out_logprobs.view(-1).index_copy_(0, flat, logprobs_BQ.reshape(-1))
 
@@ -525,21 +526,21 @@ class RolloutEngine:
         self.fwd.k.plain_commit(tok, pos, cnt, st.done[:B], st.stopped[:B], y, self._stop_ids, self.config.max_new_tokens)
 
     def _spec_step(self, B: int, L: int) -> None:
-        st, D, k = self._state, self.num_drafts, self.fwd.k
+        st, k = self._state, self.fwd.k
         tok, pos, cnt, done, drafts = st.tokens[:B], st.pos[:B], st.counter[:B], st.done[:B], st.drafts[:B]
-        steps = torch.arange(D + 1, device=pos.device)
-        h = self.fwd.backbone_decode(torch.cat([tok[:, None], drafts], dim=1), pos[:, None] + steps, self._cache, L)
-        t, lp = self._sample(self._logits(h), st.seed_lo[:B, None], st.seed_hi[:B, None], cnt[:, None] + steps)
+        ids, positions, counters = k.verify_inputs(tok, drafts, pos, cnt)  # [B, D+1] each
+        h = self.fwd.backbone_decode(ids, positions, self._cache, L)
+        t, lp = self._sample(self._logits(h), st.seed_lo[:B, None], st.seed_hi[:B, None], counters)
         self._write_outputs(B, cnt, t, lp)  # entries past the emitted ones are rewritten later
         a, n, stopped, fin = k.spec_accept(drafts, t, cnt, done, self._stop_ids, self.config.max_new_tokens)
-        new_drafts, new_carry = self._drafter.step(
-            h, t, a, pos, n, st.carry[:, :B], st.seed_lo[:B], st.seed_hi[:B], L
-        )  # reads the state before the commit below (pos: the verify's first position)
+        _, new_carry = self._drafter.step(
+            h, t, a, pos, n, st.carry[:, :B], st.seed_lo[:B], st.seed_hi[:B], L, drafts_out=drafts
+        )  # reads the state before the commit below (pos: the verify's first position); writes the new drafts
+        # into st.drafts (the old ones were last read by spec_accept above)
         k.spec_commit(
             tok, pos, cnt, done, st.stopped[:B], st.drafted[:B], st.accepted[:B],
             st.reached_depth[:B], st.accepted_depth[:B], t, a, n, stopped, fin,
         )  # fmt: skip
-        st.drafts[:B] = new_drafts
         st.carry[:, :B] = new_carry
 
     def _step_fn(self, kind: str, B: int, L: int):

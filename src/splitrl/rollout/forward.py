@@ -17,6 +17,16 @@ the ``Parameter`` object stays, so optimizers and ``state_dict`` see the same na
 in-place update of q_proj.weight is an update of the fused tensor. Each output element is the same
 dot product as in the separate GEMMs.
 
+Rotary table. The backbone's ``rotary_emb`` computes cos/sin from the positions with ~8 small ops
+(a matmul, a transpose, a cat, cos, sin, scalings, casts) at every call: in every decode forward,
+the verify and each MTP depth. :meth:`DecoderForward.sync_rope_table` calls that module once for
+positions 0..M-1 (the cache length; every position a decode forward uses is a cache index) and a
+forward gathers its rows by position (one index op). Each element of cos/sin is an elementwise
+function of (inv_freq, position) — the matmul has an inner dimension of 1, a single product — so a
+row of the table is the value the module computes for that position in any call (tests check it
+bit for bit). RoPE types whose frequencies depend on the call's positions (dynamic, longrope) keep
+calling the module.
+
 The MTP depth forward follows ``MTPBlock.depth_forward`` (DESIGN §3):
 h^k = norm(layer_k(fc(concat[enorm(Emb), hnorm(h^{k-1})]))), with the parts read through
 :func:`mtp_parts` so that a per-depth layout of the norms and ``fc`` only changes that function.
@@ -111,6 +121,13 @@ def check_supported(model: PolicyModel) -> None:
         raise ValueError("dynamic RoPE scaling depends on the sequence length; the rollout engine needs a static RoPE")
 
 
+def _static_rope(model: PolicyModel) -> bool:
+    """The rotary module's cos/sin at a position do not depend on the other positions of the call."""
+    rope = model.rotary_emb
+    rope_type = getattr(rope, "rope_type", "default")
+    return isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope"
+
+
 class DecoderForward:
     """Prefill and cached decode through the backbone (and the MTP depths) of ``model``."""
 
@@ -122,6 +139,57 @@ class DecoderForward:
         self.k = Kernels(compiled, model.output_weight.device, model.output_weight.dtype)
         self.silu = model.config.hidden_act == "silu"
         fuse_projections(model)
+        self.rope_table: torch.Tensor | None = None  # [M, 2, d]: cos, sin by position (see module doc)
+        self._rope_key: tuple | None = None
+
+    # ------------------------------------------------------------------------------ rotary
+    def _rope_source(self, length: int) -> tuple:
+        """What the table's values depend on: the module's frequencies (object, storage, version),
+        its scaling, dtype, device, length. Read on the host (no kernel)."""
+        rope = self.model.rotary_emb
+        inv = rope.inv_freq
+        w = self.model.output_weight
+        return (id(inv), inv.data_ptr(), inv._version, inv.dtype, float(getattr(rope, "attention_scaling", 1.0)),
+                w.dtype, w.device, length)  # fmt: skip
+
+    @torch.no_grad()
+    def sync_rope_table(self, length: int) -> None:
+        """Make :attr:`rope_table` the module's cos/sin of positions 0..``length``-1 (a no-op when
+        nothing it depends on changed). A table of the same shape is refreshed in place (captured
+        CUDA graphs read its storage)."""
+        if not _static_rope(self.model):
+            self.rope_table = None
+            return
+        key = self._rope_source(length)
+        if key == self._rope_key:
+            return
+        w = self.model.output_weight
+        pos = torch.arange(length, device=w.device)[None]
+        cos, sin = self.model.rotary_emb(w.new_empty(0), pos)  # the module reads x's dtype and device only
+        table = torch.stack([cos[0], sin[0]], dim=1)
+        old = self.rope_table
+        if old is not None and old.shape == table.shape and old.dtype == table.dtype and old.device == table.device:
+            old.copy_(table)
+        else:
+            self.rope_table = table
+        self._rope_key = key
+
+    def rope(self, x: torch.Tensor, positions_BQ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B, Q, d] in x's dtype at ``positions_BQ``: rows of the table (one gather), or
+        the rotary module where there is no table. Positions must be < the table's length."""
+        table = self.rope_table
+        if table is None or table.dtype != x.dtype or table.device != x.device:
+            return self.model.rotary_emb(x, positions_BQ)
+        cos, sin = table[positions_BQ].unbind(2)
+        return cos, sin
+
+    def _rope_prefix(self, x: torch.Tensor, B: int, M: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [B, M, d] of positions 0..M-1 (a view of the table when it has them)."""
+        table = self.rope_table
+        if table is None or table.dtype != x.dtype or table.device != x.device or M > table.shape[0]:
+            return self.model.rotary_emb(x, torch.arange(M, device=x.device).expand(B, M))
+        cos, sin = table[:M].unbind(1)
+        return cos.expand(B, M, -1), sin.expand(B, M, -1)
 
     def _norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.k.rms_norm(x, module.weight, module.variance_epsilon)
@@ -139,9 +207,11 @@ class DecoderForward:
         *,
         prefill_slots: torch.Tensor | None = None,
         plan: AttentionPlan | None = None,
+        normed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder layer on the residual stream h + delta (delta: the previous layer's MLP
         output, added here so that the add and this layer's input norm are one fused op).
+        ``normed``: the input norm of h (delta None), already computed by the caller.
 
         Returns (residual stream after attention, MLP output): the layer's output is their sum.
         """
@@ -149,23 +219,36 @@ class DecoderForward:
         B, M, _ = h.shape
         d = attn.head_dim
         norm = layer.input_layernorm
-        if delta is None:
+        if normed is not None:
+            x = normed
+        elif delta is None:
             x = self.k.rms_norm(h, norm.weight, norm.variance_epsilon)
         else:
             h, x = self.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)
-        if hasattr(attn, _FUSED):
+        qk_norm = hasattr(attn, "q_norm")  # Qwen3
+        if hasattr(attn, _FUSED) and prefill_slots is None:
+            # decode: split, norms, rotary and a contiguous v (the cache write's layout) in one function
             nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
-            q, k, v = _fused_linear(attn, x).split([nq, nk, nk], dim=-1)
-            q, k, v = q.reshape(B, M, -1, d), k.reshape(B, M, -1, d), v.reshape(B, M, -1, d)
+            qkv = _fused_linear(attn, x)
+            if qk_norm:
+                eps = attn.q_norm.variance_epsilon
+                q, k, v = self.k.qkv_norm_rope(qkv, nq, nk, d, attn.q_norm.weight, attn.k_norm.weight, eps, cos, sin)
+            else:
+                q, k, v = self.k.qkv_rope(qkv, nq, nk, d, cos, sin)
         else:
-            q = attn.q_proj(x).view(B, M, -1, d)
-            k = attn.k_proj(x).view(B, M, -1, d)
-            v = attn.v_proj(x).view(B, M, -1, d)
-        if hasattr(attn, "q_norm"):  # Qwen3
-            eps = attn.q_norm.variance_epsilon
-            q, k = self.k.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, eps, cos, sin)
-        else:
-            q, k = self.k.qk_rope(q, k, cos, sin)
+            if hasattr(attn, _FUSED):
+                nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+                q, k, v = _fused_linear(attn, x).split([nq, nk, nk], dim=-1)
+                q, k, v = q.reshape(B, M, -1, d), k.reshape(B, M, -1, d), v.reshape(B, M, -1, d)
+            else:
+                q = attn.q_proj(x).view(B, M, -1, d)
+                k = attn.k_proj(x).view(B, M, -1, d)
+                v = attn.v_proj(x).view(B, M, -1, d)
+            if qk_norm:
+                eps = attn.q_norm.variance_epsilon
+                q, k = self.k.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, eps, cos, sin)
+            else:
+                q, k = self.k.qk_rope(q, k, cos, sin)
         if prefill_slots is not None:
             cache.write_prefix(index, prefill_slots, k, v)
             o = causal_attention(q, k, v, attn.scaling)
@@ -182,11 +265,11 @@ class DecoderForward:
             return h, mlp.down_proj(self.k.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
         return h, mlp(x)
 
-    def _stack(self, h, cos, sin, cache, **kw) -> torch.Tensor:
-        """The backbone's layers, then its final norm."""
+    def _stack(self, h, cos, sin, cache, normed=None, **kw) -> torch.Tensor:
+        """The backbone's layers, then its final norm (``normed``: the first layer's input norm of h)."""
         delta = None
         for i, layer in enumerate(self.layers):
-            h, delta = self._layer(layer, h, delta, cos, sin, cache, i, **kw)
+            h, delta = self._layer(layer, h, delta, cos, sin, cache, i, normed=normed if i == 0 else None, **kw)
         norm = self.final_norm
         return self.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)[1]
 
@@ -196,23 +279,47 @@ class DecoderForward:
         writing their keys and values to slots ``slots_B``."""
         B, M = ids_BM.shape
         h = self.model.embed_tokens(ids_BM)
-        pos = torch.arange(M, device=ids_BM.device).expand(B, M)
-        cos, sin = self.model.rotary_emb(h, pos)
+        cos, sin = self._rope_prefix(h, B, M)
         return self._stack(h, cos, sin, cache, prefill_slots=slots_B)
 
     def backbone_decode(
         self, ids_BQ: torch.Tensor, positions_BQ: torch.Tensor, cache: StaticKVCache, length: int
     ) -> torch.Tensor:
         """h⁰ [B, Q, H] of Q new tokens per slot 0..B-1 (causal among them and over the cache)."""
-        h = self.model.embed_tokens(ids_BQ)
-        cos, sin = self.model.rotary_emb(h, positions_BQ)
+        emb_weight, normed = self.plain_embedding, None
+        if emb_weight is not None:  # the lookup and the first layer's input norm: one fused function
+            norm = self.layers[0].input_layernorm
+            h, normed = self.k.embed_rms_norm(ids_BQ, emb_weight, norm.weight, norm.variance_epsilon)
+        else:
+            h = self.model.embed_tokens(ids_BQ)
+        cos, sin = self.rope(h, positions_BQ)
         plan = cache.plan(positions_BQ, positions_BQ, positions_BQ, length, causal=True, kernels=self.k)  # all layers
-        return self._stack(h, cos, sin, cache, plan=plan)
+        return self._stack(h, cos, sin, cache, normed=normed, plan=plan)
 
     # ------------------------------------------------------------------------------ MTP
-    def _mtp_input(self, depth: int, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    @property
+    def plain_embedding(self) -> torch.Tensor | None:
+        """The embedding table when ``embed_tokens`` is a plain lookup (an ``nn.Embedding`` without
+        ``max_norm``: its forward is ``F.embedding(ids, weight)``), else None."""
+        emb = self.model.embed_tokens
+        return emb.weight if type(emb) is nn.Embedding and emb.max_norm is None else None
+
+    def _mtp_input(self, depth: int, embeds, hidden) -> torch.Tensor:
+        """fc(cat[enorm(E), hnorm(h)]): ``embeds`` is E [B, Q, H], or a list of int64 token tensors
+        [B, Qi] (concatenated along positions, then embedded); ``hidden`` is h [B, Q, H], or a list
+        of parts [B, Qi, H] concatenated along positions. The lookup, the concatenations and both
+        norms are one fused function (:func:`~splitrl.rollout.fused.mtp_input`)."""
         enorm, hnorm, fc, _, _ = mtp_parts(self.model, depth)
-        return fc(torch.cat([self._norm(enorm, embeds), self._norm(hnorm, hidden)], dim=-1))
+        emb_weight = None
+        if isinstance(embeds, (list, tuple)):
+            emb_weight = self.plain_embedding
+            if emb_weight is None:  # a custom embedding module: its own forward
+                embeds = self.model.embed_tokens(torch.cat(list(embeds), dim=1) if len(embeds) > 1 else embeds[0])
+        hidden = list(hidden) if isinstance(hidden, (list, tuple)) else [hidden]
+        x = self.k.mtp_input(
+            embeds, hidden, enorm.weight, enorm.variance_epsilon, hnorm.weight, hnorm.variance_epsilon, emb_weight
+        )
+        return fc(x)
 
     def mtp_prefill(
         self,
@@ -226,7 +333,7 @@ class DecoderForward:
         _, _, _, layer, norm = mtp_parts(self.model, depth)
         x = self._mtp_input(depth, embeds_BMH, hidden_BMH)
         B, M, _ = x.shape
-        cos, sin = self.model.rotary_emb(x, torch.arange(M, device=x.device).expand(B, M))
+        cos, sin = self._rope_prefix(x, B, M)
         h, delta = self._layer(layer, x, None, cos, sin, cache, depth - 1, prefill_slots=slots_B)
         return self.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)[1]
 
@@ -243,10 +350,11 @@ class DecoderForward:
         slots_B: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """h^k [B, Q, H] of entries at ``positions_BQ`` (>= 0), written at ``write_pos_BQ``,
-        reading cache indices <= ``limit_BQ`` and their own; rows are slots 0..B-1 or ``slots_B``."""
+        reading cache indices <= ``limit_BQ`` and their own; rows are slots 0..B-1 or ``slots_B``.
+        ``embeds_BQH`` and ``hidden_BQH`` may be lists of parts (see :meth:`_mtp_input`)."""
         _, _, _, layer, norm = mtp_parts(self.model, depth)
         x = self._mtp_input(depth, embeds_BQH, hidden_BQH)
-        cos, sin = self.model.rotary_emb(x, positions_BQ)
+        cos, sin = self.rope(x, positions_BQ)
         plan = cache.plan(write_pos_BQ, write_pos_BQ, limit_BQ, length, slots_B, kernels=self.k)
         h, delta = self._layer(layer, x, None, cos, sin, cache, depth - 1, plan=plan)
         return self.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)[1]

@@ -52,8 +52,62 @@ def qk_rope(q, k, cos, sin):
     return rope(q, cos, sin), rope(k, cos, sin)
 
 
+def _split_heads(qkv: torch.Tensor, nq: int, nk: int, d: int):
+    B, M, _ = qkv.shape
+    q, k, v = qkv.split([nq, nk, nk], dim=-1)
+    return q.reshape(B, M, -1, d), k.reshape(B, M, -1, d), v.reshape(B, M, -1, d)
+
+
+def qkv_norm_rope(qkv, nq: int, nk: int, d: int, q_weight, k_weight, eps: float, cos, sin):
+    """:func:`qk_norm_rope` on the output of the fused q/k/v projection [B, M, nq + 2 nk], split into
+    heads of ``d``; returns (q, k, v) [B, M, heads, d], v contiguous: the cache write reads it as
+    [-1, d], which would otherwise copy it in a kernel of its own (compiled, the copy can share a
+    kernel with k's norm and rotary, which read the same buffer)."""
+    q, k, v = _split_heads(qkv, nq, nk, d)
+    q, k = qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
+    return q, k, v.contiguous()
+
+
+def qkv_rope(qkv, nq: int, nk: int, d: int, cos, sin):
+    """:func:`qkv_norm_rope` without the per-head norms (Llama)."""
+    q, k, v = _split_heads(qkv, nq, nk, d)
+    q, k = qk_rope(q, k, cos, sin)
+    return q, k, v.contiguous()
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+def embed_rms_norm(ids, emb_weight, weight, eps: float):
+    """(E, rms_norm(E)), E = emb_weight[ids]: a decode forward's embeddings and its first layer's input norm."""
+    h = F.embedding(ids, emb_weight)
+    return h, rms_norm(h, weight, eps)
+
+
+def mtp_input(
+    embeds, hidden_parts: list, e_weight, e_eps: float, h_weight, h_eps: float, emb_weight=None
+) -> torch.Tensor:
+    """An MTP depth's input before ``fc``: cat[enorm(E), hnorm(h)] [B, Q, 2H], h = the ``hidden_parts``
+    ([B, Qi, H]) concatenated along positions; E = ``embeds`` [B, Q, H], or with ``emb_weight``
+    [V, H] the embedding of the token ids ``embeds`` (a list of int64 [B, Qi], concatenated)."""
+    if emb_weight is not None:
+        ids = torch.cat(embeds, dim=1) if len(embeds) > 1 else embeds[0]
+        embeds = F.embedding(ids, emb_weight)
+    h = torch.cat(hidden_parts, dim=1) if len(hidden_parts) > 1 else hidden_parts[0]
+    return torch.cat([rms_norm(embeds, e_weight, e_eps), rms_norm(h, h_weight, h_eps)], dim=-1)
+
+
+def verify_inputs(tokens, drafts_BD, pos, counter):
+    """A verify's token ids [B, D+1] (x_n, then the drafts), their positions and response indices."""
+    steps = torch.arange(drafts_BD.shape[1] + 1, device=pos.device)
+    return torch.cat([tokens[:, None], drafts_BD], dim=1), pos[:, None] + steps, counter[:, None] + steps
+
+
+def output_index(start, width: int, Q: int):
+    """Flat indices [B*Q] of entries start[b] .. start[b]+Q-1 of rows 0..B-1 of a [*, width] buffer."""
+    rows = torch.arange(start.shape[0], device=start.device)[:, None] * width
+    return (rows + start[:, None] + torch.arange(Q, device=start.device)).reshape(-1)
 
 
 def stop_mask(tokens: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
@@ -123,8 +177,8 @@ def draft_window(p0, accepted, query_pos, depth: int, width: int, scratch: int):
     """Cache indices of MTP depth ``depth``'s entries after a verify (see :mod:`splitrl.rollout.
     drafter`): the window p0-(depth-1)+i, i < ``width``, written where valid (i <= accepted,
     position >= 0) else at ``scratch``, each reading up to itself; for depth >= 2 one more entry,
-    the query at ``query_pos`` [B], reading up to query_pos-(depth-1). Returns (positions, write
-    indices, limits), int64 [B, width (+1)]."""
+    the query at ``query_pos`` [B] (None: p0 + accepted), reading up to query_pos-(depth-1). Returns
+    (positions, write indices, limits), int64 [B, width (+1)]."""
     i = torch.arange(width, device=p0.device)
     pos = p0[:, None] - (depth - 1) + i
     valid = (i <= accepted[:, None]) & (pos >= 0)
@@ -132,7 +186,7 @@ def draft_window(p0, accepted, query_pos, depth: int, width: int, scratch: int):
     write = torch.where(valid, pos, scratch)
     limit = pos
     if depth >= 2:
-        q = query_pos[:, None]
+        q = (p0 + accepted if query_pos is None else query_pos)[:, None]
         pos, write, limit = torch.cat([pos, q], 1), torch.cat([write, q], 1), torch.cat([limit, q - (depth - 1)], 1)
     return pos, write, limit
 
@@ -157,8 +211,9 @@ def plan_tensors(
 
 
 _NAMES = (
-    "rms_norm", "add_rms_norm", "rope", "qk_norm_rope", "qk_rope", "silu_mul", "draw", "draw_with_logprobs",
-    "plain_commit", "spec_accept", "spec_commit", "draft_window", "plan_tensors",
+    "rms_norm", "add_rms_norm", "rope", "qk_norm_rope", "qk_rope", "qkv_norm_rope", "qkv_rope", "silu_mul",
+    "draw", "draw_with_logprobs", "plain_commit", "spec_accept", "spec_commit", "draft_window", "plan_tensors",
+    "embed_rms_norm", "mtp_input", "verify_inputs", "output_index",
 )  # fmt: skip
 _COMPILED: dict[str, object] = {}
 
@@ -192,6 +247,14 @@ class Kernels:
                 fns["qk_norm_rope"](x[:, :, None], x[:, :, None], w, w, 1e-6, x, x)
                 fns["qk_rope"](x[:, :, None], x[:, :, None], x, x)
                 fns["silu_mul"](x, x)
+                qkv = torch.randn(2, 3, 32, device=device, dtype=dtype)
+                fns["qkv_norm_rope"](qkv, 16, 8, 8, w, w, 1e-6, x, x)
+                fns["qkv_rope"](qkv, 16, 8, 8, x, x)
+                emb = torch.randn(5, 8, device=device, dtype=dtype)
+                ids = torch.zeros(2, 3, dtype=torch.int64, device=device)
+                fns["embed_rms_norm"](ids, emb, w, 1e-6)
+                fns["mtp_input"](x, [x], w, 1e-6, w, 1e-6)
+                fns["mtp_input"]([ids[:, :2], ids[:, :1]], [x[:, :1], x[:, :2]], w, 1e-6, w, 1e-6, emb)
                 # the step bookkeeping too, so that a compiler failure falls back here rather than
                 # raising inside a decode call (other shapes compile at their first use)
                 i = torch.zeros(2, dtype=torch.int64, device=device)
@@ -202,7 +265,10 @@ class Kernels:
                 fns["spec_commit"](i.clone(), i.clone(), i.clone(), b.clone(), b.clone(), i.clone(), i.clone(),
                                    drafts.clone(), drafts.clone(), targets, *accepted)  # fmt: skip
                 pos, write, limit = fns["draft_window"](i + 4, i, i + 4, 2, 3, 15)
+                fns["draft_window"](i + 4, i, None, 2, 3, 15)
                 fns["plan_tensors"](write, pos, limit, i, 2, 16, 8, False)
+                fns["verify_inputs"](i, drafts, i, i)
+                fns["output_index"](i, 8, 3)
                 # the samplers compile at their first call (one graph per vocabulary size)
                 _COMPILED.update(fns)
             except Exception as err:  # noqa: BLE001 - any compiler failure: fall back to eager
