@@ -18,17 +18,16 @@ speedup is a pure speed figure.
     python bench/bench_rollout.py --device cuda --preset qwen3-0.6b --batch-sizes 1,32,256 \\
         --prompt-len 128 --new-tokens 128 --speculative --baselines hf-eager,hf-static --ragged 1024 --check
 
-Measured 2026-11-30 (late evening) on one H200 (torch 2.11, bf16, `--device cuda --preset
-qwen3-0.6b --batch-sizes 1,32,256 --prompt-len 128 --new-tokens 128 --speculative --no-graph-column
---ragged 1024 --profile p.txt`): plain 537 / 13,557 / 42,422 tokens/s at batch 1 / 32 / 256 (15.2 /
-18.7 / 26.3 % of the roofline); speculative 1.25x / 0.99x / 0.68x plain at 42-44 % acceptance, with
-the verify forward's attention folded (each kv head read once for its G query heads: 10.6 / 40 us a
-layer at batch 1 / 32, was 21 / 50 us; plain decode 9.5 / 16 us); ragged: continuous batching 23.2 k
-tokens/s against static batches 19.7 k. The run of the same evening with `--check --baselines
-hf-static --profile`: HF static cache + compile 261 / 6,150 / 15,598; profile: 1.61 / 2.08 / 5.9 ms
-of kernels per plain step, GPU busy 70 / 69 / 91 % (at batch 1 the idle time is, by estimate, the
-gaps between a step's ~450 kernels inside its CUDA graph). The README's benchmark
-table has the history.
+Measured 2026-12-01 on one H200 (torch 2.11, bf16, `--device cuda --preset qwen3-0.6b --batch-sizes
+1,32,256 --prompt-len 128 --new-tokens 128 --speculative --no-graph-column --attention`), with our
+Triton decode attention (`decode attention triton` in the header): plain 572 / 16,708 / 60,134
+tokens/s at batch 1 / 32 / 256 (16.1 / 23.0 / 37.3 % of the roofline; the flash call the evening
+before: 537 / 13,557 / 42,422); speculative 1.16x / 1.16x / 0.88x plain at 41-44 % acceptance
+(rules on: 1.29x / 1.16x / plain calls 1.00x). `--attention`, one layer, flash vs Triton: batch 32
+x 192 entries 20.7 vs 7.5 us (a verify, Q = 3: 42.6 vs 7.4); batch 1 x 2,048 entries 12.7 vs 34.2 us,
+which is why few long one-query rows stay on the flash call. `SPLITRL_DECODE_ATTENTION=flash` runs
+the flash call everywhere. The README's benchmark table has the history (ragged scenario, HF
+baselines, profiles).
 """
 
 from __future__ import annotations
