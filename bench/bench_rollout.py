@@ -165,6 +165,22 @@ def build_model(args: argparse.Namespace, dtype: torch.dtype) -> PolicyModel:
     return PolicyModel.from_config(cfg).to(device=args.device, dtype=dtype)
 
 
+def _attention_path(args: argparse.Namespace, model: PolicyModel) -> str:
+    """What reads the backbone's KV cache in decode steps, as the header says it."""
+    from splitrl.rollout import decode_attention
+
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    if not (kv.FLASH_DECODE and kv._flash_runs(args.device, model.output_weight.dtype, head_dim)):
+        return "masked SDPA"
+    if kv.DECODE_KERNEL == "flash":
+        return "flash varlen call"
+    return (
+        f"Triton kernel (the flash call for one-query steps of < {decode_attention.FEW_PROGRAMS} row x kv-head "
+        f"programs over {decode_attention.LONG_ROW} entries)"
+    )
+
+
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -374,6 +390,13 @@ def time_attention(model: PolicyModel, args: argparse.Namespace) -> None:
         for batch in [int(b) for b in args.batch_sizes.split(",")]:
             for L in contexts:
                 cache = kv.StaticKVCache(1, batch, Hk, L + 8, d, next(model.parameters()).dtype, args.device)
+                if not cache.flash:  # else both columns would time the masked path under these names
+                    print(
+                        "attention timing needs a flash cache (CUDA sm80+, fp16 / bf16, head dim a multiple of 8 "
+                        "up to 256, SPLITRL_FLASH_DECODE not 0); this run has none",
+                        flush=True,
+                    )
+                    return
                 cache.k.normal_()
                 cache.v.normal_()
                 cells = []
@@ -507,7 +530,7 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"device {device_name}, {dtype}, preset {args.preset} ({n_params / 1e6:.1f} M backbone params, "
         f"D={args.mtp_depths}), prompt {args.prompt_len} + {args.new_tokens} new tokens, "
-        f"T={args.temperature}, top_k={args.top_k}, torch {torch.__version__}, decode attention {kv.DECODE_KERNEL}",
+        f"T={args.temperature}, top_k={args.top_k}, torch {torch.__version__}, decode attention {_attention_path(args, model)}",
         flush=True,
     )
     if args.speculative and args.train_mtp_steps:

@@ -81,6 +81,32 @@ def _wrap_fused(kernels):
         setattr(kernels, name, wrapped)
 
 
+def _count_steps(engine, B: int, args) -> dict:
+    """Ops of one plain and one speculative step from a live mid-response state (restored after)."""
+    results = {}
+    for kind in ("plain", "spec"):
+        st = engine._state
+        # a live state: slots 0..B-1 mid-response
+        st.done[:B] = False
+        st.counter[:B] = 3
+        st.pos[:B] = 10
+        saved = st.snapshot()
+        L = 64
+        step = engine._plain_step if kind == "plain" else engine._spec_step
+        step(B, L)  # warm (lazy inits)
+        st.restore(saved)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            with torch.profiler.record_function("phase:rest"):
+                step(B, L)
+        st.restore(saved)
+        out = collections.defaultdict(collections.Counter)
+        for e in prof.events():
+            if e.cpu_parent is None:
+                _count(e, "rest", out, args.fused, args.parents)
+        results[kind] = out
+    return results
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=1)
@@ -106,29 +132,8 @@ def main(argv=None) -> None:
     _wrap(engine, "_write_outputs", "write_outputs")
     _wrap(drafter, "step", "drafter")
     _wrap(drafter, "_draw", "drafter/draft_head+draw")
-    results = {}
-    _im = torch.inference_mode()
-    _im.__enter__()
-    for kind in ("plain", "spec"):
-        st = engine._state
-        # a live state: slots 0..B-1 mid-response
-        st.done[:B] = False
-        st.counter[:B] = 3
-        st.pos[:B] = 10
-        saved = st.snapshot()
-        L = 64
-        step = engine._plain_step if kind == "plain" else engine._spec_step
-        step(B, L)  # warm (lazy inits)
-        st.restore(saved)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            with torch.profiler.record_function("phase:rest"):
-                step(B, L)
-        st.restore(saved)
-        out = collections.defaultdict(collections.Counter)
-        for e in prof.events():
-            if e.cpu_parent is None:
-                _count(e, "rest", out, args.fused, args.parents)
-        results[kind] = out
+    with torch.inference_mode():
+        results = _count_steps(engine, B, args)
     for kind, phases in results.items():
         total = sum(sum(c.values()) for c in phases.values())
         print(f"== {kind} step (B={B}, {args.dtype}{', fused calls = 1' if args.fused else ''}): {total} ops")

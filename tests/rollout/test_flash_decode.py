@@ -425,3 +425,28 @@ def test_the_engine_on_the_triton_kernel_emits_what_the_masked_path_emits():
     tokens, spec, worst = res.stdout.split()[-3:]
     assert tokens == "True" and spec == "True", res.stdout
     assert float(worst) < 1e-4, worst
+
+
+def test_a_failing_triton_kernel_falls_back_to_the_flash_call(monkeypatch, caplog):
+    """Kind: a GPU or shape Triton cannot compile for (e.g. shared memory). Outside a capture the
+    step is served by the flash call, and every later one, with a warning that names the error and
+    the setting; the output is the flash call's (emulated here on the CPU)."""
+    from splitrl.rollout import kv
+
+    def broken(*args):
+        raise RuntimeError("out of resources: shared memory")
+
+    monkeypatch.setattr(kv, "flash_varlen", _varlen_reference)
+    monkeypatch.setattr(kv, "DECODE_KERNEL", "triton")
+    monkeypatch.setattr(decode_mod, "decode_attention", broken)
+    _, pos = _pair()
+    pos.flash = True
+    write = torch.tensor([[20, 21, 22]])
+    q = torch.randn(1, 3, 4, 8, dtype=torch.float64)
+    plan = pos.plan(write, write, write, 24, causal=True)
+    with caplog.at_level("WARNING", logger="splitrl.rollout.kv"):
+        out = pos.attend(0, q, plan, 0.3)
+    assert kv.DECODE_KERNEL == "flash"
+    assert "out of resources" in caplog.text and "SPLITRL_DECODE_ATTENTION=flash" in caplog.text
+    monkeypatch.setattr(kv, "DECODE_KERNEL", "flash")
+    assert torch.equal(out, pos.attend(0, q, plan, 0.3))

@@ -12,6 +12,11 @@ from splitrl.rollout.forward import DecoderForward, mtp_parts
 VOCAB = 128
 
 
+def _norm(fwd, module, x):
+    """The op-by-op norm of the code before the fused MTP input."""
+    return fwd.k.rms_norm(x, module.weight, module.variance_epsilon)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "backbone",
@@ -122,7 +127,7 @@ def _reference_drafter_step(drafter, h0_BWH, targets_BW, accepted_B, p0_B, count
             emb = torch.cat([embeds, model.embed_tokens(drafts[-1])[:, None]], dim=1)
             hidden = torch.cat([hidden, query[:, None]], dim=1)
         enorm, hnorm, fc, _, _ = mtp_parts(model, k)
-        x = fc(torch.cat([fwd._norm(enorm, emb), fwd._norm(hnorm, hidden)], dim=-1))
+        x = fc(torch.cat([_norm(fwd, enorm, emb), _norm(fwd, hnorm, hidden)], dim=-1))
         out = _mtp_decode_from_input(fwd, k, x, pos, write, limit, drafter.cache, length)
         window = out[:, :W]
         if k < D:
@@ -189,7 +194,7 @@ def test_mtp_input_with_a_custom_embedding_module():
 
     def reference(emb):
         h = torch.cat(hidden, 1)
-        return fc(torch.cat([fwd._norm(enorm, emb), fwd._norm(hnorm, h)], dim=-1))
+        return fc(torch.cat([_norm(fwd, enorm, emb), _norm(fwd, hnorm, h)], dim=-1))
 
     with torch.no_grad():
         assert torch.equal(fwd._mtp_input(1, ids, hidden), reference(model.embed_tokens(torch.cat(ids, 1))))
@@ -297,3 +302,65 @@ def test_compiled_index_helpers_equal_eager():
         for depth in (1, 2):
             e, c = fused.draft_window(pos, a, None, depth, 3, 63), comp["draft_window"](pos, a, None, depth, 3, 63)
             assert all(torch.equal(x, y) for x, y in zip(e, c))
+
+
+def test_a_model_made_under_inference_mode_generates():
+    """Kind: crash on valid input (review). Tensors made under ``torch.inference_mode()`` have no
+    version counter; the rope table's staleness check read it and every ``generate`` raised."""
+    model = make_model(vocab=VOCAB)
+    with torch.inference_mode():
+        model = model.to(torch.bfloat16)
+    assert model.rotary_emb.inv_freq.is_inference()
+    engine = RolloutEngine(model, GenerationConfig(max_new_tokens=4, batch_size=2), "cpu")
+    first = engine.generate([[1, 2, 3]], [0])
+    assert len(first[0].response_ids) == 4
+    assert engine.generate([[1, 2, 3]], [0])[0].response_ids == first[0].response_ids  # the table kept
+
+
+def test_rope_table_sync_says_when_the_table_is_a_new_tensor():
+    """The engine drops its captured CUDA graphs when the table becomes a new tensor (they read the
+    old storage), and only then: a refresh of the values is in place."""
+    model = make_model(vocab=VOCAB)
+    fwd = DecoderForward(model)
+    assert fwd.sync_rope_table(64) is True  # first build
+    assert fwd.sync_rope_table(64) is False
+    with torch.no_grad():
+        model.rotary_emb.inv_freq.mul_(1.25)
+    assert fwd.sync_rope_table(64) is False  # values refreshed in place
+    assert fwd.sync_rope_table(128) is True
+    model.to(torch.bfloat16)
+    assert fwd.sync_rope_table(128) is True and fwd.rope_table.dtype == torch.bfloat16
+
+
+def test_compiled_float_helpers_match_eager():
+    """The fused float functions run compiled on CUDA; compiled here with the CPU backend (dynamic
+    shapes, as Kernels compiles them) they match the eager ones to fp32 rounding (a reduction may be
+    reordered, so not bit for bit), with every output in place: guards a function that traces into
+    something else (a wrong split, a dropped norm, a mis-ordered concatenation)."""
+    from splitrl.rollout import fused
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(4)
+    H, d, nq, nk = 16, 4, 16, 8
+    w_e, w_h, w_q, w_k = (torch.rand(n, generator=g) + 0.5 for n in (H, H, d, d))
+    emb = torch.randn(VOCAB, H, generator=g)
+    for B, Q in ((2, 1), (3, 3)):
+        ids = torch.randint(0, VOCAB, (B, Q), generator=g)
+        hid = torch.randn(B, Q, H, generator=g)
+        qkv = torch.randn(B, Q, nq + 2 * nk, generator=g)
+        cos, sin = torch.randn(B, Q, d, generator=g), torch.randn(B, Q, d, generator=g)
+        cases = [
+            (fused.embed_rms_norm, (ids, emb, w_e, 1e-6)),
+            (fused.mtp_input, ([ids[:, :1], ids[:, 1:]] if Q > 1 else [ids], [hid], w_e, 1e-6, w_h, 1e-5, emb)),
+            (fused.mtp_input, (emb[ids], [hid[:, :1], hid[:, 1:]] if Q > 1 else [hid], w_e, 1e-6, w_h, 1e-5)),
+            (fused.qkv_norm_rope, (qkv, nq, nk, d, w_q, w_k, 1e-6, cos, sin)),
+            (fused.qkv_rope, (qkv, nq, nk, d, cos, sin)),
+        ]
+        for fn, args in cases:
+            eager = fn(*args)
+            comp = torch.compile(fn, dynamic=True)(*args)
+            eager = eager if isinstance(eager, tuple) else (eager,)
+            comp = comp if isinstance(comp, tuple) else (comp,)
+            assert len(eager) == len(comp)
+            for e, c in zip(eager, comp):
+                assert e.shape == c.shape and torch.allclose(e, c, atol=1e-5, rtol=1e-5), fn.__name__

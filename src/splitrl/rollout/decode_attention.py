@@ -58,8 +58,8 @@ if AVAILABLE:
         dd = tl.arange(0, BLOCK_D)
         d_ok = dd < D
         used = tl.load(seqused_ptr + b)
-        # inclusive last entry each query reads; >= 0 so that a stale slot's row never softmaxes an
-        # empty set (its output is discarded by the engine, but must not be NaN)
+        # inclusive last entry each query reads; >= 0 so that a stale slot's row (used < Q, its output
+        # discarded by the engine) never softmaxes an empty set, which would be NaN
         limit = tl.maximum(used - Q + i, 0)
         q = tl.load(
             q_ptr + b * sq_b + i[:, None] * sq_q + head[:, None] * sq_h + dd[None, :],
@@ -71,7 +71,7 @@ if AVAILABLE:
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         # int64: a layer of 256 slots x 8k entries x 8 heads x 128 is past 2**31 elements
         kv_base = b.to(tl.int64) * sk_s + kvh * sk_h
-        for start in range(0, used, BLOCK_N):
+        for start in range(0, tl.maximum(used, 1), BLOCK_N):  # used 0: one masked block, output 0
             j = start + tl.arange(0, BLOCK_N)
             j_ok = j < used
             offs = kv_base + j[:, None] * sk_m + dd[None, :]
@@ -117,7 +117,8 @@ def decode_attention(
         q_BQHd: [B, Q, H, d] queries of slots 0..B-1 (last dim contiguous), fp16 / bf16 / fp32.
         k_SMHd, v_SMHd: one layer of a position-major cache, [S, M, Hk, d] (S >= B), same dtype,
             with this forward's keys and values already written.
-        seqused_B: int32 [B], p_b + 1 (the last query's position + 1, at most M).
+        seqused_B: int32 [B], p_b + 1 (the last query's position + 1), 1 <= seqused <= M
+            (``StaticKVCache.plan`` clamps it so).
         scale: softmax scale (1/sqrt(d) for Qwen3).
 
     Returns:
@@ -125,7 +126,8 @@ def decode_attention(
 
     Raises:
         RuntimeError: Triton is not installed (check :data:`AVAILABLE` first).
-        ValueError: H is not a multiple of Hk, or the last dims are not contiguous.
+        ValueError: H is not a multiple of Hk, the last dims are not contiguous, the dtypes differ
+            or ``seqused`` is not int32.
     """
     if not AVAILABLE:
         raise RuntimeError("decode_attention needs Triton (pip install triton); use the flash or masked path")
@@ -136,19 +138,28 @@ def decode_attention(
             f"decode_attention: H={H} must be a multiple of Hk={Hk}, and q / k / v must have a contiguous last dim "
             "(k and v the same strides)"
         )
+    if not (q_BQHd.dtype == k_SMHd.dtype == v_SMHd.dtype) or seqused_B.dtype != torch.int32:
+        raise ValueError(
+            f"decode_attention: q, k, v must share a dtype (got {q_BQHd.dtype}, {k_SMHd.dtype}, {v_SMHd.dtype}) "
+            f"and seqused must be int32 (got {seqused_B.dtype})"
+        )
     G = H // Hk
     out = torch.empty(B, Q, H, d, dtype=q_BQHd.dtype, device=q_BQHd.device)
     block_m = max(16, triton.next_power_of_2(Q * G))
     block_d = max(16, triton.next_power_of_2(d))
+    # shared memory: K and V tiles of block_n x block_d per stage; at d = 256 two stages of 64 entries
+    # (128 KiB) exceed what sm86 / sm89 GPUs give a block (~99 KiB), so wide heads take 32 and one
+    block_n, stages = (64, 2) if block_d <= 128 else (32, 1)
     _decode_attention_kernel[(B, Hk)](
         q_BQHd, k_SMHd, v_SMHd, out, seqused_B,
         q_BQHd.stride(0), q_BQHd.stride(1), q_BQHd.stride(2),
         k_SMHd.stride(0), k_SMHd.stride(1), k_SMHd.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         scale * 1.4426950408889634,  # log2(e): the kernel works with exp2
-        Q=Q, G=G, D=d, BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=block_d,
-        # fp32 products stay fp32 (Triton's default for fp32 is TF32); fp16 / bf16 take the default
+        Q=Q, G=G, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        # fp32 products stay fp32 (Triton's default for fp32 is TF32); only the interpreter tests pass
+        # fp32 (a flash cache is fp16 / bf16), for which the setting has no effect
         PRECISION="ieee" if q_BQHd.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=stages,
     )  # fmt: skip
     return out.view(B, Q, H * d)

@@ -474,7 +474,8 @@ class RolloutEngine:
         cfg, D = self.config, self.num_drafts
         need = max_prompt + cfg.max_new_tokens + 2 * D + 3  # the last index is the scratch entry
         if self._cache is not None and self._cache.max_len >= need:
-            self.fwd.sync_rope_table(self._cache.max_len)  # in place if the frequencies changed
+            if self.fwd.sync_rope_table(self._cache.max_len):  # in place if only the values changed
+                self._graphs.clear()  # a new table (dtype / device moved): captured graphs read the old one
             return
         M = -(-need // 64) * 64
         mcfg = self.model.config

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from splitrl.models.policy import PolicyModel
-from splitrl.rollout.fused import Kernels
+from splitrl.rollout.fused import Kernels, split_heads
 from splitrl.rollout.kv import AttentionPlan, StaticKVCache, causal_attention
 
 
@@ -141,38 +141,49 @@ class DecoderForward:
         fuse_projections(model)
         self.rope_table: torch.Tensor | None = None  # [M, 2, d]: cos, sin by position (see module doc)
         self._rope_key: tuple | None = None
+        self._rope_freqs: torch.Tensor | None = None
 
     # ------------------------------------------------------------------------------ rotary
     def _rope_source(self, length: int) -> tuple:
-        """What the table's values depend on: the module's frequencies (object, storage, version),
-        its scaling, dtype, device, length. Read on the host (no kernel)."""
+        """What the table's values depend on besides the frequencies' values: the frequency tensor
+        (object, storage, dtype), the scaling, the compute dtype and device, the length."""
         rope = self.model.rotary_emb
         inv = rope.inv_freq
         w = self.model.output_weight
-        return (id(inv), inv.data_ptr(), inv._version, inv.dtype, float(getattr(rope, "attention_scaling", 1.0)),
+        return (id(inv), inv.data_ptr(), inv.dtype, float(getattr(rope, "attention_scaling", 1.0)),
                 w.dtype, w.device, length)  # fmt: skip
 
     @torch.no_grad()
-    def sync_rope_table(self, length: int) -> None:
+    def sync_rope_table(self, length: int) -> bool:
         """Make :attr:`rope_table` the module's cos/sin of positions 0..``length``-1 (a no-op when
         nothing it depends on changed). A table of the same shape is refreshed in place (captured
-        CUDA graphs read its storage)."""
+        CUDA graphs read its storage). Returns True when the table is a new tensor (graphs that
+        read the old one must be recaptured)."""
         if not _static_rope(self.model):
+            replaced = self.rope_table is not None
             self.rope_table = None
-            return
+            return replaced
         key = self._rope_source(length)
-        if key == self._rope_key:
-            return
+        inv = self.model.rotary_emb.inv_freq
+        # the values are compared, not the version counter: a model made under inference_mode
+        # has inference tensors, which have none (d/2 numbers, once per generate call)
+        if key == self._rope_key and torch.equal(inv, self._rope_freqs):
+            return False
         w = self.model.output_weight
         pos = torch.arange(length, device=w.device)[None]
         cos, sin = self.model.rotary_emb(w.new_empty(0), pos)  # the module reads x's dtype and device only
         table = torch.stack([cos[0], sin[0]], dim=1)
         old = self.rope_table
-        if old is not None and old.shape == table.shape and old.dtype == table.dtype and old.device == table.device:
-            old.copy_(table)
-        else:
+        replaced = not (
+            old is not None and old.shape == table.shape and old.dtype == table.dtype and old.device == table.device
+        )
+        if replaced:
             self.rope_table = table
+        else:
+            old.copy_(table)
         self._rope_key = key
+        self._rope_freqs = inv.detach().clone()
+        return replaced
 
     def rope(self, x: torch.Tensor, positions_BQ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [B, Q, d] in x's dtype at ``positions_BQ``: rows of the table (one gather), or
@@ -190,9 +201,6 @@ class DecoderForward:
             return self.model.rotary_emb(x, torch.arange(M, device=x.device).expand(B, M))
         cos, sin = table[:M].unbind(1)
         return cos.expand(B, M, -1), sin.expand(B, M, -1)
-
-    def _norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return self.k.rms_norm(x, module.weight, module.variance_epsilon)
 
     # ------------------------------------------------------------------------------ one layer
     def _layer(
@@ -238,8 +246,7 @@ class DecoderForward:
         else:
             if hasattr(attn, _FUSED):
                 nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
-                q, k, v = _fused_linear(attn, x).split([nq, nk, nk], dim=-1)
-                q, k, v = q.reshape(B, M, -1, d), k.reshape(B, M, -1, d), v.reshape(B, M, -1, d)
+                q, k, v = split_heads(_fused_linear(attn, x), nq, nk, d)
             else:
                 q = attn.q_proj(x).view(B, M, -1, d)
                 k = attn.k_proj(x).view(B, M, -1, d)

@@ -52,7 +52,8 @@ def qk_rope(q, k, cos, sin):
     return rope(q, cos, sin), rope(k, cos, sin)
 
 
-def _split_heads(qkv: torch.Tensor, nq: int, nk: int, d: int):
+def split_heads(qkv: torch.Tensor, nq: int, nk: int, d: int):
+    """The fused q/k/v projection's output [B, M, nq + 2 nk] as (q, k, v) [B, M, heads, d] views."""
     B, M, _ = qkv.shape
     q, k, v = qkv.split([nq, nk, nk], dim=-1)
     return q.reshape(B, M, -1, d), k.reshape(B, M, -1, d), v.reshape(B, M, -1, d)
@@ -63,14 +64,14 @@ def qkv_norm_rope(qkv, nq: int, nk: int, d: int, q_weight, k_weight, eps: float,
     heads of ``d``; returns (q, k, v) [B, M, heads, d], v contiguous: the cache write reads it as
     [-1, d], which would otherwise copy it in a kernel of its own (compiled, the copy can share a
     kernel with k's norm and rotary, which read the same buffer)."""
-    q, k, v = _split_heads(qkv, nq, nk, d)
+    q, k, v = split_heads(qkv, nq, nk, d)
     q, k = qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
     return q, k, v.contiguous()
 
 
 def qkv_rope(qkv, nq: int, nk: int, d: int, cos, sin):
     """:func:`qkv_norm_rope` without the per-head norms (Llama)."""
-    q, k, v = _split_heads(qkv, nq, nk, d)
+    q, k, v = split_heads(qkv, nq, nk, d)
     q, k = qk_rope(q, k, cos, sin)
     return q, k, v.contiguous()
 

@@ -16,8 +16,8 @@ so every row pays for L, the longest row of the step. The backbone's decode step
 each row's Q queries at consecutive positions ending at p reading indices <= their own (a causal
 block at the end of a row of length p+1); on CUDA in fp16/bf16 it runs the flash varlen kernel
 with ``seqused_k`` = p+1 per row (:data:`FLASH_DECODE`), which reads each row only up to its own
-length; where Triton imports, our own kernel does the same faster (:data:`DECODE_KERNEL`,
-:mod:`splitrl.rollout.decode_attention`). With continuous batching the rows of a step have very different lengths (refilled rows are
+length; where Triton imports, our own kernel reads the same, faster in all but one case measured
+(:data:`DECODE_KERNEL`, :mod:`splitrl.rollout.decode_attention`). With continuous batching the rows of a step have very different lengths (refilled rows are
 short, old rows long): the masked path read them all up to the longest.
 
 A query at position p attends to the indices j <= limit (its committed context, ``limit`` = p
@@ -29,6 +29,7 @@ window entries) go to the last index, ``scratch``, which no context reaches.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -37,6 +38,8 @@ import torch.nn.functional as F
 
 from splitrl.rollout import decode_attention as _decode
 from splitrl.rollout.fused import plan_tensors
+
+log = logging.getLogger(__name__)
 
 
 def _flash_decode_available() -> bool:
@@ -57,9 +60,11 @@ def _flash_decode_available() -> bool:
 FLASH_DECODE = os.environ.get("SPLITRL_FLASH_DECODE", "1") != "0" and _flash_decode_available()
 
 
-# The verify forward's Q > 1 queries a row: folded so that each key/value head is read once for its
-# G query heads (see StaticKVCache._attend_flash). The kernel folds Q = 1 itself. SPLITRL_FLASH_FOLD:
-# "verify" (Q > 1, default), "all" (Q >= 1) or "none"; the bench compares them.
+# On the flash call (SPLITRL_DECODE_ATTENTION=flash, or few long one-query rows, below), a verify
+# forward's Q > 1 queries a row are folded so that each key/value head is read once for its G query
+# heads (see StaticKVCache._attend_flash). The kernel folds Q = 1 itself. SPLITRL_FLASH_FOLD:
+# "verify" (Q > 1, default), "all" (Q >= 1) or "none"; the bench compares them. With the Triton
+# kernel (the default on CUDA) a verify never reaches the flash call, so this has no effect there.
 _FOLD_MODES = {"verify": 2, "all": 1, "none": 1 << 30}
 _fold_mode = os.environ.get("SPLITRL_FLASH_FOLD", "verify")
 if _fold_mode not in _FOLD_MODES:  # a typo would otherwise measure the default under another name
@@ -67,9 +72,12 @@ if _fold_mode not in _FOLD_MODES:  # a typo would otherwise measure the default 
 FLASH_FOLD_MIN_Q = _FOLD_MODES[_fold_mode]
 
 # Decode attention on a flash cache: "triton" runs our kernel (:mod:`splitrl.rollout.decode_attention`:
-# each key/value head of a row read once for all Q*G of its queries, 2-6x faster than the flash call
-# on the H200; the default where Triton imports), "flash" the flash varlen call below. Read from
-# SPLITRL_DECODE_ATTENTION; the bench compares them.
+# each key/value head of a row read once for all Q*G of its queries; on the H200 2-5x faster than the
+# flash call except for few long one-query rows, which stay on it: ``decode_attention.preferred``;
+# the default where Triton imports), "flash" the flash varlen call below. Read from
+# SPLITRL_DECODE_ATTENTION; the bench compares them. The choice changes bf16 rounding, as the GEMMs'
+# shapes (batch bucket, verify vs plain) already do: tokens are bit-identical across batches and
+# speculation in fp32 (tested), in bf16 up to such rounding.
 _DECODE_MODES = ("triton", "flash")
 DECODE_KERNEL = os.environ.get("SPLITRL_DECODE_ATTENTION", "triton" if _decode.AVAILABLE else "flash")
 if DECODE_KERNEL not in _DECODE_MODES:
@@ -78,6 +86,18 @@ if DECODE_KERNEL not in _DECODE_MODES:
     )
 if DECODE_KERNEL == "triton" and not _decode.AVAILABLE:
     raise ValueError("SPLITRL_DECODE_ATTENTION=triton but Triton does not import here; pip install triton or use flash")
+
+
+def _disable_decode_kernel(err: Exception) -> None:
+    """The Triton kernel failed to compile or launch (outside a CUDA-graph capture): the flash call
+    serves every decode step of the process from now on, with a warning that says why."""
+    global DECODE_KERNEL
+    DECODE_KERNEL = "flash"
+    log.warning(
+        "the Triton decode-attention kernel failed (%r); using the flash varlen call for decode attention "
+        "(SPLITRL_DECODE_ATTENTION=flash chooses it from the start)",
+        err,
+    )
 
 
 def _flash_runs(device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -283,7 +303,12 @@ class StaticKVCache:
         Hk = self.kv_heads
         G = H // Hk
         if DECODE_KERNEL == "triton" and _decode.preferred(B, Hk, plan.length, Q):
-            return _decode.decode_attention(q_BQHd, self.k[layer], self.v[layer], plan.seqused, scale)
+            try:
+                return _decode.decode_attention(q_BQHd, self.k[layer], self.v[layer], plan.seqused, scale)
+            except Exception as err:  # noqa: BLE001 - a GPU / shape Triton cannot compile for
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise  # the engine's warm-up steps run before any capture, so this is not the first call
+                _disable_decode_kernel(err)
         if G > 1 and Q >= FLASH_FOLD_MIN_Q:
             # unfolded, the kernel reads each key/value head once per query head (G times) and fills a
             # 64/128-row query tile with Q rows; folded, G*1 queries share one read of the prefix
