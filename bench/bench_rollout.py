@@ -134,6 +134,9 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
+    for name in ("init_range", "hbm_tb_s"):
+        if not 0 < getattr(args, name) < float("inf"):
+            p.error(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
     if not 0 < args.ragged_mean_len < float("inf"):
         p.error(f"--ragged-mean-len must be a positive number of tokens, got {args.ragged_mean_len}")
     try:  # the engine's own rules for the sampling settings (temperature > 0 and finite ...)
@@ -149,6 +152,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--device cuda but no CUDA GPU is visible here; use --device cpu")
     if args.attention and args.device != "cuda":
         p.error("--attention times the CUDA kernels: add --device cuda")
+    if args.profile and Path(args.profile).is_dir():
+        p.error(f"--profile {args.profile} is a directory; give a file path (the summary is appended to it)")
     if args.profile and not Path(args.profile).resolve().parent.is_dir():
         p.error(f"--profile {args.profile}: its directory does not exist; give a path in an existing directory")
 

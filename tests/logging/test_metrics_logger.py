@@ -120,6 +120,20 @@ def test_resume_drops_a_partly_written_last_line(tmp_path):
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 0, "train/loss": 2.0}, {"step": 2, "train/loss": 1.0}]
 
 
+def test_resume_says_which_steps_it_drops(tmp_path, caplog):
+    """Kind: data dropped without a word (new user). A run stopped 18 steps after its last
+    checkpoint lost those steps' records on resume and nothing said so; now a warning names them."""
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {k}, "train/loss": 1.0}}\n' for k in range(1, 23)))
+    with caplog.at_level("WARNING", logger="splitrl.logging.logger"):
+        MetricsLogger(tmp_path, total_steps=30, start_step=5, config=JSONL_ONLY).close()
+    assert "dropping the records of steps 5-22" in caplog.text and "from step 5" in caplog.text
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="splitrl.logging.logger"):
+        MetricsLogger(tmp_path, total_steps=30, start_step=5, config=JSONL_ONLY).close()
+    assert "dropping" not in caplog.text  # nothing past the resume step: nothing said
+
+
 def test_resume_rejects_a_corrupt_record_and_leaves_it_untouched(tmp_path):
     text = '{"step": 0}\nnot json\n{"step": 1}\n'
     (tmp_path / "metrics.jsonl").write_text(text)

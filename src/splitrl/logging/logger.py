@@ -26,6 +26,7 @@ of these three.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
 import os
@@ -40,6 +41,8 @@ from tqdm.auto import tqdm
 
 from splitrl.logging.plot import plot_metrics, plot_records
 from splitrl.logging.wandb_logger import WandbConfig, WandbSink
+
+log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -363,7 +366,7 @@ def _parse_line(path: Path, line_no: int, line: str) -> dict[str, Any]:
 def _lines_before_step(path: Path, start_step: int) -> list[str]:
     """The lines of an existing metrics file whose step is < ``start_step``, unchanged."""
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    kept = []
+    kept, dropped = [], []
     for line_no, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -379,6 +382,15 @@ def _lines_before_step(path: Path, start_step: int) -> list[str]:
             raise ValueError(f"{path}:{line_no} has no integer 'step' field: {line[:80]!r}")
         if record["step"] < start_step:
             kept.append(line)
+        else:
+            dropped.append(record["step"])
+    if dropped:
+        # say it: a user who stopped a run after its last checkpoint sees steps vanish from the record
+        log.warning(
+            "%s: dropping the records of steps %d-%d, logged after the checkpoint this run resumes from; "
+            "those steps run again from step %d",
+            path, min(dropped), max(dropped), start_step,
+        )  # fmt: skip
     return kept
 
 

@@ -66,7 +66,7 @@ FLASH_DECODE = os.environ.get("SPLITRL_FLASH_DECODE", "1") != "0" and _flash_dec
 # "verify" (Q > 1, default), "all" (Q >= 1) or "none"; the bench compares them. With the Triton
 # kernel (the default on CUDA) a verify never reaches the flash call, so this has no effect there.
 _FOLD_MODES = {"verify": 2, "all": 1, "none": 1 << 30}
-_fold_mode = os.environ.get("SPLITRL_FLASH_FOLD", "verify")
+_fold_mode = os.environ.get("SPLITRL_FLASH_FOLD", "").strip().lower() or "verify"  # empty: unset
 if _fold_mode not in _FOLD_MODES:  # a typo would otherwise measure the default under another name
     raise ValueError(f"SPLITRL_FLASH_FOLD={_fold_mode!r}: use one of {', '.join(_FOLD_MODES)} (or leave it unset)")
 FLASH_FOLD_MIN_Q = _FOLD_MODES[_fold_mode]
@@ -79,7 +79,9 @@ FLASH_FOLD_MIN_Q = _FOLD_MODES[_fold_mode]
 # shapes (batch bucket, verify vs plain) already do: tokens are bit-identical across batches and
 # speculation in fp32 (tested), in bf16 up to such rounding.
 _DECODE_MODES = ("triton", "flash")
-DECODE_KERNEL = os.environ.get("SPLITRL_DECODE_ATTENTION", "triton" if _decode.AVAILABLE else "flash")
+DECODE_KERNEL = os.environ.get("SPLITRL_DECODE_ATTENTION", "").strip().lower() or (
+    "triton" if _decode.AVAILABLE else "flash"
+)
 if DECODE_KERNEL not in _DECODE_MODES:
     raise ValueError(
         f"SPLITRL_DECODE_ATTENTION={DECODE_KERNEL!r}: use one of {', '.join(_DECODE_MODES)} (or leave it unset)"

@@ -156,6 +156,12 @@ class ReasoningGymTaskConfig(TaskOptions):
                 f"compact_prompts is not available for {self.dataset!r}; it is for "
                 f"{sorted(_COMPACT_FORMATS)}. Set compact_prompts: false to use the "
                 "generator's own prompts"
+                + (
+                    f" (whether reasoning-gym has a generator {self.dataset!r} at all is checked when the run "
+                    "starts; a misspelt name is reported then)"
+                    if import_checks_deferred()
+                    else ""
+                )
             )
         return self
 
