@@ -1,0 +1,46 @@
+"""The local Ray cluster's processes start outside the driver's process group, so a signal sent to
+that group (GNU ``timeout`` sends one, schedulers may) reaches the driver, which checkpoints and
+stops, but not Ray's GCS and raylet, which the final checkpoint still needs (a new user lost 18
+steps to ``timeout -s TERM``)."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.skipif(not hasattr(os, "setpgid"), reason="POSIX process groups")
+def test_children_started_inside_survive_a_signal_to_the_drivers_group():
+    code = r"""
+import os, signal, subprocess, sys, time
+from splitrl.controller.controller import _children_in_their_own_group
+own = os.getpgrp()
+with _children_in_their_own_group():
+    inside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+outside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+time.sleep(0.5)
+print(own, os.getpgrp(), os.getpgid(inside.pid), os.getpgid(outside.pid), inside.pid, outside.pid, flush=True)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the driver handles the stop; here: stay alive
+os.killpg(own, signal.SIGTERM)  # what `timeout` does to its group
+time.sleep(0.5)
+print(inside.poll(), outside.poll(), flush=True)
+inside.kill()
+"""
+    # a new session: the child is not the test runner's group leader and can move between groups
+    res = subprocess.run(
+        [sys.executable, "-c", f"import os, signal, subprocess, sys; os.setpgid(0, 0); "
+         # a handler (reset by exec, unlike SIG_IGN) keeps this wrapper alive through the group's signal
+         f"signal.signal(signal.SIGTERM, lambda *a: None); "
+         f"sys.exit(subprocess.run([sys.executable, '-c', {code!r}]).returncode)"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    first, second = res.stdout.splitlines()[-2:]
+    own, back, inside_group, outside_group, _, _ = map(int, first.split())
+    assert back == own  # the driver returned to its group
+    assert inside_group != own and outside_group == own
+    inside_rc, outside_rc = second.split()
+    assert inside_rc == "None"  # untouched by the group's SIGTERM
+    assert outside_rc == str(-signal.SIGTERM)  # the control: a child in the group died of it
