@@ -2,23 +2,15 @@
 (kind of bug guarded: a benchmark that counts the warm-up step, or tokens per sample instead of
 per step)."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
 from splitrl.config import load_config
+from _bench import load_bench
 
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _bench():
-    path = ROOT / "bench" / "bench_e2e.py"
-    spec = importlib.util.spec_from_file_location("bench_e2e", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _step(step_s, prompt_len, response_len, reward=0.5):
@@ -35,7 +27,7 @@ def test_figures_pool_the_steady_state_steps_of_every_run():
         [_step(100.0, 9, 9), _step(2.0, 10, 6), _step(2.0, 12, 4, reward=0.25)],  # step 1 (100 s) left out
         [_step(50.0, 9, 9), _step(4.0, 10, 2)],
     ]
-    f = _bench().figures(cfg, runs)
+    f = load_bench("bench_e2e").figures(cfg, runs)
     wall = 2.0 + 2.0 + 4.0
     assert f["samples_per_s"] == pytest.approx(3 * 8 / wall)
     assert f["gen_tokens_per_s"] == pytest.approx((6 + 4 + 2) * 8 / wall)
@@ -51,18 +43,11 @@ def test_figures_pool_the_steady_state_steps_of_every_run():
 
 
 def test_each_schedule_is_a_valid_config():
-    bench = _bench()
+    bench = load_bench("bench_e2e")
     for name, overrides in bench.SCHEDULES.items():
         cfg = load_config(ROOT / "examples" / "cpu_demo.yaml", bench.COMMON + overrides)
         assert cfg.schedule == name.split()[0] and not cfg.eval.enabled and cfg.checkpoint_every == 0, name
         assert cfg.buffer.max_staleness == (1 if name == "async s=1" else 0), name
-
-
-def _load_bench(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_bench_config_errors_are_usage_errors_before_any_run(capsys, tmp_path):
@@ -72,18 +57,18 @@ def test_bench_config_errors_are_usage_errors_before_any_run(capsys, tmp_path):
     started); now each is one usage error (exit 2) before anything runs."""
     missing = str(tmp_path / "nowhere.yaml")
     calls = [
-        (lambda: _bench().parse_args(["--steps", "2", "num_step=3"]), "sync: invalid config"),
-        (lambda: _bench().parse_args(["--schedules", "async s=1", "rollout.top_k=1"]), "async s=1: invalid config"),
-        (lambda: _load_bench("bench_checkpoint").main(["--device", "cpu", "--config", missing]), "does not exist"),
-        (lambda: _load_bench("bench_weight_sync").main(["--device", "cpu", "--config", missing]), "does not exist"),
-        (lambda: _load_bench("bench_rollout").parse_args(["--batch-sizes", "1,0"]), "positive integers"),
+        (lambda: load_bench("bench_e2e").parse_args(["--steps", "2", "num_step=3"]), "sync: invalid config"),
+        (lambda: load_bench("bench_e2e").parse_args(["--schedules", "async s=1", "rollout.top_k=1"]), "async s=1: invalid config"),
+        (lambda: load_bench("bench_checkpoint").main(["--device", "cpu", "--config", missing]), "does not exist"),
+        (lambda: load_bench("bench_weight_sync").main(["--device", "cpu", "--config", missing]), "does not exist"),
+        (lambda: load_bench("bench_rollout").parse_args(["--batch-sizes", "1,0"]), "positive integers"),
     ]
     for call, why in calls:
         with pytest.raises(SystemExit) as e:
             call()
         err = capsys.readouterr().err
         assert e.value.code == 2 and why in err and "Traceback" not in err
-    assert _bench().parse_args(["--steps", "2", "backend=local"]).steps == 2
+    assert load_bench("bench_e2e").parse_args(["--steps", "2", "backend=local"]).steps == 2
 
 
 def test_overrides_the_bench_replaces_are_usage_errors(capsys, tmp_path):
@@ -104,10 +89,10 @@ def test_overrides_the_bench_replaces_are_usage_errors(capsys, tmp_path):
     ]
     for argv, why in calls:
         with pytest.raises(SystemExit) as e:
-            _bench().parse_args(["--steps", "2", *argv])
+            load_bench("bench_e2e").parse_args(["--steps", "2", *argv])
         err = capsys.readouterr().err
         assert e.value.code == 2 and why in err and "Traceback" not in err, (argv, err)
-    assert _bench().parse_args(["--steps", "2", "buffer.capacity_groups=32"]).overrides == ["buffer.capacity_groups=32"]
+    assert load_bench("bench_e2e").parse_args(["--steps", "2", "buffer.capacity_groups=32"]).overrides == ["buffer.capacity_groups=32"]
 
 
 DEMO = ROOT / "examples" / "cpu_demo.yaml"
@@ -116,7 +101,7 @@ DEMO = ROOT / "examples" / "cpu_demo.yaml"
 def test_stop_prob_ids_count_to_p_times_vocab_and_spell_no_text():
     """Kind: ragged-length stop ids that collide with text (a digit that ends every answer) or
     that miss P·vocab. The CPU demo's tokenizer spells text with ids 4..21 (specials 0..3, EOS 2)."""
-    bench = _bench()
+    bench = load_bench("bench_e2e")
     cfg = load_config(DEMO, ["model.backbone.vocab_size=1000", "rollout.stop_token_ids=[500,2]"])
     ids = bench.stop_token_ids(cfg, 0.25)
     # 250 stopping ids in all: the config's 500 and 2 (EOS) + the 248 highest free ids
@@ -133,7 +118,7 @@ def test_stop_prob_ids_count_to_p_times_vocab_and_spell_no_text():
 def test_stop_prob_out_of_range_is_a_usage_error(capsys):
     for p in ["1", "-0.1", "0.01"]:  # 0.01 * 22 rounds to 0 ids
         with pytest.raises(SystemExit) as e:
-            _bench().parse_args(["--config", str(DEMO), "--stop-prob", p])
+            load_bench("bench_e2e").parse_args(["--config", str(DEMO), "--stop-prob", p])
         err = capsys.readouterr().err
         assert e.value.code == 2 and "--stop-prob" in err and "Traceback" not in err, p
 
@@ -141,7 +126,7 @@ def test_stop_prob_out_of_range_is_a_usage_error(capsys):
 def test_help_lists_every_key_the_bench_sets(capsys):
     """Kind: documentation out of step with the code. `--help` listed the keys an override may not
     set by hand, and missed chunk_order when the arrival schedule made it one."""
-    bench = _bench()
+    bench = load_bench("bench_e2e")
     with pytest.raises(SystemExit):
         bench.parse_args(["--help"])
     out = " ".join(capsys.readouterr().out.split())
@@ -155,7 +140,7 @@ def test_a_config_error_with_stop_prob_is_not_blamed_on_stop_prob(capsys):
     0.136: invalid config: ...`, as if the probability were wrong; the config error now names the
     schedule it was loaded for, as without --stop-prob."""
     with pytest.raises(SystemExit) as e:
-        _bench().parse_args(["--config", str(DEMO), "--stop-prob", "0.136", "--schedules", "async s=1", "backend=local"])
+        load_bench("bench_e2e").parse_args(["--config", str(DEMO), "--stop-prob", "0.136", "--schedules", "async s=1", "backend=local"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "async s=1: invalid config" in err and "dataplane.kind=inprocess" in err, err
     assert "--stop-prob 0.136:" not in err
@@ -170,8 +155,8 @@ def test_stop_prob_makes_response_lengths_ragged(capsys):
         "backend=local", "dataplane.kind=inprocess", "model.backbone.vocab_size=1000", "rollout.max_new_tokens=16",
         "groups_per_step=4", "group_size=4", "min_groups_per_chunk=2", "generation_groups_per_call=4",
     ]
-    full = _bench().main(common)["sync"]
-    ragged = _bench().main(common + ["--stop-prob", "0.25"])["sync"]
+    full = load_bench("bench_e2e").main(common)["sync"]
+    ragged = load_bench("bench_e2e").main(common + ["--stop-prob", "0.25"])["sync"]
     out = capsys.readouterr().out
     assert full["response_length_mean"] >= 15.0 and full["response_length_max"] == 16 and full["truncation_rate"] >= 0.9
     assert 2.5 <= ragged["response_length_mean"] <= 6.0 and ragged["truncation_rate"] <= 0.2
@@ -190,7 +175,7 @@ def test_bench_checkpoint_bad_dir_is_a_usage_error_and_overwrites_nothing(capsys
     (earlier / "plain.pt").write_bytes(b"an earlier result")
     for d, why in [(afile / "x", "cannot create the directory"), (earlier, "would overwrite them")]:
         with pytest.raises(SystemExit) as e:
-            _load_bench("bench_checkpoint").main(["--device", "cpu", "--dir", str(d)])
+            load_bench("bench_checkpoint").main(["--device", "cpu", "--dir", str(d)])
         err = capsys.readouterr().err
         assert e.value.code == 2 and why in err and "Traceback" not in err, err
     assert (earlier / "plain.pt").read_bytes() == b"an earlier result"
@@ -218,7 +203,7 @@ def test_bench_rollout_bad_flags_are_usage_errors_before_any_model(capsys, tmp_p
         (["--baselines", "hf-eager,foo"], "unknown ['foo']"),
         (["--profile", str(tmp_path / "missing" / "p.txt")], "its directory does not exist"),
     ]
-    bench = _load_bench("bench_rollout")
+    bench = load_bench("bench_rollout")
     for argv, why in calls:
         with pytest.raises(SystemExit) as e:
             bench.parse_args(argv)
@@ -234,7 +219,7 @@ def test_a_run_stopped_by_a_signal_exits_with_its_code_not_a_traceback(capsys, m
     stopped after 1 of 6 steps". It now says which signal stopped which run and exits 128 + signal."""
     from splitrl.controller.controller import RunResult
 
-    bench = _bench()
+    bench = load_bench("bench_e2e")
     monkeypatch.setattr(bench, "train", lambda cfg: RunResult(
         output_dir=str(cfg.output_dir), steps_done=1, stopped_early=True, interrupted=True, interrupt_signal=15))
     with pytest.raises(SystemExit) as e:

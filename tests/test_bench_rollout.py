@@ -1,18 +1,9 @@
 """bench/bench_rollout.py refuses bad flags up front (usage error, exit 2) instead of a traceback
 after minutes of setup (found by a new user: --init-range -1, --hbm-tb-s 0, --profile <dir>)."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
-
-
-def _bench():
-    path = Path(__file__).resolve().parents[1] / "bench" / "bench_rollout.py"
-    spec = importlib.util.spec_from_file_location("bench_rollout", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from _bench import load_bench
 
 
 @pytest.mark.parametrize(
@@ -27,11 +18,11 @@ def _bench():
 def test_bad_flags_are_usage_errors(argv, message, tmp_path, capsys):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     with pytest.raises(SystemExit) as err:
-        _bench().parse_args(argv)
+        load_bench("bench_rollout").parse_args(argv)
     assert err.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_good_flags_parse(tmp_path):
-    args = _bench().parse_args(["--init-range", "0.5", "--hbm-tb-s", "3.35", "--profile", str(tmp_path / "p.txt")])
+    args = load_bench("bench_rollout").parse_args(["--init-range", "0.5", "--hbm-tb-s", "3.35", "--profile", str(tmp_path / "p.txt")])
     assert args.init_range == 0.5 and args.hbm_tb_s == 3.35

@@ -1,20 +1,11 @@
 """bench/bench_train_step.py's interleaved timing: rounds alternate their order and each
 function's ratio to the first is taken within a round, so a drift of the machine's speed cancels."""
 
-import importlib.util
-from pathlib import Path
-
-
-def _bench():
-    path = Path(__file__).resolve().parents[1] / "bench" / "bench_train_step.py"
-    spec = importlib.util.spec_from_file_location("bench_train_step", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from _bench import load_bench
 
 
 def test_interleaved_rounds_alternate_and_ratios_cancel_a_drift(monkeypatch):
-    bench = _bench()
+    bench = load_bench("bench_train_step")
     clock = {"t": 0.0}
     calls: list[str] = []
     # B does 0.9 of A's work; the machine slows down by 50 % a call (a steady drift)

@@ -282,7 +282,7 @@ print(worst, shifted)
 """
 
 
-def _run_python(code: str, **env_vars) -> "subprocess.CompletedProcess":
+def _run_python(code: str, **env_vars):
     import os
     import subprocess
     import sys
