@@ -185,19 +185,24 @@ class DecoderForward:
         self._rope_freqs = inv.detach().clone()
         return replaced
 
+    def _table_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The rope table if it serves x's dtype and device, else None (the module is called)."""
+        table = self.rope_table
+        return table if table is not None and table.dtype == x.dtype and table.device == x.device else None
+
     def rope(self, x: torch.Tensor, positions_BQ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [B, Q, d] in x's dtype at ``positions_BQ``: rows of the table (one gather), or
         the rotary module where there is no table. Positions must be < the table's length."""
-        table = self.rope_table
-        if table is None or table.dtype != x.dtype or table.device != x.device:
+        table = self._table_for(x)
+        if table is None:
             return self.model.rotary_emb(x, positions_BQ)
         cos, sin = table[positions_BQ].unbind(2)
         return cos, sin
 
     def _rope_prefix(self, x: torch.Tensor, B: int, M: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [B, M, d] of positions 0..M-1 (a view of the table when it has them)."""
-        table = self.rope_table
-        if table is None or table.dtype != x.dtype or table.device != x.device or M > table.shape[0]:
+        table = self._table_for(x)
+        if table is None or M > table.shape[0]:
             return self.model.rotary_emb(x, torch.arange(M, device=x.device).expand(B, M))
         cos, sin = table[:M].unbind(1)
         return cos.expand(B, M, -1), sin.expand(B, M, -1)

@@ -17,8 +17,9 @@ each row's Q queries at consecutive positions ending at p reading indices <= the
 block at the end of a row of length p+1); on CUDA in fp16/bf16 it runs the flash varlen kernel
 with ``seqused_k`` = p+1 per row (:data:`FLASH_DECODE`), which reads each row only up to its own
 length; where Triton imports, our own kernel reads the same, faster in all but one case measured
-(:data:`DECODE_KERNEL`, :mod:`splitrl.rollout.decode_attention`). With continuous batching the rows of a step have very different lengths (refilled rows are
-short, old rows long): the masked path read them all up to the longest.
+(:data:`DECODE_KERNEL`, :mod:`splitrl.rollout.decode_attention`). With continuous batching the
+rows of a step have very different lengths (refilled rows are short, old rows long): the masked
+path read them all up to the longest.
 
 A query at position p attends to the indices j <= limit (its committed context, ``limit`` = p
 for the backbone) and to its own index. Entries past the context may hold stale values (rejected
@@ -54,6 +55,16 @@ def _flash_decode_available() -> bool:
     )
 
 
+
+def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """The value of environment variable ``name`` among ``choices`` (case and surrounding spaces
+    ignored; unset or empty: ``default``). Raises ValueError naming the choices for any other value:
+    a typo would otherwise measure the default under another name."""
+    value = os.environ.get(name, "").strip().lower() or default
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: use one of {', '.join(choices)} (or leave it unset)")
+    return value
+
 # Backbone decode steps on CUDA (fp16 / bf16, sm80+, head dim a multiple of 8 up to 256) read each
 # row up to its own length with the flash varlen kernel; SPLITRL_FLASH_DECODE=0 keeps the masked
 # SDPA path everywhere.
@@ -66,10 +77,7 @@ FLASH_DECODE = os.environ.get("SPLITRL_FLASH_DECODE", "1") != "0" and _flash_dec
 # "verify" (Q > 1, default), "all" (Q >= 1) or "none"; the bench compares them. With the Triton
 # kernel (the default on CUDA) a verify never reaches the flash call, so this has no effect there.
 _FOLD_MODES = {"verify": 2, "all": 1, "none": 1 << 30}
-_fold_mode = os.environ.get("SPLITRL_FLASH_FOLD", "").strip().lower() or "verify"  # empty: unset
-if _fold_mode not in _FOLD_MODES:  # a typo would otherwise measure the default under another name
-    raise ValueError(f"SPLITRL_FLASH_FOLD={_fold_mode!r}: use one of {', '.join(_FOLD_MODES)} (or leave it unset)")
-FLASH_FOLD_MIN_Q = _FOLD_MODES[_fold_mode]
+FLASH_FOLD_MIN_Q = _FOLD_MODES[_env_choice("SPLITRL_FLASH_FOLD", tuple(_FOLD_MODES), "verify")]
 
 # Decode attention on a flash cache: "triton" runs our kernel (:mod:`splitrl.rollout.decode_attention`:
 # each key/value head of a row read once for all Q*G of its queries; on the H200 2-5x faster than the
@@ -78,14 +86,7 @@ FLASH_FOLD_MIN_Q = _FOLD_MODES[_fold_mode]
 # SPLITRL_DECODE_ATTENTION; the bench compares them. The choice changes bf16 rounding, as the GEMMs'
 # shapes (batch bucket, verify vs plain) already do: tokens are bit-identical across batches and
 # speculation in fp32 (tested), in bf16 up to such rounding.
-_DECODE_MODES = ("triton", "flash")
-DECODE_KERNEL = os.environ.get("SPLITRL_DECODE_ATTENTION", "").strip().lower() or (
-    "triton" if _decode.AVAILABLE else "flash"
-)
-if DECODE_KERNEL not in _DECODE_MODES:
-    raise ValueError(
-        f"SPLITRL_DECODE_ATTENTION={DECODE_KERNEL!r}: use one of {', '.join(_DECODE_MODES)} (or leave it unset)"
-    )
+DECODE_KERNEL = _env_choice("SPLITRL_DECODE_ATTENTION", ("triton", "flash"), "triton" if _decode.AVAILABLE else "flash")
 if DECODE_KERNEL == "triton" and not _decode.AVAILABLE:
     raise ValueError("SPLITRL_DECODE_ATTENTION=triton but Triton does not import here; pip install triton or use flash")
 
