@@ -82,6 +82,37 @@ def test_results_do_not_depend_on_slots_refills_or_compaction(monkeypatch, model
     assert len({len(r.response_ids) for r in wide}) > 2  # ragged lengths
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_refills_padded_to_graph_buckets_sample_as_the_reference(monkeypatch, speculative):
+    """The CUDA path's refills are padded to (rows, length) buckets (extra rows repeat the first
+    one; prompts right-padded): run here eagerly, with refills of 1..3 rows into 4 slots, the
+    samples equal the step-by-step reference, and the padding really happened."""
+    model = make_model(vocab=VOCAB, depths=2, seed=3)
+    cfg = GenerationConfig(
+        speculative=speculative, temperature=0.9, max_new_tokens=10, stop_token_ids=[1, 2, 3], batch_size=4
+    )
+    prompts = random_prompts(9, VOCAB, (1, 20), seed=24)
+    seeds = [500 + i for i in range(9)]
+    shapes = []
+    original = engine_mod.RolloutEngine._prefill_device
+
+    def recording(self, ids, lens, *a):
+        shapes.append((len(set(lens.tolist())), tuple(ids.shape)))
+        return original(self, ids, lens, *a)
+
+    monkeypatch.setattr(engine_mod.RolloutEngine, "_prefill_device", recording)
+    monkeypatch.setattr(engine_mod, "REFILL_MIN_FRACTION", 0.0)  # refill single slots too
+    engine = RolloutEngine(model, cfg, "cpu")
+    engine.prefill_buckets = True
+    for n in (3, 9):  # 3 prompts: a refill of 3 rows into bucket 4
+        results = engine.generate(prompts[:n], seeds[:n])
+        _check_against_reference(model, cfg, prompts[:n], seeds[:n], results)
+    D = engine.num_drafts
+    assert all(w - D in (16, 24, 32) for _, (_, w) in shapes), shapes  # lengths 1..20 padded
+    assert any(rows in (2, 4) and distinct < rows for distinct, (rows, _) in shapes), shapes  # rows repeated
+    assert any(rows == 1 for _, (rows, _) in shapes), shapes
+
+
 def test_stream_yields_each_sample_when_it_finishes(model):
     cfg = GenerationConfig(max_new_tokens=30, stop_token_ids=[4, 5, 6, 7], batch_size=2)
     prompts = random_prompts(6, VOCAB, (1, 5), seed=23)

@@ -58,6 +58,13 @@ log = logging.getLogger(__name__)
 SYNC_EVERY = 16
 # Prefill token budget of one forward (rows of a refill are cut into forwards of at most this).
 PREFILL_TOKENS = 16384
+# Refills of at most this many tokens (rows x padded prompt length) run as CUDA graphs, one per
+# (rows, length) bucket: an eager prefill is host-bound below it (2026-12-01, one H200, Qwen3-0.6B
+# shape: 1 x 128 tokens took 18 ms for 1.7 ms of kernels, 32 x 128 23 ms for 11 ms).
+GRAPH_PREFILL_TOKENS = 8192
+# At most this many prefill graphs per engine (each holds its activations in the graph pool);
+# refills of other shapes run eagerly.
+MAX_PREFILL_GRAPHS = 48
 # Free slots are refilled once they are at least this fraction of the slots (or nothing runs):
 # a refill is an eager prefill, so a few larger ones cost less host time than many small ones.
 REFILL_MIN_FRACTION = 1 / 8
@@ -89,8 +96,8 @@ def _row_bucket(n: int, cap: int) -> int:
     return min(cap, -(-n // 64) * 64)
 
 
-def _length_bucket(n: int, cap: int) -> int:
-    b = 64
+def _length_bucket(n: int, cap: int, start: int = 64) -> int:
+    b = start
     while b < n:
         b = b * 3 // 2 if (b & (b - 1)) == 0 else b * 4 // 3  # 64, 96, 128, 192, 256, 384, ...
     return min(b, cap)
@@ -367,7 +374,11 @@ class RolloutEngine:
         self._mtp_cache: StaticKVCache | None = None
         self._state: _SlotState | None = None
         self._drafter: MTPDrafter | None = None
-        self._graphs: dict[tuple[str, int, int], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (kind, B, L) steps, ("prefill", rows, P, spec) refills
+        # refills padded to (rows, length) buckets, as their CUDA graphs need (tests turn it on for the CPU)
+        self.prefill_buckets = self.use_cuda_graphs
+        self._prefill_inputs: dict[tuple, tuple[torch.Tensor, ...]] = {}  # a prefill graph's input buffers
+        self._prefill_graphs = 0
         self._pool = None
         self._step_times: dict[tuple[int, int], float] = {}
         self._captures = 0
@@ -475,14 +486,14 @@ class RolloutEngine:
         need = max_prompt + cfg.max_new_tokens + 2 * D + 3  # the last index is the scratch entry
         if self._cache is not None and self._cache.max_len >= need:
             if self.fwd.sync_rope_table(self._cache.max_len):  # in place if only the values changed
-                self._graphs.clear()  # a new table (dtype / device moved): captured graphs read the old one
+                self._drop_graphs()  # a new table (dtype / device moved): captured graphs read the old one
             return
         M = -(-need // 64) * 64
         mcfg = self.model.config
         S = cfg.batch_size
         dtype = self.model.output_weight.dtype
         head_dim = getattr(mcfg, "head_dim", None) or mcfg.hidden_size // mcfg.num_attention_heads
-        self._graphs.clear()
+        self._drop_graphs()
         self._step_times.clear()
         self._cache = self._mtp_cache = self._state = None  # free before allocating
         self._cache = StaticKVCache(
@@ -496,6 +507,11 @@ class RolloutEngine:
         self._state = _SlotState(S, cfg.max_new_tokens + D + 1, D, mcfg.hidden_size, dtype, self.device)
         # cos/sin of every cache index, gathered by position in the decode forwards
         self.fwd.sync_rope_table(M)
+
+    def _drop_graphs(self) -> None:
+        self._graphs.clear()
+        self._prefill_inputs.clear()
+        self._prefill_graphs = 0
 
     # ----------------------------------------------------------------------------- device steps
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -619,22 +635,92 @@ class RolloutEngine:
 
     # ----------------------------------------------------------------------------- prefill
     def _prefill(self, slots: list[int], prompts: list[list[int]], seeds: list[int], spec: bool) -> None:
-        """Prefill ``prompts`` into ``slots`` and emit their first tokens (and drafts)."""
-        st, cfg, D = self._state, self.config, self.num_drafts
-        device = self.device
-        n = len(prompts)
+        """Prefill ``prompts`` into ``slots`` and emit their first tokens (and drafts).
+
+        On CUDA a refill of at most ``GRAPH_PREFILL_TOKENS`` runs as a CUDA graph of its bucket
+        (rows: the decode row buckets, prompt length: 16, 24, 32, 48, 64, 96, ...): the rows past the
+        request repeat its first row (same slot, same inputs: they write what that row writes)
+        and the prompts are right-padded (causal: a prompt never reads its padding; the padding's
+        cache entries lie past the prompt and are overwritten by decoding before any read)."""
+        D, n = self.num_drafts, len(prompts)
         P = max(len(p) for p in prompts)
-        width = P + D
-        ids = torch.zeros(n, width, dtype=torch.int64)
+        rows, width = n, P
+        key = None
+        if self.prefill_buckets:
+            rows, width = self._prefill_bucket(n, P)
+            key = ("prefill", rows, width, spec)
+        ids = torch.zeros(rows, width + D, dtype=torch.int64)
         for b, p in enumerate(prompts):
             ids[b, : len(p)] = torch.tensor(p, dtype=torch.int64)
-        ids = ids.to(device)
-        lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=device)
-        sl = torch.tensor(slots, dtype=torch.int64, device=device)
-        lo, hi = seed_words(seeds, device)
-        rows = torch.arange(n, device=device)
+        pad = rows - n
+        ids[n:] = ids[0]
+        lens = torch.tensor([len(p) for p in prompts] + [len(prompts[0])] * pad, dtype=torch.int64)
+        sl = torch.tensor(list(slots) + [slots[0]] * pad, dtype=torch.int64)
+        lo, hi = seed_words(list(seeds) + [seeds[0]] * pad, torch.device("cpu"))
+        host = (ids, lens, sl, lo, hi)
+        if key is None or not self.use_cuda_graphs or (
+            key not in self._graphs
+            and (rows * width > GRAPH_PREFILL_TOKENS or self._prefill_graphs >= MAX_PREFILL_GRAPHS)
+        ):
+            self._prefill_device(*(t.to(self.device) for t in host), spec)
+            return
+        graph = self._graphs.get(key)
+        if graph is None:
+            try:
+                graph = self._capture_prefill(key, host, spec)
+            except RuntimeError as err:  # the eager prefill is the same computation: slower, not wrong
+                log.warning("CUDA-graph capture of a prefill failed (%s); refills run eagerly from now on", err)
+                self._prefill_graphs = MAX_PREFILL_GRAPHS
+                self._prefill_device(*(t.to(self.device) for t in host), spec)
+                return
+        for buf, t in zip(self._prefill_inputs[key], host):  # the device function writes into ids
+            buf.copy_(t)
+        graph.replay()
+
+    def _capture_prefill(self, key: tuple, host: tuple[torch.Tensor, ...], spec: bool) -> torch.cuda.CUDAGraph:
+        """Capture the prefill of bucket ``key`` on inputs ``host`` (its warm-up runs prefill them)."""
+        with self._setup_time():
+            inputs = tuple(t.to(self.device) for t in host)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # lazy inits and compilations outside the capture
+                for _ in range(2):
+                    for buf, t in zip(inputs, host):
+                        buf.copy_(t)
+                    self._prefill_device(*inputs, spec)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._prefill_device(*inputs, spec)
+        self._prefill_inputs[key] = inputs
+        self._graphs[key] = graph
+        self._captures += 1
+        self._prefill_graphs += 1
+        return graph
+
+    def _prefill_bucket(self, n: int, P: int) -> tuple[int, int]:
+        """(rows, prompt length) of a refill's graph: row bucket of ``n``, length bucket of ``P``
+        (capped so that the padded prompt and the drafts stay inside the cache)."""
+        cap = self._cache.max_len - 1 - self.num_drafts
+        return _row_bucket(n, self.config.batch_size), max(P, _length_bucket(P, cap, start=16))
+
+    def _prefill_device(
+        self, ids: torch.Tensor, lens: torch.Tensor, sl: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: bool
+    ) -> None:
+        """The device work of a prefill (no host synchronization: CUDA-graph capturable).
+
+        Args:
+            ids: int64 [n, P + D], right-padded prompts (overwritten: the first token at each
+                prompt's end, for the drafter).
+            lens: int64 [n] prompt lengths; sl: int64 [n] slots; lo, hi: [n] seed words.
+        """
+        st, cfg, D = self._state, self.config, self.num_drafts
+        n, P = ids.shape[0], ids.shape[1] - D
+        rows = torch.arange(n, device=ids.device)
         h = self.fwd.backbone_prefill(ids[:, :P], sl, self._cache)
-        zero = torch.zeros(n, dtype=torch.int64, device=device)
+        zero = torch.zeros(n, dtype=torch.int64, device=ids.device)
         y, lp = self._sample(self._logits(h[rows, lens - 1]), lo, hi, zero)
         stop = stop_mask(y, self._stop_ids)
         st.tokens[sl], st.pos[sl], st.counter[sl] = y, lens, zero + 1
@@ -700,7 +786,11 @@ class RolloutEngine:
                 active = list(range(len(active)))
             B = _row_bucket(active[-1] + 1, S)
             Q = D + 1 if spec else 1
-            remaining = min(max_new - count[s] for s in active)
+            # with prompts waiting, stop when the first row can end (its slot is refilled then); with
+            # none, when the last can: finished rows idle in the bucket until then (fewer host syncs
+            # at a call's tail; results are fixed when a row finishes)
+            left = [max_new - count[s] for s in active]
+            remaining = min(left) if waiting else max(left)
             per_iter = 1.0
             if spec and stats.drafted_tokens + sum(live_drafted):
                 per_iter = 1.0 + D * (stats.accepted_tokens + sum(live_accepted)) / (
