@@ -379,7 +379,7 @@ class RolloutEngine:
         self.prefill_buckets = self.use_cuda_graphs
         self._prefill_inputs: dict[tuple, tuple[torch.Tensor, ...]] = {}  # a prefill graph's input buffers
         self._prefill_graphs = 0
-        self._pool = None
+        self._pool = self._prefill_pool = None  # CUDA graph memory pools: decode steps, prefills
         self._step_times: dict[tuple[int, int], float] = {}
         self._captures = 0
         self._setup_s = 0.0  # seconds of graph captures and plain-step timings so far
@@ -512,6 +512,9 @@ class RolloutEngine:
         self._graphs.clear()
         self._prefill_inputs.clear()
         self._prefill_graphs = 0
+        # a pool whose graphs are all gone is freed: capturing into its handle again trips an
+        # allocator assertion (use_count > 0), so new graphs take new pools
+        self._pool = self._prefill_pool = None
 
     # ----------------------------------------------------------------------------- device steps
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -671,6 +674,8 @@ class RolloutEngine:
             except RuntimeError as err:  # the eager prefill is the same computation: slower, not wrong
                 log.warning("CUDA-graph capture of a prefill failed (%s); refills run eagerly from now on", err)
                 self._prefill_graphs = MAX_PREFILL_GRAPHS
+                if not any(k[0] == "prefill" for k in self._graphs):
+                    self._prefill_pool = None  # freed with the failed graph (see _drop_graphs)
                 self._prefill_device(*(t.to(self.device) for t in host), spec)
                 return
         for buf, t in zip(self._prefill_inputs[key], host):  # the device function writes into ids
@@ -689,10 +694,10 @@ class RolloutEngine:
                         buf.copy_(t)
                     self._prefill_device(*inputs, spec)
             torch.cuda.current_stream(self.device).wait_stream(side)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
+            if self._prefill_pool is None:  # not the steps' pool: a failed capture here cannot free theirs
+                self._prefill_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._prefill_pool, capture_error_mode="thread_local"):
                 self._prefill_device(*inputs, spec)
         self._prefill_inputs[key] = inputs
         self._graphs[key] = graph
