@@ -26,7 +26,9 @@ before: 537 / 13,557 / 42,422); speculative 1.16x / 1.16x / 0.88x plain at 41-44
 (rules on: 1.29x / 1.16x / plain calls 1.00x). `--attention`, one layer, flash vs Triton: batch 32
 x 192 entries 20.7 vs 7.5 us (a verify, Q = 3: 42.6 vs 7.4); batch 1 x 2,048 entries 12.7 vs 34.2 us,
 which is why few long one-query rows stay on the flash call. `SPLITRL_DECODE_ATTENTION=flash` runs
-the flash call everywhere. The README's benchmark table has the history (ragged scenario, HF
+the flash call everywhere. Later that morning, with refills as CUDA graphs (`--batch-sizes 1,32
+--check`): plain 570 / 15,902, speculative 1.52x / 1.18x (acceptance 50.8 / 43.3 %), fp32 check
+2.86e-6 and speculative == plain 6/6. The README's benchmark table has the history (ragged scenario, HF
 baselines, profiles).
 """
 

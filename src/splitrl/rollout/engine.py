@@ -10,8 +10,9 @@ static shapes: the forward (:mod:`splitrl.rollout.forward`), sampling, logprobs,
 checks and the state update, with no host synchronization; on CUDA it is captured once per
 (B, L) bucket as a CUDA graph and replayed. The host synchronizes every few steps
 (``SYNC_EVERY``) to collect finished slots, refill them with waiting prompts (a batched ragged
-prefill, eager) and move rows to lower slots when a smaller bucket suffices. Finished rows in a
-bucket keep computing until that sync, writing only their own slot; their results are fixed.
+prefill; on CUDA a graph per (rows, prompt length) bucket, see ``_prefill``) and move rows to lower
+slots when a smaller bucket suffices. Finished rows in a bucket keep computing until that sync,
+writing only their own slot; their results are fixed.
 
 Sampling (DESIGN §5). The token at response index c is argmax(filtered logits / T + G(seed, c)),
 G a Gumbel-max noise keyed by (seed, c) (:func:`~splitrl.rollout.sampling.race_sample`): a
@@ -66,7 +67,7 @@ GRAPH_PREFILL_TOKENS = 8192
 # refills of other shapes run eagerly.
 MAX_PREFILL_GRAPHS = 48
 # Free slots are refilled once they are at least this fraction of the slots (or nothing runs):
-# a refill is an eager prefill, so a few larger ones cost less host time than many small ones.
+# a few larger refills cost less host time than many small ones.
 REFILL_MIN_FRACTION = 1 / 8
 # The speculative switch-off rule decides after this many verify iterations of a call.
 SWITCH_MIN_ITERATIONS = 32
