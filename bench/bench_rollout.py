@@ -113,7 +113,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ragged-mean-len", type=float, default=120.0, help="target mean response length")
     p.add_argument("--repeats", type=int, default=2, help="timed calls per setting (best is reported)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU")
-    p.add_argument("--hbm-tb-s", type=float, default=4.3, help="HBM bandwidth for the roofline (TB/s)")
+    p.add_argument(
+        "--hbm-tb-s",
+        type=float,
+        default=None,
+        help="HBM bandwidth for the roofline (TB/s); default 4.3 (the H200) on cuda, no roofline on cpu",
+    )
     p.add_argument("--check", action="store_true", help="first check fp32 exactness on the device")
     p.add_argument("--profile", default="", help="write a torch.profiler summary of plain (and speculative) decode here")
     p.add_argument(
@@ -137,6 +142,9 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
     for name in ("init_range", "hbm_tb_s"):
+        if name == "hbm_tb_s" and args.hbm_tb_s is None:
+            args.hbm_tb_s = 4.3 if args.device == "cuda" else None  # an H200 figure means nothing for a CPU
+            continue
         if not 0 < getattr(args, name) < float("inf"):
             p.error(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
     if not 0 < args.ragged_mean_len < float("inf"):
@@ -193,15 +201,21 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def roofline(model: PolicyModel, batch: int, context: float, bandwidth: float) -> tuple[float, float]:
-    """(bytes one decode step reads, roofline tokens/s) for ``batch`` rows at mean ``context``."""
+def _percent(tokens_per_s: float, roof: float | None) -> str:
+    """``tokens_per_s`` as a share of the roofline, 6 characters ("  n/a" without one)."""
+    return "   n/a" if roof is None else f"{100 * tokens_per_s / roof:>5.1f}%"
+
+
+def roofline(model: PolicyModel, batch: int, context: float, bandwidth: float | None) -> tuple[float, float | None]:
+    """(bytes one decode step reads, roofline tokens/s, None without a ``bandwidth`` in bytes/s) for
+    ``batch`` rows at mean ``context``."""
     c = model.config
     elt = next(model.parameters()).element_size()
     weights = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("mtp.")) * elt
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     kv = batch * context * c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * elt
     step = weights + kv
-    return step, batch / (step / bandwidth)
+    return step, (batch / (step / bandwidth) if bandwidth else None)
 
 
 def prompts_for(model: PolicyModel, n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -553,12 +567,13 @@ def main(argv: list[str] | None = None) -> None:
         )
     baselines = [b for b in args.baselines.split(",") if b]
     context = args.prompt_len + args.new_tokens / 2
+    bandwidth = args.hbm_tb_s * 1e12 if args.hbm_tb_s is not None else None
     cols = ["plain"] + ([] if args.no_graph_column else ["no-graph"]) + (["spec"] if args.speculative else [])
     print(f"{'batch':>5} {'roofline':>9} " + " ".join(f"{c + ' tok/s (%roof)':>24}" for c in cols) + "  notes")
     common = dict(temperature=args.temperature, top_k=args.top_k, max_new_tokens=args.new_tokens, stop_token_ids=[])
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         t_start = time.perf_counter()
-        step_bytes, roof = roofline(model, batch, context, args.hbm_tb_s * 1e12)
+        step_bytes, roof = roofline(model, batch, context, bandwidth)
         prompts, seeds = prompts_for(model, batch, args.prompt_len), list(range(batch))
         figures, notes = {}, []
         plain_engine = RolloutEngine(model, GenerationConfig(batch_size=batch, **common), args.device)
@@ -590,9 +605,9 @@ def main(argv: list[str] | None = None) -> None:
                 f"with the rules on: {'speculative' if last.speculative_active else 'plain'} calls, "
                 f"{last.tokens_per_s:.0f} tok/s = {last.tokens_per_s / plain.tokens_per_s:.2f}x plain"
             )
-        cells = " ".join(f"{figures[c]:>13.0f} ({100 * figures[c] / roof:>5.1f}%)    " for c in cols)
+        cells = " ".join(f"{figures[c]:>13.0f} ({_percent(figures[c], roof)})    " for c in cols)
         print(
-            f"{batch:>5} {roof:>9.0f} {cells}  step reads {step_bytes / 1e9:.2f} GB; "
+            f"{batch:>5} {'n/a' if roof is None else f'{roof:.0f}':>9} {cells}  step reads {step_bytes / 1e9:.2f} GB; "
             + "; ".join(notes)
             + f" ({time.perf_counter() - t_start:.0f} s)",
             flush=True,
@@ -604,7 +619,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"attention timing failed: {err!r}", flush=True)
     try:
         if args.profile:
-            for batch in (1, 32, 256):
+            for batch in [int(b) for b in args.batch_sizes.split(",")]:
                 profile_decode(model, args, batch, args.profile)
                 if args.speculative:
                     profile_decode(model, args, batch, args.profile, speculative=True)
@@ -621,8 +636,8 @@ def main(argv: list[str] | None = None) -> None:
             t0 = time.perf_counter()
             prompts = prompts_for(model, batch, args.prompt_len)
             tps = measure_hf(model, prompts, args.new_tokens, b == "hf-static", 1, args.device)
-            _, roof = roofline(model, batch, context, args.hbm_tb_s * 1e12)
-            print(f"{b:>9} batch {batch:>4}: {tps:>9.0f} tok/s ({100 * tps / roof:.1f}% of roofline) "
+            _, roof = roofline(model, batch, context, bandwidth)
+            print(f"{b:>9} batch {batch:>4}: {tps:>9.0f} tok/s ({_percent(tps, roof).strip()} of roofline) "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
 
 

@@ -26,3 +26,10 @@ def test_bad_flags_are_usage_errors(argv, message, tmp_path, capsys):
 def test_good_flags_parse(tmp_path):
     args = load_bench("bench_rollout").parse_args(["--init-range", "0.5", "--hbm-tb-s", "3.35", "--profile", str(tmp_path / "p.txt")])
     assert args.init_range == 0.5 and args.hbm_tb_s == 3.35
+
+
+def test_roofline_only_where_a_bandwidth_applies():
+    """A CPU run prints no roofline (4.3 TB/s, the cuda default, is the H200's) unless given one."""
+    parse = load_bench("bench_rollout").parse_args
+    assert parse(["--device", "cpu"]).hbm_tb_s is None
+    assert parse(["--device", "cpu", "--hbm-tb-s", "0.2"]).hbm_tb_s == 0.2
