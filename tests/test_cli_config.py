@@ -201,3 +201,17 @@ def test_a_key_of_several_forms_is_one_line_without_pydantic_tags(capsys):
     assert "constrained" not in err and "literal[" not in err
     assert main(["train", "train.optim.betas=[0.9]", "--print-config"]) == 2
     assert "  train.optim.betas.1: Field required" in capsys.readouterr().err
+
+
+def test_a_misspelt_environment_setting_is_a_one_line_error(tmp_path):
+    """SPLITRL_DECODE_ATTENTION is read when the rollout code is imported; a typo was a traceback
+    from inside the import chain. Now: exit 2, one line naming the choices, nothing written."""
+    import os
+
+    out = tmp_path / "run"
+    env = dict(os.environ, SPLITRL_DECODE_ATTENTION="trition")
+    res = subprocess.run([sys.executable, "-m", "splitrl.cli", "train", "num_steps=1", f"output_dir={out}"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "SPLITRL_DECODE_ATTENTION='trition': use one of triton, flash" in res.stderr
+    assert "Traceback" not in res.stderr and not out.exists()

@@ -79,7 +79,11 @@ def _main(argv: list[str] | None) -> int:
 
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
         return 0
-    from splitrl.controller.controller import CheckpointError, StallError, StepFailed, train
+    try:
+        from splitrl.controller.controller import CheckpointError, StallError, StepFailed, train
+    except ValueError as e:  # a setting read at import: SPLITRL_* environment variables
+        print(f"splitrl: {e}", file=sys.stderr)
+        return 2
 
     from tqdm.contrib.logging import logging_redirect_tqdm
 
