@@ -85,8 +85,8 @@ def test_results_do_not_depend_on_slots_refills_or_compaction(monkeypatch, model
 @pytest.mark.parametrize("speculative", [False, True])
 def test_refills_padded_to_graph_buckets_sample_as_the_reference(monkeypatch, speculative):
     """The CUDA path's refills are padded to (rows, length) buckets (extra rows repeat the first
-    one; prompts right-padded): run here eagerly, with refills of 1..3 rows into 4 slots, the
-    samples equal the step-by-step reference, and the padding really happened."""
+    one's inputs into a sink slot; prompts right-padded): run here eagerly, with refills of 1..3
+    rows into 4 slots, the samples equal the step-by-step reference, and the padding happened."""
     model = make_model(vocab=VOCAB, depths=2, seed=3)
     cfg = GenerationConfig(
         speculative=speculative, temperature=0.9, max_new_tokens=10, stop_token_ids=[1, 2, 3], batch_size=4
@@ -96,9 +96,11 @@ def test_refills_padded_to_graph_buckets_sample_as_the_reference(monkeypatch, sp
     shapes = []
     original = engine_mod.RolloutEngine._prefill_device
 
-    def recording(self, ids, lens, *a):
-        shapes.append((len(set(lens.tolist())), tuple(ids.shape)))
-        return original(self, ids, lens, *a)
+    def recording(self, ids, lens, sl, *a):
+        pad_slots = [s for s in sl.tolist()[1:] if s == self._sink]
+        shapes.append((len(sl) - len(pad_slots), tuple(ids.shape)))
+        assert self._sink == cfg.batch_size and len(set(sl.tolist()) - {self._sink}) == len(sl) - len(pad_slots)
+        return original(self, ids, lens, sl, *a)
 
     monkeypatch.setattr(engine_mod.RolloutEngine, "_prefill_device", recording)
     monkeypatch.setattr(engine_mod, "REFILL_MIN_FRACTION", 0.0)  # refill single slots too
@@ -109,8 +111,15 @@ def test_refills_padded_to_graph_buckets_sample_as_the_reference(monkeypatch, sp
         _check_against_reference(model, cfg, prompts[:n], seeds[:n], results)
     D = engine.num_drafts
     assert all(w - D in (16, 24, 32) for _, (_, w) in shapes), shapes  # lengths 1..20 padded
-    assert any(rows in (2, 4) and distinct < rows for distinct, (rows, _) in shapes), shapes  # rows repeated
+    assert any(rows == 4 and real == 3 for real, (rows, _) in shapes), shapes  # a row into the sink
     assert any(rows == 1 for _, (rows, _) in shapes), shapes
+    # a refill too large for a graph runs unpadded
+    monkeypatch.setattr(engine_mod, "GRAPH_PREFILL_TOKENS", 0)
+    shapes.clear()
+    engine = RolloutEngine(model, cfg, "cpu")
+    engine.prefill_buckets = True
+    engine.generate(prompts[:3], seeds[:3])
+    assert shapes[0] == (3, (3, max(len(p) for p in prompts[:3]) + D)), shapes
 
 
 def test_stream_yields_each_sample_when_it_finishes(model):

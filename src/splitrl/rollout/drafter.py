@@ -112,9 +112,11 @@ class MTPDrafter:
                 query = out[rows, last]
             else:
                 e = self.model.embed_tokens(drafts[-1])[:, None]
+                # reads its entries up to n-k and its own at n-1 < P: a prefix of P entries (not the
+                # whole cache, which a prefill graph would hold a gathered copy of)
                 query = self.fwd.mtp_decode(
                     k, e, query[:, None], last[:, None], last[:, None], (n_B - k)[:, None],
-                    self.cache, int(self.cache.max_len), slots_B,
+                    self.cache, P, slots_B,
                 )[:, 0]  # fmt: skip
             drafts.append(self._draw(query, seed_lo, seed_hi, torch.full_like(n_B, k), k))
             prev = out

@@ -104,6 +104,12 @@ def _length_bucket(n: int, cap: int, start: int = 64) -> int:
     return min(b, cap)
 
 
+def _prefill_views(flat: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, ...]:
+    """(ids [rows, width], lens, slots, seed_lo, seed_hi [rows]) of a refill's packed int64 inputs."""
+    ids, rest = flat[: rows * width].view(rows, width), flat[rows * width :]
+    return (ids, *rest.view(4, rows).unbind(0))
+
+
 @dataclass
 class RolloutStats:
     """Statistics of one ``generate`` call.
@@ -378,8 +384,9 @@ class RolloutEngine:
         self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (kind, B, L) steps, ("prefill", rows, P, spec) refills
         # refills padded to (rows, length) buckets, as their CUDA graphs need (tests turn it on for the CPU)
         self.prefill_buckets = self.use_cuda_graphs
-        self._prefill_inputs: dict[tuple, tuple[torch.Tensor, ...]] = {}  # a prefill graph's input buffers
+        self._prefill_inputs: dict[tuple, torch.Tensor] = {}  # a prefill graph's packed input buffer
         self._prefill_graphs = 0
+        self._sink: int | None = None  # the slot a padded refill's extra rows write to
         self._pool = self._prefill_pool = None  # CUDA graph memory pools: decode steps, prefills
         self._step_times: dict[tuple[int, int], float] = {}
         self._captures = 0
@@ -497,15 +504,20 @@ class RolloutEngine:
         self._drop_graphs()
         self._step_times.clear()
         self._cache = self._mtp_cache = self._state = None  # free before allocating
+        # refills padded to a row bucket write their extra rows to one more slot, never decoded
+        self._sink = S if self.prefill_buckets and any(_row_bucket(n, S) > n for n in range(1, S + 1)) else None
+        slots = S + (self._sink is not None)
         self._cache = StaticKVCache(
-            mcfg.num_hidden_layers, S, mcfg.num_key_value_heads, M, head_dim, dtype, self.device
+            mcfg.num_hidden_layers, slots, mcfg.num_key_value_heads, M, head_dim, dtype, self.device
         )
         if D:
             # the MTP queries' masks are not a causal block (see drafter): the masked path, head-major
-            self._mtp_cache = StaticKVCache(D, S, mcfg.num_key_value_heads, M, head_dim, dtype, self.device, flash=False)
+            self._mtp_cache = StaticKVCache(
+                D, slots, mcfg.num_key_value_heads, M, head_dim, dtype, self.device, flash=False
+            )
             c = self.config
             self._drafter = MTPDrafter(self.fwd, D, self._mtp_cache, c.temperature, c.top_k, c.top_p)
-        self._state = _SlotState(S, cfg.max_new_tokens + D + 1, D, mcfg.hidden_size, dtype, self.device)
+        self._state = _SlotState(slots, cfg.max_new_tokens + D + 1, D, mcfg.hidden_size, dtype, self.device)
         # cos/sin of every cache index, gathered by position in the decode forwards
         self.fwd.sync_rope_table(M)
 
@@ -642,75 +654,80 @@ class RolloutEngine:
         """Prefill ``prompts`` into ``slots`` and emit their first tokens (and drafts).
 
         On CUDA a refill of at most ``GRAPH_PREFILL_TOKENS`` runs as a CUDA graph of its bucket
-        (rows: the decode row buckets, prompt length: 16, 24, 32, 48, 64, 96, ...): the rows past the
-        request repeat its first row (same slot, same inputs: they write what that row writes)
-        and the prompts are right-padded (causal: a prompt never reads its padding; the padding's
-        cache entries lie past the prompt and are overwritten by decoding before any read)."""
+        (rows: the decode row buckets, prompt length: 16, 24, 32, 48, 64, 96, ...; at most
+        ``MAX_PREFILL_GRAPHS`` of them): the extra rows repeat the first row's inputs and write to
+        a slot of their own that is never decoded (so no slot receives two rows' values, which
+        the device may round differently), and the prompts are right-padded (causal: a prompt
+        never reads its padding; its cache entries lie past the prompt and are written by
+        decoding before any read). Other refills run eagerly, unpadded."""
         D, n = self.num_drafts, len(prompts)
         P = max(len(p) for p in prompts)
-        rows, width = n, P
-        key = None
+        key, rows, width = None, n, P
         if self.prefill_buckets:
-            rows, width = self._prefill_bucket(n, P)
-            key = ("prefill", rows, width, spec)
+            b_rows, b_width = self._prefill_bucket(n, P)
+            k = ("prefill", b_rows, b_width, spec)
+            if k in self._graphs or (
+                b_rows * b_width <= GRAPH_PREFILL_TOKENS and self._prefill_graphs < MAX_PREFILL_GRAPHS
+            ):
+                key, rows, width = k, b_rows, b_width
+        pad = rows - n
         ids = torch.zeros(rows, width + D, dtype=torch.int64)
         for b, p in enumerate(prompts):
             ids[b, : len(p)] = torch.tensor(p, dtype=torch.int64)
-        pad = rows - n
         ids[n:] = ids[0]
         lens = torch.tensor([len(p) for p in prompts] + [len(prompts[0])] * pad, dtype=torch.int64)
-        sl = torch.tensor(list(slots) + [slots[0]] * pad, dtype=torch.int64)
+        sl = torch.tensor(list(slots) + [self._sink] * pad, dtype=torch.int64)
         lo, hi = seed_words(list(seeds) + [seeds[0]] * pad, torch.device("cpu"))
-        host = (ids, lens, sl, lo, hi)
-        if key is None or not self.use_cuda_graphs or (
-            key not in self._graphs
-            and (rows * width > GRAPH_PREFILL_TOKENS or self._prefill_graphs >= MAX_PREFILL_GRAPHS)
-        ):
-            self._prefill_device(*(t.to(self.device) for t in host), spec)
+        host = torch.cat([ids.view(-1), lens, sl, lo, hi])  # one copy to the device
+        if key is None or not self.use_cuda_graphs:
+            self._prefill_device(*_prefill_views(host.to(self.device), rows, width + D), spec)
             return
         graph = self._graphs.get(key)
         if graph is None:
             try:
                 graph = self._capture_prefill(key, host, spec)
-            except RuntimeError as err:  # the eager prefill is the same computation: slower, not wrong
+            except Exception as err:  # noqa: BLE001 - the eager prefill is the same computation: slower, not wrong
                 log.warning("CUDA-graph capture of a prefill failed (%s); refills run eagerly from now on", err)
                 self._prefill_graphs = MAX_PREFILL_GRAPHS
                 if not any(k[0] == "prefill" for k in self._graphs):
                     self._prefill_pool = None  # freed with the failed graph (see _drop_graphs)
-                self._prefill_device(*(t.to(self.device) for t in host), spec)
+                self._prefill_device(*_prefill_views(host.to(self.device), rows, width + D), spec)
                 return
-        for buf, t in zip(self._prefill_inputs[key], host):  # the device function writes into ids
-            buf.copy_(t)
+        self._prefill_inputs[key].copy_(host)  # the graph's input buffer (the device function writes ids)
         graph.replay()
 
-    def _capture_prefill(self, key: tuple, host: tuple[torch.Tensor, ...], spec: bool) -> torch.cuda.CUDAGraph:
-        """Capture the prefill of bucket ``key`` on inputs ``host`` (its warm-up runs prefill them)."""
+    def _capture_prefill(self, key: tuple, host: torch.Tensor, spec: bool) -> torch.cuda.CUDAGraph:
+        """Capture the prefill of bucket ``key`` on the packed inputs ``host`` (its warm-up runs
+        prefill them)."""
+        _, rows, width, _ = key
         with self._setup_time():
-            inputs = tuple(t.to(self.device) for t in host)
+            buf = host.to(self.device)
+            views = _prefill_views(buf, rows, width + self.num_drafts)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # lazy inits and compilations outside the capture
                 for _ in range(2):
-                    for buf, t in zip(inputs, host):
-                        buf.copy_(t)
-                    self._prefill_device(*inputs, spec)
+                    buf.copy_(host)
+                    self._prefill_device(*views, spec)
             torch.cuda.current_stream(self.device).wait_stream(side)
             if self._prefill_pool is None:  # not the steps' pool: a failed capture here cannot free theirs
                 self._prefill_pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._prefill_pool, capture_error_mode="thread_local"):
-                self._prefill_device(*inputs, spec)
-        self._prefill_inputs[key] = inputs
+                self._prefill_device(*views, spec)
+        self._prefill_inputs[key] = buf
         self._graphs[key] = graph
         self._captures += 1
         self._prefill_graphs += 1
         return graph
 
     def _prefill_bucket(self, n: int, P: int) -> tuple[int, int]:
-        """(rows, prompt length) of a refill's graph: row bucket of ``n``, length bucket of ``P``
-        (capped so that the padded prompt and the drafts stay inside the cache)."""
+        """(rows, prompt length) of a refill's graph: row bucket of ``n`` (``n`` without a sink
+        slot), length bucket of ``P`` (capped so that the padded prompt and the drafts stay inside
+        the cache, before its scratch entry)."""
         cap = self._cache.max_len - 1 - self.num_drafts
-        return _row_bucket(n, self.config.batch_size), max(P, _length_bucket(P, cap, start=16))
+        rows = n if self._sink is None else _row_bucket(n, self.config.batch_size)
+        return rows, max(P, _length_bucket(P, cap, start=16))
 
     def _prefill_device(
         self, ids: torch.Tensor, lens: torch.Tensor, sl: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: bool
