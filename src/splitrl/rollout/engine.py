@@ -600,21 +600,27 @@ class RolloutEngine:
             saved = self._state.snapshot()
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # warm-up (lazy inits) outside the capture; its writes are undone
-                fn()
-                fn()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: with placement=colocated the train step runs in another thread of this
-            # process; under the default "global" mode its allocations invalidated the capture
-            # (cudaErrorStreamCaptureInvalidated on 2 H200s, async s=1)
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                fn()
+            graph = self._capture(fn, fn, self._pool)  # the warm-up's writes are undone below
             self._state.restore(saved)
         self._graphs[key] = graph
         self._captures += 1
+        return graph
+
+    def _capture(self, warmup, body, pool) -> torch.cuda.CUDAGraph:
+        """A CUDA graph of ``body()`` in memory pool ``pool``, after ``warmup()`` ran twice on a
+        side stream (lazy initializations and compilations stay outside the capture)."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            warmup()
+            warmup()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: with placement=colocated the train step runs in another thread of this
+        # process; under the default "global" mode its allocations invalidated the capture
+        # (cudaErrorStreamCaptureInvalidated on 2 H200s, async s=1)
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            body()
         return graph
 
     @contextmanager
@@ -703,18 +709,14 @@ class RolloutEngine:
         with self._setup_time():
             buf = host.to(self.device)
             views = _prefill_views(buf, rows, width + self.num_drafts)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # lazy inits and compilations outside the capture
-                for _ in range(2):
-                    buf.copy_(host)
-                    self._prefill_device(*views, spec)
-            torch.cuda.current_stream(self.device).wait_stream(side)
+
+            def warmup() -> None:
+                buf.copy_(host)  # the device function writes into ids
+                self._prefill_device(*views, spec)
+
             if self._prefill_pool is None:  # not the steps' pool: a failed capture here cannot free theirs
                 self._prefill_pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._prefill_pool, capture_error_mode="thread_local"):
-                self._prefill_device(*views, spec)
+            graph = self._capture(warmup, lambda: self._prefill_device(*views, spec), self._prefill_pool)
         self._prefill_inputs[key] = buf
         self._graphs[key] = graph
         self._captures += 1
