@@ -268,6 +268,18 @@ def test_eval_count_flags_and_output_path_are_checked_before_sampling(tmp_path, 
         assert main(["eval", str(tmp_path / "run"), "--output", str(bad)]) == 2
         assert why in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # no probe file left behind
+    # an existing file (a new user wrote over the run's metrics.jsonl, which then broke its resume)
+    assert main(["eval", str(tmp_path / "run"), "--output", str(tmp_path / "a_file")]) == 2
+    assert "exists; give a new file name, or pass --overwrite" in capsys.readouterr().err
+    assert (tmp_path / "a_file").read_text() == "x"
+
+
+def test_config_given_twice_is_refused(capsys):
+    """A second --config replaced the first without a word (the first file's settings were lost)."""
+    for argv in (["train", "--config", "a.yaml", "--config", "b.yaml"], ["eval", "x", "--config", "a", "--config", "b"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and "--config given twice" in capsys.readouterr().err
 
 
 def test_correct_threshold_outside_the_reward_range_is_refused(capsys):

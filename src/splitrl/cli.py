@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     from splitrl import __version__
-    from splitrl.cli_eval import add_eval_commands
+    from splitrl.cli_eval import OnlyOnce, add_eval_commands
     from splitrl.config_help import TRAIN_EPILOG, print_reference
 
     parser = argparse.ArgumentParser(prog="splitrl", description="Asynchronous GRPO with MTP heads")
@@ -40,7 +40,7 @@ def _main(argv: list[str] | None) -> int:
         epilog=TRAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    t.add_argument("--config", help="YAML run config (see examples/)")
+    t.add_argument("--config", action=OnlyOnce, help="YAML run config (see examples/)")
     t.add_argument("overrides", nargs="*", help="key.path=value, e.g. num_steps=50 model.mtp.mtp_num_layers=2")
     t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     # overrides may stand before or after --config: argparse leaves the later ones unparsed

@@ -204,7 +204,7 @@ def run_eval(args: argparse.Namespace) -> int:
             f"--k {','.join(map(str, too_big))} exceeds --num-samples {args.num_samples}: pass@k needs k samples per "
             "prompt; raise --num-samples or lower --k"
         )
-    out = _writable_output(args.output) if args.output else None  # before minutes of sampling, not after
+    out = _writable_output(args.output, args.overwrite) if args.output else None  # before minutes of sampling
     config, trained_task, policy_dir, model, tokenizer = load_policy_and_config(args)
     task = make_task(config.task)
     start, why = heldout_start(task.num_prompts, config, trained_task, args.start_index)
@@ -267,7 +267,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="run output dir, checkpoint dir (step_*), policy/ dir or Hugging Face model dir")
     p.add_argument("overrides", nargs="*", help="key.path=value changes to the run config, e.g. task.path=test.jsonl")
-    p.add_argument("--config", help="run config to use instead of the run_config.json beside the checkpoint")
+    p.add_argument("--config", action=OnlyOnce, help="run config to use instead of the run_config.json beside the checkpoint")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", choices=["fp32", "bf16"], help="default: the run's rollout_dtype")
     p.add_argument("--seed", type=int, default=0, help="seed of the samples (sample j of prompt i: seed, i, j)")
@@ -299,7 +299,9 @@ def add_eval_commands(sub) -> None:
     e.add_argument("--start-index", type=_non_negative, help="first prompt index (default: the first the run never drew)")
     e.add_argument("--correct-threshold", type=_threshold, default=1.0,
                    help="reward >= this counts as correct (0 < t <= 1: rewards lie in [0, 1])")
-    e.add_argument("--output", help="JSONL file: a metrics line, then one line per sample")
+    e.add_argument("--output", help="JSONL file: a metrics line, then one line per sample (a new file; missing "
+                   "folders are created)")
+    e.add_argument("--overwrite", action="store_true", help="let --output replace an existing file")
     e.set_defaults(run=_guarded(run_eval))
 
 
@@ -336,17 +338,21 @@ def _int_at_least(text: str, low: int) -> int:
     return value
 
 
-def _writable_output(path: str) -> Path:
+def _writable_output(path: str, overwrite: bool = False) -> Path:
     """``--output``: refuse a path the results could not be written to, before any evaluation runs.
 
     Raises:
-        ValueError: the path is a directory, or its folder cannot be created or written to.
+        ValueError: the path is a directory, an existing file (without ``overwrite``; a new user
+            replaced a run's own metrics.jsonl, and the run then could not resume), or its folder
+            cannot be created or written to.
     """
     import tempfile
 
     out = Path(path)
     if out.is_dir():
         raise ValueError(f"--output {path} is a directory; give a file name (e.g. {out / 'eval.jsonl'})")
+    if out.exists() and not overwrite:
+        raise ValueError(f"--output {path} exists; give a new file name, or pass --overwrite to replace it")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"):
@@ -365,6 +371,15 @@ def _pass_at_ks(text: str) -> list[int]:
     if not ks or min(ks) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 1,4,8, got {text!r}")
     return ks
+
+
+class OnlyOnce(argparse.Action):
+    """An option that may be given once: a second ``--config`` used to replace the first silently."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice; pass one file (put the other's settings in it, or as key=value)")
+        setattr(namespace, self.dest, values)
 
 
 def _guarded(fn):

@@ -47,8 +47,8 @@ class GenerationConfig(BaseModel):
         if not value > 0.0:
             raise ValueError(
                 f"temperature must be > 0 (logprobs are of softmax(logits / T)), got {value}; "
-                "for greedy decoding (evaluation, `splitrl generate`) keep a temperature > 0 and set top_k=1; "
-                "training samples (top_k=1 would give every sample of a group the same response)"
+                "for greedy decoding use `splitrl generate/eval --greedy` (or top_k=1 with any temperature > 0); "
+                "training needs T > 0 and top_k != 1 (else every sample of a group is the same response)"
             )
         if value == float("inf"):
             # logits / inf = 0: every token equally likely whatever the model says, and every
