@@ -88,6 +88,8 @@ def test_splitrl_config_prints_filtered_keys(capsys):
     assert main(["config", "mtp_num_layers"]) == 0
     out = [line for line in capsys.readouterr().out.splitlines() if line]
     assert out == ["  model.mtp.mtp_num_layers (int) = 1  # D; 0 disables MTP entirely"]
+    assert main(["config", "MTP_Num_Layers"]) == 0  # case ignored (`config MTP` found nothing)
+    assert [line for line in capsys.readouterr().out.splitlines() if line] == out
     assert main(["config", "no_such_key_anywhere"]) == 1
 
 

@@ -334,7 +334,7 @@ every key with its type, default and meaning: splitrl config [FILTER]   (e.g. sp
 
 def print_reference(filter_text: str | None = None) -> int:
     """``splitrl config``: print every key of the run config (those whose path contains
-    ``filter_text``, when given) with its type, the run's default and its documentation."""
+    ``filter_text``, case ignored, when given) with its type, the run's default and its documentation."""
     from splitrl._lazy import deferred_import_checks
     from splitrl.config import RunConfig
 
@@ -342,7 +342,8 @@ def print_reference(filter_text: str | None = None) -> int:
         defaults = RunConfig().model_dump(mode="json")
     keys = config_keys(RunConfig, defaults)
     if filter_text:
-        keys = [k for k in keys if filter_text in k.path and not k.type.startswith("section")]
+        wanted = filter_text.lower()  # `splitrl config MTP` found nothing: keys are lower case
+        keys = [k for k in keys if wanted in k.path.lower() and not k.type.startswith("section")]
         if not keys:
             print(f"no config key contains {filter_text!r}; run `splitrl config` for all of them")
             return 1
