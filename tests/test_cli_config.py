@@ -217,3 +217,11 @@ def test_a_misspelt_environment_setting_is_a_one_line_error(tmp_path):
     assert res.returncode == 2, res.stderr[-2000:]
     assert "SPLITRL_DECODE_ATTENTION='trition': use one of triton, flash" in res.stderr
     assert "Traceback" not in res.stderr and not out.exists()
+
+
+def test_print_config_checks_the_model_keys(capsys):
+    """`--print-config model.backbone.hiden_size=32` printed the typo with exit 0 (only a run caught it)."""
+    assert main(["train", "--print-config", "model.backbone.hiden_size=32"]) == 2
+    assert "model.backbone.hiden_size is not a key of the qwen3 config (did you mean 'hidden_size'?)" in capsys.readouterr().err
+    assert main(["train", "--print-config", "model.backbone.hidden_size=32"]) == 0
+    assert "hidden_size: 32" in capsys.readouterr().out

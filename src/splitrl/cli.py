@@ -77,6 +77,14 @@ def _main(argv: list[str] | None) -> int:
     if args.print_config:
         import yaml
 
+        from splitrl.controller.checks import model_hf_config
+
+        try:  # the model's own keys too (transformers keeps a misspelt one silently)
+            model_hf_config(config)
+        except ValueError as e:
+            print(f"splitrl: {e}", file=sys.stderr)
+            return 2
+
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
         return 0
     try:
