@@ -685,22 +685,27 @@ class RolloutEngine:
         sl = torch.tensor(list(slots) + [self._sink] * pad, dtype=torch.int64)
         lo, hi = seed_words(list(seeds) + [seeds[0]] * pad, torch.device("cpu"))
         host = torch.cat([ids.view(-1), lens, sl, lo, hi])  # one copy to the device
-        if key is None or not self.use_cuda_graphs:
+        graph = self._prefill_graph(key, host, spec) if key is not None and self.use_cuda_graphs else None
+        if graph is None:
             self._prefill_device(*_prefill_views(host.to(self.device), rows, width + D), spec)
             return
-        graph = self._graphs.get(key)
-        if graph is None:
-            try:
-                graph = self._capture_prefill(key, host, spec)
-            except Exception as err:  # noqa: BLE001 - the eager prefill is the same computation: slower, not wrong
-                log.warning("CUDA-graph capture of a prefill failed (%s); refills run eagerly from now on", err)
-                self._prefill_graphs = MAX_PREFILL_GRAPHS
-                if not any(k[0] == "prefill" for k in self._graphs):
-                    self._prefill_pool = None  # freed with the failed graph (see _drop_graphs)
-                self._prefill_device(*_prefill_views(host.to(self.device), rows, width + D), spec)
-                return
         self._prefill_inputs[key].copy_(host)  # the graph's input buffer (the device function writes ids)
         graph.replay()
+
+    def _prefill_graph(self, key: tuple, host: torch.Tensor, spec: bool) -> torch.cuda.CUDAGraph | None:
+        """The graph of bucket ``key``, captured now if new; None if the capture fails (refills run
+        eagerly from then on: the same computation, slower)."""
+        graph = self._graphs.get(key)
+        if graph is not None:
+            return graph
+        try:
+            return self._capture_prefill(key, host, spec)
+        except Exception as err:  # noqa: BLE001 - any failure: the eager prefill is not wrong
+            log.warning("CUDA-graph capture of a prefill failed (%s); refills run eagerly from now on", err)
+            self._prefill_graphs = MAX_PREFILL_GRAPHS
+            if not any(k[0] == "prefill" for k in self._graphs):
+                self._prefill_pool = None  # freed with the failed graph (see _drop_graphs)
+            return None
 
     def _capture_prefill(self, key: tuple, host: torch.Tensor, spec: bool) -> torch.cuda.CUDAGraph:
         """Capture the prefill of bucket ``key`` on the packed inputs ``host`` (its warm-up runs

@@ -55,7 +55,6 @@ def _flash_decode_available() -> bool:
     )
 
 
-
 def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
     """The value of environment variable ``name`` among ``choices`` (case and surrounding spaces
     ignored; unset or empty: ``default``). Raises ValueError naming the choices for any other value:
@@ -64,6 +63,7 @@ def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
     if value not in choices:
         raise ValueError(f"{name}={value!r}: use one of {', '.join(choices)} (or leave it unset)")
     return value
+
 
 # Backbone decode steps on CUDA (fp16 / bf16, sm80+, head dim a multiple of 8 up to 256) read each
 # row up to its own length with the flash varlen kernel; SPLITRL_FLASH_DECODE=0 keeps the masked
