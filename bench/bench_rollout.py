@@ -141,10 +141,9 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
-    for name in ("init_range", "hbm_tb_s"):
-        if name == "hbm_tb_s" and args.hbm_tb_s is None:
-            args.hbm_tb_s = 4.3 if args.device == "cuda" else None  # an H200 figure means nothing for a CPU
-            continue
+    if args.hbm_tb_s is None and args.device == "cuda":
+        args.hbm_tb_s = 4.3  # the H200's; a CPU run gets no roofline unless given one
+    for name in ("init_range", "hbm_tb_s") if args.hbm_tb_s is not None else ("init_range",):
         if not 0 < getattr(args, name) < float("inf"):
             p.error(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
     if not 0 < args.ragged_mean_len < float("inf"):
@@ -202,7 +201,7 @@ def sync(device: str) -> None:
 
 
 def _percent(tokens_per_s: float, roof: float | None) -> str:
-    """``tokens_per_s`` as a share of the roofline, 6 characters ("  n/a" without one)."""
+    """``tokens_per_s`` as a share of the roofline, 6 characters ("   n/a" without one)."""
     return "   n/a" if roof is None else f"{100 * tokens_per_s / roof:>5.1f}%"
 
 
@@ -567,11 +566,12 @@ def main(argv: list[str] | None = None) -> None:
         )
     baselines = [b for b in args.baselines.split(",") if b]
     context = args.prompt_len + args.new_tokens / 2
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     bandwidth = args.hbm_tb_s * 1e12 if args.hbm_tb_s is not None else None
     cols = ["plain"] + ([] if args.no_graph_column else ["no-graph"]) + (["spec"] if args.speculative else [])
     print(f"{'batch':>5} {'roofline':>9} " + " ".join(f"{c + ' tok/s (%roof)':>24}" for c in cols) + "  notes")
     common = dict(temperature=args.temperature, top_k=args.top_k, max_new_tokens=args.new_tokens, stop_token_ids=[])
-    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+    for batch in batch_sizes:
         t_start = time.perf_counter()
         step_bytes, roof = roofline(model, batch, context, bandwidth)
         prompts, seeds = prompts_for(model, batch, args.prompt_len), list(range(batch))
@@ -619,7 +619,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"attention timing failed: {err!r}", flush=True)
     try:
         if args.profile:
-            for batch in [int(b) for b in args.batch_sizes.split(",")]:
+            for batch in batch_sizes:
                 profile_decode(model, args, batch, args.profile)
                 if args.speculative:
                     profile_decode(model, args, batch, args.profile, speculative=True)
@@ -632,7 +632,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"ragged scenario failed: {err!r}", flush=True)
     # transformers' generate last (its compilation takes minutes): same model, prompts and lengths
     for b in baselines:
-        for batch in [int(x) for x in args.batch_sizes.split(",")]:
+        for batch in batch_sizes:
             t0 = time.perf_counter()
             prompts = prompts_for(model, batch, args.prompt_len)
             tps = measure_hf(model, prompts, args.new_tokens, b == "hf-static", 1, args.device)
