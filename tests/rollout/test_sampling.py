@@ -100,3 +100,20 @@ def test_two_level_race_on_a_larger_vocabulary():
     observed = torch.cat([counts[big], counts[~big].sum()[None]])
     expected = torch.cat([probs[big] * n, (probs[~big].sum() * n)[None]])
     assert _chi2_pvalue(observed, expected) > 1e-3
+
+
+def test_draw_upcasts_a_bf16_head_output_itself():
+    """At T = 1 the engine hands the head's bf16 logits to the sampler (the upcast happens inside
+    its compiled kernels): tokens and logprob bits equal those of the fp32 logits."""
+    from splitrl.rollout.sampling import column_keys, draw_with_logprobs, seed_words
+
+    g = torch.Generator().manual_seed(5)
+    V, N = 1000, 6
+    logits = (torch.randn(N, V, generator=g) * 3).to(torch.bfloat16)
+    lo, hi = seed_words(list(range(N)), torch.device("cpu"))
+    counter = torch.arange(N)
+    keys = column_keys(V, torch.device("cpu"))
+    for top_k, top_p in ((0, 1.0), (20, 0.9)):
+        y16, lp16 = draw_with_logprobs(logits, lo, hi, counter, top_k, top_p, keys)
+        y32, lp32 = draw_with_logprobs(logits.float(), lo, hi, counter, top_k, top_p, keys)
+        assert lp16.dtype == torch.float32 and torch.equal(y16, y32) and torch.equal(lp16, lp32)

@@ -231,7 +231,8 @@ def test_step_index_helpers_equal_their_inline_versions():
 @pytest.mark.parametrize("B,M", [(1, 1), (3, 1), (2, 3)])
 def test_qkv_rope_equals_split_then_qk_rope(dtype, B, M):
     """The decode layer's split + norms + rotary of the fused q/k/v projection, against the separate
-    ops; v comes back contiguous (the cache write views it as [-1, d] without a copy)."""
+    ops; keys and values come back stacked in one contiguous [2, B, M, Hk, d] tensor (the cache
+    writes both with one index_copy_)."""
     from splitrl.rollout import fused
 
     H, Hk, d = 4, 2, 16
@@ -246,8 +247,9 @@ def test_qkv_rope_equals_split_then_qk_rope(dtype, B, M):
         (fused.qkv_norm_rope(qkv, nq, nk, d, qw, kw, 1e-6, cos, sin), fused.qk_norm_rope(q, k, qw, kw, 1e-6, cos, sin)),
         (fused.qkv_rope(qkv, nq, nk, d, cos, sin), fused.qk_rope(q, k, cos, sin)),
     ):
-        assert torch.equal(new[0], ref[0]) and torch.equal(new[1], ref[1]) and torch.equal(new[2], v)
-        assert new[2].is_contiguous()
+        q_new, kv = new
+        assert torch.equal(q_new, ref[0]) and torch.equal(kv[0], ref[1]) and torch.equal(kv[1], v)
+        assert kv.shape == (2, B, M, Hk, d) and kv.is_contiguous()
 
 
 def test_draft_window_default_query_is_p0_plus_accepted():
@@ -364,3 +366,28 @@ def test_compiled_float_helpers_match_eager():
             assert len(eager) == len(comp)
             for e, c in zip(eager, comp):
                 assert e.shape == c.shape and torch.allclose(e, c, atol=1e-5, rtol=1e-5), fn.__name__
+
+
+@pytest.mark.parametrize("position_major", [False, True])
+def test_write_kv_stores_what_write_stores(position_major):
+    """The decode step's single write of stacked keys and values puts every entry where the two
+    separate writes put it (both cache layouts; rows written to slots out of order, with a
+    plan of the MTP depths' kind: explicit slots)."""
+    from splitrl.rollout.kv import StaticKVCache
+
+    g = torch.Generator().manual_seed(7)
+    N, S, Hk, M, d, B, Q = 2, 5, 2, 12, 8, 3, 3
+    caches = [StaticKVCache(N, S, Hk, M, d, torch.float32, "cpu", position_major=position_major) for _ in range(2)]
+    for c in caches:
+        assert c.k.data_ptr() == c.kv.data_ptr() and c.v.data_ptr() == c.kv[1].data_ptr()
+    pos = torch.tensor([[3, 4, 5], [0, 1, 2], [7, 8, 9]])
+    slots = torch.tensor([4, 0, 2])
+    plans = [c.plan(pos, pos, pos, M, slots) for c in caches]
+    k, v = torch.randn(2, B, Q, Hk, d, generator=g)
+    caches[0].write(1, plans[0], k, v)
+    caches[1].write_kv(1, plans[1], torch.stack((k, v)))
+    assert torch.equal(caches[0].kv, caches[1].kv)
+    assert torch.count_nonzero(caches[1].kv) == 2 * B * Q * Hk * d  # written once each, layer 1 only
+    src, dst = torch.tensor([4]), torch.tensor([1])
+    caches[1].move(src, dst)
+    assert torch.equal(caches[1].k[:, 1], caches[1].k[:, 4]) and torch.equal(caches[1].v[:, 1], caches[1].v[:, 4])

@@ -67,11 +67,11 @@ class MTPDrafter:
     def _draw(
         self, hidden_BH: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor, counter: torch.Tensor, depth: int
     ) -> torch.Tensor:
-        logits = F.linear(hidden_BH, self.model.output_weight).float()
+        logits = F.linear(hidden_BH, self.model.output_weight)  # at T = 1 the sampler upcasts it
         if self.temperature != 1.0:
-            logits = logits / self.temperature
+            logits = logits.float() / self.temperature
         if self.probe is not None:
-            self.probe(seed_lo, counter, depth, logits)
+            self.probe(seed_lo, counter, depth, logits.float())
         return self.fwd.k.draw(logits, seed_lo, seed_hi, counter, self.top_k, self.top_p, self._columns)
 
     def prefill(

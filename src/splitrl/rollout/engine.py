@@ -531,9 +531,10 @@ class RolloutEngine:
 
     # ----------------------------------------------------------------------------- device steps
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # Same ops as PolicyModel.forward: head in the model dtype, then fp32, then / T.
-        logits = F.linear(hidden, self.model.output_weight).float()
-        return logits / self.config.temperature if self.config.temperature != 1.0 else logits
+        # Same ops as PolicyModel.forward: head in the model dtype, then fp32, then / T. At T = 1 the
+        # upcast is left to the (compiled) sampler, which reads the head's output directly.
+        logits = F.linear(hidden, self.model.output_weight)
+        return logits.float() / self.config.temperature if self.config.temperature != 1.0 else logits
 
     def _sample(self, logits: torch.Tensor, seed_lo, seed_hi, counter) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and their logprobs, any leading shape (seeds and counters broadcast to it)."""
@@ -759,7 +760,9 @@ class RolloutEngine:
         st.stopped[sl] = stop
         st.out_tokens[sl, 0], st.out_logprobs[sl, 0] = y, lp
         for t in (st.drafted, st.accepted, st.reached_depth, st.accepted_depth):
-            t[sl] = 0
+            # not ``t[sl] = 0``: that copies a CPU scalar tensor to the device, which a CUDA graph
+            # capture refuses (every prefill capture failed on the H200 until 2026-12-01)
+            t.index_fill_(0, sl, 0)
         if spec:
             ids[rows, lens] = y
             drafts, carry = self._drafter.prefill(h, ids, lens, sl, lo, hi)

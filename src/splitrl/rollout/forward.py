@@ -240,14 +240,16 @@ class DecoderForward:
             h, x = self.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)
         qk_norm = hasattr(attn, "q_norm")  # Qwen3
         if hasattr(attn, _FUSED) and prefill_slots is None:
-            # decode: split, norms, rotary and a contiguous v (the cache write's layout) in one function
+            # decode: split, norms, rotary and keys + values stacked (one cache write) in one function
             nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
             qkv = _fused_linear(attn, x)
             if qk_norm:
                 eps = attn.q_norm.variance_epsilon
-                q, k, v = self.k.qkv_norm_rope(qkv, nq, nk, d, attn.q_norm.weight, attn.k_norm.weight, eps, cos, sin)
+                q, kv = self.k.qkv_norm_rope(qkv, nq, nk, d, attn.q_norm.weight, attn.k_norm.weight, eps, cos, sin)
             else:
-                q, k, v = self.k.qkv_rope(qkv, nq, nk, d, cos, sin)
+                q, kv = self.k.qkv_rope(qkv, nq, nk, d, cos, sin)
+            cache.write_kv(index, plan, kv)
+            o = cache.attend(index, q, plan, attn.scaling)
         else:
             if hasattr(attn, _FUSED):
                 nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
@@ -261,12 +263,12 @@ class DecoderForward:
                 q, k = self.k.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, eps, cos, sin)
             else:
                 q, k = self.k.qk_rope(q, k, cos, sin)
-        if prefill_slots is not None:
-            cache.write_prefix(index, prefill_slots, k, v)
-            o = causal_attention(q, k, v, attn.scaling)
-        else:
-            cache.write(index, plan, k, v)
-            o = cache.attend(index, q, plan, attn.scaling)
+            if prefill_slots is not None:
+                cache.write_prefix(index, prefill_slots, k, v)
+                o = causal_attention(q, k, v, attn.scaling)
+            else:
+                cache.write(index, plan, k, v)
+                o = cache.attend(index, q, plan, attn.scaling)
         post = layer.post_attention_layernorm
         h, x = self.k.add_rms_norm(attn.o_proj(o), h, post.weight, post.variance_epsilon)
         mlp = layer.mlp

@@ -61,19 +61,20 @@ def split_heads(qkv: torch.Tensor, nq: int, nk: int, d: int):
 
 def qkv_norm_rope(qkv, nq: int, nk: int, d: int, q_weight, k_weight, eps: float, cos, sin):
     """:func:`qk_norm_rope` on the output of the fused q/k/v projection [B, M, nq + 2 nk], split into
-    heads of ``d``; returns (q, k, v) [B, M, heads, d], v contiguous: the cache write reads it as
-    [-1, d], which would otherwise copy it in a kernel of its own (compiled, the copy can share a
-    kernel with k's norm and rotary, which read the same buffer)."""
+    heads of ``d``; returns (q [B, M, nq / d, d], kv [2, B, M, nk / d, d]): keys and values in one
+    contiguous tensor, so that the cache takes both in one write
+    (:meth:`~splitrl.rollout.kv.StaticKVCache.write_kv`; compiled, the stacking shares the kernel of
+    k's norm and rotary, which read the same buffer)."""
     q, k, v = split_heads(qkv, nq, nk, d)
     q, k = qk_norm_rope(q, k, q_weight, k_weight, eps, cos, sin)
-    return q, k, v.contiguous()
+    return q, torch.stack((k, v))
 
 
 def qkv_rope(qkv, nq: int, nk: int, d: int, cos, sin):
     """:func:`qkv_norm_rope` without the per-head norms (Llama)."""
     q, k, v = split_heads(qkv, nq, nk, d)
     q, k = qk_rope(q, k, cos, sin)
-    return q, k, v.contiguous()
+    return q, torch.stack((k, v))
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

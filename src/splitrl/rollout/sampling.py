@@ -155,7 +155,10 @@ def draw(
     top_p: float,
     column_keys: torch.Tensor,
 ) -> torch.Tensor:
-    """The target-stream token of each row of fp32 ``logits_NV`` after top-k / top-p: int64 [N]."""
+    """The target-stream token of each row of ``logits_NV`` (fp32, or the head's bf16 / fp16 output:
+    upcast here, which compiled is part of the sampler's first kernel instead of a copy of its own)
+    after top-k / top-p: int64 [N]."""
+    logits_NV = logits_NV.float()
     return race_sample(filter_logits(logits_NV, top_k, top_p), seed_lo_N, seed_hi_N, counter_N, STREAM_TARGET, column_keys)
 
 
@@ -170,6 +173,7 @@ def draw_with_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`draw`, plus each token's logprob under the unfiltered softmax(logits) (DESIGN §5):
     (int64 [N], fp32 [N])."""
+    logits_NV = logits_NV.float()
     y = draw(logits_NV, seed_lo_N, seed_hi_N, counter_N, top_k, top_p, column_keys)
     return y, logits_NV.gather(-1, y[:, None]).squeeze(-1) - logits_NV.logsumexp(-1)
 
