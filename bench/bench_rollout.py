@@ -491,9 +491,12 @@ def ragged_scenario(model: PolicyModel, args: argparse.Namespace, spec_ok: bool)
     seeds = list(range(20_000, 20_000 + n))
     base = dict(temperature=args.temperature, max_new_tokens=args.ragged_max_new, stop_token_ids=stops, batch_size=S)
     lines = []
-    for name, spec in (("continuous", False), ("continuous + spec", True)) if spec_ok else (("continuous", False),):
+    runs = [("continuous", False, False)]
+    if spec_ok:  # speculation measured as is, then as a run gets it (the switch-off rule on)
+        runs += [("continuous + spec", True, False), ("+ spec, rules on", True, True)]
+    for name, spec, rules in runs:
         engine = RolloutEngine(model, GenerationConfig(speculative=spec, **base), args.device)
-        engine.speculative_switch_off = False
+        engine.speculative_switch_off = rules
         engine.generate(prompts[:S], seeds[:S])
         sync(args.device)
         t0 = time.perf_counter()
@@ -504,9 +507,14 @@ def ragged_scenario(model: PolicyModel, args: argparse.Namespace, spec_ok: bool)
         extra = ""
         if spec:
             st = engine.last_stats
-            extra = f", acceptance {st.acceptance_rate:.1f}%, switched off at {st.switched_off_at_iteration}"
+            est = "n/a" if st.speculative_speedup is None else f"{st.speculative_speedup:.2f}x"
+            extra = (
+                f", acceptance {st.acceptance_rate:.1f}%, switch-off rule estimate {est}"
+                + (f", switched off at iteration {st.switched_off_at_iteration}" if rules else "")
+            )
         lines.append(f"  splitrl {name:<18} {toks / wall:>10.0f} tok/s ({wall:.2f} s){extra}")
-        lengths = sorted(len(r.response_ids) for r in res)
+        if not spec:
+            lengths = sorted(len(r.response_ids) for r in res)
     # static batching with the same engine: each batch of S waits for its longest sample
     engine = RolloutEngine(model, GenerationConfig(**base), args.device)
     sync(args.device)
