@@ -79,14 +79,15 @@ def reference_sample(
     token c = race_sample(filter(logits / T), seed, c); logprob of the unfiltered softmax(logits / T)."""
     from splitrl.rollout.sampling import STREAM_TARGET, filter_logits, race_sample, seed_words
 
-    lo, hi = seed_words([seed], torch.device("cpu"))
+    device = model.output_weight.device
+    lo, hi = seed_words([seed], device)
     tokens: list[int] = []
     logprobs: list[float] = []
     while True:
-        ids = torch.tensor([prompt + tokens])
+        ids = torch.tensor([prompt + tokens], device=device)
         hidden = model.backbone.model(input_ids=ids).last_hidden_state[:, -1]
         logits = (hidden @ model.output_weight.T).float() / temperature
-        c = torch.tensor([len(tokens)])
+        c = torch.tensor([len(tokens)], device=device)
         y = int(race_sample(filter_logits(logits, top_k, top_p), lo, hi, c, STREAM_TARGET)[0])
         tokens.append(y)
         logprobs.append(float(logits.log_softmax(-1)[0, y]))
