@@ -18,18 +18,16 @@ speedup is a pure speed figure.
     python bench/bench_rollout.py --device cuda --preset qwen3-0.6b --batch-sizes 1,32,256 \\
         --prompt-len 128 --new-tokens 128 --speculative --baselines hf-eager,hf-static --ragged 1024 --check
 
-Measured 2026-12-01 on one H200 (torch 2.11, bf16, `--device cuda --preset qwen3-0.6b --batch-sizes
-1,32,256 --prompt-len 128 --new-tokens 128 --speculative --no-graph-column --attention`), with our
-Triton decode attention (`decode attention triton` in the header): plain 572 / 16,708 / 60,134
-tokens/s at batch 1 / 32 / 256 (16.1 / 23.0 / 37.3 % of the roofline; the flash call the evening
-before: 537 / 13,557 / 42,422); speculative 1.16x / 1.16x / 0.88x plain at 41-44 % acceptance
-(rules on: 1.29x / 1.16x / plain calls 1.00x). `--attention`, one layer, flash vs Triton: batch 32
-x 192 entries 20.7 vs 7.5 us (a verify, Q = 3: 42.6 vs 7.4); batch 1 x 2,048 entries 12.7 vs 34.2 us,
-which is why few long one-query rows stay on the flash call. `SPLITRL_DECODE_ATTENTION=flash` runs
-the flash call everywhere. Later that morning, with refills as CUDA graphs (`--batch-sizes 1,32
---check`): plain 570 / 15,902, speculative 1.52x / 1.18x (acceptance 50.8 / 43.3 %), fp32 check
-2.86e-6 and speculative == plain 6/6. The README's benchmark table has the history (ragged scenario, HF
-baselines, profiles).
+Measured 2026-12-01 (midday) on one H200 (torch 2.11, bf16, `--device cuda --preset qwen3-0.6b
+--batch-sizes 1,32,256 --prompt-len 128 --new-tokens 128 --speculative --no-graph-column --check
+--ragged 1024`): plain 645 / 18,491 / 62,425 tokens/s at batch 1 / 32 / 256 (18.2 / 25.5 / 38.7 % of
+the roofline); speculative 1.56x / 1.15x / 0.94x plain at 44-45 % acceptance (rules on: 1.56x /
+1.18x / plain calls 0.98x); fp32 check 2.86e-6, speculative == plain 6/6. Ragged (`--batch-sizes 1
+--ragged 1024`, warm-up = the timed call): continuous 42.7 k tokens/s, + speculation 47.1 k (1.10x),
+rules on 47.3 k. `--attention` (the day before, one layer, flash call vs our Triton kernel): batch
+32 x 192 entries 20.7 vs 7.5 us (a verify, Q = 3: 42.6 vs 7.4); batch 1 x 2,048 entries 12.7 vs 34.2
+us, which is why few long one-query rows stay on the flash call (`SPLITRL_DECODE_ATTENTION=flash`
+runs it everywhere). The README's benchmark table has the history (HF baselines, profiles).
 """
 
 from __future__ import annotations
