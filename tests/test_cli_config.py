@@ -225,3 +225,14 @@ def test_print_config_checks_the_model_keys(capsys):
     assert "model.backbone.hiden_size is not a key of the qwen3 config (did you mean 'hidden_size'?)" in capsys.readouterr().err
     assert main(["train", "--print-config", "model.backbone.hidden_size=32"]) == 0
     assert "hidden_size: 32" in capsys.readouterr().out
+
+
+def test_a_number_yaml_reads_as_text_gets_a_hint(capsys, tmp_path):
+    """A new user wrote `num_steps: 1e3`: PyYAML reads it as the string "1e3", and the error only
+    said the string is not an integer. Now it says why and what to write."""
+    assert main(["train", "num_steps=2e3", "--print-config"]) == 2
+    assert "num_steps: Input should be a valid integer, unable to parse string as an integer (YAML reads 2e3 as text, not a number: write 2000)" in capsys.readouterr().err
+    path = tmp_path / "run.yaml"
+    path.write_text("num_steps: 1.5E+3x\n")  # not a number at all: no hint
+    assert main(["train", "--config", str(path), "--print-config"]) == 2
+    assert "YAML reads" not in capsys.readouterr().err

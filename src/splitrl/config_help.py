@@ -278,6 +278,19 @@ def _key_path(loc: tuple, model_cls: type[BaseModel]) -> str:
 
 
 # pydantic's location tag of one member of a union of plain types (``float | Literal["auto"]``)
+# PyYAML (YAML 1.1) reads 1e3 and 5e-7 as text: a float needs a dot and a signed exponent (1.0e+3)
+_YAML_TEXT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
+
+
+def _number_hint(value: object) -> str:
+    """" (YAML reads 1e3 as text ...)" for a number in exponent notation that YAML left a string."""
+    if not (isinstance(value, str) and _YAML_TEXT_NUMBER.fullmatch(value.strip())):
+        return ""
+    number = float(value)
+    plain = str(int(number)) if number.is_integer() and abs(number) < 1e15 else repr(number)
+    return f" (YAML reads {value} as text, not a number: write {plain})"
+
+
 _SCALAR_UNION_MEMBER = re.compile(r"constrained-\w+|literal\[.*\]|bool|int|float|str|none|(list|dict|tuple|set)\[.*\]")
 
 
@@ -302,6 +315,7 @@ def explain_validation_error(error: ValidationError, model_cls: type[BaseModel])
         if err["type"] == "value_error":
             # our validators' own messages, without pydantic's "Value error, " prefix
             msg = str(err.get("ctx", {}).get("error", msg.removeprefix("Value error, ")))
+        msg += _number_hint(err.get("input"))
         if err["type"] == "extra_forbidden":
             valid = valid or [k.path for k in config_keys(model_cls)]
             hint = suggest_key(path, valid)
