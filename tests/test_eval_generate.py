@@ -173,6 +173,9 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     assert "no tokenizer files" in capsys.readouterr().err
     assert main(["eval", str(tmp_path / "run"), "task.pat=x"]) == 2
     assert "did you mean task.path?" in capsys.readouterr().err
+    # `generate --greedy -n 3` printed one response per prompt without a word (a new user's trial)
+    assert main(["generate", str(tmp_path / "nowhere"), "-p", "x", "--greedy", "-n", "3"]) == 2
+    assert "--greedy gives one response per prompt" in capsys.readouterr().err
 
 
 def test_sampling_flags_are_validated_like_the_run_config(tmp_path):

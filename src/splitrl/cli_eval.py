@@ -242,6 +242,11 @@ def run_eval(args: argparse.Namespace) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     from splitrl.evaluation import generate_samples
 
+    if args.greedy and args.num_samples > 1:  # checked before stdin is read and the model loaded
+        raise ValueError(
+            f"--greedy gives one response per prompt (greedy decoding is deterministic), not "
+            f"--num-samples {args.num_samples}; drop one of the two flags"
+        )
     prompts = list(args.prompt or [])
     if not prompts:
         prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
