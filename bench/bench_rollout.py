@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import random
 import shlex
 import sys
@@ -159,10 +160,34 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("--device cuda but no CUDA GPU is visible here; use --device cpu")
     if args.attention and args.device != "cuda":
         p.error("--attention times the CUDA kernels: add --device cuda")
+    _check_cache_fits(p, args)
     if args.profile and Path(args.profile).is_dir():
         p.error(f"--profile {args.profile} is a directory; give a file path (the summary is appended to it)")
     if args.profile and not Path(args.profile).resolve().parent.is_dir():
         p.error(f"--profile {args.profile}: its directory does not exist; give a path in an existing directory")
+
+
+def _check_cache_fits(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The largest run's KV cache (slots x (prompt + new tokens) x layers x 2 x kv heads x head dim,
+    the backbone's and the MTP depths') must fit in the device's memory: a huge --prompt-len
+    otherwise ran out of memory after minutes of setup, or swapped the machine."""
+    c = PRESETS[args.preset]
+    elt = 4 if (args.dtype or ("bfloat16" if args.device == "cuda" else "float32")) == "float32" else 2
+    per_token = (c["num_hidden_layers"] + args.mtp_depths) * 2 * c["num_key_value_heads"] * c["head_dim"] * elt
+    runs = [(max(int(b) for b in args.batch_sizes.split(",")), args.prompt_len + args.new_tokens, "--batch-sizes")]
+    if args.ragged:
+        runs.append((args.ragged_batch, args.prompt_len + args.ragged_max_new, "--ragged-batch"))
+    if args.device == "cuda":
+        memory = torch.cuda.get_device_properties(0).total_memory
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for slots, length, flag in runs:
+        need = slots * length * per_token
+        if need > 0.8 * memory:
+            p.error(
+                f"the KV cache of {slots} rows x {length} tokens ({flag}, --prompt-len + new tokens) needs "
+                f"{need / 2**30:.1f} GiB, over 80 % of the {memory / 2**30:.0f} GiB here; lower them"
+            )
 
 
 def build_model(args: argparse.Namespace, dtype: torch.dtype) -> PolicyModel:
