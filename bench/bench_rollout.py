@@ -45,6 +45,7 @@ import torch
 
 from splitrl.models import ModelConfig, MTPConfig, PolicyModel
 from splitrl.rollout import GenerationConfig, RolloutEngine, kv
+from splitrl.rollout.engine import SLOW_SPECULATION_WARNING
 
 PRESETS = {
     "tiny": dict(
@@ -536,7 +537,8 @@ def ragged_scenario(model: PolicyModel, args: argparse.Namespace, spec_ok: bool)
             st = engine.last_stats
             est = "n/a" if st.speculative_speedup is None else f"{st.speculative_speedup:.2f}x"
             extra = (
-                f", acceptance {st.acceptance_rate:.1f}%, switch-off rule estimate {est}"
+                ("" if st.speculative_active else ", a plain call")
+                + f", acceptance {st.acceptance_rate:.1f}%, switch-off rule estimate {est}"
                 + (f", switched off at iteration {st.switched_off_at_iteration}" if rules else "")
             )
         lines.append(f"  splitrl {name:<18} {toks / wall:>10.0f} tok/s ({wall:.2f} s){extra}")
@@ -562,15 +564,19 @@ def ragged_scenario(model: PolicyModel, args: argparse.Namespace, spec_ok: bool)
     print("\n".join(lines), flush=True)
 
 
+def _quiet_speculation_warning(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(SLOW_SPECULATION_WARNING)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     # the table reports the speedups; every other warning (e.g. a failed CUDA-graph capture) shows
-    logging.getLogger("splitrl.rollout.engine").addFilter(
-        lambda record: not record.getMessage().startswith("speculative rollouts estimated")
-    )
+    engine_log = logging.getLogger("splitrl.rollout.engine")
+    if _quiet_speculation_warning not in engine_log.filters:  # main() may run more than once
+        engine_log.addFilter(_quiet_speculation_warning)
     dtype = (
         getattr(torch, args.dtype)
         if args.dtype

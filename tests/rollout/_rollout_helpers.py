@@ -36,8 +36,8 @@ def teacher_forced(
     model: PolicyModel, prompt: list[int], response: list[int], temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs [R] from PolicyModel.forward, logits / T [R, V]) of the response tokens."""
-    ids = torch.tensor([prompt + response])
-    mask = torch.zeros(ids.shape) if model.num_mtp_depths else None
+    ids = torch.tensor([prompt + response], device=model.output_weight.device)
+    mask = torch.zeros(ids.shape, device=ids.device) if model.num_mtp_depths else None
     lp = model(ids, mtp_loss_mask=mask, temperature=temperature).logprobs[0, len(prompt) :]
     hidden = model.backbone.model(input_ids=ids).last_hidden_state[0]
     logits = (hidden @ model.output_weight.T).float() / temperature

@@ -104,8 +104,10 @@ def test_two_level_race_on_a_larger_vocabulary():
 
 def test_draw_upcasts_a_bf16_head_output_itself():
     """At T = 1 the engine hands the head's bf16 logits to the sampler (the upcast happens inside
-    its compiled kernels): tokens and logprob bits equal those of the fp32 logits."""
-    from splitrl.rollout.sampling import column_keys, draw_with_logprobs, seed_words
+    its compiled kernels): tokens and logprob bits equal those of the fp32 logits, for ``draw``
+    (the drafter's) and ``draw_with_logprobs`` (the target's). Eager here; compiled on the GPU the
+    reductions may be ordered differently for a bf16 input: bf16 rounding, as documented."""
+    from splitrl.rollout.sampling import column_keys, draw, draw_with_logprobs, seed_words
 
     g = torch.Generator().manual_seed(5)
     V, N = 1000, 6
@@ -117,3 +119,4 @@ def test_draw_upcasts_a_bf16_head_output_itself():
         y16, lp16 = draw_with_logprobs(logits, lo, hi, counter, top_k, top_p, keys)
         y32, lp32 = draw_with_logprobs(logits.float(), lo, hi, counter, top_k, top_p, keys)
         assert lp16.dtype == torch.float32 and torch.equal(y16, y32) and torch.equal(lp16, lp32)
+        assert torch.equal(draw(logits, lo, hi, counter, top_k, top_p, keys), y32)

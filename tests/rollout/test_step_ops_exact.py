@@ -366,6 +366,8 @@ def test_compiled_float_helpers_match_eager():
             assert len(eager) == len(comp)
             for e, c in zip(eager, comp):
                 assert e.shape == c.shape and torch.allclose(e, c, atol=1e-5, rtol=1e-5), fn.__name__
+            if fn in (fused.qkv_norm_rope, fused.qkv_rope):  # write_kv views the compiled kv as [2, -1, d]
+                assert comp[1].is_contiguous()
 
 
 @pytest.mark.parametrize("position_major", [False, True])

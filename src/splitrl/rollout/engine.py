@@ -74,6 +74,9 @@ SWITCH_MIN_ITERATIONS = 32
 # With both kinds measured, the slower kind of call runs once every this many calls (its speed
 # changes as the MTP heads learn).
 EXPLORE_EVERY = 8
+# The start of the warning that the in-call rule switched speculation off (benchmarks filter it:
+# they report the speedups themselves).
+SLOW_SPECULATION_WARNING = "speculative rollouts estimated"
 # Fuse the elementwise ops of the forward with torch.compile on CUDA (fewer kernel launches).
 COMPILE_KERNELS = os.environ.get("SPLITRL_COMPILE_KERNELS", "1") != "0"
 # Decode-step buckets: rows (slots 0..B-1) and cache prefix lengths.
@@ -921,7 +924,7 @@ class RolloutEngine:
         self._warned_slow = True
         log.log(
             level,
-            "speculative rollouts estimated at %.2fx plain speed (%.2f tokens per verify, acceptance %.1f%%): "
+            SLOW_SPECULATION_WARNING + " at %.2fx plain speed (%.2f tokens per verify, acceptance %.1f%%): "
             "decoding plainly until the next weight sync",
             stats.speculative_speedup,
             per_iter,

@@ -184,6 +184,12 @@ class StaticKVCache:
             A flash cache is position-major, which the kernel needs.
         position_major: the layout, when not chosen by ``flash`` (tests build a position-major
             cache on the CPU; the masked path reads either).
+
+    Attributes:
+        kv: [2, N, S, M, Hk, d] or [2, N, S, Hk, M, d], keys then values in one tensor
+            (:meth:`write_kv` writes both with one copy).
+        k, v: ``kv[0]``, ``kv[1]``: views; modify them in place, never rebind them (CUDA graphs
+            and :meth:`write_kv` hold the storage of ``kv``).
     """
 
     def __init__(
@@ -338,7 +344,8 @@ class StaticKVCache:
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy slots ``src`` [n] to ``dst`` [n] (all layers, all positions)."""
-        self.kv[:, :, dst] = self.kv[:, :, src]
+        for t in (self.k, self.v):  # one at a time: the gathered temporary is half as large
+            t[:, dst] = t[:, src]
 
 
 def flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, causal: bool, scale: float, seqused_k):
