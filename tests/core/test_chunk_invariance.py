@@ -37,6 +37,12 @@ from _utils import (
 from splitrl.loss import LossType
 
 LR = 1e-3
+# AdamW's eps: with the default 1e-8, an entry whose gradient is within rounding of zero gets a
+# first update of ±lr by the sign of that rounding noise, and a summation order that differs by
+# one ulp moved one o_proj entry by 0.077 lr (a CPU of 2026-12-01; the RMS check failed). At 1e-6
+# such entries barely move, and what is compared is the gradients' equality, not that noise
+# (worst entry then 1.2e-4 lr: one fp32 ulp of a weight near 1).
+ADAM_EPS = 1e-6
 STEPS = 3
 
 CASES = [
@@ -67,7 +73,7 @@ CHUNKINGS = {
 def _sync_reference(case, batches, mbs, pack):
     loss_type, D, detach, repeated, _ = case
     model = make_model(D=D, detach=detach, repeated=repeated)
-    w = make_worker(model, lr=LR, mbs=16, pack=False)
+    w = make_worker(model, lr=LR, mbs=16, pack=False, eps=ADAM_EPS)
     grads = capture_grads(w)
     loss = make_loss(loss_type)
     metrics = [w.train(b, loss) for b in batches]
@@ -85,13 +91,15 @@ def test_split_equals_sync(case):
     for name, chunker in CHUNKINGS.items():
         model = make_model(D=D, detach=detach, repeated=repeated)
         # microbatching differs from the reference too: by count, or by a token budget
-        w = make_worker(model, lr=LR, mbs=3, max_tokens=40 if name == "1_7_3_5" else None, pack=pack)
+        w = make_worker(model, lr=LR, mbs=3, max_tokens=40 if name == "1_7_3_5" else None, pack=pack, eps=ADAM_EPS)
         grads = capture_grads(w)
         metrics = run_split(w, make_loss(loss_type), [chunker(b) for b in batches])
         for i, (g, rg) in enumerate(zip(grads, ref_grads)):
             assert_grads_close(g, rg, floor=1e-5 if i == 0 else 3e-4)
         assert_params_close(params(w.model), ref_params, LR)
-        assert_optim_close(optim_state(w), ref_opt)
+        # the floor the gradients of steps 2.. pass with: on the CPU of 2026-12-01 one exp_avg_sq entry
+        # of sequence_level-D2-att-dist-pack was off by 3.2e-4 of the max (the old 3e-4 failed there)
+        assert_optim_close(optim_state(w), ref_opt, floor=3e-4)
         for m, rm in zip(metrics, ref_metrics):
             assert_metrics_close(m, rm)
         assert w.scheduler.last_epoch == ref_w.scheduler.last_epoch == STEPS
