@@ -480,14 +480,12 @@ def _graph_time(fn, calls: int = 20, replays: int = 10) -> float:
     return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
-def ragged_scenario(model: PolicyModel, args: argparse.Namespace, spec_ok: bool) -> None:
-    """1,024-ish samples whose lengths are set by stop tokens: a set of tokens whose mean
-    probability under the model (softmax(logits / T) averaged over the positions of 16 sampled
-    sequences) sums to ~1 / mean_len, so a sampled token stops with that probability on average and
-    the per-context variation gives a long tail. (Counting tokens in a probe does not work for a
-    random-init model: its distribution is nearly flat over 152 k tokens, so a probe sees each
-    token about once and the chosen set stops almost nothing.)"""
-    n, S = args.ragged, args.ragged_batch
+def ragged_stop_ids(model: PolicyModel, args: argparse.Namespace) -> list[int]:
+    """Stop tokens whose mean probability under the model (softmax(logits / T) averaged over the
+    positions of 16 sampled sequences) sums to ~1 / ``--ragged-mean-len``, so a sampled token stops
+    with that probability on average and the per-context variation gives a long tail. (Counting
+    tokens in a probe does not work for a random-init model: its distribution is nearly flat over
+    152 k tokens, so a probe sees each token about once and the chosen set stops almost nothing.)"""
     probe = RolloutEngine(
         model, GenerationConfig(temperature=args.temperature, max_new_tokens=256, batch_size=16), args.device
     ).generate(prompts_for(model, 16, args.prompt_len, seed=7), list(range(16)))
@@ -511,6 +509,14 @@ def ragged_scenario(model: PolicyModel, args: argparse.Namespace, spec_ok: bool)
         mass += p_t
         if mass > 0.98 * target:
             break
+    return stops
+
+
+def ragged_scenario(model: PolicyModel, args: argparse.Namespace, spec_ok: bool) -> None:
+    """1,024-ish samples whose lengths are set by stop tokens (:func:`ragged_stop_ids`): continuous
+    batching, with and without speculation, against static batches of the same slots."""
+    n, S = args.ragged, args.ragged_batch
+    stops = ragged_stop_ids(model, args)
     prompts = prompts_for(model, n, args.prompt_len, seed=8)
     seeds = list(range(20_000, 20_000 + n))
     base = dict(temperature=args.temperature, max_new_tokens=args.ragged_max_new, stop_token_ids=stops, batch_size=S)

@@ -36,3 +36,25 @@ def test_roofline_only_where_a_bandwidth_applies():
     parse = load_bench("bench_rollout").parse_args
     assert parse(["--device", "cpu"]).hbm_tb_s is None
     assert parse(["--device", "cpu", "--hbm-tb-s", "0.2"]).hbm_tb_s == 0.2
+
+
+def test_profile_timeline_counts_kernels_gaps_and_per_forward_time(tmp_path):
+    """bench/profile_rollout.py's trace summary: busy time, the idle gaps over 20 us and the kernel
+    they follow (overlapping kernels leave no gap), and time / launches per forward."""
+    import json
+
+    trace = {"traceEvents": [
+        {"cat": "kernel", "name": "gemm", "ts": 0, "dur": 100},
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 100, "dur": 10},
+        {"cat": "kernel", "name": "gemm", "ts": 510, "dur": 100},  # 400 us idle after the copy
+        {"cat": "kernel", "name": "norm", "ts": 600, "dur": 30},  # overlaps gemm: no gap
+        {"cat": "kernel", "name": "norm", "ts": 640, "dur": 10},  # 10 us: under the threshold
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},  # host events are ignored
+    ]}  # fmt: skip
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(trace))
+    lines = load_bench("profile_rollout").timeline(str(path), forwards=2, top=5)
+    assert lines[0] == "  GPU span 0.7 ms, kernels 0.2 ms (38% busy); 1 gaps > 20 us totalling 0.4 ms", lines
+    assert lines[1] == "  gaps after (ms): Memcpy DtoH 0.40"
+    assert lines[3].split() == ["100.0", "1.00", "gemm"] and lines[4].split() == ["20.0", "1.00", "norm"]
+    assert lines[5].split() == ["5.0", "0.50", "Memcpy", "DtoH"]

@@ -1,0 +1,236 @@
+"""Where a rollout call's time goes: the GPU timeline of whole ``generate`` calls, plain and
+speculative, and the call's phases.
+
+For each batch size and kind (plain, speculative with the switch-off rule off), after warm-up calls
+(CUDA-graph captures, compilations) on the same engine:
+
+- ``walls``: three unprofiled calls, ms;
+- one call under torch.profiler: its GPU span, the summed kernel time, the idle gaps between
+  kernels (count and total over 20 us, and the kernels they follow: a host sync shows as a gap
+  after "Memcpy DtoH", an eager prefill as gaps between its GEMMs), the decode chunks the engine
+  ran (rows bucket, cache bucket, steps), and the top kernels per decode forward (us and launches
+  per forward: a speculative forward is one verify);
+- with ``--phases``: one more call with a synchronize around each phase (prefills, decode chunks,
+  collections of finished rows, compactions): seconds and counts, and the rest.
+
+The profiled call is slower than the unprofiled ones (the profiler's host overhead widens the
+gaps); compare kinds within a run. On a CPU there are no kernels: only walls, chunks and phases.
+
+    python bench/profile_rollout.py --device cuda --preset qwen3-0.6b --batch-sizes 1,32 --phases
+    python bench/profile_rollout.py --device cuda --preset qwen3-0.6b --ragged 1024 --phases   # the ragged call
+
+Measured with the scripts this was made from (2026-12-01, one H200, main at a68e047, batch 32,
+prompt 128 + 128): plain 248 ms a call, 209 ms of kernels for 127 forwards (1.65 ms each),
+prefill gaps of 22 ms (eager prefills: the prefill graphs failed to capture then); speculative
+220 ms, 181 ms of kernels for 77 verifies; per forward the decode attention 307 / 321 us, the KV
+writes 160 / 180 us (58 / 63 launches, two a layer then), the draft heads' output layer 150 us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shlex
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import bench_rollout as br  # noqa: E402
+
+from splitrl.rollout import GenerationConfig, RolloutEngine  # noqa: E402
+
+GAP_US = 20.0  # idle stretches longer than this are listed
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--preset", default="tiny", choices=sorted(br.PRESETS))
+    p.add_argument("--batch-sizes", default="1,32", type=br._batch_sizes, help="comma list of positive ints")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--train-mtp-steps", type=int, default=200, help="MTP warm-up steps (acceptance as in the bench)")
+    p.add_argument("--ragged", type=int, default=0, help="profile the bench's ragged call of this many samples instead")
+    p.add_argument("--phases", action="store_true", help="also time the phases of one call (synchronized)")
+    p.add_argument("--top", type=int, default=20, help="kernels listed per call")
+    args = p.parse_args(argv)
+    for name in ("prompt_len", "new_tokens", "top"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("train_mtp_steps", "ragged"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but no CUDA GPU is visible here; use --device cpu")
+    return args
+
+
+def bench_args(args: argparse.Namespace) -> argparse.Namespace:
+    """bench_rollout's settings for the same model, lengths and MTP warm-up."""
+    argv = ["--device", args.device, "--preset", args.preset, "--batch-sizes", args.batch_sizes, "--speculative",
+            "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+            "--train-mtp-steps", str(args.train_mtp_steps)]  # fmt: skip
+    if args.ragged:
+        argv += ["--ragged", str(args.ragged)]
+    return br.parse_args(argv)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timeline(trace_path: str, forwards: int, top: int) -> list[str]:
+    """Summary lines of a chrome trace: GPU span, kernel sum, gaps, top kernels per forward."""
+    events = json.load(open(trace_path))["traceEvents"]
+    device = sorted(
+        (e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"]
+    )
+    if not device:
+        return ["  no device kernels in the trace (a CPU run)"]
+    busy, end, after = 0.0, None, ""
+    gaps: list[tuple[float, str]] = []
+    for e in device:
+        start, dur = e["ts"], e.get("dur", 0)
+        if end is not None and start > end:
+            gaps.append((start - end, after))
+        busy += dur
+        if end is None or start + dur > end:
+            end, after = start + dur, e["name"][:60]
+    span = end - device[0]["ts"]
+    big = [g for g in gaps if g[0] > GAP_US]
+    by_follower = collections.Counter()
+    for g, name in big:
+        by_follower[name] += g
+    time_by, count_by = collections.Counter(), collections.Counter()
+    for e in device:
+        time_by[e["name"][:80]] += e.get("dur", 0)
+        count_by[e["name"][:80]] += 1
+    n = max(1, forwards)
+    lines = [
+        f"  GPU span {span / 1e3:.1f} ms, kernels {busy / 1e3:.1f} ms ({100 * busy / span:.0f}% busy); "
+        f"{len(big)} gaps > {GAP_US:.0f} us totalling {sum(g for g, _ in big) / 1e3:.1f} ms",
+        "  gaps after (ms): " + ", ".join(f"{name} {g / 1e3:.2f}" for name, g in by_follower.most_common(6)),
+        f"  top kernels, us and launches per forward ({forwards} forwards):",
+    ]
+    lines += [f"    {t / n:8.1f} {count_by[k] / n:6.2f}  {k}" for k, t in time_by.most_common(top)]
+    return lines
+
+
+class _Phases:
+    """Wraps an engine's phase methods with a synchronize and a clock (instance attributes only)."""
+
+    def __init__(self, engine: RolloutEngine, device: str):
+        self.seconds: collections.Counter = collections.Counter()
+        self.calls: collections.Counter = collections.Counter()
+        for attr, name in (("_prefill", "prefills"), ("_run_steps", "decode chunks"),
+                           ("_collect", "collections"), ("_compact", "compactions")):  # fmt: skip
+            setattr(engine, attr, self._timed(getattr(engine, attr), name, device, generator=attr == "_collect"))
+
+    def _timed(self, fn, name: str, device: str, generator: bool):
+        def run(*a, **k):
+            sync(device)
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            if generator:
+                out = list(out)  # the collection's device reads happen when it is consumed
+            sync(device)
+            self.seconds[name] += time.perf_counter() - t0
+            self.calls[name] += 1
+            return iter(out) if generator else out
+
+        return run
+
+
+def profile_call(model, args, label: str, cfg: GenerationConfig, prompts, seeds, out: list[str]) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = RolloutEngine(model, cfg, args.device)
+    engine.speculative_switch_off = False
+    chunks: list[tuple[int, int, int]] = []
+    run_steps = engine._run_steps
+
+    def recording(kind, B, L, n):
+        chunks.append((B, L, n))
+        return run_steps(kind, B, L, n)
+
+    engine._run_steps = recording
+    for _ in range(2):  # captures, compilations
+        engine.generate(prompts, seeds)
+    walls = []
+    for _ in range(3):
+        sync(args.device)
+        t0 = time.perf_counter()
+        engine.generate(prompts, seeds)
+        sync(args.device)
+        walls.append(1e3 * (time.perf_counter() - t0))
+    chunks.clear()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        sync(args.device)
+        t0 = time.perf_counter()
+        engine.generate(prompts, seeds)
+        sync(args.device)
+        wall = 1e3 * (time.perf_counter() - t0)
+    st = engine.last_stats
+    accepted = f", acceptance {st.acceptance_rate:.1f}%" if cfg.speculative else ""
+    out.append(
+        f"== {label}: walls {', '.join(f'{w:.1f}' for w in walls)} ms; profiled call {wall:.1f} ms, "
+        f"{st.num_forwards} forwards{accepted}; {len(chunks)} decode chunks (rows, cache, steps): "
+        + " ".join(f"{b}/{length}/{n}" for b, length, n in chunks)
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        out.extend(timeline(path, st.num_forwards, args.top))
+    if args.phases:
+        phases = _Phases(engine, args.device)
+        sync(args.device)
+        t0 = time.perf_counter()
+        engine.generate(prompts, seeds)
+        sync(args.device)
+        wall = time.perf_counter() - t0
+        parts = ", ".join(f"{k} {v:.3f} s / {phases.calls[k]}" for k, v in phases.seconds.items())
+        out.append(f"  phases (synchronized call, {wall:.3f} s): {parts}; rest {wall - sum(phases.seconds.values()):.3f} s")
+    print("\n".join(out), flush=True)
+    out.clear()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    print(f"command: python bench/profile_rollout.py {shlex.join(argv)}", flush=True)
+    bargs = bench_args(args)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = br.build_model(bargs, dtype)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if args.train_mtp_steps:
+        hit, _ = br.train_mtp_heads(model, bargs, args.train_mtp_steps)
+        print(f"MTP warm-up: {args.train_mtp_steps} steps, teacher-forced depth-1 top-1 agreement {hit:.1f}%", flush=True)
+    out: list[str] = []
+    if args.ragged:
+        stops = br.ragged_stop_ids(model, bargs)
+        prompts = br.prompts_for(model, args.ragged, args.prompt_len, seed=8)
+        seeds = list(range(20_000, 20_000 + args.ragged))
+        base = dict(temperature=1.0, max_new_tokens=bargs.ragged_max_new, stop_token_ids=stops, batch_size=bargs.ragged_batch)
+        for spec in (False, True):
+            label = f"ragged {args.ragged} samples, {bargs.ragged_batch} slots, {'speculative' if spec else 'plain'}"
+            profile_call(model, args, label, GenerationConfig(speculative=spec, **base), prompts, seeds, out)
+        return
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        prompts, seeds = br.prompts_for(model, batch, args.prompt_len), list(range(batch))
+        for spec in (False, True):
+            cfg = GenerationConfig(
+                temperature=1.0, max_new_tokens=args.new_tokens, batch_size=batch, speculative=spec, stop_token_ids=[]
+            )
+            profile_call(model, args, f"batch {batch}, {'speculative' if spec else 'plain'}", cfg, prompts, seeds, out)
+
+
+if __name__ == "__main__":
+    main()
