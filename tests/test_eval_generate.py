@@ -176,6 +176,8 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     # `generate --greedy -n 3` printed one response per prompt without a word (a new user's trial)
     assert main(["generate", str(tmp_path / "nowhere"), "-p", "x", "--greedy", "-n", "3"]) == 2
     assert "--greedy gives one response per prompt" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path / "nowhere"), "-p", "x", "--greedy", "--temperature", "0.5", "--top-k", "5"]) == 2
+    assert "--greedy decodes the most likely token, so --temperature, --top-k would have no effect" in capsys.readouterr().err
 
 
 def test_sampling_flags_are_validated_like_the_run_config(tmp_path):

@@ -247,6 +247,9 @@ def run_generate(args: argparse.Namespace) -> int:
             f"--greedy gives one response per prompt (greedy decoding is deterministic), not "
             f"--num-samples {args.num_samples}; drop one of the two flags"
         )
+    ignored = [f"--{n.replace('_', '-')}" for n in ("temperature", "top_k", "top_p") if getattr(args, n, None) is not None]
+    if args.greedy and ignored:  # greedy takes the most likely token: these would change nothing
+        raise ValueError(f"--greedy decodes the most likely token, so {', '.join(ignored)} would have no effect; drop one")
     prompts = list(args.prompt or [])
     if not prompts:
         prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]

@@ -3,6 +3,7 @@ plane (fast): metric keys, overlap evidence, on-policy steps, deterministic resu
 
 import logging
 import math
+import os
 
 import pytest
 from _tiny import TINY_STEP
@@ -368,3 +369,42 @@ def test_groups_reach_training_before_their_generation_call_returns(tmp_path, mo
              "buffer.max_staleness=0")
     )
     assert res.steps_done == 1 and waited == [True]
+
+
+def test_a_second_run_in_a_directory_in_use_is_refused_before_it_writes(tmp_path):
+    """A new user's trial: two `splitrl train` in one output_dir both ran; each dropped the other's
+    metrics lines and the last to finish left its record over the other's. Now the second stops
+    with the owner's pid before writing anything; after the first ends, the directory is free."""
+    from splitrl.controller.run_checkpoint import RUN_LOCK, RunDirInUse, RunDirLock
+
+    out = tmp_path / "run"
+    out.mkdir()
+    held = RunDirLock(out)  # as a running run holds it
+    try:
+        with pytest.raises(RunDirInUse, match=rf"{out} is in use by another splitrl run \(pid {os.getpid()}\)"):
+            train(_cfg(out, "num_steps=1"))
+        assert sorted(p.name for p in out.iterdir()) == [RUN_LOCK]  # nothing written
+        with pytest.raises(RunDirInUse):
+            RunDirLock(out)  # the same process, another open file: still refused
+    finally:
+        held.release()
+    assert train(_cfg(out, "num_steps=1")).steps_done == 1
+    RunDirLock(out).release()  # the finished run let it go
+
+
+def test_a_resume_with_changed_settings_says_what_changed(tmp_path, caplog):
+    """A new user's trial: resuming a group_size=8 run with group_size=4 and another temperature
+    said nothing (a changed model or groups_per_step is refused; these may change, but not
+    silently). Settings a resume is expected to change (num_steps, logging ...) are not listed."""
+    from splitrl.controller.controller import preflight
+
+    out = tmp_path / "run"
+    train(_cfg(out, "num_steps=1"))
+    with caplog.at_level(logging.WARNING, logger="splitrl.controller.controller"):
+        assert preflight(_cfg(out, "num_steps=3", "logging.tensorboard=false")) == 1
+        assert not [r for r in caplog.records if "differ from the run" in r.getMessage()]
+        assert preflight(_cfg(out, "num_steps=3", "group_size=2", "rollout.temperature=0.5")) == 1
+    [record] = [r for r in caplog.records if "differ from the run" in r.getMessage()]
+    message = record.getMessage()
+    assert "group_size: 4 -> 2" in message and "rollout.temperature: 1.0 -> 0.5" in message, message
+    assert "num_steps" not in message and "apply from step 2 on" in message

@@ -65,6 +65,7 @@ from splitrl.controller.run_checkpoint import (
     CONTROLLER_STATE,
     RUN_CONFIG,
     CheckpointError,
+    RunDirLock,
     checkpoint_step,
     complete_checkpoints,
     intact_checkpoints,
@@ -222,7 +223,28 @@ def preflight(config: RunConfig) -> int:
                 f"groups_per_step={config.groups_per_step}; a resumed run keeps the prompts of each step, so set "
                 f"groups_per_step={was} (or use a new output_dir, or resume=false to start over in this one)"
             )
+        # other settings may change on resume (a longer run, a new learning rate), but not silently: a
+        # user's resume with group_size=4 over a group_size=8 run, or a new temperature, said nothing
+        changed = [
+            (k, a, b) for k, a, b in _differences(saved, now, "")
+            if k.lstrip(".").split(".")[0] not in _RESUME_MAY_CHANGE
+        ]  # fmt: skip
+        if changed:
+            log.warning(
+                "resuming from %s with settings that differ from the run that wrote it (this run's apply from "
+                "step %d on): %s", ckpt, checkpoint_step(ckpt) + 1,
+                "; ".join(f"{k.lstrip('.')}: {a!r} -> {b!r}" for k, a, b in changed[:8])
+                + (f" (and {len(changed) - 8} more)" if len(changed) > 8 else ""),
+            )  # fmt: skip
     return checkpoint_step(ckpt)
+
+
+# run-config sections a resumed run is expected to change (how long, where, how it logs and runs)
+_RESUME_MAY_CHANGE = frozenset({
+    "num_steps", "output_dir", "resume", "logging", "checkpoint_every", "export_every", "eval", "backend",
+    "placement", "ray_address", "num_generation_workers", "num_train_workers", "dataplane", "device",
+    "torch_threads", "watchdog_timeout_s", "reward_timeout_s", "max_step_retries",
+})  # fmt: skip
 
 
 # Seconds to wait for the cluster's free CPUs to cover the run: the actors of a run that just
@@ -1239,6 +1261,14 @@ class SingleController:
             log.info("%s already holds a finished run (%d steps); nothing to do", self.out, done_before)
             return RunResult(str(self.out), done_before)
         self.out.mkdir(parents=True, exist_ok=True)
+        lock = RunDirLock(self.out)  # a second run in this directory stops here, before any write
+        try:
+            return await self._run_locked()
+        finally:
+            lock.release()
+
+    async def _run_locked(self) -> RunResult:
+        cfg = self.config
         remove_leftovers(self.out)  # half-written checkpoints and temp files of a killed run
         self._start_cluster()
         self._build()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import shutil
 import time
@@ -214,6 +215,53 @@ def remove_leftovers(output_dir: str | Path) -> list[Path]:
     if gone:
         log.info("removed %d leftover(s) of interrupted writes: %s", len(gone), ", ".join(p.name for p in gone))
     return gone
+
+
+RUN_LOCK = ".splitrl.lock"
+
+
+class RunDirInUse(ValueError):
+    """Another process runs in this ``output_dir`` (a ValueError: the CLI prints it in one line)."""
+
+
+class RunDirLock:
+    """An exclusive lock on ``output_dir`` for the life of a run: ``flock`` on
+    ``output_dir/.splitrl.lock``, which holds the owner's pid.
+
+    Why: two runs started in one directory both resumed from the same checkpoint, each dropped
+    the other's metrics lines as "logged after the checkpoint", and the last to finish left its
+    own record and checkpoints over the other's (a new user's trial, 2026-12-01). The kernel
+    releases a ``flock`` when its process dies, so a killed run leaves no stale lock.
+
+    Raises:
+        RunDirInUse: the lock is held (by the pid named in the message), before anything is
+            written to the directory.
+    """
+
+    def __init__(self, output_dir: str | Path):
+        import fcntl
+
+        path = Path(output_dir) / RUN_LOCK
+        self._file = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held for the run's life
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._file.seek(0)
+            owner = self._file.read().strip() or "unknown"
+            self._file.close()
+            raise RunDirInUse(
+                f"{output_dir} is in use by another splitrl run (pid {owner}); wait for it to end, "
+                "or give this run another output_dir"
+            ) from None
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(f"{os.getpid()}\n")
+        self._file.flush()
+
+    def release(self) -> None:
+        """Unlock (closing the file releases the flock); the file stays, empty of meaning."""
+        if not self._file.closed:
+            self._file.close()
 
 
 EARLIER_RUNS = "earlier_runs"
