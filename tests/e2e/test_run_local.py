@@ -408,3 +408,17 @@ def test_a_resume_with_changed_settings_says_what_changed(tmp_path, caplog):
     message = record.getMessage()
     assert "group_size: 4 -> 2" in message and "rollout.temperature: 1.0 -> 0.5" in message, message
     assert "num_steps" not in message and "apply from step 2 on" in message
+
+
+def test_a_foreign_metrics_file_is_refused_by_the_preflight(tmp_path):
+    """A new user's trial: an output_dir holding another tool's metrics.jsonl was refused only
+    once the workers were up (~20 s), with no way forward in the message."""
+    from splitrl.controller.controller import preflight
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"loss": 1.0}\n{"loss": 0.5}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:1 has no integer 'step' field.*move it out of .* or give this run another output_dir"):
+        preflight(_cfg(out, "num_steps=1"))
+    assert (out / "metrics.jsonl").read_text() == '{"loss": 1.0}\n{"loss": 0.5}\n'
+    assert preflight(_cfg(out, "num_steps=1", "resume=false")) == 0  # a start-over sets it aside

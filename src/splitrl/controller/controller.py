@@ -141,6 +141,17 @@ def preflight(config: RunConfig) -> int:
     Raises:
         ValueError: naming what to fix.
     """
+    step = _preflight(config)
+    if config.resume and config.logging.jsonl:
+        # the logger reads it too, but only once the workers are up (a foreign file there was
+        # reported ~20 s after the start: a new user's trial)
+        from splitrl.logging.logger import check_metrics_record
+
+        check_metrics_record(config.output_dir, step + 1)
+    return step
+
+
+def _preflight(config: RunConfig) -> int:
     from splitrl.controller.checks import (
         check_output_dir,
         check_vocab,

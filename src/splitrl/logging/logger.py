@@ -363,8 +363,29 @@ def _parse_line(path: Path, line_no: int, line: str) -> dict[str, Any]:
     return record
 
 
-def _lines_before_step(path: Path, start_step: int) -> list[str]:
-    """The lines of an existing metrics file whose step is < ``start_step``, unchanged."""
+def check_metrics_record(out_dir: str | os.PathLike[str], start_step: int) -> None:
+    """Check that ``out_dir``'s ``metrics.jsonl`` (if any) is a record a run resuming at
+    ``start_step`` can keep: JSON objects with an integer ``step`` (a crash's partial last line is
+    allowed).
+
+    Raises:
+        ValueError: the file is not a splitrl metrics record; the message says how to proceed.
+    """
+    path = Path(out_dir) / METRICS_FILE
+    if not path.exists():
+        return
+    try:
+        _lines_before_step(path, start_step, quiet=True)
+    except ValueError as e:
+        raise ValueError(
+            f"{e}; {path} is not a splitrl metrics record, which this run would extend: move it out of "
+            f"{out_dir} or give this run another output_dir"
+        ) from None
+
+
+def _lines_before_step(path: Path, start_step: int, quiet: bool = False) -> list[str]:
+    """The lines of an existing metrics file whose step is < ``start_step``, unchanged (``quiet``:
+    no warnings, for a check before the run)."""
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     kept, dropped = [], []
     for line_no, line in enumerate(lines, start=1):
@@ -375,7 +396,8 @@ def _lines_before_step(path: Path, start_step: int) -> list[str]:
         except ValueError:
             if line_no == len(lines):
                 # A crash mid-write leaves a partial last line; that step is run again anyway.
-                warnings.warn(f"dropping the partly written last line of {path}", stacklevel=3)
+                if not quiet:
+                    warnings.warn(f"dropping the partly written last line of {path}", stacklevel=3)
                 continue
             raise
         if not isinstance(record.get("step"), int):
@@ -384,7 +406,7 @@ def _lines_before_step(path: Path, start_step: int) -> list[str]:
             kept.append(line)
         else:
             dropped.append(record["step"])
-    if dropped:
+    if dropped and not quiet:
         # say it: a user who stopped a run after its last checkpoint sees steps vanish from the record
         log.warning(
             "%s: dropping the records of steps %d-%d, logged after the checkpoint this run resumes from; "
