@@ -166,6 +166,8 @@ def test_cli_eval_and_generate_on_a_checkpoint(tmp_path, capsys):
 def test_cli_errors_are_clear(tmp_path, capsys):
     assert main(["eval", str(tmp_path)]) == 2
     assert "not a model directory" in capsys.readouterr().err
+    assert main(["eval", str(tmp_path / "nowhere")]) == 2
+    assert "nowhere does not exist; give a run output dir" in capsys.readouterr().err
     _, model, _, _ = _checkpoint(tmp_path)
     bare = tmp_path / "bare"
     model.save_pretrained(bare)  # weights only: no tokenizer, no run config
@@ -204,7 +206,7 @@ def test_generate_refuses_prompts_the_tokenizer_cannot_spell(tmp_path):
 
     config, model, tok = _setup(tmp_path)
     assert tok.unk_token_id is not None
-    with pytest.raises(ValueError, match="cannot spell"):
+    with pytest.raises(ValueError, match=r"cannot spell \('C', 'D', 'E', 'S'\)"):
         generate_samples(model, tok, ["DESC 5,2,7="], config.rollout, num_samples=1)
     (out,) = generate_samples(model, tok, ["desc 5,2,7="], config.rollout, num_samples=2)
     assert len(out) == 2

@@ -291,7 +291,12 @@ class RunConfig(BaseModel):
                 "them all in this process; use backend=ray, or placement=auto"
             )
         if self.model.pretrained_path is not None and not (Path(self.model.pretrained_path) / "config.json").is_file():
-            raise ValueError(f"model.pretrained_path={self.model.pretrained_path!r} has no config.json; check the path")
+            missing = not Path(self.model.pretrained_path).exists()
+            raise ValueError(
+                f"model.pretrained_path={self.model.pretrained_path!r} "
+                + ("does not exist" if missing else "has no config.json (not a Hugging Face model directory)")
+                + "; check the path"
+            )
         out = Path(self.output_dir)
         if out.exists() and not out.is_dir():
             raise ValueError(f"output_dir={self.output_dir!r} is a file; give a directory (it is created if needed)")

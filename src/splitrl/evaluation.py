@@ -98,8 +98,11 @@ def generate_samples(
     for p, row in zip(prompts, ids):
         if unk is not None and unk in row:
             # the model would see <unk> where the user typed text: refuse, as training's preflight does
+            spelt = set(tokenizer.convert_ids_to_tokens(range(len(tokenizer))))
+            odd = sorted({c for c in p if c not in spelt})
+            which = f" ({', '.join(map(repr, odd))})" if odd and len(spelt) < 1000 else ""  # a character tokenizer
             raise ValueError(
-                f"prompt {p!r} has characters the tokenizer cannot spell (they would become its unknown "
+                f"prompt {p!r} has characters the tokenizer cannot spell{which} (they would become its unknown "
                 "token); use only characters of the tokenizer's vocabulary (for a character tokenizer: "
                 "tokenizer.charset)"
             )

@@ -220,3 +220,12 @@ def test_a_leading_tilde_in_a_path_key_is_the_home_directory(monkeypatch, tmp_pa
     assert cfg.model.pretrained_path == str(model_dir)
     assert cfg.tokenizer.path == str(tmp_path / "tok")
     assert load_config(None, ["output_dir=runs/x"]).output_dir == "runs/x"  # anything else as written
+
+
+def test_a_missing_pretrained_path_says_it_does_not_exist(tmp_path):
+    """A new user's typo in model.pretrained_path read "has no config.json", as for a directory that
+    exists but is not a model; now a missing path says so."""
+    with pytest.raises(ValueError, match=r"model.pretrained_path='.*nowhere' does not exist; check the path"):
+        load_config(None, [f"model.pretrained_path={tmp_path / 'nowhere'}"])
+    with pytest.raises(ValueError, match=r"has no config.json \(not a Hugging Face model directory\)"):
+        load_config(None, [f"model.pretrained_path={tmp_path}"])
