@@ -422,3 +422,18 @@ def test_a_foreign_metrics_file_is_refused_by_the_preflight(tmp_path):
         preflight(_cfg(out, "num_steps=1"))
     assert (out / "metrics.jsonl").read_text() == '{"loss": 1.0}\n{"loss": 0.5}\n'
     assert preflight(_cfg(out, "num_steps=1", "resume=false")) == 0  # a start-over sets it aside
+
+
+def test_a_run_refused_by_the_preflight_leaves_no_empty_output_dir(tmp_path):
+    """A new user's trial: a refused run (rollout.max_new_tokens beyond the context) left an empty
+    output_dir behind; one that existed before stays."""
+    from splitrl.controller.controller import preflight
+
+    out = tmp_path / "big"
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        preflight(_cfg(out, "rollout.max_new_tokens=100000000"))
+    assert not out.exists()
+    out.mkdir()
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        preflight(_cfg(out, "rollout.max_new_tokens=100000000"))
+    assert out.is_dir()

@@ -141,13 +141,21 @@ def preflight(config: RunConfig) -> int:
     Raises:
         ValueError: naming what to fix.
     """
-    step = _preflight(config)
-    if config.resume and config.logging.jsonl:
-        # the logger reads it too, but only once the workers are up (a foreign file there was
-        # reported ~20 s after the start: a new user's trial)
-        from splitrl.logging.logger import check_metrics_record
+    out = Path(config.output_dir)
+    existed = out.exists()
+    try:
+        step = _preflight(config)
+        if config.resume and config.logging.jsonl:
+            # the logger reads it too, but only once the workers are up (a foreign file there was
+            # reported ~20 s after the start: a new user's trial)
+            from splitrl.logging.logger import check_metrics_record
 
-        check_metrics_record(config.output_dir, step + 1)
+            check_metrics_record(config.output_dir, step + 1)
+    except BaseException:
+        # the write check created output_dir: a refused run leaves no empty directory behind
+        if not existed and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        raise
     return step
 
 
