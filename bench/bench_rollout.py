@@ -14,6 +14,22 @@ of AdamW on the MTP parameters only, over sequences the engine sampled from the 
 with the acceptance reached. Speculative and plain decoding emit the same tokens (DESIGN §5), so a
 speedup is a pure speed figure.
 
+Reading the output:
+- ``plain`` / ``no-graph`` / ``spec`` tok/s: generated tokens / wall time of a call (best of
+  ``--repeats``); ``no-graph`` is plain decoding with CUDA graphs off (on a CPU there are none:
+  the same path run again, so the two columns differ by noise only). ``%roof``: share of the HBM
+  roofline (on CUDA, or with ``--hbm-tb-s``). ``step reads``: the bytes of that roofline's step.
+- ``spec Nx plain``: speculative over plain tokens/s in the same run. ``acceptance``: accepted
+  drafts / drafted (per depth: of the drafts that depth made). ``switch-off rule estimate``: the
+  engine's in-call estimate of that ratio (below 1 a run switches speculation off); ``with the
+  rules on``: what a run gets after four calls, the in-call rule and the measured choice between
+  calls deciding. ``(N s)``: the row's wall time, setup included.
+- ``MTP warm-up``: the acceptance standard speculative sampling would reach with these heads
+  (``rejection rule``) against ours (``coupled Gumbel rule``), which keeps a sample's tokens the
+  same with speculation on or off (DESIGN.md §5, ``splitrl.rollout.engine``).
+- On a shared CPU a single figure can be off by several times (other jobs): compare kinds within
+  one run, and raise ``--repeats``.
+
     python bench/bench_rollout.py                                   # tiny model, CPU
     python bench/bench_rollout.py --device cuda --preset qwen3-0.6b --batch-sizes 1,32,256 \\
         --prompt-len 128 --new-tokens 128 --speculative --baselines hf-eager,hf-static --ragged 1024 --check
@@ -148,10 +164,12 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
     if not 0 < args.ragged_mean_len < float("inf"):
         p.error(f"--ragged-mean-len must be a positive number of tokens, got {args.ragged_mean_len}")
-    try:  # the engine's own rules for the sampling settings (temperature > 0 and finite ...)
+    if not 0 < args.temperature < float("inf"):  # the engine's message is about runs, not this bench
+        p.error(f"--temperature must be > 0 (for greedy decoding use --top-k 1), got {args.temperature}")
+    try:  # the engine's own rules for the sampling settings
         GenerationConfig(temperature=args.temperature, top_k=args.top_k)
     except ValueError as e:
-        p.error(f"--temperature / --top-k: {e.errors()[0]['msg']}")
+        p.error(f"--temperature / --top-k: {e.errors()[0]['msg'].removeprefix('Value error, ')}")
     if args.speculative and args.mtp_depths < 1:
         p.error("--speculative drafts with the MTP heads: set --mtp-depths >= 1")
     unknown = [b for b in args.baselines.split(",") if b and b not in ("hf-eager", "hf-static")]

@@ -13,6 +13,7 @@ from _bench import load_bench
         (["--hbm-tb-s", "0"], "--hbm-tb-s must be a positive number, got 0.0"),
         (["--profile", "{tmp}"], "is a directory; give a file path"),
         (["--attention"], "--attention times the CUDA kernels: add --device cuda"),
+        (["--temperature", "0"], "--temperature must be > 0 (for greedy decoding use --top-k 1), got 0.0"),
         # a new user's --prompt-len 100000000 ran out of memory after the model was built
         (["--prompt-len", "100000000"], "the KV cache of 32 rows x 100000064 tokens (--batch-sizes"),
         (["--ragged", "4", "--ragged-batch", "100000000"], "the KV cache of 100000000 rows x 576 tokens (--ragged-batch"),
