@@ -220,7 +220,7 @@ def run_eval(args: argparse.Namespace) -> int:
     device = _device(args.device)
     ks = sorted(set(args.k) | {args.num_samples})
     common = dict(seed=args.seed, device=device, correct_threshold=args.correct_threshold,
-                  reward_timeout_s=config.reward_timeout_s)
+                  reward_timeout_s=config.reward_timeout_s, progress=True)
     gen = _sampling(config, args, policy_dir)
     result = evaluate(model, tokenizer, task, gen, indices, num_samples=args.num_samples, ks=ks, **common)
     metrics = dict(result.metrics)
@@ -262,7 +262,9 @@ def run_generate(args: argparse.Namespace) -> int:
     n = args.num_samples
     if args.greedy:
         gen, n = gen.model_copy(update={"top_k": 1}), 1
-    texts = generate_samples(model, tokenizer, prompts, gen, num_samples=n, seed=args.seed, device=_device(args.device))
+    texts = generate_samples(
+        model, tokenizer, prompts, gen, num_samples=n, seed=args.seed, device=_device(args.device), progress=True
+    )
     if args.json:
         for p, outs in zip(prompts, texts):
             print(json.dumps({"prompt": p, "responses": outs}))

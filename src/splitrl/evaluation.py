@@ -13,6 +13,7 @@ pass@k = 1 − C(n − c, k) / C(n, k), averaged over prompts; computed as the p
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,8 +65,17 @@ class EvalResult:
 
 
 def _generate(engine: RolloutEngine, tokenizer: Any, prompt_ids: list[list[int]], seeds: list[int],
-              stop_strings: Sequence[str]) -> tuple[list[Any], list[str]]:
-    results = engine.generate(prompt_ids, seeds)
+              stop_strings: Sequence[str], progress: bool = False) -> tuple[list[Any], list[str]]:
+    if progress:  # a bar on stderr as samples finish (a large eval printed nothing for minutes)
+        from tqdm.auto import tqdm
+
+        results: list[Any] = [None] * len(prompt_ids)
+        with tqdm(total=len(prompt_ids), unit="sample", desc="generating", leave=False, file=sys.stderr) as bar:
+            for i, r in engine.generate_stream(prompt_ids, seeds):
+                results[i] = r
+                bar.update()
+    else:
+        results = engine.generate(prompt_ids, seeds)
     decode = lambda ids: decode_response(tokenizer, ids)  # noqa: E731
     for r in results:
         n = cut_at_stop_string(r.response_ids, decode, list(stop_strings))
@@ -89,10 +99,11 @@ def generate_samples(
     num_samples: int = 1,
     seed: int = 0,
     device: str | None = None,
+    progress: bool = False,
 ) -> list[list[str]]:
     """``num_samples`` responses to each prompt text (the chat template applied when the tokenizer
     has one). Sample j of prompt i uses the seed ``sample_seed(seed, i, j)``, so the output is
-    reproducible. Returns one list of texts per prompt."""
+    reproducible. ``progress``: a progress bar on stderr. Returns one list of texts per prompt."""
     ids = [encode_prompt(TaskPrompt(index=i, text=p, answer=""), tokenizer) for i, p in enumerate(prompts)]
     unk = getattr(tokenizer, "unk_token_id", None)
     for p, row in zip(prompts, ids):
@@ -109,7 +120,7 @@ def generate_samples(
     engine = make_engine(model, tokenizer, generation, device)
     flat = [ids[i] for i in range(len(prompts)) for _ in range(num_samples)]
     seeds = [sample_seed(seed, i, j) for i in range(len(prompts)) for j in range(num_samples)]
-    _, texts = _generate(engine, tokenizer, flat, seeds, generation.stop_strings)
+    _, texts = _generate(engine, tokenizer, flat, seeds, generation.stop_strings, progress)
     return [texts[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
 
 
@@ -126,11 +137,12 @@ def sample_and_score(
     correct_threshold: float = 1.0,
     reward_timeout_s: float = 5.0,
     scorer: RewardScorer | None = None,
+    progress: bool = False,
 ) -> tuple[list[EvalSample], int, int]:
     """Generate and score ``num_samples`` responses per prompt index (see :func:`evaluate`).
 
     ``scorer``: a started :class:`RewardScorer` of ``task`` to reuse (a generation worker's);
-    default: one started and closed for this call.
+    default: one started and closed for this call. ``progress``: a progress bar on stderr.
 
     Returns:
         (samples in prompt-major order, drafted tokens, accepted tokens) — the counts are 0
@@ -149,7 +161,7 @@ def sample_and_score(
     owners = [(g, j) for g in range(len(prompts)) for j in range(num_samples)]
     flat = [ids[g] for g, _ in owners]
     seeds = [sample_seed(seed, prompt_indices[g], j) for g, j in owners]
-    results, texts = _generate(engine, tokenizer, flat, seeds, generation.stop_strings)
+    results, texts = _generate(engine, tokenizer, flat, seeds, generation.stop_strings, progress)
     owned = scorer is None
     if owned:
         scorer = RewardScorer(task, timeout_s=reward_timeout_s)
@@ -231,6 +243,7 @@ def evaluate(
     reward_timeout_s: float = 5.0,
     prefix: str = "eval/",
     scorer: RewardScorer | None = None,
+    progress: bool = False,
 ) -> EvalResult:
     """Generate ``num_samples`` responses for each of the task's ``prompt_indices`` and score them.
 
@@ -246,6 +259,7 @@ def evaluate(
         seed: seeds of the samples (``sample_seed(seed, prompt index, sample index)``).
         correct_threshold: a sample is correct when its reward >= this (rewards lie in [0, 1]).
         scorer: a started scorer of ``task`` to reuse (default: one for this call).
+        progress: show a progress bar of the samples on stderr (the CLI does).
 
     Returns:
         :class:`EvalResult`: the metrics of :func:`summarize` and every sample.
@@ -255,6 +269,6 @@ def evaluate(
     """
     samples, drafted, accepted = sample_and_score(
         model, tokenizer, task, generation, prompt_indices, num_samples=num_samples, seed=seed, device=device,
-        correct_threshold=correct_threshold, reward_timeout_s=reward_timeout_s, scorer=scorer,
+        correct_threshold=correct_threshold, reward_timeout_s=reward_timeout_s, scorer=scorer, progress=progress,
     )
     return EvalResult(summarize(samples, num_samples, ks, prefix, drafted, accepted), samples)
