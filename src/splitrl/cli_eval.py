@@ -280,15 +280,15 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="run output dir, checkpoint dir (step_*), policy/ dir or Hugging Face model dir")
     p.add_argument("overrides", nargs="*", help="key.path=value changes to the run config, e.g. task.path=test.jsonl")
     p.add_argument("--config", action=OnlyOnce, help="run config to use instead of the run_config.json beside the checkpoint")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: %(default)s (a GPU if any)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], help="default: the run's rollout_dtype")
-    p.add_argument("--seed", type=int, default=0, help="seed of the samples (sample j of prompt i: seed, i, j)")
-    p.add_argument("--num-samples", "-n", type=_positive, default=1, help="samples per prompt")
+    p.add_argument("--seed", type=int, default=0, help="seed of the samples (sample j of prompt i: seed, i, j); default: %(default)s")
+    p.add_argument("--num-samples", "-n", type=_positive, default=1, help="samples per prompt; default: %(default)s")
     p.add_argument("--greedy", action="store_true", help="also (eval) / instead (generate): greedy decoding, top_k=1")
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-k", dest="top_k", type=int)
-    p.add_argument("--top-p", dest="top_p", type=float)
-    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int)
+    p.add_argument("--temperature", type=float, help="default: the run config's rollout.temperature")
+    p.add_argument("--top-k", dest="top_k", type=int, help="default: the run config's rollout.top_k")
+    p.add_argument("--top-p", dest="top_p", type=float, help="default: the run config's rollout.top_p")
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, help="default: the run config's rollout.max_new_tokens")
 
 
 def add_eval_commands(sub) -> None:
@@ -306,7 +306,7 @@ def add_eval_commands(sub) -> None:
     )
     _common(e)
     e.set_defaults(num_samples=8)
-    e.add_argument("--num-prompts", type=_positive, default=64)
+    e.add_argument("--num-prompts", type=_positive, default=64, help="held-out prompts to score; default: %(default)s")
     e.add_argument("--k", default=[1], type=_pass_at_ks, help="comma-separated k of pass@k, each <= --num-samples (n = --num-samples is always added)")
     e.add_argument("--start-index", type=_non_negative, help="first prompt index (default: the first the run never drew)")
     e.add_argument("--correct-threshold", type=_threshold, default=1.0,
