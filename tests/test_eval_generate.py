@@ -212,16 +212,23 @@ def test_generate_refuses_prompts_the_tokenizer_cannot_spell(tmp_path):
     assert len(out) == 2
 
 
-def test_progress_bar_path_returns_the_same_samples_in_order(tmp_path, capsys):
+def test_progress_bar_path_returns_the_same_samples_in_order(tmp_path, capsys, monkeypatch):
     """The CLI's progress bar collects samples as they finish (streamed, out of order): each lands
     at its own index, so the texts equal those of the plain call."""
     from splitrl.evaluation import generate_samples
 
+    from splitrl.rollout import RolloutEngine
+
     config, model, tok = _setup(tmp_path)
     prompts = ["desc 5,2,7=", "asc 0,4,1=", "desc 9,1="]
-    rollout = config.rollout.model_copy(update={"batch_size": 2})  # refills: rows finish out of order
-    plain = generate_samples(model, tok, prompts, rollout, num_samples=3, seed=5)
-    shown = generate_samples(model, tok, prompts, rollout, num_samples=3, seed=5, progress=True)
+    plain = generate_samples(model, tok, prompts, config.rollout, num_samples=3, seed=5)
+    stream = RolloutEngine.generate_stream
+
+    def reversed_stream(self, *a):  # finishing order is up to the engine: the worst case
+        return reversed(list(stream(self, *a)))
+
+    monkeypatch.setattr(RolloutEngine, "generate_stream", reversed_stream)
+    shown = generate_samples(model, tok, prompts, config.rollout, num_samples=3, seed=5, progress=True)
     assert shown == plain
     assert "generating" in capsys.readouterr().err
 

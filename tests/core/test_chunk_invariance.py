@@ -97,9 +97,10 @@ def test_split_equals_sync(case):
         for i, (g, rg) in enumerate(zip(grads, ref_grads)):
             assert_grads_close(g, rg, floor=1e-5 if i == 0 else 3e-4)
         assert_params_close(params(w.model), ref_params, LR)
-        # the floor the gradients of steps 2.. pass with: on the CPU of 2026-12-01 one exp_avg_sq entry
-        # of sequence_level-D2-att-dist-pack was off by 3.2e-4 of the max (the old 3e-4 failed there)
-        assert_optim_close(optim_state(w), ref_opt, floor=3e-4)
+        # exp_avg_sq: twice the floor the gradients of steps 2.. pass with (3e-4); on the CPU of
+        # 2026-12-01 one entry of sequence_level-D2-att-dist-pack was off by 3.2e-4 of the max
+        # (the default 3e-4 failed there)
+        assert_optim_close(optim_state(w), ref_opt, sq_floor=6e-4)
         for m, rm in zip(metrics, ref_metrics):
             assert_metrics_close(m, rm)
         assert w.scheduler.last_epoch == ref_w.scheduler.last_epoch == STEPS

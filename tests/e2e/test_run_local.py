@@ -392,6 +392,35 @@ def test_a_second_run_in_a_directory_in_use_is_refused_before_it_writes(tmp_path
     RunDirLock(out).release()  # the finished run let it go
 
 
+def test_a_failed_run_releases_its_directory(tmp_path, monkeypatch):
+    from splitrl.controller import controller as controller_mod
+    from splitrl.controller.run_checkpoint import RunDirLock
+
+    def broken(self):
+        raise RuntimeError("worker start failed")
+
+    monkeypatch.setattr(controller_mod.SingleController, "_build", broken)
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="worker start failed"):
+        train(_cfg(out, "num_steps=1"))
+    RunDirLock(out).release()  # not held any more
+
+
+def test_a_file_system_without_flock_runs_unguarded_with_a_warning(tmp_path, monkeypatch, caplog):
+    import errno
+    import fcntl
+
+    from splitrl.controller.run_checkpoint import RunDirLock
+
+    def unsupported(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", unsupported)
+    with caplog.at_level(logging.WARNING, logger="splitrl.controller.run_checkpoint"):
+        RunDirLock(tmp_path).release()
+    assert "not guarding it against a second run" in caplog.text
+
+
 def test_a_resume_with_changed_settings_says_what_changed(tmp_path, caplog):
     """A new user's trial: resuming a group_size=8 run with group_size=4 and another temperature
     said nothing (a changed model or groups_per_step is refused; these may change, but not

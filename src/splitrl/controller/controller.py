@@ -154,7 +154,8 @@ def preflight(config: RunConfig) -> int:
     except BaseException:
         # the write check created output_dir: a refused run leaves no empty directory behind
         if not existed and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
+            with contextlib.suppress(OSError):  # a file appeared meanwhile: keep it, raise the real error
+                out.rmdir()
         raise
     return step
 
@@ -244,25 +245,25 @@ def _preflight(config: RunConfig) -> int:
             )
         # other settings may change on resume (a longer run, a new learning rate), but not silently: a
         # user's resume with group_size=4 over a group_size=8 run, or a new temperature, said nothing
-        changed = [
-            (k, a, b) for k, a, b in _differences(saved, now, "")
-            if k.lstrip(".").split(".")[0] not in _RESUME_MAY_CHANGE
-        ]  # fmt: skip
+        changed = [(k.lstrip("."), a, b) for k, a, b in _differences(saved, now, "")]
+        changed = [(k, a, b) for k, a, b in changed if not any(k == p or k.startswith(p + ".") for p in _RESUME_MAY_CHANGE)]
         if changed:
             log.warning(
-                "resuming from %s with settings that differ from the run that wrote it (this run's apply from "
-                "step %d on): %s", ckpt, checkpoint_step(ckpt) + 1,
-                "; ".join(f"{k.lstrip('.')}: {a!r} -> {b!r}" for k, a, b in changed[:8])
+                "resuming from %s with settings that differ from the run that wrote it (this run's settings apply "
+                "from step %d on): %s", ckpt, checkpoint_step(ckpt) + 1,
+                "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:8])
                 + (f" (and {len(changed) - 8} more)" if len(changed) > 8 else ""),
             )  # fmt: skip
     return checkpoint_step(ckpt)
 
 
-# run-config sections a resumed run is expected to change (how long, where, how it logs and runs)
+# run-config keys (and sections: a dotted prefix) a resumed run is expected to change: how long,
+# where, how it logs and runs, and speed settings retuned on another machine
 _RESUME_MAY_CHANGE = frozenset({
     "num_steps", "output_dir", "resume", "logging", "checkpoint_every", "export_every", "eval", "backend",
     "placement", "ray_address", "num_generation_workers", "num_train_workers", "dataplane", "device",
-    "torch_threads", "watchdog_timeout_s", "reward_timeout_s", "max_step_retries",
+    "torch_threads", "watchdog_timeout_s", "reward_timeout_s", "max_step_retries", "on_chunk_failure",
+    "tokenizer.path", "rollout.batch_size", "train.microbatch", "train.speed", "train.fsdp_reshard_after_forward",
 })  # fmt: skip
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import errno
 import logging
 import os
 import re
@@ -245,7 +246,12 @@ class RunDirLock:
         self._file = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held for the run's life
         try:
             fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                # a file system without flock (some Lustre, FUSE or object-store mounts): run as
+                # before the lock existed rather than refuse a run that worked there
+                log.warning("cannot lock %s (%s): not guarding it against a second run", path, e.strerror or e)
+                return
             self._file.seek(0)
             owner = self._file.read().strip() or "unknown"
             self._file.close()
