@@ -164,7 +164,7 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
     if not 0 < args.ragged_mean_len < float("inf"):
         p.error(f"--ragged-mean-len must be a positive number of tokens, got {args.ragged_mean_len}")
-    if not 0 < args.temperature < float("inf"):  # the engine's message is about runs, not this bench
+    if not args.temperature > 0:  # the engine's message is about runs, not this bench
         p.error(f"--temperature must be > 0 (for greedy decoding use --top-k 1), got {args.temperature}")
     try:  # the engine's own rules for the sampling settings
         GenerationConfig(temperature=args.temperature, top_k=args.top_k)
