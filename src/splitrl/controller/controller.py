@@ -135,8 +135,10 @@ def preflight(config: RunConfig) -> int:
     columns or is not UTF-8 fails here) and the tokenizer, which must fit the model's vocabulary;
     checks that a character tokenizer covers the task's prompts and that prompts fit the context
     (rows of a data file that do not are left out: ``config.task`` is updated and a warning names
-    them); and, when resuming, that the checkpoint was written by the same model. Returns the
-    step to resume from (0: a fresh run).
+    them); and, when resuming, that the checkpoint was written by the same model, tokenizer and
+    ``groups_per_step`` (other changed settings are logged) and that ``metrics.jsonl`` is a record
+    the run can extend. An ``output_dir`` that the write check created is removed again (if still
+    empty) when a check fails. Returns the step to resume from (0: a fresh run).
 
     Raises:
         ValueError: naming what to fix.
