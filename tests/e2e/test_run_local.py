@@ -466,3 +466,33 @@ def test_a_run_refused_by_the_preflight_leaves_no_empty_output_dir(tmp_path):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         preflight(_cfg(out, "rollout.max_new_tokens=100000000"))
     assert out.is_dir()
+
+
+def test_a_resume_with_a_new_learning_rate_trains_with_it(tmp_path):
+    """A new user's trial: resuming with train.optim.lr changed was announced by the resume warning,
+    then trained on with the checkpoint's LR (the optimizer state carried it). The resumed step's LR
+    is now the new one times the schedule's factor."""
+    from splitrl.config import load_config as load
+
+    out = tmp_path / "run"
+    train(_cfg(out, "num_steps=2"))
+    train(_cfg(out, "num_steps=4", "train.optim.lr=1e-4"))
+    lrs = [m["train/lr"] for m in read_metrics(out / "metrics.jsonl")]
+    optim = load(None, [f"output_dir={out}", "num_steps=4", "train.optim.lr=1e-4", *TINY_STEP]).train.optim
+    old = load(None, [f"output_dir={out}", "num_steps=2", *TINY_STEP]).train.optim
+    assert lrs[1] == pytest.approx(old.lr * old.lr_factor(1), rel=1e-12)
+    assert lrs[2] == pytest.approx(1e-4 * optim.lr_factor(2), rel=1e-12) and lrs[3] == pytest.approx(1e-4 * optim.lr_factor(3), rel=1e-12)
+
+
+def test_a_fresh_start_over_an_earlier_record_sets_it_aside(tmp_path):
+    """A new user's trial: a fresh run in a directory holding step records but no checkpoint (a run
+    that stopped before its first checkpoint, or another tool's) dropped those lines; now they are
+    moved to earlier_runs/, as resume=false does."""
+    out = tmp_path / "run"
+    out.mkdir()
+    record = '{"step": 1, "my_acc": 0.9}\n{"step": 2, "my_acc": 0.95}\n'
+    (out / "metrics.jsonl").write_text(record)
+    train(_cfg(out, "num_steps=1"))
+    [kept] = list((out / "earlier_runs").glob("*/metrics.jsonl"))
+    assert kept.read_text() == record
+    assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == [1]

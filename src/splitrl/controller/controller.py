@@ -1326,13 +1326,16 @@ class SingleController:
             "x %d samples), then training",
             time.perf_counter() - t_ready, start + 1, cfg.groups_per_step, cfg.group_size,
         )
-        if not cfg.resume:
+        if not cfg.resume or start == 0:
             # once the workers are up (a failed start leaves the earlier run in place), before the
-            # logger, which would start a fresh metrics.jsonl over the earlier one
+            # logger, which would start a fresh metrics.jsonl over the earlier one. With no checkpoint
+            # to resume from, an earlier record (a run that stopped before its first checkpoint, or
+            # another tool's steps) is set aside too: the logger dropped its lines (a new user's trial)
             dest, moved = set_aside_earlier_run(self.out)
             if dest is not None:
-                log.warning("resume=false: starting over in %s; the earlier run's %s moved to %s (delete it to free "
-                            "the space)", self.out, ", ".join(moved), dest)
+                why = "resume=false: starting over" if not cfg.resume else "no checkpoint to resume from: starting at step 1"
+                log.warning("%s in %s; the earlier run's %s moved to %s (delete it to free the space)",
+                            why, self.out, ", ".join(moved), dest)
         self.logger = MetricsLogger(self.out, cfg.num_steps, start_step=start + 1, config=cfg.logging)
         self.logger.save_config(cfg)
         loop = asyncio.get_running_loop()

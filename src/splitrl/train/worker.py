@@ -105,6 +105,10 @@ class TrainWorker:
         self.optimizer = build_optimizer(
             self.main_params, self.mtp_params, cfg.optim, fused=self.device.type == "cuda"
         )
+        # this run's AdamW settings per group, put back over a checkpoint's (_apply_configured_optim)
+        self._configured_optim = [
+            {k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in self.optimizer.param_groups
+        ]
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, cfg.optim.lr_factor)
         # one rank: low-precision compute weights made once per step (FSDP2 casts its gathers itself)
         self.compute_weights: ComputeWeights | None = None
@@ -576,10 +580,27 @@ class TrainWorker:
 
     def _load_extra_state(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
+        self._apply_configured_optim()
         if self.scaler is not None and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
         self.steps_finished = int(state["steps_finished"])
         self.updates_applied = int(state["updates_applied"])
+
+    def _apply_configured_optim(self) -> None:
+        """Put this run's learning rate, betas, eps and weight decay over those a checkpoint restored.
+
+        The optimizer and schedule state of a checkpoint carry the settings of the run that wrote
+        it, so a resumed run given a new learning rate trained on with the old one (a new user's
+        trial: the resume warning named the change, ``train/lr`` did not move). The current LR is
+        recomputed as LambdaLR does (base LR · factor(steps done)): unchanged settings give the
+        restored values bit for bit, so a resumed run still equals the uninterrupted one.
+        """
+        steps = self.scheduler.last_epoch
+        for group, conf, factor in zip(self.optimizer.param_groups, self._configured_optim, self.scheduler.lr_lambdas):
+            group.update(betas=conf["betas"], eps=conf["eps"], weight_decay=conf["weight_decay"], initial_lr=conf["lr"])
+            group["lr"] = conf["lr"] * factor(steps)
+        self.scheduler.base_lrs = [conf["lr"] for conf in self._configured_optim]
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def save_checkpoint(self, directory: str, *, blocking: bool = False) -> float:
         """Start writing this rank's shards of the model and optimizer, and the LR schedule,
