@@ -80,11 +80,6 @@ def bench_args(args: argparse.Namespace) -> argparse.Namespace:
     return br.parse_args(argv)
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def timeline(trace_path: str, forwards: int, top: int) -> list[str]:
     """Summary lines of a chrome trace: GPU span, kernel sum, gaps, top kernels per forward."""
     events = json.load(open(trace_path))["traceEvents"]
@@ -134,12 +129,12 @@ class _Phases:
 
     def _timed(self, fn, name: str, device: str, generator: bool):
         def run(*a, **k):
-            sync(device)
+            br.sync(device)
             t0 = time.perf_counter()
             out = fn(*a, **k)
             if generator:
                 out = list(out)  # the collection's device reads happen when it is consumed
-            sync(device)
+            br.sync(device)
             self.seconds[name] += time.perf_counter() - t0
             self.calls[name] += 1
             return iter(out) if generator else out
@@ -147,9 +142,11 @@ class _Phases:
         return run
 
 
-def profile_call(model, args, label: str, cfg: GenerationConfig, prompts, seeds, out: list[str]) -> None:
+def profile_call(model, args, label: str, cfg: GenerationConfig, prompts, seeds) -> None:
+    """Profile one kind of call (see the module docstring) and print its summary."""
     from torch.profiler import ProfilerActivity, profile
 
+    out: list[str] = []
     engine = RolloutEngine(model, cfg, args.device)
     engine.speculative_switch_off = False
     chunks: list[tuple[int, int, int]] = []
@@ -164,18 +161,18 @@ def profile_call(model, args, label: str, cfg: GenerationConfig, prompts, seeds,
         engine.generate(prompts, seeds)
     walls = []
     for _ in range(3):
-        sync(args.device)
+        br.sync(args.device)
         t0 = time.perf_counter()
         engine.generate(prompts, seeds)
-        sync(args.device)
+        br.sync(args.device)
         walls.append(1e3 * (time.perf_counter() - t0))
     chunks.clear()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with profile(activities=activities) as prof:
-        sync(args.device)
+        br.sync(args.device)
         t0 = time.perf_counter()
         engine.generate(prompts, seeds)
-        sync(args.device)
+        br.sync(args.device)
         wall = 1e3 * (time.perf_counter() - t0)
     st = engine.last_stats
     accepted = f", acceptance {st.acceptance_rate:.1f}%" if cfg.speculative else ""
@@ -190,15 +187,14 @@ def profile_call(model, args, label: str, cfg: GenerationConfig, prompts, seeds,
         out.extend(timeline(path, st.num_forwards, args.top))
     if args.phases:
         phases = _Phases(engine, args.device)
-        sync(args.device)
+        br.sync(args.device)
         t0 = time.perf_counter()
         engine.generate(prompts, seeds)
-        sync(args.device)
+        br.sync(args.device)
         wall = time.perf_counter() - t0
         parts = ", ".join(f"{k} {v:.3f} s / {phases.calls[k]}" for k, v in phases.seconds.items())
         out.append(f"  phases (synchronized call, {wall:.3f} s): {parts}; rest {wall - sum(phases.seconds.values()):.3f} s")
     print("\n".join(out), flush=True)
-    out.clear()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -213,7 +209,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.train_mtp_steps:
         hit, _ = br.train_mtp_heads(model, bargs, args.train_mtp_steps)
         print(f"MTP warm-up: {args.train_mtp_steps} steps, teacher-forced depth-1 top-1 agreement {hit:.1f}%", flush=True)
-    out: list[str] = []
     if args.ragged:
         stops = br.ragged_stop_ids(model, bargs)
         prompts = br.prompts_for(model, args.ragged, args.prompt_len, seed=8)
@@ -221,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
         base = dict(temperature=1.0, max_new_tokens=bargs.ragged_max_new, stop_token_ids=stops, batch_size=bargs.ragged_batch)
         for spec in (False, True):
             label = f"ragged {args.ragged} samples, {bargs.ragged_batch} slots, {'speculative' if spec else 'plain'}"
-            profile_call(model, args, label, GenerationConfig(speculative=spec, **base), prompts, seeds, out)
+            profile_call(model, args, label, GenerationConfig(speculative=spec, **base), prompts, seeds)
         return
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         prompts, seeds = br.prompts_for(model, batch, args.prompt_len), list(range(batch))
@@ -229,7 +224,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg = GenerationConfig(
                 temperature=1.0, max_new_tokens=args.new_tokens, batch_size=batch, speculative=spec, stop_token_ids=[]
             )
-            profile_call(model, args, f"batch {batch}, {'speculative' if spec else 'plain'}", cfg, prompts, seeds, out)
+            profile_call(model, args, f"batch {batch}, {'speculative' if spec else 'plain'}", cfg, prompts, seeds)
 
 
 if __name__ == "__main__":

@@ -66,16 +66,16 @@ class EvalResult:
 
 def _generate(engine: RolloutEngine, tokenizer: Any, prompt_ids: list[list[int]], seeds: list[int],
               stop_strings: Sequence[str], progress: bool = False) -> tuple[list[Any], list[str]]:
-    if progress:  # a bar on stderr as samples finish (a large eval printed nothing for minutes)
-        from tqdm.auto import tqdm
+    from tqdm.auto import tqdm
 
-        results: list[Any] = [None] * len(prompt_ids)
-        with tqdm(total=len(prompt_ids), unit="sample", desc="generating", leave=False, file=sys.stderr) as bar:
-            for i, r in engine.generate_stream(prompt_ids, seeds):
-                results[i] = r
-                bar.update()
-    else:
-        results = engine.generate(prompt_ids, seeds)
+    # as RolloutEngine.generate does, with a bar on stderr as samples finish when ``progress`` (a
+    # large eval printed nothing for minutes)
+    results: list[Any] = [None] * len(prompt_ids)
+    with tqdm(total=len(prompt_ids), unit="sample", desc="generating", leave=False, file=sys.stderr,
+              disable=not progress) as bar:  # fmt: skip
+        for i, r in engine.generate_stream(prompt_ids, seeds):
+            results[i] = r
+            bar.update()
     decode = lambda ids: decode_response(tokenizer, ids)  # noqa: E731
     for r in results:
         n = cut_at_stop_string(r.response_ids, decode, list(stop_strings))

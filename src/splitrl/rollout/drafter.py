@@ -27,7 +27,6 @@ their race winner on the same token.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from splitrl.rollout.forward import DecoderForward
 from splitrl.rollout.kv import StaticKVCache
@@ -67,9 +66,7 @@ class MTPDrafter:
     def _draw(
         self, hidden_BH: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor, counter: torch.Tensor, depth: int
     ) -> torch.Tensor:
-        logits = F.linear(hidden_BH, self.model.output_weight)  # at T = 1 the sampler upcasts it
-        if self.temperature != 1.0:
-            logits = logits.float() / self.temperature
+        logits = self.fwd.head_logits(hidden_BH, self.temperature)
         if self.probe is not None:
             self.probe(seed_lo, counter, depth, logits.float())
         return self.fwd.k.draw(logits, seed_lo, seed_hi, counter, self.top_k, self.top_p, self._columns)

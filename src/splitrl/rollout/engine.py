@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from splitrl.models.policy import PolicyModel
 from splitrl.rollout.config import GenerationConfig
@@ -534,10 +533,7 @@ class RolloutEngine:
 
     # ----------------------------------------------------------------------------- device steps
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # Same ops as PolicyModel.forward: head in the model dtype, then fp32, then / T. At T = 1 the
-        # upcast is left to the (compiled) sampler, which reads the head's output directly.
-        logits = F.linear(hidden, self.model.output_weight)
-        return logits.float() / self.config.temperature if self.config.temperature != 1.0 else logits
+        return self.fwd.head_logits(hidden, self.config.temperature)
 
     def _sample(self, logits: torch.Tensor, seed_lo, seed_hi, counter) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and their logprobs, any leading shape (seeds and counters broadcast to it)."""

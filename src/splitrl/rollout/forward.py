@@ -288,6 +288,13 @@ class DecoderForward:
         return self.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)[1]
 
     # ------------------------------------------------------------------------------ backbone
+    def head_logits(self, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
+        """Logits / T of ``hidden`` [..., H]: the output layer in the model dtype, then fp32, then
+        / T (the ops of PolicyModel.forward). At T = 1 the head's output is returned as is: the
+        compiled sampler upcasts it inside its first kernel instead of in a copy of its own."""
+        logits = nn.functional.linear(hidden, self.model.output_weight)
+        return logits.float() / temperature if temperature != 1.0 else logits
+
     def backbone_prefill(self, ids_BM: torch.Tensor, slots_B: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """h⁰ [B, M, H] (after the final norm) of right-padded prompts at positions 0..M-1,
         writing their keys and values to slots ``slots_B``."""
