@@ -236,3 +236,18 @@ def test_a_number_yaml_reads_as_text_gets_a_hint(capsys, tmp_path):
     path.write_text("num_steps: 1.5E+3x\n")  # not a number at all: no hint
     assert main(["train", "--config", str(path), "--print-config"]) == 2
     assert "YAML reads" not in capsys.readouterr().err
+
+
+def test_a_config_key_typed_as_a_flag_gets_the_key_value_form(capsys):
+    """A new user typed `splitrl train --num-steps 8`: the error said only "unrecognized
+    arguments"; now it shows the key=value form with the value they gave."""
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--num-steps", "8"])
+    assert e.value.code == 2
+    assert "unrecognized arguments: --num-steps; config keys are set as key=value: num_steps=8" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--model.mtp.mtp-num-layers=2"])
+    assert "model.mtp.mtp_num_layers=2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--bogus"])
+    assert capsys.readouterr().err.rstrip().endswith("unrecognized arguments: --bogus")

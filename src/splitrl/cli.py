@@ -15,6 +15,29 @@ import sys
 from splitrl.logging.console import guard_console
 
 
+def _flag_hint(extra: list[str], argv: list[str]) -> str:
+    """"; config keys are set as key=value: num_steps=8" for a config key typed as a flag in
+    ``extra`` (``--num-steps 8``: a new user's trial; the value is looked up in ``argv``, where
+    argparse took it as an override), else ""."""
+    from splitrl.config import RunConfig
+    from splitrl.config_help import config_keys, suggest_key
+
+    valid = [k.path for k in config_keys(RunConfig)]
+    for x in extra:
+        if not x.startswith("--"):
+            continue
+        name, _, value = x[2:].partition("=")
+        name = name.replace("-", "_")
+        key = name if name in valid else suggest_key(name, valid)
+        if key is None:
+            continue
+        after = argv[argv.index(x) + 1 : argv.index(x) + 2] if x in argv else []
+        if not value and after and not after[0].startswith("-") and "=" not in after[0]:
+            value = after[0]
+        return f"; config keys are set as key=value: {key}={value or '...'}"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
@@ -60,7 +83,7 @@ def _main(argv: list[str] | None) -> int:
         return args.run(args)
     unknown = [x for x in extra if x.startswith("-") or "=" not in x]
     if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{_flag_hint(extra, sys.argv[1:] if argv is None else argv)}")
     args.overrides = list(args.overrides) + extra
     # before logging and the progress bar capture the streams: a console whose reader died
     # (``| tee log`` + Ctrl-C) must not stop the final checkpoint
