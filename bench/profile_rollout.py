@@ -54,7 +54,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,32", type=br._batch_sizes, help="comma list of positive ints")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--train-mtp-steps", type=int, default=200, help="MTP warm-up steps (acceptance as in the bench)")
+    p.add_argument("--train-mtp-steps", type=int, default=600, help="MTP warm-up steps (acceptance as in the bench)")
     p.add_argument("--ragged", type=int, default=0, help="profile the bench's ragged call of this many samples instead")
     p.add_argument("--phases", action="store_true", help="also time the phases of one call (synchronized)")
     p.add_argument("--top", type=int, default=20, help="kernels listed per call")
@@ -207,8 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     for p in model.parameters():
         p.requires_grad_(False)
     if args.train_mtp_steps:
-        hit, _ = br.train_mtp_heads(model, bargs, args.train_mtp_steps)
-        print(f"MTP warm-up: {args.train_mtp_steps} steps, teacher-forced depth-1 top-1 agreement {hit:.1f}%", flush=True)
+        t0 = time.perf_counter()
+        acceptance, samples = br.train_mtp_heads(model, bargs)
+        print(br.describe_warm_up(bargs, acceptance, samples, time.perf_counter() - t0), flush=True)
     if args.ragged:
         stops = br.ragged_stop_ids(model, bargs)
         prompts = br.prompts_for(model, args.ragged, args.prompt_len, seed=8)

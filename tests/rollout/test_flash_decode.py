@@ -447,3 +447,78 @@ def test_a_failing_triton_kernel_falls_back_to_the_flash_call(monkeypatch, caplo
     assert "out of resources" in caplog.text and "SPLITRL_DECODE_ATTENTION=flash" in caplog.text
     monkeypatch.setattr(kv, "DECODE_KERNEL", "flash")
     assert torch.equal(out, pos.attend(0, q, plan, 0.3))
+
+
+def _draft_window_plan(position_major_cache: StaticKVCache, L: int, scratch: int):
+    """(write, positions, limit) [B, 4] of draft windows like the drafter's (three consecutive
+    entries from p0, the later ones invalid in some rows, written at ``scratch``) plus a query two
+    positions on whose limit leaves a gap before its own entry (depth 3's shape)."""
+    p0 = torch.tensor([10, 63, 64, 120, 150], device="cuda")  # across 64-entry block edges
+    accepted = torch.tensor([2, 0, 1, 2, 0], device="cuda")
+    i = torch.arange(3, device="cuda")
+    pos = p0[:, None] + i
+    write = torch.where(i <= accepted[:, None], pos, scratch)
+    query = (p0 + accepted + 2)[:, None]
+    write = torch.cat([write, query], 1)
+    limit = torch.cat([pos, query - 2], 1)
+    assert int(write[write != scratch].max()) < L < scratch
+    return write, limit
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and decode_mod.AVAILABLE), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("position_major", [False, True])
+def test_the_per_query_kernel_reads_what_the_masked_path_reads(monkeypatch, dtype, position_major):
+    """The MTP draft windows (each query reads the entries up to its limit plus its own, not a causal
+    block) through the Triton kernel's per-query limits against the masked SDPA path, on both cache
+    layouts: the same output up to rounding (fp32: 1e-5). Guards: a plan without the query's own
+    entry past the gap differs, so the own-entry rule is tested, not just the limits."""
+    monkeypatch.setattr(kv_mod, "DECODE_KERNEL", "triton")
+    torch.manual_seed(0)
+    Mx, L = 200, 160
+    kern = StaticKVCache(1, S, HK, Mx, D_HEAD, dtype, "cuda", flash=False, position_major=position_major, query_kernel=True)
+    masked = StaticKVCache(1, S, HK, Mx, D_HEAD, dtype, "cuda", flash=False, position_major=position_major)
+    kern.kv.normal_()
+    masked.kv.copy_(kern.kv)
+    write, limit = _draft_window_plan(kern, L, kern.scratch)
+    q = torch.randn(write.shape[0], write.shape[1], H, D_HEAD, dtype=dtype, device="cuda")
+    plan_k = kern.plan(write, write, limit, L)
+    plan_m = masked.plan(write, write, limit, L)
+    assert plan_k.limits is not None and plan_k.mask is None and plan_m.mask is not None
+    scale = D_HEAD**-0.5
+    out_k = kern.attend(0, q, plan_k, scale).float()
+    out_m = masked.attend(0, q, plan_m, scale).float()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out_k - out_m).abs().max().item() < tol
+    # without its own entry (-1: as if outside the read), the gapped query reads something else
+    no_own = kern.plan(write, torch.full_like(write, Mx), limit, L)
+    off = kern.attend(0, q, no_own, scale).float()
+    assert (off[:, 3] - out_m[:, 3]).abs().max().item() > 1e-3
+    assert (off[:, :3] - out_m[:, :3]).abs().max().item() < tol  # the window entries read up to themselves
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and decode_mod.AVAILABLE), reason="needs CUDA and Triton")
+def test_the_engine_drafts_the_same_with_the_per_query_kernel(monkeypatch):
+    """Speculative decoding in fp32 on CUDA with the MTP depths' attention on the Triton kernel
+    (per-query limits) and on the masked path: the same tokens (always: the drafts never change
+    them) and the same drafts, seen as the same accepted count of every sample."""
+    from _rollout_helpers import make_model, random_prompts
+
+    from splitrl.rollout import GenerationConfig, RolloutEngine
+
+    model = make_model(vocab=64, depths=2, seed=3).to("cuda")
+    cfg = GenerationConfig(speculative=True, temperature=0.9, max_new_tokens=40, stop_token_ids=[1], batch_size=4)
+    prompts = random_prompts(7, 64, (1, 90), seed=5)  # MTP rows across 64-entry blocks
+
+    def run(query_kernel: bool):
+        monkeypatch.setattr(kv_mod, "query_kernel_default", lambda device, head_dim: query_kernel)
+        engine = RolloutEngine(model, cfg, "cuda")
+        engine.speculative_switch_off = False
+        out = engine.generate(prompts, list(range(7)))
+        assert engine._mtp_cache.query_kernel is query_kernel
+        return out
+
+    kernel, masked = run(True), run(False)
+    assert [r.response_ids for r in kernel] == [r.response_ids for r in masked]
+    assert sum(r.drafted_tokens for r in kernel) > 50
+    assert [r.accepted_tokens for r in kernel] == [r.accepted_tokens for r in masked]

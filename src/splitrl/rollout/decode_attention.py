@@ -15,7 +15,10 @@ against 282 us.
 
 Row b's queries sit at positions p_b - Q + 1 .. p_b (``seqused[b]`` = p_b + 1) and query i reads the
 entries j <= p_b - Q + 1 + i: the causal block of :meth:`splitrl.rollout.kv.StaticKVCache.plan`
-with ``causal=True``. The softmax is the online (streaming) one of FlashAttention (Dao et al.,
+with ``causal=True``. With per-query limits it reads any plan of that method (entries up to a limit,
+plus the query's own): the MTP depths' draft windows, whose queries are not one causal block
+(:mod:`splitrl.rollout.drafter`); on the H200 their masked SDPA call cost ~20 us a depth at batch 32
+(2026-12-01 profile). The softmax is the online (streaming) one of FlashAttention (Dao et al.,
 2022, Algorithm 1) in fp32; probabilities are rounded to the value dtype before the product with
 the values, as the flash kernel does.
 
@@ -40,13 +43,14 @@ if AVAILABLE:
 
     @triton.jit
     def _decode_attention_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, seqused_ptr,
+        q_ptr, k_ptr, v_ptr, out_ptr, seqused_ptr, limits_ptr, own_ptr,
         sq_b, sq_q, sq_h,
         sk_s, sk_m, sk_h,
         so_b, so_q, so_h,
         scale_log2e,
         Q: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+        PER_QUERY: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -60,7 +64,12 @@ if AVAILABLE:
         used = tl.load(seqused_ptr + b)
         # inclusive last entry each query reads; >= 0 so that a stale slot's row (used < Q, its output
         # discarded by the engine) never softmaxes an empty set, which would be NaN
-        limit = tl.maximum(used - Q + i, 0)
+        if PER_QUERY:
+            limit = tl.maximum(tl.load(limits_ptr + b * Q + i, mask=row_ok, other=0), 0)
+            own = tl.load(own_ptr + b * Q + i, mask=row_ok, other=-1)
+        else:
+            limit = tl.maximum(used - Q + i, 0)
+            own = limit
         q = tl.load(
             q_ptr + b * sq_b + i[:, None] * sq_q + head[:, None] * sq_h + dd[None, :],
             mask=row_ok[:, None] & d_ok[None, :],
@@ -77,7 +86,8 @@ if AVAILABLE:
             offs = kv_base + j[:, None] * sk_m + dd[None, :]
             k = tl.load(k_ptr + offs, mask=j_ok[:, None] & d_ok[None, :], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N], log2 units
-            s = tl.where(j[None, :] <= limit[:, None], s, float("-inf"))
+            allowed = (j[None, :] <= limit[:, None]) | (j[None, :] == own[:, None])
+            s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
@@ -109,25 +119,36 @@ def preferred(rows: int, kv_heads: int, length: int, queries: int = 1) -> bool:
 
 
 def decode_attention(
-    q_BQHd: torch.Tensor, k_SMHd: torch.Tensor, v_SMHd: torch.Tensor, seqused_B: torch.Tensor, scale: float
+    q_BQHd: torch.Tensor,
+    k_SMHd: torch.Tensor,
+    v_SMHd: torch.Tensor,
+    seqused_B: torch.Tensor,
+    scale: float,
+    limits_BQ: torch.Tensor | None = None,
+    own_BQ: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of Q consecutive queries a row over the row's cache prefix.
+    """Causal attention of Q consecutive queries a row over the row's cache prefix, or (with
+    ``limits_BQ``) any queries with a limit each: the MTP depths' draft windows.
 
     Args:
         q_BQHd: [B, Q, H, d] queries of slots 0..B-1 (last dim contiguous), fp16 / bf16 / fp32.
         k_SMHd, v_SMHd: one layer of a position-major cache, [S, M, Hk, d] (S >= B), same dtype,
             with this forward's keys and values already written.
         seqused_B: int32 [B], p_b + 1 (the last query's position + 1), 1 <= seqused <= M
-            (``StaticKVCache.plan`` clamps it so).
+            (``StaticKVCache.plan`` clamps it so). With ``limits_BQ``: the entries the row's
+            program walks (1 + the largest index any of its queries may read).
         scale: softmax scale (1/sqrt(d) for Qwen3).
+        limits_BQ, own_BQ: int32 [B, Q], contiguous, both or neither: query (b, i) reads the
+            entries j <= ``limits_BQ[b, i]`` and j = ``own_BQ[b, i]`` (its own entry; -1: none),
+            the rule of :meth:`splitrl.rollout.kv.StaticKVCache.plan` for any mask; j < seqused.
 
     Returns:
         [B, Q, H * d] in the query dtype.
 
     Raises:
         RuntimeError: Triton is not installed (check :data:`AVAILABLE` first).
-        ValueError: H is not a multiple of Hk, the last dims are not contiguous, the dtypes differ
-            or ``seqused`` is not int32.
+        ValueError: H is not a multiple of Hk, the last dims are not contiguous, the dtypes differ,
+            ``seqused`` is not int32, or ``limits_BQ`` / ``own_BQ`` are not both int32 [B, Q].
     """
     if not AVAILABLE:
         raise RuntimeError("decode_attention needs Triton (pip install triton); use the flash or masked path")
@@ -143,6 +164,11 @@ def decode_attention(
             f"decode_attention: q, k, v must share a dtype (got {q_BQHd.dtype}, {k_SMHd.dtype}, {v_SMHd.dtype}) "
             f"and seqused must be int32 (got {seqused_B.dtype})"
         )
+    per_query = limits_BQ is not None
+    if per_query != (own_BQ is not None) or per_query and not all(
+        t.dtype == torch.int32 and t.shape == (B, Q) and t.is_contiguous() for t in (limits_BQ, own_BQ)
+    ):
+        raise ValueError(f"decode_attention: limits_BQ and own_BQ must both be given as contiguous int32 [{B}, {Q}]")
     G = H // Hk
     out = torch.empty(B, Q, H, d, dtype=q_BQHd.dtype, device=q_BQHd.device)
     block_m = max(16, triton.next_power_of_2(Q * G))
@@ -152,6 +178,7 @@ def decode_attention(
     block_n, stages = (64, 2) if block_d <= 128 else (32, 1)
     _decode_attention_kernel[(B, Hk)](
         q_BQHd, k_SMHd, v_SMHd, out, seqused_B,
+        limits_BQ if per_query else seqused_B, own_BQ if per_query else seqused_B,  # unread without PER_QUERY
         q_BQHd.stride(0), q_BQHd.stride(1), q_BQHd.stride(2),
         k_SMHd.stride(0), k_SMHd.stride(1), k_SMHd.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
@@ -160,6 +187,6 @@ def decode_attention(
         # fp32 products stay fp32 (Triton's default for fp32 is TF32); only the interpreter tests pass
         # fp32 (a flash cache is fp16 / bf16), for which the setting has no effect
         PRECISION="ieee" if q_BQHd.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=stages,
+        PER_QUERY=per_query, num_warps=4, num_stages=stages,
     )  # fmt: skip
     return out.view(B, Q, H * d)

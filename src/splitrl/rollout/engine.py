@@ -49,6 +49,7 @@ from splitrl.rollout.config import GenerationConfig
 from splitrl.rollout.drafter import MTPDrafter
 from splitrl.rollout.forward import DecoderForward
 from splitrl.rollout.fused import stop_mask
+from splitrl.rollout import kv
 from splitrl.rollout.kv import StaticKVCache
 from splitrl.rollout.sampling import column_keys, seed_words
 
@@ -513,10 +514,12 @@ class RolloutEngine:
             mcfg.num_hidden_layers, slots, mcfg.num_key_value_heads, M, head_dim, dtype, self.device
         )
         if D:
-            # the MTP queries' masks are not a causal block (see drafter): the masked path, head-major
+            # the MTP queries' masks are not a causal block: head-major, read by the Triton kernel with
+            # per-query limits on CUDA (the masked path elsewhere)
             self._mtp_cache = StaticKVCache(
-                D, slots, mcfg.num_key_value_heads, M, head_dim, dtype, self.device, flash=False
-            )
+                D, slots, mcfg.num_key_value_heads, M, head_dim, dtype, self.device, flash=False,
+                query_kernel=kv.query_kernel_default(self.device, head_dim),
+            )  # fmt: skip
             c = self.config
             self._drafter = MTPDrafter(self.fwd, D, self._mtp_cache, c.temperature, c.top_k, c.top_p)
         self._state = _SlotState(slots, cfg.max_new_tokens + D + 1, D, mcfg.hidden_size, dtype, self.device)

@@ -212,9 +212,21 @@ def plan_tensors(
     return flat, mask[:, None, None]
 
 
+def query_limits(positions_BQ, limit_BQ, length: int):
+    """The per-query rule of :func:`plan_tensors` as the Triton decode kernel reads it: (limits,
+    own, ends), int32 [B, Q], [B, Q], [B]. Query (b, q) reads j <= limits and j = own (-1 when its
+    own index is outside the ``length`` read, as the mask has it); ends = 1 + the largest index a
+    query of the row reads, clamped to [1, length]."""
+    own = torch.where(positions_BQ < length, positions_BQ, -1)
+    limits = limit_BQ.clamp(max=length - 1)
+    ends = (torch.maximum(limits, own).amax(1) + 1).clamp(1, length)
+    return limits.to(torch.int32), own.to(torch.int32), ends.to(torch.int32)
+
+
 _NAMES = (
     "rms_norm", "add_rms_norm", "rope", "qk_norm_rope", "qk_rope", "qkv_norm_rope", "qkv_rope", "silu_mul",
     "draw", "draw_with_logprobs", "plain_commit", "spec_accept", "spec_commit", "draft_window", "plan_tensors",
+    "query_limits",
     "embed_rms_norm", "mtp_input", "verify_inputs", "output_index",
 )  # fmt: skip
 _COMPILED: dict[str, object] = {}
@@ -269,6 +281,7 @@ class Kernels:
                 pos, write, limit = fns["draft_window"](i + 4, i, i + 4, 2, 3, 15)
                 fns["draft_window"](i + 4, i, None, 2, 3, 15)
                 fns["plan_tensors"](write, pos, limit, i, 2, 16, 8, False)
+                fns["query_limits"](pos, limit, 8)
                 fns["verify_inputs"](i, drafts, i, i)
                 fns["output_index"](i, 8, 3)
                 # the samplers compile at their first call (one graph per vocabulary size)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from splitrl.rollout import decode_attention as _decode
-from splitrl.rollout.fused import plan_tensors
+from splitrl.rollout.fused import plan_tensors, query_limits
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,13 @@ def _flash_runs(device, dtype: torch.dtype, head_dim: int) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
+def query_kernel_default(device, head_dim: int) -> bool:
+    """Whether the engine's MTP cache reads its plans (not a causal block) with the Triton kernel's
+    per-query limits: on CUDA where :data:`DECODE_KERNEL` is "triton" (tests patch this to run it
+    under Triton's interpreter, or to compare with the masked path)."""
+    return DECODE_KERNEL == "triton" and torch.device(device).type == "cuda" and head_dim <= 256
+
+
 @dataclass
 class AttentionPlan:
     """Write indices and the additive mask of one forward (see :meth:`StaticKVCache.plan`).
@@ -121,7 +128,12 @@ class AttentionPlan:
         mask: fp32 [B, 1, 1, Q, L], 0 where allowed, -inf elsewhere; None on the flash path.
         length: L, the cache prefix read.
         slots: the rows' slots, or None for slots 0..B-1.
-        seqused: int32 [B], the rows' lengths (last query position + 1) on the flash path, else None.
+        seqused: int32 [B], the rows' lengths (last query position + 1) on the flash path, the
+            entries each row's program walks on the per-query kernel path, else None.
+        limits, own: int32 [B, Q] on the per-query kernel path (:func:`~splitrl.rollout.fused.
+            query_limits`), else None.
+        rule: (write, positions, limit, rows) of the plan on the per-query kernel path, from which
+            the mask is built if the kernel fails (the masked path then serves the forward).
     """
 
     flat_index: torch.Tensor
@@ -129,6 +141,9 @@ class AttentionPlan:
     length: int
     slots: torch.Tensor | None
     seqused: torch.Tensor | None = None
+    limits: torch.Tensor | None = None
+    own: torch.Tensor | None = None
+    rule: tuple | None = None
     _grouped: dict[tuple, object] = field(default_factory=dict)
 
     def grouped_mask(self, G: int, dtype: torch.dtype) -> torch.Tensor:
@@ -184,6 +199,9 @@ class StaticKVCache:
             A flash cache is position-major, which the kernel needs.
         position_major: the layout, when not chosen by ``flash`` (tests build a position-major
             cache on the CPU; the masked path reads either).
+        query_kernel: read plans that are not a causal block (rows 0..B-1) with the Triton kernel's
+            per-query limits instead of the masked path, while :data:`DECODE_KERNEL` is "triton"
+            (the engine's MTP cache, where :func:`query_kernel_default` says so).
 
     Attributes:
         kv: [2, N, S, M, Hk, d] or [2, N, S, Hk, M, d], keys then values in one tensor
@@ -203,6 +221,7 @@ class StaticKVCache:
         device,
         flash: bool | None = None,
         position_major: bool | None = None,
+        query_kernel: bool = False,
     ) -> None:
         self.flash = bool((FLASH_DECODE if flash is None else flash) and _flash_runs(device, dtype, head_dim))
         if position_major is not None and self.flash and not position_major:
@@ -216,6 +235,9 @@ class StaticKVCache:
         # layer (write_kv), half the launches of two (~2.5 us each, 28 layers, on the H200)
         self.kv = torch.zeros((2, *shape), dtype=dtype, device=device)
         self.k, self.v = self.kv[0], self.kv[1]
+        # plans with any mask (the MTP draft windows) read by the Triton kernel with per-query limits
+        # rather than a masked SDPA call (CUDA; the kernel takes either layout through its strides)
+        self.query_kernel = bool(query_kernel)
         self.slots, self.max_len, self.kv_heads = slots, max_len, kv_heads
 
     @property
@@ -258,11 +280,18 @@ class StaticKVCache:
         B = write_pos_BQ.shape[0]
         rows = torch.arange(B, device=write_pos_BQ.device) if slots_B is None else slots_B
         flash = causal and self.flash and slots_B is None
+        per_query = not flash and slots_B is None and self.query_kernel and DECODE_KERNEL == "triton"
         fn = plan_tensors if kernels is None else kernels.plan_tensors
         flat, mask = fn(
-            write_pos_BQ, positions_BQ, limit_BQ, rows, self.kv_heads, self.max_len, 0 if flash else length,
-            self.position_major,
+            write_pos_BQ, positions_BQ, limit_BQ, rows, self.kv_heads, self.max_len,
+            0 if flash or per_query else length, self.position_major,
         )  # fmt: skip
+        if per_query:
+            limits, own, ends = (query_limits if kernels is None else kernels.query_limits)(
+                positions_BQ, limit_BQ, length
+            )
+            rule = (write_pos_BQ, positions_BQ, limit_BQ, rows)
+            return AttentionPlan(flat, None, length, None, ends, limits, own, rule)
         if flash:
             # clamped: a slot of the bucket that holds no row may carry a stale position
             seqused = (limit_BQ[:, -1] + 1).clamp(1, length).to(torch.int32)
@@ -299,7 +328,11 @@ class StaticKVCache:
         """
         B, Q, H, d = q_BQHd.shape
         length = plan.length
-        if plan.seqused is not None:
+        if plan.limits is not None:
+            out = self._attend_per_query(layer, q_BQHd, plan, scale)
+            if out is not None:
+                return out
+        elif plan.seqused is not None:
             return self._attend_flash(layer, q_BQHd, plan, scale)
         rows = slice(0, B) if plan.slots is None else plan.slots  # slots: a copy of those rows
         if self.position_major:
@@ -311,9 +344,28 @@ class StaticKVCache:
         Hk = k.shape[1]
         G = H // Hk
         q = q_BQHd.view(B, Q, Hk, G, d).permute(0, 2, 3, 1, 4).reshape(B, Hk, G * Q, d)
+        if plan.mask is None:  # a per-query plan whose kernel failed: build the mask once (all layers)
+            plan.mask = plan_tensors(*plan.rule, self.kv_heads, self.max_len, length, self.position_major)[1]
         mask = plan.grouped_mask(G, q.dtype)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, Hk, G*Q, d]
         return out.view(B, Hk, G, Q, d).permute(0, 3, 1, 2, 4).reshape(B, Q, H * d)
+
+    def _attend_per_query(
+        self, layer: int, q_BQHd: torch.Tensor, plan: AttentionPlan, scale: float
+    ) -> torch.Tensor | None:
+        """The Triton kernel on a per-query plan; None if it failed outside a CUDA-graph capture
+        (the caller's masked path serves this and every later forward, with a warning)."""
+        if DECODE_KERNEL == "triton":
+            k, v = self.k[layer], self.v[layer]
+            if not self.position_major:  # [S, Hk, M, d] read as [S, M, Hk, d] through the strides
+                k, v = k.transpose(1, 2), v.transpose(1, 2)
+            try:
+                return _decode.decode_attention(q_BQHd, k, v, plan.seqused, scale, plan.limits, plan.own)
+            except Exception as err:  # noqa: BLE001 - a GPU / shape Triton cannot compile for
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise
+                _disable_decode_kernel(err)
+        return None
 
     def _attend_flash(self, layer: int, q_BQHd: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
         B, Q, H, d = q_BQHd.shape
