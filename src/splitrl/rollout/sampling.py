@@ -118,20 +118,45 @@ def race_sample(
     Returns:
         [B] int64 token ids.
     """
+    return _race_with_total(log_weights_BV, seed_lo_B, seed_hi_B, counter_B, stream, column_keys)[0]
+
+
+def _race_with_total(
+    log_weights_BV: torch.Tensor,
+    seed_lo_B: torch.Tensor,
+    seed_hi_B: torch.Tensor,
+    counter_B: torch.Tensor,
+    stream: int,
+    column_keys: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`race_sample`'s tokens (int64 [B]) and each row's log W = logsumexp(log_weights)
+    (``log_weights``' dtype, [B]), the latter from the block weights the race needs anyway.
+
+    Each block's log-weight is taken relative to the block's own maximum, m_b + log Σ exp(x - m_b),
+    rather than to the row's: the max and the sum then reduce over the same (last) axis of the
+    [B, blocks, block] view, which a compiler fuses into one read of the logits, and log W is a
+    logsumexp over ~sqrt(V) block weights instead of another read of all V. The block race only
+    depends on the block weights up to a common factor, so this changes rounding, not the
+    distribution.
+    """
     B, V = log_weights_BV.shape
     block = _block(V)
     num_blocks = -(-V // block)
     if column_keys is None:
         column_keys = _column_keys(num_blocks * block, log_weights_BV.device)
     padded = F.pad(log_weights_BV, (0, num_blocks * block - V), value=float("-inf")).view(B, num_blocks, block)
-    top = padded.amax(dim=(1, 2), keepdim=True)
-    block_log_weights = (padded - top).exp().sum(-1).log()  # [B, num_blocks]; -inf for empty blocks
+    block_max = padded.amax(-1)  # [B, num_blocks]
+    # an all -inf block (padding, filtered tokens) shifted by -inf would give -inf - -inf = NaN;
+    # shifted by 0 its weight is log 0 = -inf, so the race never picks it
+    shift = block_max.masked_fill(block_max == float("-inf"), 0.0)
+    block_log_weights = shift + (padded - shift[..., None]).exp().sum(-1).log()  # [B, num_blocks]
     block_keys = _keys(seed_lo_B, seed_hi_B, counter_B, 2 * stream)
     chosen = _race(block_log_weights, block_keys, column_keys[:num_blocks].expand(B, -1))
     inside = padded[torch.arange(B, device=padded.device), chosen]  # [B, block]
     token_ids = chosen[:, None] * block + torch.arange(block, device=padded.device)
     token_keys = _keys(seed_lo_B, seed_hi_B, counter_B, 2 * stream + 1)
-    return token_ids.gather(1, _race(inside, token_keys, column_keys[token_ids])[:, None]).squeeze(1)
+    tokens = token_ids.gather(1, _race(inside, token_keys, column_keys[token_ids])[:, None]).squeeze(1)
+    return tokens, block_log_weights.logsumexp(-1)
 
 
 def column_keys(vocab: int, device: torch.device) -> torch.Tensor:
@@ -172,10 +197,19 @@ def draw_with_logprobs(
     column_keys: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`draw`, plus each token's logprob under the unfiltered softmax(logits) (DESIGN §5):
-    (int64 [N], fp32 [N])."""
+    (int64 [N], fp32 [N]).
+
+    Unfiltered, the race already sums the row's weight, so its normalizer comes with the token and
+    the logits are read once; filtered, the race sums only the kept tokens and the unfiltered
+    normalizer is a reduction of its own.
+    """
     logits_NV = logits_NV.float()
-    y = draw(logits_NV, seed_lo_N, seed_hi_N, counter_N, top_k, top_p, column_keys)
-    return y, logits_NV.gather(-1, y[:, None]).squeeze(-1) - logits_NV.logsumexp(-1)
+    if 0 < top_k < logits_NV.shape[-1] or top_p < 1.0:  # filter_logits is not a no-op
+        y = draw(logits_NV, seed_lo_N, seed_hi_N, counter_N, top_k, top_p, column_keys)
+        log_total = logits_NV.logsumexp(-1)
+    else:
+        y, log_total = _race_with_total(logits_NV, seed_lo_N, seed_hi_N, counter_N, STREAM_TARGET, column_keys)
+    return y, logits_NV.gather(-1, y[:, None]).squeeze(-1) - log_total
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
