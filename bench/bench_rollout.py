@@ -9,10 +9,12 @@ happens in the warm-up). HBM roofline: one decode step reads every backbone weig
 cached token, at the mean context prompt + new/2), at ``--hbm-tb-s`` (4.3 TB/s measured on the H200);
 roofline tokens/s = batch / (bytes per step / bandwidth).
 
-Speculation is measured with MTP heads trained on the model's own samples (``--train-mtp-steps``
-of AdamW on the MTP parameters only, over sequences the engine sampled from the model) and printed
-with the acceptance reached. Speculative and plain decoding emit the same tokens (DESIGN §5), so a
-speedup is a pure speed figure.
+Speculation is measured with MTP heads trained on the model's own outputs: ``--mtp-samples``
+sequences the engine sampled from the model, ``--train-mtp-steps`` of AdamW on the MTP parameters
+only (the backbone frozen, its hidden states computed once), distilling the backbone's own
+distribution at each target into the heads (``--mtp-objective ce``: the sampled token instead, as
+splitrl's MTP loss does in training), and printed with the acceptance reached on held-out samples.
+Speculative and plain decoding emit the same tokens (DESIGN §5), so a speedup is a pure speed figure.
 
 Reading the output:
 - ``plain`` / ``no-graph`` / ``spec`` tok/s: generated tokens / wall time of a call (best of
@@ -24,9 +26,10 @@ Reading the output:
   engine's in-call estimate of that ratio (below 1 a run switches speculation off); ``with the
   rules on``: what a run gets after four calls, the in-call rule and the measured choice between
   calls deciding. ``(N s)``: the row's wall time, setup included.
-- ``MTP warm-up``: the acceptance standard speculative sampling would reach with these heads
-  (``rejection rule``) against ours (``coupled Gumbel rule``), which keeps a sample's tokens the
-  same with speculation on or off (DESIGN.md §5, ``splitrl.rollout.engine``).
+- ``MTP warm-up``: per depth, on held-out samples (teacher-forced), the acceptance standard
+  speculative sampling would reach with these heads (``rejection rule``) against ours (``coupled
+  Gumbel rule``), which keeps a sample's tokens the same with speculation on or off (DESIGN.md §5,
+  ``splitrl.rollout.engine``).
 - On a shared CPU a single figure can be off by several times (other jobs): compare kinds within
   one run, and raise ``--repeats``.
 
@@ -34,13 +37,13 @@ Reading the output:
     python bench/bench_rollout.py --device cuda --preset qwen3-0.6b --batch-sizes 1,32,256 \\
         --prompt-len 128 --new-tokens 128 --speculative --baselines hf-eager,hf-static --ragged 1024 --check
 
-Measured 2026-12-01 (midday) on one H200 (torch 2.11, bf16, `--device cuda --preset qwen3-0.6b
---batch-sizes 1,32,256 --prompt-len 128 --new-tokens 128 --speculative --no-graph-column --check
---ragged 1024`): plain 645 / 18,491 / 62,425 tokens/s at batch 1 / 32 / 256 (18.2 / 25.5 / 38.7 % of
-the roofline); speculative 1.56x / 1.15x / 0.94x plain at 44-45 % acceptance (rules on: 1.56x /
-1.18x / plain calls 0.98x); fp32 check 2.86e-6, speculative == plain 6/6. Ragged (`--batch-sizes 1
---ragged 1024`, warm-up = the timed call): continuous 42.7 k tokens/s, + speculation 47.1 k (1.10x),
-rules on 47.3 k. `--attention` (the day before, one layer, flash call vs our Triton kernel): batch
+Measured 2026-12-01 (afternoon) on one H200 (torch 2.11, bf16, `--device cuda --preset qwen3-0.6b
+--batch-sizes 1,32,256 --prompt-len 128 --new-tokens 128 --speculative --no-graph-column --ragged
+1024`): MTP warm-up 70 s, held-out coupled acceptance 75.0 / 70.8 % per depth (rejection rule 82.3 /
+78.4 %); plain 650 / 18,565 / 63,626 tokens/s at batch 1 / 32 / 256 (18.3 / 25.6 / 39.5 % of the
+roofline); speculative 1.88x / 1.45x / 1.14x plain at 65-70 % acceptance (rules on: 2.00x / 1.45x /
+1.14x). Ragged: continuous 43.7 k tokens/s, + speculation 60.0 k (1.37x), rules on 59.6 k, static
+batches 31.2 k. `--attention` (the day before, one layer, flash call vs our Triton kernel): batch
 32 x 192 entries 20.7 vs 7.5 us (a verify, Q = 3: 42.6 vs 7.4); batch 1 x 2,048 entries 12.7 vs 34.2
 us, which is why few long one-query rows stay on the flash call (`SPLITRL_DECODE_ATTENTION=flash`
 runs it everywhere). The README's benchmark table has the history (HF baselines, profiles).
@@ -408,7 +411,7 @@ def train_mtp_heads(model: PolicyModel, args: argparse.Namespace) -> tuple[dict[
     steps = args.train_mtp_steps
     opt = torch.optim.AdamW(params, lr=2e-3, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))
+        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / max(steps, 1)))
     )
     for _ in range(steps):
         rows = torch.randint(0, n, (min(32, n),), device=args.device)
