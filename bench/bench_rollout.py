@@ -328,19 +328,20 @@ def _own_samples(model: PolicyModel, args: argparse.Namespace, n: int) -> torch.
 class _MTPWarmUp:
     """The frozen backbone's embeddings and h^0 of sequences (computed once), and the MTP depths'
     teacher-forced outputs on them (DESIGN §3: depth k at position t reads Emb(x_{t+k}) and h^{k-1}_t
-    and predicts x_{t+k+1}, which the backbone predicts at position t+k)."""
+    and predicts x_{t+k+1}, which the backbone predicts at position t+k). ``top_k``: the filter the
+    samples were drawn with (the target distribution and the acceptance rules apply it)."""
 
-    def __init__(self, model: PolicyModel, seqs: torch.Tensor, prompt_len: int, temperature: float):
+    def __init__(self, model: PolicyModel, seqs: torch.Tensor, prompt_len: int, temperature: float, top_k: int):
         from splitrl.models.policy import build_attention_mask
 
-        self.model, self.seqs, self.P, self.T = model, seqs, prompt_len, temperature
+        self.model, self.seqs, self.P, self.T, self.top_k = model, seqs, prompt_len, temperature, top_k
         N, S = seqs.shape
         self.D = model.num_mtp_depths
         self.W = model.output_weight
         self.pos = torch.arange(S, device=seqs.device)
-        self._masks: dict[int, torch.Tensor] = {}
-        self._mask_fn = lambda B: build_attention_mask(
-            torch.zeros(B, S, dtype=torch.int64, device=seqs.device), model.config._attn_implementation, self.W.dtype
+        # every row is one sample (plain causal): one [1, 1, S, S] mask, broadcast over rows
+        self._mask = build_attention_mask(
+            torch.zeros(1, S, dtype=torch.int64, device=seqs.device), model.config._attn_implementation, self.W.dtype
         )
         self.emb = torch.empty(N, S, model.config.hidden_size, dtype=self.W.dtype, device=seqs.device)
         self.h0 = torch.empty_like(self.emb)
@@ -354,13 +355,18 @@ class _MTPWarmUp:
                 ).last_hidden_state  # fmt: skip
 
     def mask(self, B: int) -> torch.Tensor:
-        if B not in self._masks:
-            self._masks[B] = self._mask_fn(B)
-        return self._masks[B]
+        return self._mask.expand(B, *self._mask.shape[1:])
 
     def positions(self, k: int) -> slice:
-        """Positions t whose depth-k target x_{t+k+1} is a response token."""
-        return slice(self.P - k - 1, self.seqs.shape[1] - k - 1)
+        """Positions t >= 0 whose depth-k target x_{t+k+1} is a response token (empty when the
+        sequence is too short for depth k)."""
+        return slice(max(0, self.P - k - 1), max(0, self.seqs.shape[1] - k - 1))
+
+    def filtered(self, logits: torch.Tensor) -> torch.Tensor:
+        """fp32 ``logits`` after the sampling's top-k (a no-op for top_k 0)."""
+        from splitrl.rollout.sampling import filter_logits
+
+        return filter_logits(logits.float(), self.top_k, 1.0)
 
     def targets(self, rows: torch.Tensor, k: int) -> torch.Tensor:
         """int64 [rows, targets]: the sampled x_{t+k+1} at :meth:`positions`."""
@@ -369,7 +375,7 @@ class _MTPWarmUp:
 
     def depths(self, rows: torch.Tensor):
         """Yields (k, depth-k logits / T, backbone logits / T at the same targets) for ``rows``:
-        [rows, targets, V] each, in the weights' dtype."""
+        [rows, targets, V] each, in the weights' dtype, unfiltered; depths with no target are left out."""
         emb, h0 = self.emb[rows], self.h0[rows]
         B, S, _ = emb.shape
         pos = self.pos.expand(B, S)
@@ -381,6 +387,8 @@ class _MTPWarmUp:
                 k, emb_k, prev, attention_mask=self.mask(B), position_embeddings=rope, position_ids=pos
             )
             sl = self.positions(k)
+            if sl.stop <= sl.start:
+                continue
             with torch.no_grad():
                 p = h0[:, sl.start + k : sl.stop + k] @ self.W.T / self.T
             yield k, prev[:, sl] @ self.W.T / self.T, p
@@ -393,16 +401,17 @@ def train_mtp_heads(model: PolicyModel, args: argparse.Namespace) -> tuple[dict[
     ``--mtp-samples`` sequences are sampled from the model by the engine (plus ``HELD_OUT`` more).
     ``--mtp-objective distill`` (default) minimizes the cross-entropy of each depth's distribution
     against the backbone's own distribution at the same target, E_p[-log q]; ``ce`` minimizes it
-    against the sampled token, -log q(x), as splitrl's MTP loss does in training (DESIGN §3). At
-    T = 1 the two have the same expectation (the tokens are samples of p); the sampled token is a
-    far noisier estimate of it, so with the same data the heads get further with ``distill``
-    (2026-12-01, one H200, this bench's qwen3-0.6b shape, 2,048 samples, 600 steps: held-out
-    coupled depth-1 acceptance 76 % against 57 %). AdamW (lr 2e-3, no weight decay), 20 warm-up
-    steps then a cosine decay, batches of 32 sequences.
+    against the sampled token, -log q(x), as splitrl's MTP loss does in training (DESIGN §3). Here p
+    is the distribution the samples were drawn from (logits / T after ``--top-k``), so the two
+    losses have the same expectation; the sampled token is a far noisier estimate of it, so with the
+    same data the heads get further with ``distill`` (2026-12-01, one H200, this bench's qwen3-0.6b
+    shape, 2,048 samples, 600 steps: held-out coupled depth-1 acceptance 75-76 % against 57 %).
+    AdamW (lr 2e-3, no weight decay), 20 warm-up steps then a cosine decay, batches of 32 sequences
+    (fewer for responses over 128 tokens: the fp32 logits of a batch stay ~4 k tokens a depth).
     """
     n = min(args.mtp_samples, max(32, 2**20 // (args.prompt_len + args.new_tokens)))  # cached tokens <= 1 M
     seqs = _own_samples(model, args, n + HELD_OUT)
-    data = _MTPWarmUp(model, seqs, args.prompt_len, args.temperature)
+    data = _MTPWarmUp(model, seqs, args.prompt_len, args.temperature, args.top_k)
     params = [p for name, p in model.named_parameters() if name.startswith("mtp.")]
     for p in model.parameters():
         p.requires_grad_(False)
@@ -414,12 +423,12 @@ def train_mtp_heads(model: PolicyModel, args: argparse.Namespace) -> tuple[dict[
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / max(steps, 1)))
     )
     for _ in range(steps):
-        rows = torch.randint(0, n, (min(32, n),), device=args.device)
+        rows = torch.randint(0, n, (min(n, max(1, 4096 // args.new_tokens), 32),), device=args.device)
         loss = 0.0
         for k, q_logits, p_logits in data.depths(rows):
             log_q = q_logits.float().log_softmax(-1)
             if args.mtp_objective == "distill":
-                loss = loss - (p_logits.float().softmax(-1) * log_q).sum(-1).mean()
+                loss = loss - (data.filtered(p_logits).softmax(-1) * log_q).sum(-1).mean()
             else:
                 loss = loss - log_q.gather(-1, data.targets(rows, k)[..., None]).mean()
         loss.backward()
@@ -437,14 +446,16 @@ def mtp_acceptance(data: _MTPWarmUp, rows: torch.Tensor) -> dict[int, tuple[floa
 
     coupled: P(race winner of q = race winner of p) under the same Gumbel noise, the rule of our
     engine, which keeps a sample's tokens the same with speculation on or off (DESIGN §5);
-    rejection: E[sum min(p, q)], what standard speculative sampling would accept. Depth k >= 2 is
-    conditioned on the earlier drafts being right (its inputs are the true tokens)."""
+    rejection: E[sum min(p, q)], what standard speculative sampling would accept. Both after the
+    sampling's top-k, as the engine drafts and verifies. Depth k >= 2 is conditioned on the earlier
+    drafts being right (its inputs are the true tokens)."""
     from splitrl.rollout.sampling import STREAM_TARGET, race_sample, seed_words
 
     totals: dict[int, list[float]] = {}
-    for i in range(0, len(rows), 16):
-        for k, q_logits, p_logits in data.depths(rows[i : i + 16]):
-            q, p = q_logits.float().flatten(0, 1), p_logits.float().flatten(0, 1)
+    chunk = max(1, min(16, 2048 // (data.seqs.shape[1] - data.P)))
+    for i in range(0, len(rows), chunk):
+        for k, q_logits, p_logits in data.depths(rows[i : i + chunk]):
+            q, p = data.filtered(q_logits).flatten(0, 1), data.filtered(p_logits).flatten(0, 1)
             m = q.shape[0]
             lo, hi = seed_words(list(range(i * 10_000, i * 10_000 + m)), q.device)
             c = torch.full((m,), k, dtype=torch.int64, device=q.device)

@@ -449,10 +449,12 @@ def test_a_failing_triton_kernel_falls_back_to_the_flash_call(monkeypatch, caplo
     assert torch.equal(out, pos.attend(0, q, plan, 0.3))
 
 
-def _draft_window_plan(position_major_cache: StaticKVCache, L: int, scratch: int):
-    """(write, positions, limit) [B, 4] of draft windows like the drafter's (three consecutive
-    entries from p0, the later ones invalid in some rows, written at ``scratch``) plus a query two
-    positions on whose limit leaves a gap before its own entry (depth 3's shape)."""
+def _draft_window_plan(L: int, scratch: int):
+    """(write, limit) [B, 4] of draft windows like the drafter's (three consecutive entries from
+    p0, the later ones invalid in some rows, written at ``scratch``) plus a query two positions on
+    whose limit leaves a gap before its own entry (depth 3's shape); in the first row the query's
+    limit is negative (depth k's query of a prompt shorter than k - 1: it reads its own entry
+    alone). The plan's positions are the write indices, as in the drafter."""
     p0 = torch.tensor([10, 63, 64, 120, 150], device="cuda")  # across 64-entry block edges
     accepted = torch.tensor([2, 0, 1, 2, 0], device="cuda")
     i = torch.arange(3, device="cuda")
@@ -461,6 +463,7 @@ def _draft_window_plan(position_major_cache: StaticKVCache, L: int, scratch: int
     query = (p0 + accepted + 2)[:, None]
     write = torch.cat([write, query], 1)
     limit = torch.cat([pos, query - 2], 1)
+    limit[0, 3] = -1
     assert int(write[write != scratch].max()) < L < scratch
     return write, limit
 
@@ -480,7 +483,7 @@ def test_the_per_query_kernel_reads_what_the_masked_path_reads(monkeypatch, dtyp
     masked = StaticKVCache(1, S, HK, Mx, D_HEAD, dtype, "cuda", flash=False, position_major=position_major)
     kern.kv.normal_()
     masked.kv.copy_(kern.kv)
-    write, limit = _draft_window_plan(kern, L, kern.scratch)
+    write, limit = _draft_window_plan(L, kern.scratch)
     q = torch.randn(write.shape[0], write.shape[1], H, D_HEAD, dtype=dtype, device="cuda")
     plan_k = kern.plan(write, write, limit, L)
     plan_m = masked.plan(write, write, limit, L)
@@ -506,6 +509,7 @@ def test_the_engine_drafts_the_same_with_the_per_query_kernel(monkeypatch):
 
     from splitrl.rollout import GenerationConfig, RolloutEngine
 
+    monkeypatch.setattr(kv_mod, "DECODE_KERNEL", "triton")  # whatever SPLITRL_DECODE_ATTENTION says
     model = make_model(vocab=64, depths=2, seed=3).to("cuda")
     cfg = GenerationConfig(speculative=True, temperature=0.9, max_new_tokens=40, stop_token_ids=[1], batch_size=4)
     prompts = random_prompts(7, 64, (1, 90), seed=5)  # MTP rows across 64-entry blocks

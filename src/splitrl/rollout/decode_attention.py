@@ -65,8 +65,11 @@ if AVAILABLE:
         # inclusive last entry each query reads; >= 0 so that a stale slot's row (used < Q, its output
         # discarded by the engine) never softmaxes an empty set, which would be NaN
         if PER_QUERY:
-            limit = tl.maximum(tl.load(limits_ptr + b * Q + i, mask=row_ok, other=0), 0)
             own = tl.load(own_ptr + b * Q + i, mask=row_ok, other=-1)
+            limit = tl.load(limits_ptr + b * Q + i, mask=row_ok, other=0)
+            # a negative limit reads the own entry alone (as the mask does); only a query with
+            # neither is given entry 0
+            limit = tl.where(own >= 0, limit, tl.maximum(limit, 0))
         else:
             limit = tl.maximum(used - Q + i, 0)
             own = limit

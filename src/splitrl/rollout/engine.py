@@ -56,7 +56,8 @@ from splitrl.rollout.sampling import column_keys, seed_words
 
 log = logging.getLogger(__name__)
 
-# The host reads the done flags every this many decode steps (plain) or verify iterations (spec).
+# The host reads the done flags every this many decode steps (plain) or verify iterations (spec;
+# half as many while prompts wait for a slot).
 SYNC_EVERY = 16
 # Prefill token budget of one forward (rows of a refill are cut into forwards of at most this).
 PREFILL_TOKENS = 16384

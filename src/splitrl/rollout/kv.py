@@ -98,7 +98,8 @@ def _disable_decode_kernel(err: Exception) -> None:
     DECODE_KERNEL = "flash"
     log.warning(
         "the Triton decode-attention kernel failed (%r); using the flash varlen call for decode attention "
-        "(SPLITRL_DECODE_ATTENTION=flash chooses it from the start)",
+        "and the masked SDPA path for the MTP depths' draft windows (SPLITRL_DECODE_ATTENTION=flash chooses "
+        "them from the start)",
         err,
     )
 
@@ -125,7 +126,8 @@ class AttentionPlan:
 
     Attributes:
         flat_index: int64 [B*Q*Hk] rows of the cache layer (in its own layout) viewed as [-1, d].
-        mask: fp32 [B, 1, 1, Q, L], 0 where allowed, -inf elsewhere; None on the flash path.
+        mask: fp32 [B, 1, 1, Q, L], 0 where allowed, -inf elsewhere; None on the flash path and on the
+            per-query kernel path (built there only if the kernel fails).
         length: L, the cache prefix read.
         slots: the rows' slots, or None for slots 0..B-1.
         seqused: int32 [B], the rows' lengths (last query position + 1) on the flash path, the
@@ -273,7 +275,9 @@ class StaticKVCache:
 
         ``causal=True`` is the caller's promise that the three index tensors are equal and each row's
         are consecutive (p-Q+1..p, p < ``length``), rows being slots 0..B-1: the backbone's decode.
-        Such a plan runs on the flash path where the cache has one (:attr:`flash`).
+        Such a plan runs on the flash path where the cache has one (:attr:`flash`). Any other plan of
+        rows 0..B-1 (``slots_B`` None) runs on the Triton kernel's per-query limits where the cache
+        was built with ``query_kernel`` (the MTP depths' draft windows), else on the masked path.
         ``kernels``: a :class:`~splitrl.rollout.fused.Kernels` whose (compiled) ``plan_tensors``
         builds the index and mask.
         """
