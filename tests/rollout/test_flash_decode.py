@@ -396,22 +396,28 @@ masked = [run(False), run(True)]
 # the backbone's cache becomes position-major and is read by the Triton kernel (interpreted)
 kv.FLASH_DECODE = True
 kv._flash_runs = lambda device, dtype, head_dim: True
+# and the MTP depths' draft windows by its per-query limits
+kv.query_kernel_default = lambda device, head_dim: True
 assert kv.DECODE_KERNEL == "triton"
 kernel = [run(False), run(True)]
 tok = all(a.response_ids == b.response_ids for x, y in zip(masked, kernel) for a, b in zip(x, y))
 spec = all(a.response_ids == b.response_ids for a, b in zip(*kernel))
 lp = max(max(abs(p - q) for p, q in zip(a.logprobs, b.logprobs)) for x, y in zip(masked, kernel) for a, b in zip(x, y))
-print(tok, spec, lp)
+# the same drafts: every sample accepts as many
+drafts = [r.accepted_tokens for r in masked[1]] == [r.accepted_tokens for r in kernel[1]]
+drafted = sum(r.drafted_tokens for r in kernel[1])
+print(tok, spec, drafts and drafted > 20, lp)
 """
 
 
 @pytest.mark.skipif(not decode_mod.AVAILABLE, reason="needs Triton (its interpreter runs the kernel on the CPU)")
 def test_the_engine_on_the_triton_kernel_emits_what_the_masked_path_emits():
     """The engine end to end (refills, a stop token, top-p, plain and speculative) with its
-    backbone cache read by the Triton kernel, interpreted in fp32 on the CPU: the same tokens as
-    the masked path and logprobs within fp32 rounding, and speculative == plain. Guards the
-    integration (slot rows, seqused, the fused-QKV query strides), which the kernel's own test
-    does not reach."""
+    backbone cache read by the Triton kernel and the MTP draft windows by its per-query limits,
+    interpreted in fp32 on the CPU: the same tokens as the masked path and logprobs within fp32
+    rounding, speculative == plain, and the same drafts (each sample's accepted count). Guards the
+    integration (slot rows, seqused, the fused-QKV query strides, the head-major MTP cache read
+    through strides), which the kernel's own tests do not reach."""
     import os
 
     helpers = os.path.dirname(os.path.abspath(__file__))
@@ -419,8 +425,8 @@ def test_the_engine_on_the_triton_kernel_emits_what_the_masked_path_emits():
     if "only 0-dimensional arrays can be converted" in res.stderr:
         pytest.skip("Triton's interpreter does not run with this numpy (>= 2.3); the CUDA tests run the kernel")
     assert res.returncode == 0, res.stderr[-3000:]
-    tokens, spec, worst = res.stdout.split()[-3:]
-    assert tokens == "True" and spec == "True", res.stdout
+    tokens, spec, drafts, worst = res.stdout.split()[-4:]
+    assert tokens == "True" and spec == "True" and drafts == "True", res.stdout
     assert float(worst) < 1e-4, worst
 
 
@@ -526,3 +532,47 @@ def test_the_engine_drafts_the_same_with_the_per_query_kernel(monkeypatch):
     assert [r.response_ids for r in kernel] == [r.response_ids for r in masked]
     assert sum(r.drafted_tokens for r in kernel) > 50
     assert [r.accepted_tokens for r in kernel] == [r.accepted_tokens for r in masked]
+
+
+_INTERPRETED_PER_QUERY = r"""
+import torch
+from splitrl.rollout import kv
+from splitrl.rollout.kv import StaticKVCache
+assert kv.DECODE_KERNEL == "triton"
+torch.manual_seed(0)
+worst, no_own = 0.0, float('inf')
+for position_major in (False, True):
+    caches = [StaticKVCache(1, 6, 2, 200, 16, torch.float32, "cpu", flash=False, position_major=position_major,
+                            query_kernel=kernel) for kernel in (True, False)]
+    caches[0].kv.normal_()
+    caches[1].kv.copy_(caches[0].kv)
+    p0, accepted, i = torch.tensor([10, 63, 64, 120, 150]), torch.tensor([2, 0, 1, 2, 0]), torch.arange(3)
+    pos = p0[:, None] + i
+    write = torch.where(i <= accepted[:, None], pos, 199)
+    query = (p0 + accepted + 2)[:, None]
+    write, limit = torch.cat([write, query], 1), torch.cat([pos, query - 2], 1)
+    limit[0, 3] = -1  # reads its own entry alone
+    q = torch.randn(5, 4, 4, 16)
+    plans = [c.plan(write, write, limit, 160) for c in caches]
+    assert plans[0].limits is not None and plans[1].mask is not None
+    out = [c.attend(0, q, p, 0.25) for c, p in zip(caches, plans)]
+    worst = max(worst, float((out[0] - out[1]).abs().max()))
+    off = caches[0].attend(0, q, caches[0].plan(write, torch.full_like(write, 200), limit, 160), 0.25)
+    no_own = min(no_own, float((off[:, 3] - out[1][:, 3]).abs().amax(-1).min()))
+print(worst, no_own)
+"""
+
+
+@pytest.mark.skipif(not decode_mod.AVAILABLE, reason="needs Triton (its interpreter runs the kernel on the CPU)")
+def test_the_per_query_kernel_interpreted_reads_what_the_masked_path_reads():
+    """The kernel's per-query limits (the MTP draft windows: invalid entries written at scratch, a
+    query whose limit leaves a gap before its own entry, one whose limit is negative) run by
+    Triton's interpreter in fp32 against the masked SDPA path, on both cache layouts. Guard: the
+    gapped queries without their own entry read something else (in every row)."""
+    res = _run_python(_INTERPRETED_PER_QUERY, TRITON_INTERPRET="1", SPLITRL_DECODE_ATTENTION="triton")
+    if "only 0-dimensional arrays can be converted" in res.stderr:
+        pytest.skip("Triton's interpreter does not run with this numpy (>= 2.3); the CUDA tests run the kernel")
+    assert res.returncode == 0, res.stderr[-3000:]
+    worst, no_own = map(float, res.stdout.split()[-2:])
+    assert worst < 1e-5, worst
+    assert no_own > 1e-3, no_own
