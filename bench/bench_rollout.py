@@ -124,8 +124,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--speculative", action="store_true", help="also measure speculative decoding")
-    p.add_argument("--train-mtp-steps", type=int, default=600, help="MTP warm-up steps before speculation")
-    p.add_argument("--mtp-samples", type=int, default=2048, help="the model's own samples the MTP warm-up trains on")
+    p.add_argument(
+        "--train-mtp-steps", type=int, default=None,
+        help="MTP warm-up steps before speculation (default 600 on cuda, 200 on cpu; 0: untrained heads)",
+    )
+    p.add_argument(
+        "--mtp-samples", type=int, default=None,
+        help="the model's own samples the MTP warm-up trains on (default 2048 on cuda, 256 on cpu)",
+    )  # fmt: skip
     p.add_argument(
         "--mtp-objective", default="distill", choices=["distill", "ce"],
         help="MTP warm-up loss: the backbone's distribution at each target (distill) or the sampled token (ce)",
@@ -158,6 +164,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """A user mistake is a usage error (exit 2) before any model is built, not a traceback (or a
     ZeroDivisionError, an empty table) after minutes of setup."""
+    cuda = args.device == "cuda"
+    if args.train_mtp_steps is None:  # a CPU takes minutes for the GPU's warm-up
+        args.train_mtp_steps = 600 if cuda else 200
+    if args.mtp_samples is None:
+        args.mtp_samples = 2048 if cuda else 256
     for name in ("prompt_len", "new_tokens", "repeats", "ragged_max_new", "ragged_batch", "mtp_samples"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -362,6 +373,10 @@ class _MTPWarmUp:
         sequence is too short for depth k)."""
         return slice(max(0, self.P - k - 1), max(0, self.seqs.shape[1] - k - 1))
 
+    def has_targets(self) -> bool:
+        """Whether some depth has a response token to predict (a 1-token response has none)."""
+        return any(self.positions(k).stop > self.positions(k).start for k in range(1, self.D + 1))
+
     def filtered(self, logits: torch.Tensor) -> torch.Tensor:
         """fp32 ``logits`` after the sampling's top-k (a no-op for top_k 0)."""
         from splitrl.rollout.sampling import filter_logits
@@ -412,6 +427,8 @@ def train_mtp_heads(model: PolicyModel, args: argparse.Namespace) -> tuple[dict[
     n = min(args.mtp_samples, max(32, 2**20 // (args.prompt_len + args.new_tokens)))  # cached tokens <= 1 M
     seqs = _own_samples(model, args, n + HELD_OUT)
     data = _MTPWarmUp(model, seqs, args.prompt_len, args.temperature, args.top_k)
+    if not data.has_targets():
+        return {}, n
     params = [p for name, p in model.named_parameters() if name.startswith("mtp.")]
     for p in model.parameters():
         p.requires_grad_(False)
@@ -422,8 +439,12 @@ def train_mtp_heads(model: PolicyModel, args: argparse.Namespace) -> tuple[dict[
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / max(steps, 1)))
     )
-    for _ in range(steps):
-        rows = torch.randint(0, n, (min(n, max(1, 4096 // args.new_tokens), 32),), device=args.device)
+    from tqdm.auto import tqdm
+
+    gen = torch.Generator(args.device).manual_seed(0)  # the same batches every run
+    bar = tqdm(range(steps), desc="MTP warm-up", unit="step", leave=False, file=sys.stderr, disable=None)
+    for _ in bar:
+        rows = torch.randint(0, n, (min(n, max(1, 4096 // args.new_tokens), 32),), device=args.device, generator=gen)
         loss = 0.0
         for k, q_logits, p_logits in data.depths(rows):
             log_q = q_logits.float().log_softmax(-1)
@@ -468,11 +489,19 @@ def mtp_acceptance(data: _MTPWarmUp, rows: torch.Tensor) -> dict[int, tuple[floa
 
 
 def describe_warm_up(args: argparse.Namespace, acceptance: dict[int, tuple[float, float]], samples: int, seconds: float) -> str:
+    """The warm-up's line of the output: what it trained on and the held-out acceptance reached."""
+    steps = f"{args.train_mtp_steps} step{'s' if args.train_mtp_steps != 1 else ''}"
+    capped = f" (capped from {args.mtp_samples}: at most 1 M cached tokens)" if samples < args.mtp_samples else ""
+    if not acceptance:
+        return (
+            f"MTP warm-up: responses of {args.new_tokens} token(s) after {args.prompt_len}-token prompts give no "
+            "depth a token to predict; speculation runs with untrained heads"
+        )
     per_depth = lambda i: "/".join(f"{acceptance[k][i]:.1f}" for k in sorted(acceptance))  # noqa: E731
     return (
-        f"MTP warm-up: {args.train_mtp_steps} steps ({args.mtp_objective}) on {samples} of the model's own "
-        f"samples; held-out teacher-forced acceptance per depth at T={args.temperature}: coupled Gumbel rule (ours) "
-        f"{per_depth(0)} %, rejection rule E[sum min(p,q)] {per_depth(1)} % ({seconds:.0f} s)"
+        f"MTP warm-up: {steps} ({args.mtp_objective}) on {samples} of the model's own samples{capped}; "
+        f"acceptance per depth on {HELD_OUT} held-out samples (teacher-forced) at T={args.temperature}: coupled "
+        f"Gumbel rule (ours) {per_depth(0)} %, rejection rule E[sum min(p,q)] {per_depth(1)} % ({seconds:.0f} s)"
     )
 
 
@@ -734,6 +763,8 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         acceptance, samples = train_mtp_heads(model, args)
         print(describe_warm_up(args, acceptance, samples, time.perf_counter() - t0), flush=True)
+    elif args.speculative:
+        print("MTP warm-up skipped (--train-mtp-steps 0): speculation runs with the untrained heads", flush=True)
     baselines = [b for b in args.baselines.split(",") if b]
     context = args.prompt_len + args.new_tokens / 2
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -758,13 +789,17 @@ def main(argv: list[str] | None = None) -> None:
             spec_engine.speculative_switch_off = False  # measure speculation; the rule's estimate is printed
             spec = measure_engine(spec_engine, prompts, seeds, args.repeats)
             figures["spec"] = spec.tokens_per_s
-            per_depth = "/".join(f"{r:.0f}" for r in spec.acceptance_rate_per_depth)
-            est = f"{spec.speculative_speedup:.2f}x" if spec.speculative_speedup is not None else "n/a"
+            per_depth = "/".join("n/a" if math.isnan(r) else f"{r:.0f}" for r in spec.acceptance_rate_per_depth)
+            accepted = (
+                "n/a (nothing drafted)" if math.isnan(spec.acceptance_rate)
+                else f"{spec.acceptance_rate:.1f}% (per depth {per_depth})"
+            )  # fmt: skip
+            # the in-call rule decides after SWITCH_MIN_ITERATIONS verifies: a shorter call has no estimate
+            est = f"{spec.speculative_speedup:.2f}x" if spec.speculative_speedup is not None else "n/a (call too short)"
             off = spec.switched_off_at_iteration
             notes.append(
-                f"spec {spec.tokens_per_s / plain.tokens_per_s:.2f}x plain, acceptance {spec.acceptance_rate:.1f}% "
-                f"(per depth {per_depth}), switch-off rule estimate {est}"
-                + (f", switched off at iteration {off}" if off else "")
+                f"spec {spec.tokens_per_s / plain.tokens_per_s:.2f}x plain, acceptance {accepted}, "
+                f"switch-off rule estimate {est}" + (f", switched off at iteration {off}" if off else "")
             )
             # what a run gets: the in-call rule and the measured choice between calls decide
             ruled = RolloutEngine(model, spec_cfg, args.device)
@@ -777,8 +812,8 @@ def main(argv: list[str] | None = None) -> None:
             )
         cells = " ".join(f"{figures[c]:>13.0f} ({_percent(figures[c], roof)})    " for c in cols)
         print(
-            f"{batch:>5} {'n/a' if roof is None else f'{roof:.0f}':>9} {cells}  step reads {step_bytes / 1e9:.2f} GB; "
-            + "; ".join(notes)
+            f"{batch:>5} {'n/a' if roof is None else f'{roof:.0f}':>9} {cells}  step reads {step_bytes / 1e9:.2f} GB"
+            + "".join("; " + note for note in notes)
             + f" ({time.perf_counter() - t_start:.0f} s)",
             flush=True,
         )

@@ -54,7 +54,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch-sizes", default="1,32", type=br._batch_sizes, help="comma list of positive ints")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--train-mtp-steps", type=int, default=600, help="MTP warm-up steps (acceptance as in the bench)")
+    p.add_argument(
+        "--train-mtp-steps", type=int, default=None,
+        help="MTP warm-up steps, as in the bench (default 600 on cuda, 200 on cpu)",
+    )
+    p.add_argument("--mtp-samples", type=int, default=None, help="the warm-up's samples (default 2048 on cuda, 256 on cpu)")
+    p.add_argument("--mtp-objective", default="distill", choices=["distill", "ce"], help="the warm-up's loss, as in the bench")
     p.add_argument("--ragged", type=int, default=0, help="profile the bench's ragged call of this many samples instead")
     p.add_argument("--phases", action="store_true", help="also time the phases of one call (synchronized)")
     p.add_argument("--top", type=int, default=20, help="kernels listed per call")
@@ -63,7 +68,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     for name in ("train_mtp_steps", "ragged"):
-        if getattr(args, name) < 0:
+        if getattr(args, name) is not None and getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA GPU is visible here; use --device cpu")
@@ -74,7 +79,10 @@ def bench_args(args: argparse.Namespace) -> argparse.Namespace:
     """bench_rollout's settings for the same model, lengths and MTP warm-up."""
     argv = ["--device", args.device, "--preset", args.preset, "--batch-sizes", args.batch_sizes, "--speculative",
             "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
-            "--train-mtp-steps", str(args.train_mtp_steps)]  # fmt: skip
+            "--mtp-objective", args.mtp_objective]  # fmt: skip
+    for flag, value in (("--train-mtp-steps", args.train_mtp_steps), ("--mtp-samples", args.mtp_samples)):
+        if value is not None:  # else the bench's defaults for the device
+            argv += [flag, str(value)]
     if args.ragged:
         argv += ["--ragged", str(args.ragged)]
     return br.parse_args(argv)
@@ -206,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     model = br.build_model(bargs, dtype)
     for p in model.parameters():
         p.requires_grad_(False)
-    if args.train_mtp_steps:
+    if bargs.train_mtp_steps:
         t0 = time.perf_counter()
         acceptance, samples = br.train_mtp_heads(model, bargs)
         print(br.describe_warm_up(bargs, acceptance, samples, time.perf_counter() - t0), flush=True)
