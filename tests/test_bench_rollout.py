@@ -91,3 +91,32 @@ def test_the_mtp_warm_up_lifts_held_out_acceptance_and_leaves_the_backbone():
         assert distilled[k][0] > untrained[k][0] + 3, (k, untrained, distilled)
         assert distilled[k][1] > untrained[k][1] + 6, (k, untrained, distilled)
     assert ce[1][1] > untrained[1][1] + 2, (untrained, ce)
+
+
+@pytest.mark.parametrize(
+    "extra, line",
+    [
+        # a new user's 1-token responses crashed the warm-up (no depth had a target)
+        (["--prompt-len", "1", "--new-tokens", "1", "--train-mtp-steps", "3"], "give no depth a token to predict"),
+        (["--prompt-len", "4", "--new-tokens", "4", "--train-mtp-steps", "0"], "MTP warm-up skipped (--train-mtp-steps 0)"),
+        # more samples than the cached-token cap allows: said, not silently fewer
+        (["--prompt-len", "512", "--new-tokens", "512", "--train-mtp-steps", "1", "--mtp-samples", "2000"],
+         "on 1024 of the model's own samples (capped from 2000"),
+    ],
+)
+def test_the_warm_up_line_says_what_happened(extra, line, capsys, monkeypatch):
+    """Odd warm-up settings end in a line that says what the heads are, not a traceback; the CPU
+    defaults are the small ones (the cuda ones ran past 5 minutes on a CPU)."""
+    br = load_bench("bench_rollout")
+    assert (br.parse_args([]).train_mtp_steps, br.parse_args([]).mtp_samples) == (200, 256)
+    if "--mtp-samples" in extra:  # the cap is what is tested: keep the sampling itself small
+        monkeypatch.setattr(br, "_own_samples", lambda model, args, n: _fake_samples(model, args, n))
+    br.main(["--speculative", "--batch-sizes", "1", "--repeats", "1", "--no-graph-column"] + extra)
+    out = capsys.readouterr().out
+    assert line in out, out
+
+
+def _fake_samples(model, args, n):
+    import torch
+
+    return torch.randint(0, model.config.vocab_size, (n, args.prompt_len + args.new_tokens))
