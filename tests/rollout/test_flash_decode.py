@@ -576,3 +576,31 @@ def test_the_per_query_kernel_interpreted_reads_what_the_masked_path_reads():
     worst, no_own = map(float, res.stdout.split()[-2:])
     assert worst < 1e-5, worst
     assert no_own > 1e-3, no_own
+
+
+def test_a_failing_per_query_kernel_falls_back_to_the_masked_path(monkeypatch, caplog):
+    """Kind: a GPU or shape Triton cannot compile for, on the MTP draft windows. Outside a capture
+    the forward is served by the masked path, its mask built from the plan's rule (the same output
+    as a cache without the kernel), with the warning; later plans are masked plans from the start.
+    CPU: the kernel is replaced by one that raises."""
+
+    def broken(*args):
+        raise RuntimeError("out of resources: shared memory")
+
+    monkeypatch.setattr(kv_mod, "DECODE_KERNEL", "triton")
+    monkeypatch.setattr(decode_mod, "decode_attention", broken)
+    torch.manual_seed(0)
+    kern = StaticKVCache(1, 5, 2, 40, 8, torch.float64, "cpu", flash=False, query_kernel=True)
+    masked = StaticKVCache(1, 5, 2, 40, 8, torch.float64, "cpu", flash=False)
+    kern.kv.normal_()
+    masked.kv.copy_(kern.kv)
+    write = torch.tensor([[3, 4, 39, 6], [20, 21, 22, 23]])  # an invalid entry at scratch, a gapped query
+    limit = torch.tensor([[3, 4, 5, 4], [20, 21, 22, 21]])
+    q = torch.randn(2, 4, 4, 8, dtype=torch.float64)
+    plan = kern.plan(write, write, limit, 32)
+    assert plan.limits is not None and plan.mask is None
+    with caplog.at_level("WARNING", logger="splitrl.rollout.kv"):
+        out = kern.attend(0, q, plan, 0.3)
+    assert "masked SDPA path for the MTP" in caplog.text
+    torch.testing.assert_close(out, masked.attend(0, q, masked.plan(write, write, limit, 32), 0.3), atol=1e-12, rtol=0)
+    assert kv_mod.DECODE_KERNEL == "flash" and kern.plan(write, write, limit, 32).limits is None
