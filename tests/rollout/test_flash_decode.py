@@ -294,18 +294,24 @@ def _run_python(code: str, **env_vars):
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
 
 
+def _run_interpreted(code: str) -> list[str]:
+    """The words ``code`` prints when run with the Triton kernel under Triton's interpreter (fp32 on
+    the CPU); skips where the interpreter cannot run, fails on any error."""
+    res = _run_python(code, TRITON_INTERPRET="1", SPLITRL_DECODE_ATTENTION="triton")
+    if "only 0-dimensional arrays can be converted" in res.stderr:
+        # Triton's interpreter takes int() of 1-element arrays, which some numpy versions (>= 2.3) refuse
+        pytest.skip("Triton's interpreter does not run with this numpy (>= 2.3); the CUDA tests run the kernel")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout.split()
+
+
 @pytest.mark.skipif(not decode_mod.AVAILABLE, reason="needs Triton (its interpreter runs the kernel on the CPU)")
 def test_the_triton_decode_kernel_reads_what_the_masked_path_reads():
     """The decode kernel (Q*G queries of a row and key/value head in one tile, online softmax over
     64-entry blocks), run by Triton's interpreter in fp32 on the CPU, against the masked SDPA path:
     ragged rows across block edges, Q = 1..3, G = 1, 2, 4. Guards: a query reading the entry after
     its own (the shifted plan must differ), heads grouped the wrong way, a block edge dropped."""
-    res = _run_python(_INTERPRETED, TRITON_INTERPRET="1", SPLITRL_DECODE_ATTENTION="triton")
-    if "only 0-dimensional arrays can be converted" in res.stderr:
-        # Triton's interpreter takes int() of 1-element arrays, which numpy >= 2.3 refuses
-        pytest.skip("Triton's interpreter does not run with this numpy (>= 2.3); the CUDA tests run the kernel")
-    assert res.returncode == 0, res.stderr[-3000:]
-    worst, shifted = map(float, res.stdout.split()[-2:])
+    worst, shifted = map(float, _run_interpreted(_INTERPRETED)[-2:])
     assert worst < 1e-5, worst
     assert shifted > 1e-3, shifted
 
@@ -421,12 +427,9 @@ def test_the_engine_on_the_triton_kernel_emits_what_the_masked_path_emits():
     import os
 
     helpers = os.path.dirname(os.path.abspath(__file__))
-    res = _run_python(_ENGINE_INTERPRETED.format(helpers=helpers), TRITON_INTERPRET="1", SPLITRL_DECODE_ATTENTION="triton")
-    if "only 0-dimensional arrays can be converted" in res.stderr:
-        pytest.skip("Triton's interpreter does not run with this numpy (>= 2.3); the CUDA tests run the kernel")
-    assert res.returncode == 0, res.stderr[-3000:]
-    tokens, spec, drafts, worst = res.stdout.split()[-4:]
-    assert tokens == "True" and spec == "True" and drafts == "True", res.stdout
+    out = _run_interpreted(_ENGINE_INTERPRETED.format(helpers=helpers))
+    tokens, spec, drafts, worst = out[-4:]
+    assert tokens == "True" and spec == "True" and drafts == "True", out
     assert float(worst) < 1e-4, worst
 
 
@@ -569,11 +572,7 @@ def test_the_per_query_kernel_interpreted_reads_what_the_masked_path_reads():
     query whose limit leaves a gap before its own entry, one whose limit is negative) run by
     Triton's interpreter in fp32 against the masked SDPA path, on both cache layouts. Guard: the
     gapped queries without their own entry read something else (in every row)."""
-    res = _run_python(_INTERPRETED_PER_QUERY, TRITON_INTERPRET="1", SPLITRL_DECODE_ATTENTION="triton")
-    if "only 0-dimensional arrays can be converted" in res.stderr:
-        pytest.skip("Triton's interpreter does not run with this numpy (>= 2.3); the CUDA tests run the kernel")
-    assert res.returncode == 0, res.stderr[-3000:]
-    worst, no_own = map(float, res.stdout.split()[-2:])
+    worst, no_own = map(float, _run_interpreted(_INTERPRETED_PER_QUERY)[-2:])
     assert worst < 1e-5, worst
     assert no_own > 1e-3, no_own
 

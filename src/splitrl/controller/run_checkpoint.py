@@ -21,9 +21,9 @@ checkpoint is skipped with a warning and the previous intact one is used.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
-import errno
 import logging
 import os
 import re

@@ -46,11 +46,11 @@ from typing import Literal
 import torch
 
 from splitrl.models.policy import PolicyModel
+from splitrl.rollout import kv
 from splitrl.rollout.config import GenerationConfig
 from splitrl.rollout.drafter import MTPDrafter
 from splitrl.rollout.forward import DecoderForward
 from splitrl.rollout.fused import stop_mask
-from splitrl.rollout import kv
 from splitrl.rollout.kv import StaticKVCache
 from splitrl.rollout.sampling import column_keys, seed_words
 
