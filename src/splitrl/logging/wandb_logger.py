@@ -129,4 +129,7 @@ class WandbSink:
         self.run.config.update(dict(config), allow_val_change=True)
 
     def close(self) -> None:
+        """Finish the run. Offline, the W&B service may still be writing the run's file when this
+        returns (a CI run once read it without its history); it is complete after
+        ``wandb.teardown()``, which wandb also calls when the process exits."""
         self.run.finish()
