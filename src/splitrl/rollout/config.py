@@ -29,10 +29,11 @@ class GenerationConfig(BaseModel):
         batch_size: most rows in one forward; larger requests run as several batches.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    # validate_assignment: `config.temperature = -1` is refused like GenerationConfig(temperature=-1)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     temperature: float = 1.0
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(0, ge=0)
     max_new_tokens: int = Field(256, ge=1)
     stop_token_ids: list[int] = Field(default_factory=list)

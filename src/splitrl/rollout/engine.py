@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import os
 import time
 from collections import deque
@@ -107,6 +108,58 @@ def _length_bucket(n: int, cap: int, start: int = 64) -> int:
     while b < n:
         b = b * 3 // 2 if (b & (b - 1)) == 0 else b * 4 // 3  # 64, 96, 128, 192, 256, 384, ...
     return min(b, cap)
+
+
+def _validated_config(config: GenerationConfig) -> GenerationConfig:
+    """A validated copy of ``config``: ``model_copy(update=...)`` and in-place list edits skip
+    pydantic's checks, and the engine must not follow later changes of the caller's object."""
+    if not isinstance(config, GenerationConfig):
+        raise TypeError(
+            f"config must be a splitrl.rollout.GenerationConfig, got {type(config).__name__}; "
+            "build one, e.g. GenerationConfig(**settings)"
+        )
+    return GenerationConfig.model_validate(config.model_dump())
+
+
+def _rollout_device(device: str | torch.device | None, model: PolicyModel) -> torch.device:
+    """The device to decode on (default: the model's), checked before the model is moved."""
+    if device is None:
+        dev = next(model.parameters()).device
+    else:
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"device {device!r} is not a torch device ({e}); use 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type not in ("cpu", "cuda"):
+        where = "the model is on" if device is None else "got device"
+        raise ValueError(f"the rollout engine decodes on cpu or cuda; {where} {dev}: move the model or pass device='cpu'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {dev} asked for, but torch sees no CUDA GPU (torch.cuda.is_available() is False); use device='cpu'")
+    return dev
+
+
+def _non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors holding a NaN or an inf."""
+    return [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def _as_int(value, what: str, expected: str) -> int:
+    """``value`` as a Python int: ints, bools, numpy ints and integer 0-d tensors (``__index__``);
+    a float, a string or None raise, since int() would silently truncate or parse them."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} is {value!r} ({type(value).__name__}); expected {expected}") from None
+
+
+def _token_ids(prompt, i: int) -> list[int]:
+    """Prompt ``i`` as a list of Python ints (see :func:`_as_int`)."""
+    if isinstance(prompt, (str, bytes)) or not hasattr(prompt, "__len__"):
+        hint = "tokenize the text first" if isinstance(prompt, (str, bytes)) else "for one prompt pass [[id, id, ...]]"
+        raise TypeError(f"prompt {i} is a {type(prompt).__name__}, not a list of token ids; {hint}")
+    if all(type(t) is int for t in prompt):
+        return list(prompt)
+    return [_as_int(t, f"prompt {i}'s token {j}", "an int token id") for j, t in enumerate(prompt)]
 
 
 def _prefill_views(flat: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, ...]:
@@ -348,12 +401,20 @@ class RolloutEngine:
             when False every call is speculative and the rule's estimate is still computed and
             reported (benchmarks measure speculation this way).
 
+    The engine keeps a validated copy of ``config``: changing the caller's object afterwards has
+    no effect (build a new engine for other settings).
+
     Raises:
-        ValueError: a stop token outside the vocabulary; ``speculative=True`` with a model without
-            MTP heads or with more draft tokens than MTP depths; an unsupported backbone layout.
+        TypeError: ``config`` is not a :class:`GenerationConfig`.
+        ValueError: a field of ``config`` is invalid (e.g. set after construction by
+            ``model_copy(update=...)``); a stop token outside the vocabulary; ``speculative=True``
+            with a model without MTP heads or with more draft tokens than MTP depths; a device
+            other than cpu / cuda, or cuda without a GPU; weights that are not finite; an
+            unsupported backbone layout. Nothing is changed then (the model stays where it was).
     """
 
     def __init__(self, model: PolicyModel, config: GenerationConfig, device: str | torch.device | None = None):
+        config = _validated_config(config)
         vocab = model.config.vocab_size
         bad = [t for t in config.stop_token_ids if t >= vocab]
         if bad:
@@ -370,7 +431,13 @@ class RolloutEngine:
             if n > D:
                 raise ValueError(f"num_draft_tokens={n} exceeds the model's {D} MTP depths; use at most {D}")
             self.num_drafts = n
-        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.device = _rollout_device(device, model)
+        bad = _non_finite(model.state_dict())
+        if bad:
+            raise ValueError(
+                f"the model has non-finite values (NaN / inf) in {len(bad)} tensor(s), e.g. {bad[:3]}: every "
+                "token would be sampled from NaN logits; load finite weights (a diverged checkpoint?)"
+            )
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.model = model.to(self.device).eval()
@@ -411,8 +478,11 @@ class RolloutEngine:
 
         Raises:
             ValueError: missing or unexpected keys (a sync without the ``mtp.`` tensors leaves a
-                stale draft), or a shape mismatch. Nothing is changed then.
+                stale draft), a shape mismatch, or non-finite values (NaN / inf: a diverged
+                update). Nothing is changed then.
+            TypeError: ``version`` is not an int.
         """
+        version = _as_int(version, "version", "the policy version (an int)")
         own = self.model.state_dict()
         missing = sorted(own.keys() - state_dict.keys())
         unexpected = sorted(state_dict.keys() - own.keys())
@@ -427,6 +497,13 @@ class RolloutEngine:
         wrong = [k for k, v in state_dict.items() if tuple(v.shape) != tuple(own[k].shape)]
         if wrong:
             raise ValueError(f"weight sync shapes differ from the policy for {wrong[:5]}; send the same architecture")
+        bad = _non_finite(state_dict)
+        if bad:
+            raise ValueError(
+                f"weight sync has non-finite values (NaN / inf) in {len(bad)} tensor(s), e.g. {bad[:3]}; "
+                f"the engine keeps policy version {self.policy_version}. The update diverged: lower the "
+                "learning rate or check the loss"
+            )
         with torch.no_grad():
             for name, tensor in own.items():  # in place: the graphs hold these storages
                 tensor.copy_(state_dict[name])
@@ -461,6 +538,8 @@ class RolloutEngine:
         Raises:
             ValueError: lengths of ``prompts`` and ``seeds`` differ, an empty prompt, a token id
                 outside the vocabulary, or prompt + max_new_tokens beyond the model's positions.
+            TypeError: ``prompts`` is not a list of token-id lists (text, a flat list of ids, a
+                float id), or a seed is not an int. Seeds are taken modulo 2**64.
         """
         out: list[GenerationResult | None] = [None] * len(prompts)
         for i, res in self.generate_stream(prompts, seeds):
@@ -474,16 +553,24 @@ class RolloutEngine:
         together finish close to each other. The shared ``stats`` of the results are complete once
         the iterator is exhausted. Validation errors are raised at the first ``next``.
         """
-        self._check_request(prompts, seeds)
+        prompts, seeds = self._check_request(prompts, seeds)
         if not prompts:
             self.last_stats = RolloutStats(policy_version=self.policy_version)
             return
         with torch.inference_mode():
             yield from self._run(prompts, seeds)
 
-    def _check_request(self, prompts: list[list[int]], seeds: list[int]) -> None:
+    def _check_request(self, prompts: list[list[int]], seeds: list[int]) -> tuple[list[list[int]], list[int]]:
+        """The request's prompts and seeds as lists of Python ints (ids given as integer tensors
+        or numpy ints are converted), or the error that says what is wrong with them."""
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+            raise TypeError(f"prompts must be a list of token-id lists, one per prompt; got {type(prompts).__name__}")
+        if isinstance(seeds, (str, bytes)) or not hasattr(seeds, "__len__"):
+            raise TypeError(f"seeds must be a list of ints, one per prompt; got {type(seeds).__name__}")
         if len(prompts) != len(seeds):
             raise ValueError(f"got {len(prompts)} prompts but {len(seeds)} seeds; pass one seed per prompt")
+        seeds = [_as_int(x, f"seed {i}", "an int (taken modulo 2**64)") for i, x in enumerate(seeds)]
+        prompts = [_token_ids(p, i) for i, p in enumerate(prompts)]
         vocab = self.model.config.vocab_size
         max_pos = getattr(self.model.config, "max_position_embeddings", None)
         for i, p in enumerate(prompts):
@@ -496,6 +583,7 @@ class RolloutEngine:
                     f"prompt {i} ({len(p)} tokens) + max_new_tokens={self.config.max_new_tokens} exceeds the "
                     f"model's max_position_embeddings={max_pos}; shorten the prompt or lower max_new_tokens"
                 )
+        return prompts, seeds
 
     # ----------------------------------------------------------------------------- buffers
     def _ensure_buffers(self, max_prompt: int) -> None:
