@@ -323,3 +323,15 @@ def test_correct_threshold_outside_the_reward_range_is_refused(capsys):
         with pytest.raises(ValueError, match="eval.correct_threshold"):
             load_config(None, [f"eval.correct_threshold={bad}"])
     assert load_config(None, ["eval.correct_threshold=0.5"]).eval.correct_threshold == 0.5
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["generate", "RUN", "-p", "x", "--temperatur", "0.5"], ["eval", "RUN", "--num-prompt", "3"], ["train", "--conf", "x.yaml"]],
+)
+def test_an_abbreviated_flag_is_refused_not_taken_for_the_full_one(tmp_path, capsys, argv):
+    """argparse took `--temperatur 0.5` as --temperature (a typo ran silently, a new user's trial)."""
+    argv = [str(tmp_path / "nowhere") if a == "RUN" else a for a in argv]
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and f"unrecognized arguments: {argv[-2]}" in capsys.readouterr().err

@@ -54,11 +54,12 @@ def _main(argv: list[str] | None) -> int:
     from splitrl.cli_eval import OnlyOnce, add_eval_commands
     from splitrl.config_help import TRAIN_EPILOG, print_reference
 
-    parser = argparse.ArgumentParser(prog="splitrl", description="Asynchronous GRPO with MTP heads")
+    parser = argparse.ArgumentParser(prog="splitrl", description="Asynchronous GRPO with MTP heads", allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     t = sub.add_parser(
         "train",
+        allow_abbrev=False,  # `--conf` is a typo, not --config
         help="run GRPO (no arguments: the embedded CPU demo)",
         epilog=TRAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -67,7 +68,7 @@ def _main(argv: list[str] | None) -> int:
     t.add_argument("overrides", nargs="*", help="key.path=value, e.g. num_steps=50 model.mtp.mtp_num_layers=2")
     t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     # overrides may stand before or after --config: argparse leaves the later ones unparsed
-    c = sub.add_parser("config", help="print every config key with its type, default and meaning")
+    c = sub.add_parser("config", allow_abbrev=False, help="print every config key with its type, default and meaning")
     c.add_argument("filter", nargs="?", help="only keys whose path contains this text, e.g. mtp")
     add_eval_commands(sub)
     args, extra = parser.parse_known_args(argv)

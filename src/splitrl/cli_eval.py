@@ -293,13 +293,14 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def add_eval_commands(sub) -> None:
     """Register ``generate`` and ``eval`` on the ``splitrl`` sub-command parser."""
-    g = sub.add_parser("generate", help="print samples of a checkpoint or HF model for given prompts")
+    g = sub.add_parser("generate", allow_abbrev=False, help="print samples of a checkpoint or HF model for given prompts")
     _common(g)
     g.add_argument("--prompt", "-p", action="append", help="prompt text (repeatable; default: lines of stdin)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(run=_guarded(run_generate))
     e = sub.add_parser(
         "eval",
+        allow_abbrev=False,  # `--temperatur 0.5` is a typo, not --temperature
         help="score a checkpoint or HF model on a task's held-out prompts (reward, pass@k, length)",
         description=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
