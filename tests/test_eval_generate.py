@@ -180,6 +180,12 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     assert "--greedy gives one response per prompt" in capsys.readouterr().err
     assert main(["generate", str(tmp_path / "nowhere"), "-p", "x", "--greedy", "--temperature", "0.5", "--top-k", "5"]) == 2
     assert "--greedy decodes the most likely token, so --temperature, --top-k would have no effect" in capsys.readouterr().err
+    # `-p ""` was refused only after the model loaded, with a hint (BOS) a CLI user cannot act on
+    assert main(["generate", str(tmp_path / "nowhere"), "-p", "x", "-p", ""]) == 2
+    assert "--prompt number 2 is empty" in capsys.readouterr().err
+    # rollout.top_k=1 in generate: the training reason, and what to use instead
+    assert main(["generate", str(tmp_path / "run"), "-p", "x", "rollout.top_k=1"]) == 2
+    assert "pass --greedy" in capsys.readouterr().err
 
 
 def test_sampling_flags_are_validated_like_the_run_config(tmp_path):

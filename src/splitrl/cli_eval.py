@@ -257,6 +257,9 @@ def run_generate(args: argparse.Namespace) -> int:
         prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         raise ValueError("no prompts: give --prompt TEXT (repeatable) or prompt lines on stdin")
+    empty = [i + 1 for i, p in enumerate(prompts) if p == ""]
+    if empty:  # checked before the model loads; the engine would refuse a prompt of no tokens
+        raise ValueError(f"--prompt number {empty[0]} is empty; give each prompt some text")
     config, _, policy_dir, model, tokenizer = load_policy_and_config(args)
     gen = _sampling(config, args, policy_dir)
     n = args.num_samples
