@@ -86,13 +86,15 @@ def test_long_prompts_read_past_the_first_length_bucket(monkeypatch, speculative
 
 
 # ------------------------------------------------------------------ 3. compaction under speculation
-def test_compaction_moves_the_mtp_cache_with_its_rows(monkeypatch):
+@pytest.mark.parametrize("depths", [2, 3])
+def test_compaction_moves_the_mtp_cache_with_its_rows(monkeypatch, depths):
     """Speculative rows moved to lower slots (stop tokens end rows early, a sync every 2 verifies)
     draft as if they had never moved: each sample's (drafted, accepted) counts and tokens equal those
-    of the same sample run alone. Guards the MTP cache's move in the compaction (stale draft caches
-    only change acceptance, never tokens: only the counts see them)."""
+    of the same sample run alone. Guards the move of the MTP cache and (D = 3) of the carried MTP
+    hidden states in the compaction (stale draft state only changes acceptance, never tokens: only
+    the counts see it)."""
     V = 16
-    model = make_model(vocab=V, depths=2, hidden_size=32, intermediate_size=64)
+    model = make_model(vocab=V, depths=depths, hidden_size=32, intermediate_size=64)
     cfg = GenerationConfig(speculative=True, temperature=0.8, max_new_tokens=40, batch_size=8, stop_token_ids=[3, 5])
     prompts = random_prompts(8, V, (1, 7), seed=6)
     seeds = list(range(8))
