@@ -68,7 +68,8 @@ def model_hf_config(config: RunConfig) -> Any:
     misspelt one silently) and transformers must accept the values. From ``model.pretrained_path``:
     the weight files must be whole and fit the config and ``model.mtp`` (see
     :func:`splitrl.models.checkpoint.verify_pretrained`), and the family must be supported. Both:
-    the attention head counts must divide.
+    the attention head counts must divide, and a backbone that lacks size keys must not come out
+    over 1 B parameters by transformers' defaults (see :func:`splitrl.models.policy.check_defaulted_size`).
 
     Raises:
         ValueError: naming ``model.backbone`` / ``model.pretrained_path``.
@@ -107,6 +108,9 @@ def model_hf_config(config: RunConfig) -> Any:
             hf_cfg = cls(**({**TINY_MOE, **m.backbone} if m.family == "qwen3_moe" else m.backbone))  # as built
         except Exception as e:  # noqa: BLE001 - transformers' own validators raise several kinds
             raise ValueError(f"{key} is rejected by transformers' {m.family} config: {e}") from None
+        from splitrl.models.policy import check_defaulted_size
+
+        check_defaulted_size(m, hf_cfg)
     heads = getattr(hf_cfg, "num_attention_heads", None)
     kv = getattr(hf_cfg, "num_key_value_heads", None) or heads
     if heads is not None and kv is not None and (kv < 1 or heads % kv != 0):

@@ -84,8 +84,9 @@ class ModelConfig(BaseModel):
             ``router_aux_loss_coef`` of the backbone config, see :mod:`splitrl.models.moe`).
         backbone: keyword arguments of the family's transformers config (hidden_size,
             num_hidden_layers, ...). The default is a tiny model that trains in seconds on CPU;
-            a dict given here replaces it and must hold every key of ``SIZE_KEYS`` (the rest
-            come from transformers' defaults);
+            a dict given here replaces it, and the keys it lacks come from transformers' full-size
+            defaults (``PolicyModel.from_config`` refuses a model that those make over 1 B
+            parameters: give every key of ``SIZE_KEYS``);
             for ``qwen3_moe`` the MoE keys missing from it are taken from ``TINY_MOE`` (4 experts,
             2 per token), not from transformers' defaults (128 experts).
         attn_implementation: ``sdpa`` (default) or ``eager``.
@@ -102,25 +103,9 @@ class ModelConfig(BaseModel):
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     seed: int = 0
 
-    @model_validator(mode="after")
-    def _sized_backbone(self) -> "ModelConfig":
-        # a backbone dict replaces the tiny default; transformers fills the keys it lacks with a
-        # full-size model's (Qwen3Config(): hidden 4096, 32 layers, vocab 151,936: 12 B parameters),
-        # which a user who gave a few keys did not mean, and whose allocation gets the process killed
-        if self.pretrained_path is not None:
-            return self
-        missing = [k for k in SIZE_KEYS if k not in self.backbone]
-        if missing:
-            raise ValueError(
-                f"model.backbone lacks {', '.join(missing)}: transformers would take them from its full-size "
-                "defaults (billions of parameters; Qwen3Config(): hidden 4096, 32 layers, 12 B). Give every size key ({', '.join(SIZE_KEYS)}), "
-                "e.g. start from the tiny default: backbone={**splitrl.models.config.TINY_BACKBONE, 'hidden_size': 32}, "
-                "or load a model with pretrained_path"
-            )
-        return self
 
-
-# the keys that set a backbone's size; ModelConfig refuses a backbone without them
+# the keys that set a backbone's size: a backbone dict without them gets transformers' full-size
+# defaults, and PolicyModel.from_config refuses it when that makes it large (DEFAULTED_SIZE_LIMIT)
 SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 TINY_BACKBONE: dict[str, Any] = {

