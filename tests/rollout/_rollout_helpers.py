@@ -95,3 +95,18 @@ def reference_sample(
             return tokens, logprobs, "stop"
         if len(tokens) >= max_new_tokens:
             return tokens, logprobs, "length"
+
+
+def scripted_draw(ref: dict[int, list[int]], wrong: set[tuple[int, int]], vocab: int):
+    """A stand-in for ``MTPDrafter._draw`` (monkeypatch it in): the draft at response index i of
+    the sample with seed s is the reference token ``ref[s][i]``, made wrong (+1 mod vocab) when
+    (s, i) is in ``wrong``; 0 past the reference."""
+
+    def draw(self, hidden, seed_lo, seed_hi, counter, depth):
+        out = []
+        for s, i in zip(seed_lo.tolist(), counter.tolist()):
+            tok = ref[s][i] if i < len(ref[s]) else 0
+            out.append((tok + 1) % vocab if (s, i) in wrong else tok)
+        return torch.tensor(out)
+
+    return draw

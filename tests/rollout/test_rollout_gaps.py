@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from _rollout_helpers import make_model, random_prompts, reference_sample
+from _rollout_helpers import make_model, random_prompts, reference_sample, scripted_draw
 
 from splitrl.rollout import GenerationConfig, RolloutEngine
 from splitrl.rollout import engine as engine_mod
@@ -157,14 +157,7 @@ def test_drafts_accepted_at_every_depth_give_the_plain_tokens_and_exact_counts(m
     ref = {s: r.response_ids for s, r in zip(seeds, ref_results)}
     wrong = {(s, i) for s in seeds for i in range(max_new + depths) if (5 * s + i * i) % 7 < 2}
 
-    def scripted(self, hidden, seed_lo, seed_hi, counter, depth):
-        out = []
-        for s, i in zip(seed_lo.tolist(), counter.tolist()):
-            tok = ref[s][i] if i < len(ref[s]) else 0
-            out.append((tok + 1) % V if (s, i) in wrong else tok)
-        return torch.tensor(out)
-
-    monkeypatch.setattr(MTPDrafter, "_draw", scripted)
+    monkeypatch.setattr(MTPDrafter, "_draw", scripted_draw(ref, wrong, V))
     spec = RolloutEngine(model, GenerationConfig(speculative=True, top_k=1, max_new_tokens=max_new, batch_size=3), "cpu")
     spec.speculative_switch_off = False
     results = spec.generate(prompts, seeds)

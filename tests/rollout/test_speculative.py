@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from _rollout_helpers import make_model, random_prompts, teacher_forced, teacher_forced_mtp_hidden
+from _rollout_helpers import make_model, random_prompts, scripted_draw, teacher_forced, teacher_forced_mtp_hidden
 
 from splitrl.rollout import GenerationConfig, RolloutEngine
 from splitrl.rollout import engine as engine_mod
@@ -160,14 +160,7 @@ def test_verify_accepts_right_drafts_and_corrects_wrong_ones(monkeypatch):
     ref = {s: r.response_ids for s, r in zip(seeds, plain.generate(prompts, seeds))}
     wrong = {(s, i) for s in seeds for i in range(20) if (7 * s + 3 * i) % 5 == 0}
 
-    def scripted(self, hidden, seed_lo, seed_hi, counter, depth):
-        out = []
-        for s, i in zip(seed_lo.tolist(), counter.tolist()):
-            tok = ref[s][i] if i < len(ref[s]) else 0
-            out.append((tok + 1) % VOCAB if (s, i) in wrong else tok)
-        return torch.tensor(out)
-
-    monkeypatch.setattr(MTPDrafter, "_draw", scripted)
+    monkeypatch.setattr(MTPDrafter, "_draw", scripted_draw(ref, wrong, VOCAB))
     results = spec.generate(prompts, seeds)
     for s, r in zip(seeds, results):
         assert r.response_ids == ref[s][:20]
