@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 import torch
 from _rollout_helpers import make_model
+from transformers import Qwen3Config
 
 from splitrl.models import ModelConfig, PolicyModel
 from splitrl.models.config import SIZE_KEYS, TINY_BACKBONE
+from splitrl.models.policy import check_defaulted_size
 from splitrl.rollout import GenerationConfig, RolloutEngine
 
 VOCAB = 64
@@ -29,21 +31,25 @@ def _tokens(engine, prompts=PROMPTS, seeds=(7, 8)):
 # --------------------------------------------------------------------------- model config
 @pytest.mark.parametrize(
     "family, backbone, billions",
-    [("qwen3", {}, "12.0"), ("qwen3", {"vocab_size": 64}, "10.8"), ("llama", {"vocab_size": 64}, "6.5")],
+    [("qwen3", {}, "12.05"), ("qwen3", {"vocab_size": 64}, "10.81"), ("llama", {"vocab_size": 64}, "6.48"),
+     ("qwen3_moe", {}, "0.89")],
 )
 def test_a_backbone_that_transformers_defaults_make_huge_is_refused_before_it_is_built(family, backbone, billions):
     """Such a dict used to build transformers' full-size defaults (12 B parameters for {}) and the
     process was killed for memory with no message. Counted on the meta device: no memory."""
-    with pytest.raises(ValueError, match=rf"model.backbone lacks .*hidden_size=4096.* make a {billions} B-parameter"):
+    with pytest.raises(ValueError, match=rf"model.backbone lacks .*hidden_size=\d+.* make a {billions} B-parameter"):
         PolicyModel.from_config(ModelConfig(family=family, backbone=backbone))
 
 
 def test_a_backbone_that_stays_small_with_some_defaults_still_builds():
     """Runs whose backbone lacked a size key that kept it small (intermediate_size: transformers'
-    22016) trained before the guard; they must still build, resume and evaluate."""
+    22016) trained before the guard; they must still build, resume and evaluate. So must a large
+    shape whose missing key changes its size little (a 0.6 B shape without vocab_size)."""
     no_ffn = {k: v for k, v in TINY_BACKBONE.items() if k != "intermediate_size"}
     model = PolicyModel.from_config(ModelConfig(backbone=no_ffn))
     assert model.config.intermediate_size == 22016 and model.config.hidden_size == TINY_BACKBONE["hidden_size"]
+    shape = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8)
+    check_defaulted_size(ModelConfig(backbone=shape), Qwen3Config(**shape))  # 0.6 B: 1.4x the vocab-128 model
     sized = PolicyModel.from_config(ModelConfig(backbone={k: TINY_BACKBONE[k] for k in SIZE_KEYS}))
     assert sized.config.hidden_size == TINY_BACKBONE["hidden_size"]
 
@@ -53,7 +59,7 @@ def test_preflight_refuses_the_huge_default_before_any_worker_starts():
     from splitrl.controller.checks import model_hf_config
 
     config = load_config(None, ["model.backbone={vocab_size: 64}"])
-    with pytest.raises(ValueError, match="10.8 B-parameter"):
+    with pytest.raises(ValueError, match="10.81 B-parameter"):
         model_hf_config(config)
 
 

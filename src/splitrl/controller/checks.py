@@ -69,7 +69,7 @@ def model_hf_config(config: RunConfig) -> Any:
     the weight files must be whole and fit the config and ``model.mtp`` (see
     :func:`splitrl.models.checkpoint.verify_pretrained`), and the family must be supported. Both:
     the attention head counts must divide, and a backbone that lacks size keys must not come out
-    over 1 B parameters by transformers' defaults (see :func:`splitrl.models.policy.check_defaulted_size`).
+    large by transformers' defaults (see :func:`splitrl.models.policy.check_defaulted_size`).
 
     Raises:
         ValueError: naming ``model.backbone`` / ``model.pretrained_path``.

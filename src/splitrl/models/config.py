@@ -85,8 +85,9 @@ class ModelConfig(BaseModel):
         backbone: keyword arguments of the family's transformers config (hidden_size,
             num_hidden_layers, ...). The default is a tiny model that trains in seconds on CPU;
             a dict given here replaces it, and the keys it lacks come from transformers' full-size
-            defaults (``PolicyModel.from_config`` refuses a model that those make over 1 B
-            parameters: give every key of ``SIZE_KEYS``);
+            defaults (``PolicyModel.from_config`` refuses a model that those make > 10x larger
+            and over 100 M parameters, see ``policy.check_defaulted_size``: give every key of
+            ``SIZE_KEYS``);
             for ``qwen3_moe`` the MoE keys missing from it are taken from ``TINY_MOE`` (4 experts,
             2 per token), not from transformers' defaults (128 experts).
         attn_implementation: ``sdpa`` (default) or ``eager``.
@@ -105,7 +106,7 @@ class ModelConfig(BaseModel):
 
 
 # the keys that set a backbone's size: a backbone dict without them gets transformers' full-size
-# defaults, and PolicyModel.from_config refuses it when that makes it large (DEFAULTED_SIZE_LIMIT)
+# defaults, and PolicyModel.from_config refuses it when those make it large (see check_defaulted_size)
 SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 TINY_BACKBONE: dict[str, Any] = {

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwe
 
 from splitrl.loss.logprobs import target_logprobs
 from splitrl.models.attention import packed_attention_mask
-from splitrl.models.config import SIZE_KEYS, SUPPORTED_FAMILIES, TINY_MOE, ModelCapabilities, ModelConfig, MTPConfig
+from splitrl.models.config import SIZE_KEYS, SUPPORTED_FAMILIES, TINY_BACKBONE, TINY_MOE, ModelCapabilities, ModelConfig, MTPConfig
 from splitrl.models.moe import router_statistics
 from splitrl.models.mtp import MTPBlock
 
@@ -27,37 +27,51 @@ log = logging.getLogger(__name__)
 
 _FAMILY_CONFIGS = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}
 
-# a backbone whose missing size keys (transformers' full-size defaults) make it larger than this is
-# refused; one that gives every size key is built whatever its size
-DEFAULTED_SIZE_LIMIT = 10**9
+# a backbone whose missing size keys (transformers' full-size defaults) make it more than
+# DEFAULTED_SIZE_FACTOR times the model those keys give in the tiny default, and larger than
+# DEFAULTED_SIZE_FLOOR parameters, is refused; one that gives every size key is built at any size
+DEFAULTED_SIZE_FACTOR = 10
+DEFAULTED_SIZE_FLOOR = 100_000_000
+
+
+def _meta_parameter_count(hf_cfg) -> int:
+    with torch.device("meta"):  # shapes only: no memory, ~25 ms
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_cfg).parameters())
 
 
 def check_defaulted_size(config: ModelConfig, hf_cfg) -> None:
     """Refuse a backbone that transformers' defaults for its missing size keys make large.
 
     ``ModelConfig(backbone={})`` used to build ``Qwen3Config()``'s 12 B parameters, and the
-    process was killed for memory with no message. The count is taken on the meta device (no
-    memory); only backbones that lack a key of ``SIZE_KEYS`` are counted.
+    process was killed for memory with no message. Only a backbone that lacks a key of
+    ``SIZE_KEYS`` is counted (on the meta device): it is refused when the defaults make it more
+    than ``DEFAULTED_SIZE_FACTOR`` times the model with those keys from ``TINY_BACKBONE`` and over
+    ``DEFAULTED_SIZE_FLOOR`` parameters. So a 0.6 B shape without ``vocab_size`` still builds
+    (1.4x), and so does the tiny one without ``intermediate_size`` (8.5 M), while ``{}`` (12 B)
+    and ``{vocab_size: 64}`` (10.8 B) do not.
 
     Args:
         config: the model config (``backbone`` as the user gave it).
         hf_cfg: the transformers config built from it.
 
     Raises:
-        ValueError: a size key is missing and the model would have more than
-            ``DEFAULTED_SIZE_LIMIT`` parameters; the message names the keys and the defaults used.
+        ValueError: the keys and the defaults they got, the two sizes, and how to fix it.
     """
     missing = [k for k in SIZE_KEYS if k not in config.backbone]
     if config.pretrained_path is not None or not missing:
         return
-    with torch.device("meta"):
-        count = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_cfg).parameters())
-    if count > DEFAULTED_SIZE_LIMIT:
+    count = _meta_parameter_count(hf_cfg)
+    if count <= DEFAULTED_SIZE_FLOOR:
+        return
+    given = {**TINY_MOE, **config.backbone} if config.family == "qwen3_moe" else dict(config.backbone)
+    meant = _meta_parameter_count(type(hf_cfg)(**given, **{k: TINY_BACKBONE[k] for k in missing}))
+    if count > DEFAULTED_SIZE_FACTOR * meant:
         used = ", ".join(f"{k}={getattr(hf_cfg, k)}" for k in missing)
         raise ValueError(
             f"model.backbone lacks {', '.join(missing)}: transformers' {config.family} defaults ({used}) make a "
-            f"{count / 1e9:.1f} B-parameter model. Give them in model.backbone (every one of {', '.join(SIZE_KEYS)}; "
-            "the tiny default is splitrl.models.config.TINY_BACKBONE), or load a model with pretrained_path"
+            f"{count / 1e9:.2f} B-parameter model ({meant / 1e6:.1f} M with the tiny default's values). Give them in "
+            f"model.backbone (every one of {', '.join(SIZE_KEYS)}; the tiny default is "
+            "splitrl.models.config.TINY_BACKBONE), or load a model with pretrained_path"
         )
 
 
