@@ -316,6 +316,15 @@ def explain_validation_error(error: ValidationError, model_cls: type[BaseModel])
             # our validators' own messages, without pydantic's "Value error, " prefix
             msg = str(err.get("ctx", {}).get("error", msg.removeprefix("Value error, ")))
         msg += _number_hint(err.get("input"))
+        if err["type"] == "missing" and len(loc) > 1:
+            # the key has a run default (`splitrl config` lists it), but a section given whole
+            # starts from its class, which has none
+            msg += (
+                f"; a {loc[0]} section given whole (in a config file, or {loc[0]}={{...}}) replaces the run's "
+                f"default {loc[0]} section, "
+                f"so give {path} there too (`splitrl config {path}` shows the run's value), or set single keys "
+                f"as dotted overrides ({loc[0]}.<key>=...), which keep the others"
+            )
         if err["type"] == "extra_forbidden":
             valid = valid or [k.path for k in config_keys(model_cls)]
             hint = suggest_key(path, valid)

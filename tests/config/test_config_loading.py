@@ -83,6 +83,21 @@ def test_whole_section_override_replaces_the_files_section():
     assert cfg.task == ReverseDigitsTaskConfig(num_digits=5)
 
 
+
+def test_a_required_key_left_out_of_a_section_given_whole_says_why_and_what_to_do(tmp_path):
+    """Kind: an error that did not say how to fix it (a new user's trial). `buffer: {max_staleness: 0}`
+    in a file failed with `buffer.capacity_groups: Field required`, while `splitrl config` lists
+    that key with a default (the run's, which a section given whole does not start from)."""
+    path = tmp_path / "run.yaml"
+    path.write_text("buffer: {max_staleness: 0}\n")
+    for source, overrides in ((path, []), (None, ["buffer={max_staleness: 0}"])):
+        with pytest.raises(ValueError, match=r"buffer.capacity_groups: Field required; a buffer section given whole .* "
+                           r"replaces the run's default buffer section, so give buffer.capacity_groups there too"):
+            load_config(source, overrides)
+    # the dotted form keeps the run's other buffer keys
+    assert load_config(None, ["buffer.max_staleness=0"]).buffer.capacity_groups == RunConfig().buffer.capacity_groups
+
+
 # ------------------------------------------------------------ kind: unlocated syntax / bytes
 def test_yaml_syntax_errors_name_the_file_or_override_and_the_line(tmp_path, capsys):
     """Kind: a parser error surfaced as a raw yaml traceback without saying which input it was."""
