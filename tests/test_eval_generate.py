@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 import torch
+import yaml
 
 from splitrl.cli import main
 from splitrl.cli_eval import heldout_start, resolve_policy_dir
@@ -91,7 +92,7 @@ def test_eval_samples_are_the_training_rollouts_and_metrics_recompute(tmp_path):
 
 def test_heldout_start_is_past_what_the_run_drew():
     config = load_config(None, RUN)
-    trained = config.task
+    trained = config
     assert heldout_start(None, config, trained, None)[0] == 3 * 2  # infinite task: from N on
     assert heldout_start(100, config, trained, None)[0] == 6  # file with rows the run never drew
     start, why = heldout_start(4, config, trained, None)  # every row drawn: say so
@@ -105,6 +106,11 @@ def test_heldout_start_is_past_what_the_run_drew():
     assert start == 3 and why.startswith("WARNING") and "trained on (0..5)" in why and "--start-index >= 6" in why
     assert not heldout_start(None, other, trained, 3)[1].startswith("WARNING")  # another task: no overlap
     assert heldout_start(None, config, None, None)[0] == 0
+    # what the run drew comes from the trained config, not the evaluation's (an eval --config with
+    # num_steps 1 labelled prompts 2.. held out where the run drew 0..5, a new user's trial)
+    short = load_config(None, [o for o in RUN if not o.startswith("num_steps=")] + ["num_steps=1"])
+    assert short.task == config.task and short.num_steps == 1
+    assert heldout_start(None, short, config, None)[0] == 6
 
 
 def _checkpoint(tmp_path):
@@ -151,6 +157,13 @@ def test_cli_eval_and_generate_on_a_checkpoint(tmp_path, capsys):
     ref = evaluate(loaded, tok, task, config.rollout, [6, 7, 8], num_samples=2, ks=(1, 2), seed=4, device="cpu")
     assert head["metrics"] == pytest.approx(ref.metrics, rel=1e-12)
     assert [r["response"] for r in rows] == [s.response for s in ref.samples]
+    # a --config with another num_steps: what the run drew still comes from its run_config.json
+    short = tmp_path / "short.yaml"
+    short.write_text(yaml.safe_dump({**config.model_dump(mode="json"), "num_steps": 1}))
+    out.unlink()
+    assert main(["eval", str(tmp_path / "run"), "--config", str(short), "--num-prompts", "1", "-n", "1", "--k", "1",
+                 "--device", "cpu", "--output", str(out)]) == 0
+    assert json.loads(out.read_text().splitlines()[0])["first_index"] == 6
     capsys.readouterr()
 
     rc = main(["generate", str(step / "policy"), "-p", "desc 5,2,7=", "-p", "asc 0,4,1=", "-n", "2", "--seed", "3",

@@ -13,7 +13,10 @@ Held-out prompts. ``splitrl eval`` scores prompt indices the training run never 
 ``num_steps`` × ``groups_per_step`` prompts drew indices 0 … N−1, so evaluation starts at N (or at
 ``--start-index``). A task with fewer than N prompts (a data file) was drawn in full: evaluate a
 separate file (``task.path=...`` or ``task.split=test``), which then starts at 0. Disjoint indices
-are disjoint draws; a generator with a small space of problems can still repeat one.
+are disjoint draws; a generator with a small space of problems can still repeat one. What the run
+drew is read from its own ``run_config.json`` beside the checkpoint, whatever ``--config`` says
+(a ``--config`` with another ``num_steps`` labelled training prompts held out); ``--config`` stands
+in for it only for a directory without one.
 """
 
 from __future__ import annotations
@@ -109,8 +112,9 @@ def _hf_generation_overrides(policy_dir: Path) -> list[str]:
 def load_policy_and_config(args: argparse.Namespace):
     """The validated run config (fast: before torch), then the model and the tokenizer.
 
-    Returns ``(config, trained_task, policy_dir, model, tokenizer)`` where ``trained_task`` is the
-    task config the run trained on (None when unknown).
+    Returns ``(config, trained, policy_dir, model, tokenizer)`` where ``trained`` is the run
+    config the model was trained with: the ``run_config.json`` beside it, else ``--config``, else
+    None (unknown).
     """
     from splitrl.config import load_config
 
@@ -118,7 +122,14 @@ def load_policy_and_config(args: argparse.Namespace):
     source = args.config or run_cfg
     extra = [] if source is not None else _hf_generation_overrides(policy_dir)
     config = load_config(source, extra + list(args.overrides))
-    trained_task = load_config(source).task if source is not None else None
+    trained = None
+    for known in (run_cfg, args.config):  # what the run drew: its own record first
+        if known is not None:
+            try:
+                trained = load_config(known)
+                break
+            except ValueError:  # e.g. a GPU run's device=cuda read on a CPU machine
+                continue
     has_tokenizer = any((policy_dir / f).is_file() for f in _TOKENIZER_FILES)
     if not has_tokenizer and source is None and not any(o.startswith("tokenizer") for o in args.overrides):
         raise ValueError(
@@ -141,7 +152,7 @@ def load_policy_and_config(args: argparse.Namespace):
     model = PolicyModel.from_pretrained(str(policy_dir))
     if args.dtype == "bf16" or (args.dtype is None and config.rollout_dtype == "bf16"):
         model = model.to(torch.bfloat16)
-    return config, trained_task, policy_dir, model, tokenizer
+    return config, trained, policy_dir, model, tokenizer
 
 
 def _device(name: str) -> str:
@@ -154,10 +165,19 @@ def _device(name: str) -> str:
     return name
 
 
-def heldout_start(num_task_prompts: int | None, config, trained_task, start_index: int | None) -> tuple[int, str]:
-    """First prompt index to evaluate and a sentence saying why (see the module docstring)."""
+def heldout_start(num_task_prompts: int | None, config, trained, start_index: int | None) -> tuple[int, str]:
+    """First prompt index to evaluate and a sentence saying why (see the module docstring).
+
+    Args:
+        num_task_prompts: prompts of the evaluated task (None: unbounded).
+        config: the evaluation's run config (its ``task`` is evaluated).
+        trained: the run config the model was trained with (None: unknown); what it drew is
+            ``trained.num_steps * trained.groups_per_step`` prompts of ``trained.task``.
+        start_index: ``--start-index`` (None: from what the run drew).
+    """
+    trained_task = trained.task if trained is not None else None
+    drawn = trained.num_steps * trained.groups_per_step if trained is not None else 0
     if start_index is not None:
-        drawn = config.num_steps * config.groups_per_step
         if trained_task is not None and config.task == trained_task and start_index < drawn:
             # training's own eval refuses this overlap; here it may be meant (a score on seen prompts)
             return start_index, (f"WARNING: prompts from index {start_index} (--start-index) include prompts the run "
@@ -168,7 +188,6 @@ def heldout_start(num_task_prompts: int | None, config, trained_task, start_inde
                    "(set --start-index, or pass the run's --config)")
     if config.task != trained_task:
         return 0, "a task config the run did not train on: prompts from index 0"
-    drawn = config.num_steps * config.groups_per_step
     if num_task_prompts is None or drawn < num_task_prompts:
         return drawn, f"held out: prompt indices from {drawn} (the run drew 0..{drawn - 1})"
     return 0, (f"WARNING: the run drew all {num_task_prompts} prompts of this task, so these scores are on "
@@ -207,9 +226,9 @@ def run_eval(args: argparse.Namespace) -> int:
             "prompt; raise --num-samples or lower --k"
         )
     out = _writable_output(args.output, args.overwrite) if args.output else None  # before minutes of sampling
-    config, trained_task, policy_dir, model, tokenizer = load_policy_and_config(args)
+    config, trained, policy_dir, model, tokenizer = load_policy_and_config(args)
     task = make_task(config.task)
-    start, why = heldout_start(task.num_prompts, config, trained_task, args.start_index)
+    start, why = heldout_start(task.num_prompts, config, trained, args.start_index)
     stop = start + args.num_prompts
     if task.num_prompts is not None:
         stop = min(stop, task.num_prompts)
