@@ -462,6 +462,10 @@ def test_a_run_refused_by_the_preflight_leaves_no_empty_output_dir(tmp_path):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         preflight(_cfg(out, "rollout.max_new_tokens=100000000"))
     assert not out.exists()
+    # nor the parents it created (a second new user's trial: output_dir=.../p/q/r left p/q/)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        preflight(_cfg(tmp_path / "p" / "q" / "r", "rollout.max_new_tokens=100000000"))
+    assert not (tmp_path / "p").exists()
     out.mkdir()
     with pytest.raises(ValueError, match="max_position_embeddings"):
         preflight(_cfg(out, "rollout.max_new_tokens=100000000"))

@@ -138,13 +138,13 @@ def preflight(config: RunConfig) -> int:
     them); and, when resuming, that the checkpoint was written by the same model, tokenizer and
     ``groups_per_step`` (other changed settings are logged) and that ``metrics.jsonl`` is a record
     the run can extend. An ``output_dir`` that the write check created is removed again (if still
-    empty) when a check fails. Returns the step to resume from (0: a fresh run).
+    empty), with the parents it created, when a check fails. Returns the step to resume from (0: a fresh run).
 
     Raises:
         ValueError: naming what to fix.
     """
-    out = Path(config.output_dir)
-    existed = out.exists()
+    out = Path(config.output_dir).absolute()
+    created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
     try:
         step = _preflight(config)
         if config.resume and config.logging.jsonl:
@@ -154,10 +154,13 @@ def preflight(config: RunConfig) -> int:
 
             check_metrics_record(config.output_dir, step + 1)
     except BaseException:
-        # the write check created output_dir: a refused run leaves no empty directory behind
-        if not existed and out.is_dir() and not any(out.iterdir()):
-            with contextlib.suppress(OSError):  # a file appeared meanwhile: keep it, raise the real error
-                out.rmdir()
+        # the write check created output_dir (and its missing parents): a refused run leaves no
+        # empty directory behind
+        for d in created:
+            try:
+                d.rmdir()
+            except OSError:  # not empty (a file appeared meanwhile) or gone: keep it and those above
+                break
         raise
     return step
 
