@@ -108,9 +108,16 @@ def model_hf_config(config: RunConfig) -> Any:
             hf_cfg = cls(**({**TINY_MOE, **m.backbone} if m.family == "qwen3_moe" else m.backbone))  # as built
         except Exception as e:  # noqa: BLE001 - transformers' own validators raise several kinds
             raise ValueError(f"{key} is rejected by transformers' {m.family} config: {e}") from None
+        from splitrl.models.config import SIZE_KEYS
         from splitrl.models.policy import check_defaulted_size
 
         check_defaulted_size(m, hf_cfg)
+        missing = [k for k in SIZE_KEYS if k not in m.backbone]
+        if missing:  # allowed (the model stays near the size given), but not what the file says
+            log.warning(
+                "%s lacks %s: transformers' %s defaults are used (%s); give them to silence this",
+                key, ", ".join(missing), m.family, ", ".join(f"{k}={getattr(hf_cfg, k)}" for k in missing),
+            )
     heads = getattr(hf_cfg, "num_attention_heads", None)
     kv = getattr(hf_cfg, "num_key_value_heads", None) or heads
     if heads is not None and kv is not None and (kv < 1 or heads % kv != 0):
