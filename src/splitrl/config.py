@@ -350,8 +350,8 @@ class RunConfig(BaseModel):
         if self.rollout.top_k == 1:
             raise ValueError(
                 "rollout.top_k=1 samples the same response for every sample of a group: every group has "
-                "zero reward variance, every advantage is 0 and nothing is learned; use top_k=0 (off) or >= 2 (for greedy samples from `splitrl generate` / "
-                "`splitrl eval`, pass --greedy)"
+                "zero reward variance, every advantage is 0 and nothing is learned; use top_k=0 (off) or >= 2 "
+                "(for greedy samples from `splitrl generate` / `splitrl eval`, pass --greedy)"
             )
         return self
 

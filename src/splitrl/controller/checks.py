@@ -103,16 +103,12 @@ def model_hf_config(config: RunConfig) -> Any:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(f"{key}.{unknown[0]} is not a key of the {m.family} config{hint}; unknown keys: {unknown}")
         try:
-            from splitrl.models.config import TINY_MOE
-
-            hf_cfg = cls(**({**TINY_MOE, **m.backbone} if m.family == "qwen3_moe" else m.backbone))  # as built
+            hf_cfg = cls(**m.backbone_kwargs())  # as built
         except Exception as e:  # noqa: BLE001 - transformers' own validators raise several kinds
             raise ValueError(f"{key} is rejected by transformers' {m.family} config: {e}") from None
-        from splitrl.models.config import SIZE_KEYS
         from splitrl.models.policy import check_defaulted_size
 
-        check_defaulted_size(m, hf_cfg)
-        missing = [k for k in SIZE_KEYS if k not in m.backbone]
+        missing = check_defaulted_size(m, hf_cfg)
         if missing:  # allowed (the model stays near the size given), but not what the file says
             log.warning(
                 "%s lacks %s: transformers' %s defaults are used (%s); give them to silence this",

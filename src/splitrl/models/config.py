@@ -104,6 +104,11 @@ class ModelConfig(BaseModel):
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     seed: int = 0
 
+    def backbone_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments the family's transformers config is built from: ``backbone``,
+        over ``TINY_MOE`` for ``qwen3_moe``."""
+        return {**TINY_MOE, **self.backbone} if self.family == "qwen3_moe" else dict(self.backbone)
+
 
 # the keys that set a backbone's size: a backbone dict without them gets transformers' full-size
 # defaults, and PolicyModel.from_config refuses it when those make it large (see check_defaulted_size)

@@ -19,7 +19,14 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwe
 
 from splitrl.loss.logprobs import target_logprobs
 from splitrl.models.attention import packed_attention_mask
-from splitrl.models.config import SIZE_KEYS, SUPPORTED_FAMILIES, TINY_BACKBONE, TINY_MOE, ModelCapabilities, ModelConfig, MTPConfig
+from splitrl.models.config import (
+    SIZE_KEYS,
+    SUPPORTED_FAMILIES,
+    TINY_BACKBONE,
+    ModelCapabilities,
+    ModelConfig,
+    MTPConfig,
+)
 from splitrl.models.moe import router_statistics
 from splitrl.models.mtp import MTPBlock
 
@@ -39,7 +46,7 @@ def _meta_parameter_count(hf_cfg) -> int:
         return sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_cfg).parameters())
 
 
-def check_defaulted_size(config: ModelConfig, hf_cfg) -> None:
+def check_defaulted_size(config: ModelConfig, hf_cfg) -> list[str]:
     """Refuse a backbone that transformers' defaults for its missing size keys make large.
 
     ``ModelConfig(backbone={})`` used to build ``Qwen3Config()``'s 12 B parameters, and the
@@ -54,17 +61,22 @@ def check_defaulted_size(config: ModelConfig, hf_cfg) -> None:
         config: the model config (``backbone`` as the user gave it).
         hf_cfg: the transformers config built from it.
 
+    Returns:
+        The keys of ``SIZE_KEYS`` the backbone lacks (empty for a ``pretrained_path``) when
+        the model is not refused.
+
     Raises:
         ValueError: the keys and the defaults they got, the two sizes, and how to fix it.
     """
+    if config.pretrained_path is not None:
+        return []
     missing = [k for k in SIZE_KEYS if k not in config.backbone]
-    if config.pretrained_path is not None or not missing:
-        return
+    if not missing:
+        return missing
     count = _meta_parameter_count(hf_cfg)
     if count <= DEFAULTED_SIZE_FLOOR:
-        return
-    given = {**TINY_MOE, **config.backbone} if config.family == "qwen3_moe" else dict(config.backbone)
-    meant = _meta_parameter_count(type(hf_cfg)(**given, **{k: TINY_BACKBONE[k] for k in missing}))
+        return missing
+    meant = _meta_parameter_count(type(hf_cfg)(**config.backbone_kwargs(), **{k: TINY_BACKBONE[k] for k in missing}))
     if count > DEFAULTED_SIZE_FACTOR * meant:
         used = ", ".join(f"{k}={getattr(hf_cfg, k)}" for k in missing)
         raise ValueError(
@@ -73,6 +85,7 @@ def check_defaulted_size(config: ModelConfig, hf_cfg) -> None:
             f"model.backbone (every one of {', '.join(SIZE_KEYS)}; the tiny default is "
             "splitrl.models.config.TINY_BACKBONE), or load a model with pretrained_path"
         )
+    return missing
 
 
 @dataclass
@@ -229,10 +242,7 @@ class PolicyModel(nn.Module):
                 capabilities=config.capabilities,
                 attn_implementation=config.attn_implementation,
             )
-        kwargs = dict(config.backbone)
-        if config.family == "qwen3_moe":
-            kwargs = {**TINY_MOE, **kwargs}
-        hf_cfg = _FAMILY_CONFIGS[config.family](**kwargs)
+        hf_cfg = _FAMILY_CONFIGS[config.family](**config.backbone_kwargs())
         check_defaulted_size(config, hf_cfg)
         hf_cfg._attn_implementation = config.attn_implementation
         with torch.random.fork_rng(devices=[]):
