@@ -353,4 +353,9 @@ def test_an_abbreviated_flag_is_refused_not_taken_for_the_full_one(tmp_path, cap
     argv = [str(tmp_path / "nowhere") if a == "RUN" else a for a in argv]
     with pytest.raises(SystemExit) as e:
         main(argv)
-    assert e.value.code == 2 and f"unrecognized arguments: {argv[-2]}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"unrecognized arguments: {argv[-2]}" in err
+    # the sub-command's usage, and the flag it has closest to the typo
+    assert f"usage: splitrl {argv[0]}" in err
+    if argv[0] == "eval":
+        assert "did you mean --num-prompts?" in err

@@ -38,6 +38,20 @@ def _flag_hint(extra: list[str], argv: list[str]) -> str:
     return ""
 
 
+def _unrecognized(command: argparse.ArgumentParser, bad: list[str], hint: str = "") -> None:
+    """Exit 2 with the sub-command's usage, naming ``bad`` and, for a misspelt flag, the closest
+    one of the sub-command (``--num-prompt`` → ``--num-prompts``: a new user's trial)."""
+    import difflib
+
+    flags = [o for action in command._actions for o in action.option_strings if o.startswith("--")]
+    for x in bad:
+        close = difflib.get_close_matches(x.partition("=")[0], flags, n=1) if x.startswith("--") else []
+        if close:
+            hint = f"; did you mean {close[0]}?" + hint
+            break
+    command.error(f"unrecognized arguments: {' '.join(bad)}{hint}")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
@@ -72,19 +86,20 @@ def _main(argv: list[str] | None) -> int:
     c.add_argument("filter", nargs="?", help="only keys whose path contains this text, e.g. mtp")
     add_eval_commands(sub)
     args, extra = parser.parse_known_args(argv)
+    command = sub.choices[args.command]  # its usage line and flags name what was wrong
     if args.command == "config":
         if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            _unrecognized(command, extra)
         return print_reference(args.filter)
     if args.command != "train":  # generate / eval (splitrl.cli_eval)
         bad = [x for x in extra if x.startswith("-") or "=" not in x]
         if bad:
-            parser.error(f"unrecognized arguments: {' '.join(bad)}")
+            _unrecognized(command, bad)
         args.overrides = list(args.overrides) + extra
         return args.run(args)
     unknown = [x for x in extra if x.startswith("-") or "=" not in x]
     if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}{_flag_hint(extra, sys.argv[1:] if argv is None else argv)}")
+        _unrecognized(command, unknown, _flag_hint(extra, sys.argv[1:] if argv is None else argv))
     args.overrides = list(args.overrides) + extra
     # before logging and the progress bar capture the streams: a console whose reader died
     # (``| tee log`` + Ctrl-C) must not stop the final checkpoint
