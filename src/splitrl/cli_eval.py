@@ -2,8 +2,9 @@
 
 PATH may be a run's output directory (its newest checkpoint with a Hugging Face export is used),
 a checkpoint directory (``checkpoints/step_*`` holding ``policy/``, which is written at the end of
-a run, at a stop and every ``export_every`` steps, and ``run_config.json``), a ``policy/`` directory, or
-any local Hugging Face model directory. The run config next to a checkpoint supplies the task,
+a run, at a stop and every ``export_every`` steps, and ``run_config.json``), a ``policy/`` directory,
+any local Hugging Face model directory, or a ``.gguf`` file (converted once into a cached
+directory, :mod:`splitrl.models.gguf`). The run config next to a checkpoint supplies the task,
 the sampling rules and the tokenizer; ``--config FILE`` replaces it, and ``key.path=value``
 overrides change it (``task.path=test.jsonl``, ``rollout.temperature=0.6``, ...). Without a run
 config (a plain HF directory) the tokenizer and ``generation_config.json`` of the directory are
@@ -37,9 +38,14 @@ def resolve_policy_dir(path: str | Path) -> tuple[Path, Path | None]:
     """(the HF model directory, the run config written beside it or None) for a PATH argument.
 
     Raises:
-        ValueError: PATH holds no model (no ``config.json`` at any of the places above).
+        ValueError: PATH holds no model (no ``config.json`` at any of the places above), or is a
+            ``.gguf`` file that cannot be converted (:mod:`splitrl.models.gguf`).
     """
     p = Path(path)
+    if p.suffix.lower() == ".gguf":  # converted once into a cached Hugging Face directory
+        from splitrl.models.gguf import gguf_model_dir
+
+        return gguf_model_dir(p), None
     if (p / "checkpoints").is_dir():  # a run's output directory: its newest complete checkpoint with an export
         done = complete_checkpoints(p)
         if not done:
@@ -299,7 +305,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", help="run output dir, checkpoint dir (step_*), policy/ dir or Hugging Face model dir")
+    p.add_argument("path", help="run output dir, checkpoint dir (step_*), policy/ dir, Hugging Face model dir or .gguf file")
     p.add_argument("overrides", nargs="*", help="key.path=value changes to the run config, e.g. task.path=test.jsonl")
     p.add_argument("--config", action=OnlyOnce, help="run config to use instead of the run_config.json beside the checkpoint")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: %(default)s (a GPU if any)")

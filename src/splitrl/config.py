@@ -290,11 +290,18 @@ class RunConfig(BaseModel):
                 "placement=split gives every worker a process (and a GPU) of its own, but backend=local runs "
                 "them all in this process; use backend=ray, or placement=auto"
             )
-        if self.model.pretrained_path is not None and not (Path(self.model.pretrained_path) / "config.json").is_file():
+        gguf_file = str(self.model.pretrained_path or "").lower().endswith(".gguf")
+        if gguf_file and not Path(self.model.pretrained_path).is_file():
+            raise ValueError(f"model.pretrained_path={self.model.pretrained_path!r}: no such GGUF file; check the path")
+        if (
+            self.model.pretrained_path is not None
+            and not gguf_file
+            and not (Path(self.model.pretrained_path) / "config.json").is_file()
+        ):
             missing = not Path(self.model.pretrained_path).exists()
             raise ValueError(
                 f"model.pretrained_path={self.model.pretrained_path!r} "
-                + ("does not exist" if missing else "has no config.json (not a Hugging Face model directory)")
+                + ("does not exist" if missing else "has no config.json (not a Hugging Face model directory, nor a .gguf file)")
                 + "; check the path"
             )
         out = Path(self.output_dir)

@@ -173,8 +173,10 @@ def _preflight(config: RunConfig) -> int:
         load_checked_tokenizer,
         model_hf_config,
     )
+    from splitrl.models.gguf import resolve_model_files
     from splitrl.tasks import encode_prompt, make_task
 
+    resolve_model_files(config)  # a .gguf pretrained_path becomes its converted directory, once
     check_output_dir(config.output_dir)
     check_wandb_credentials(config.logging.wandb)
     for warning in settings_without_effect(config):

@@ -28,10 +28,12 @@ def load_tokenizer(config: TokenizerConfig, model_path: str | None = None):
         return build_char_tokenizer(config.charset)
     from transformers import AutoTokenizer
 
+    from splitrl.models.gguf import resolve_model_path
+
     path = config.path or model_path
     if path is None:
         raise ValueError("tokenizer.kind='pretrained' needs tokenizer.path (or model.pretrained_path)")
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(resolve_model_path(path))
 
 
 def sample_seed(run_seed: int, prompt_index: int, sample_index: int) -> int:

@@ -272,7 +272,9 @@ def load_pretrained(
     """
     from splitrl.models.policy import PolicyModel
 
-    path = Path(path)
+    from splitrl.models.gguf import resolve_model_path
+
+    path = Path(resolve_model_path(path))
     verify_pretrained(path, key="pretrained_path")
     hf_cfg = AutoConfig.from_pretrained(str(path))
     saved = getattr(hf_cfg, "splitrl", None) or {}

@@ -1,0 +1,174 @@
+"""GGUF checkpoints in: a ``.gguf`` file becomes a Hugging Face directory, once, in a cache.
+
+``model.pretrained_path`` (and ``splitrl eval`` / ``generate``'s PATH) may name a ``.gguf`` file of
+a family transformers reads (llama, qwen2, qwen3). transformers dequantizes it to fp32 on load
+(``from_pretrained(dir, gguf_file=...)``, which needs the ``gguf`` package); the result and the
+file's tokenizer (its chat template included) are written as a plain safetensors directory under
+
+    $SPLITRL_CACHE_DIR/gguf/<first 16 hex digits of the file's SHA-256>/
+
+(``SPLITRL_CACHE_DIR`` defaults to ``$XDG_CACHE_HOME/splitrl``, else ``~/.cache/splitrl``). The key
+is the file's content, so a moved or renamed copy reuses the conversion and a changed file gets a
+new one. A conversion is written to a temporary directory and renamed when whole, under a lock,
+so concurrent processes (Ray workers, two runs) convert once and never read half a directory.
+Everything else in splitrl then sees an ordinary model directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+GGUF_SUFFIX = ".gguf"
+READABLE_FAMILIES = ("llama", "qwen2", "qwen3")
+_DONE = "CONVERTED"  # written last into a finished conversion; holds the source file's name
+
+
+def is_gguf(path: str | os.PathLike | None) -> bool:
+    """True when ``path`` names a ``.gguf`` file (by its suffix; the file need not exist)."""
+    return path is not None and str(path).lower().endswith(GGUF_SUFFIX)
+
+
+def cache_root() -> Path:
+    """``$SPLITRL_CACHE_DIR``, else ``$XDG_CACHE_HOME/splitrl``, else ``~/.cache/splitrl``."""
+    if os.environ.get("SPLITRL_CACHE_DIR"):
+        return Path(os.environ["SPLITRL_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "splitrl"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _check_magic(path: Path) -> None:
+    """The file exists and starts with the GGUF magic (raises ValueError naming the file)."""
+    if not path.is_file():
+        what = "does not exist" if not path.exists() else "is not a file"
+        raise ValueError(f"GGUF file {str(path)!r} {what}")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{str(path)!r} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+
+
+def _check_readable(path: Path) -> None:
+    """The file's metadata parses and names a family we can build (the reader parses the whole
+    header, vocabulary included: seconds, so only before a conversion).
+
+    Raises:
+        ValueError: one line naming the file and what is wrong with it.
+    """
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise ValueError(
+            f"reading {str(path)!r} needs the gguf package: python3 -m pip install gguf"
+        ) from None
+    try:
+        field = GGUFReader(str(path)).fields.get("general.architecture")
+        arch = bytes(field.parts[field.data[0]]).decode() if field is not None else None
+    except Exception as e:  # the reader raises many types on a damaged file
+        raise ValueError(f"{str(path)!r} cannot be read as GGUF ({type(e).__name__}: {e}); is the file whole?") from None
+    if arch not in READABLE_FAMILIES:
+        raise ValueError(
+            f"{str(path)!r} holds a {arch!r} model; splitrl converts GGUF files of {', '.join(READABLE_FAMILIES)}"
+        )
+
+
+def _convert(src: Path, out: Path) -> None:
+    """Dequantize ``src`` to fp32 and write model + tokenizer to the empty directory ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = {"gguf_file": src.name}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(src.parent), **kw)
+        model = AutoModelForCausalLM.from_pretrained(str(src.parent), dtype=torch.float32, **kw)
+    except Exception as e:  # transformers raises ValueError/KeyError/... for what it cannot map
+        raise ValueError(f"transformers cannot load {str(src)!r} ({type(e).__name__}: {e})") from None
+    # the GGUF loader marks the model as quantized, and save_pretrained refuses such a model; the
+    # weights are already dequantized, so the marker is dropped
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    (out / _DONE).write_text(src.name + "\n")
+
+
+def gguf_model_dir(path: str | os.PathLike) -> Path:
+    """The cached Hugging Face directory of the GGUF file ``path``, converting it on first use.
+
+    Args:
+        path: a ``.gguf`` file of a llama, qwen2 or qwen3 model.
+
+    Returns:
+        ``cache_root()/gguf/<sha256[:16]>``: ``config.json``, ``model.safetensors`` (fp32), the
+        tokenizer files and chat template.
+
+    Raises:
+        ValueError: one line naming the file and why it cannot be used (missing, not GGUF, an
+            architecture outside ``READABLE_FAMILIES``, damaged, or the gguf package missing).
+        OSError: the cache directory cannot be written.
+    """
+    src = Path(path).expanduser().absolute()
+    _check_magic(src)
+    target = cache_root() / "gguf" / _sha256(src)[:16]
+    if (target / _DONE).is_file():
+        return target
+    _check_readable(src)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting the same file
+        if (target / _DONE).is_file():
+            return target
+        tmp = target.parent / f"{target.name}.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(target, ignore_errors=True)  # a conversion killed before it finished
+        tmp.mkdir()
+        log.info("converting %s to a Hugging Face directory in %s (once per file)", src, target)
+        try:
+            _convert(src, tmp)
+            tmp.rename(target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(path: str | os.PathLike | None) -> str | None:
+    """``path`` itself, or for a ``.gguf`` file its converted directory (:func:`gguf_model_dir`)."""
+    if not is_gguf(path):
+        return None if path is None else str(path)
+    return str(gguf_model_dir(path))
+
+
+def resolve_model_files(config) -> None:
+    """Point a run config's ``model.pretrained_path`` and ``tokenizer.path`` at the converted
+    directory where they name a ``.gguf`` file (converting once); other paths are left alone.
+
+    Args:
+        config: a :class:`~splitrl.config.RunConfig` (changed in place), so that every process the
+            run starts, and its saved ``run_config.json``, see an ordinary model directory.
+
+    Raises:
+        ValueError: from :func:`gguf_model_dir`, naming the key and the file.
+    """
+    for section, key in ((config.model, "pretrained_path"), (config.tokenizer, "path")):
+        path = getattr(section, key)
+        if is_gguf(path):
+            where = "model.pretrained_path" if section is config.model else "tokenizer.path"
+            try:
+                setattr(section, key, str(gguf_model_dir(path)))
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
