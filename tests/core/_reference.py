@@ -1,5 +1,5 @@
 """An independent, per-sample re-implementation of the step's losses (no microbatch builder, no
-padding, no packing, plain cross-entropy) — what the worker's numbers are checked against."""
+padding, no packing, plain cross-entropy and a dense KL) — what the worker's numbers are checked against."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 
 def per_sample_terms(model, batch, temperature=1.0):
-    """For each sample: main logprobs of tokens 1..L-1, and per depth (CE, hit, mask) vectors."""
+    """For each sample: main logprobs of tokens 1..L-1, and per depth (term, hit, mask) vectors;
+    the term is the model's ``mtp_objective`` (CE on the target, or KL(p̄ ‖ q_k) at ``temperature``)."""
     out = []
     D = model.num_mtp_depths
     for i in range(len(batch)):
@@ -48,16 +49,22 @@ def per_sample_terms(model, batch, temperature=1.0):
             else:
                 logits_k = F.linear(h_k[0, :m], Wm)
                 tgt = ids[0, k + 1 : k + 1 + m]
-                ce = F.cross_entropy(logits_k, tgt, reduction="none")
+                if model.mtp_config.mtp_objective == "distill":
+                    # KL(p̄ ‖ q_k) at T: p̄ the main head at t + k (predicting x_{t+k+1}), detached
+                    teacher = F.log_softmax(F.linear(h0[0, k : k + m], W).detach() / temperature, -1)
+                    student = F.log_softmax(logits_k / temperature, -1)
+                    term = (teacher.exp() * (teacher - student)).sum(-1)
+                else:
+                    term = F.cross_entropy(logits_k, tgt, reduction="none")
                 hit = (logits_k.argmax(-1) == tgt).float()
-                depths.append((ce, hit, tm[k + 1 : k + 1 + m] * sm))
+                depths.append((term, hit, tm[k + 1 : k + 1 + m] * sm))
             h_prev = h_k
         out.append({"logprobs": lp, "mask": mask, "depths": depths})
     return out
 
 
 def mtp_raw_sum(terms, D):
-    """Σ_k Σ_t CE_k(t)·mask_k(t) over every sample (λ/D not applied)."""
+    """Σ_k Σ_t ℓ_k(t)·mask_k(t) over every sample (λ/D not applied)."""
     total = 0.0
     for s in terms:
         for d in s["depths"]:

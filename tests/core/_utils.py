@@ -18,12 +18,16 @@ VOCAB = 128
 DEVICE = os.environ.get("SPLITRL_TEST_DEVICE", "cpu")
 
 
-def make_model(D=0, detach=True, repeated=False, lam=0.1, family="qwen3", seed=0, **backbone) -> PolicyModel:
+def make_model(D=0, detach=True, repeated=False, lam=0.1, family="qwen3", seed=0, objective="ce", **backbone) -> PolicyModel:
     cfg = ModelConfig(
         family=family,
         seed=seed,
         mtp=MTPConfig(
-            mtp_num_layers=D, mtp_detach_heads=detach, mtp_use_repeated_layer=repeated, mtp_loss_scaling_factor=lam
+            mtp_num_layers=D,
+            mtp_detach_heads=detach,
+            mtp_use_repeated_layer=repeated,
+            mtp_loss_scaling_factor=lam,
+            mtp_objective=objective,
         ),
     )
     if backbone:

@@ -61,6 +61,14 @@ CASES = [
     (LossType.SEQUENCE_LEVEL, 2, False, False, True),
     (LossType.SEQUENCE_LEVEL, 1, False, True, False),
 ]
+# the distillation objective (DESIGN §3) under the same contract: detached and attached heads,
+# packed and padded, both loss types (attached + sequence-level: the two-accumulator path)
+CASES = [(*c, "ce") for c in CASES] + [
+    (LossType.TOKEN_LEVEL, 2, True, False, True, "distill"),
+    (LossType.TOKEN_LEVEL, 1, False, True, False, "distill"),
+    (LossType.SEQUENCE_LEVEL, 1, True, False, False, "distill"),
+    (LossType.SEQUENCE_LEVEL, 2, False, False, True, "distill"),
+]
 
 CHUNKINGS = {
     "one_chunk": lambda b: [b],
@@ -71,8 +79,8 @@ CHUNKINGS = {
 
 
 def _sync_reference(case, batches, mbs, pack):
-    loss_type, D, detach, repeated, _ = case
-    model = make_model(D=D, detach=detach, repeated=repeated)
+    loss_type, D, detach, repeated, _, objective = case
+    model = make_model(D=D, detach=detach, repeated=repeated, objective=objective)
     w = make_worker(model, lr=LR, mbs=16, pack=False, eps=ADAM_EPS)
     grads = capture_grads(w)
     loss = make_loss(loss_type)
@@ -80,16 +88,16 @@ def _sync_reference(case, batches, mbs, pack):
     return w, grads, metrics
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].value}-D{c[1]}-{'det' if c[2] else 'att'}-{'rep' if c[3] else 'dist'}-{'pack' if c[4] else 'pad'}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].value}-D{c[1]}-{'det' if c[2] else 'att'}-{'rep' if c[3] else 'dist'}-{'pack' if c[4] else 'pad'}-{c[5]}")
 def test_split_equals_sync(case):
-    loss_type, D, detach, repeated, pack = case
+    loss_type, D, detach, repeated, pack, objective = case
     batches = [make_batch(16, seed=s) for s in range(STEPS)]
     ref_w, ref_grads, ref_metrics = _sync_reference(case, batches, 16, False)
     ref_params, ref_opt = params(ref_w.model), optim_state(ref_w)
     if D > 0:
         assert any(k.startswith("mtp/mtp_") for k in ref_metrics[0])
     for name, chunker in CHUNKINGS.items():
-        model = make_model(D=D, detach=detach, repeated=repeated)
+        model = make_model(D=D, detach=detach, repeated=repeated, objective=objective)
         # microbatching differs from the reference too: by count, or by a token budget
         w = make_worker(model, lr=LR, mbs=3, max_tokens=40 if name == "1_7_3_5" else None, pack=pack, eps=ADAM_EPS)
         grads = capture_grads(w)

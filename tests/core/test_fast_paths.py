@@ -15,7 +15,7 @@ from _utils import make_batch, make_loss, make_model, make_worker
 from torch.nn.attention.flex_attention import flex_attention
 from transformers.masking_utils import find_packed_sequence_indices
 
-from splitrl.loss.logprobs import target_logprobs
+from splitrl.models.head import target_logprobs
 from splitrl.models.attention import BLOCK, document_block_mask, document_ids, packed_attention_mask
 from splitrl.train import MicrobatchConfig, build_microbatches
 
@@ -145,7 +145,7 @@ def test_packed_attention_kernels_match_the_dense_mask_on_cuda(backend, dtype):
         model = make_model(D=2).to("cuda", dtype)
         model.packed_attention = kind
         out = model(mb.input_ids, mb.segment_ids, mb.position_ids, mtp_loss_mask=mb.mtp_loss_mask, one_sample_per_row=False)
-        total = (out.logprobs.float() * mb.loss_mask).sum() - torch.stack(out.mtp_ce_sums).float().sum()
+        total = (out.logprobs.float() * mb.loss_mask).sum() - torch.stack(out.mtp_loss_sums).float().sum()
         total.backward()
         grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
         outs.append((out, grads))
@@ -153,7 +153,7 @@ def test_packed_attention_kernels_match_the_dense_mask_on_cuda(backend, dtype):
     valid = mb.loss_mask > 0
     tol = 2e-2 if low else 1e-4
     torch.testing.assert_close(b.logprobs[valid].float(), a.logprobs[valid].float(), rtol=0, atol=3e-2 if low else 1e-4)
-    for x, y in zip(b.mtp_ce_sums, a.mtp_ce_sums):
+    for x, y in zip(b.mtp_loss_sums, a.mtp_loss_sums):
         assert float(x) == pytest.approx(float(y), rel=tol)
     assert float((gb - ga).norm()) <= tol * float(ga.norm())
 

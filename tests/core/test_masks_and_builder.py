@@ -46,7 +46,7 @@ def test_padding_tokens_change_nothing():
     b = model(ids2, mb.segment_ids, mb.position_ids, mtp_loss_mask=mb.mtp_loss_mask)
     valid = mb.segment_ids >= 0
     torch.testing.assert_close(a.logprobs[valid], b.logprobs[valid], rtol=1e-6, atol=1e-6)
-    for x, y in zip(a.mtp_ce_sums + a.mtp_counts, b.mtp_ce_sums + b.mtp_counts):
+    for x, y in zip(a.mtp_loss_sums + a.mtp_counts, b.mtp_loss_sums + b.mtp_counts):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
 
 
@@ -79,7 +79,7 @@ def test_mtp_targets_never_cross_samples_and_skip_prompt_and_tail():
     cfg = MicrobatchConfig(micro_batch_size=2, pack_sequences=True)
     ra = [model(m.input_ids, m.segment_ids, m.position_ids, mtp_loss_mask=m.mtp_loss_mask) for m in build_microbatches(two, cfg)]
     rb = [model(m.input_ids, m.segment_ids, m.position_ids, mtp_loss_mask=m.mtp_loss_mask) for m in build_microbatches(two_b, cfg)]
-    for x, y in zip(ra[0].mtp_ce_sums, rb[0].mtp_ce_sums):
+    for x, y in zip(ra[0].mtp_loss_sums, rb[0].mtp_loss_sums):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
 
 

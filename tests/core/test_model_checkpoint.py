@@ -64,7 +64,7 @@ def test_save_load_round_trip_is_exact(tmp_path, family, D, repeated):
         assert n == n2 and torch.equal(p, p2), n
     a, b = _outputs(model), _outputs(loaded)
     assert torch.equal(a.logprobs, b.logprobs)
-    for x, y in zip(a.mtp_ce_sums, b.mtp_ce_sums):
+    for x, y in zip(a.mtp_loss_sums, b.mtp_loss_sums):
         assert torch.equal(x, y)
 
 
@@ -89,7 +89,7 @@ def test_stock_hugging_face_directory_loads_through_from_pretrained(tmp_path, fa
     torch.testing.assert_close(out.logprobs[:, 1:], ref, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         torch.testing.assert_close(model.logits(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)
-    assert model.mtp is not None and len(out.mtp_ce_sums) == 1
+    assert model.mtp is not None and len(out.mtp_loss_sums) == 1
     # and back: the stock class reads our directory (ignoring mtp.*), same backbone outputs
     model.save_pretrained(tmp_path / "ours")
     again = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours"))

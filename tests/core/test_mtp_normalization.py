@@ -17,6 +17,11 @@ from splitrl.loss import ClippedPGLoss, GRPOLossConfig, LossType
 from splitrl.train import TrainBatch
 
 
+# (mtp_objective, T): the distillation term compares p̄ and q_k at the rollout temperature, so
+# it is checked at T != 1 (the loss and the reference both at T)
+OBJECTIVES = [("ce", 1.0), ("distill", 0.7)]
+
+
 def _close(a, b, name):
     atol = 1e-5 * float(b.abs().max()) + 1e-12
     torch.testing.assert_close(a, b, rtol=1e-4, atol=atol, msg=lambda m: f"{name}: {m}")
@@ -24,18 +29,19 @@ def _close(a, b, name):
 
 @pytest.mark.parametrize("repeated", [False, True])
 @pytest.mark.parametrize("pack", [False, True])
-def test_sequence_level_detached_gradients(repeated, pack):
+@pytest.mark.parametrize("objective,T", OBJECTIVES)
+def test_sequence_level_detached_gradients(repeated, pack, objective, T):
     D, lam = 2, 0.3
     batch = make_batch(16, seed=5, prev=False)
-    ref_model = make_model(D=D, lam=lam, repeated=repeated)
-    model = make_model(D=D, lam=lam, repeated=repeated)
+    ref_model = make_model(D=D, lam=lam, repeated=repeated, objective=objective)
+    model = make_model(D=D, lam=lam, repeated=repeated, objective=objective)
     # GRPO with ratio 1 and no clip active: the policy loss is −A·logπ per token
-    loss = ClippedPGLoss(GRPOLossConfig(loss_type=LossType.SEQUENCE_LEVEL))
+    loss = ClippedPGLoss(GRPOLossConfig(loss_type=LossType.SEQUENCE_LEVEL, temperature=T))
     w = make_worker(model, mbs=3, pack=pack, max_grad_norm=None)
     grads = capture_grads(w)
     run_split(w, loss, [partition(batch, [1, 7, 3, 5])])
 
-    terms = per_sample_terms(ref_model, batch)
+    terms = per_sample_terms(ref_model, batch, temperature=T)
     n_t = sum(float(s["mask"].sum()) for s in terms)
     main = sequence_level_pg(terms, batch)
     mtp = mtp_raw_sum(terms, D) * (lam / D) / n_t
@@ -55,13 +61,14 @@ def test_sequence_level_detached_gradients(repeated, pack):
 
 
 @pytest.mark.parametrize("chunks", [[16], [4, 4, 4, 4], [1, 7, 3, 5]])
-def test_mtp_metrics_are_token_weighted_over_the_step(chunks):
+@pytest.mark.parametrize("objective,T", OBJECTIVES)
+def test_mtp_metrics_are_token_weighted_over_the_step(chunks, objective, T):
     D = 2
     batch = make_batch(16, seed=9)
-    model = make_model(D=D)
-    ref = mtp_metrics(per_sample_terms(make_model(D=D), batch), D)
+    model = make_model(D=D, objective=objective)
+    ref = mtp_metrics(per_sample_terms(make_model(D=D, objective=objective), batch, temperature=T), D)
     w = make_worker(model, mbs=2, pack=True)
-    m = run_split(w, ClippedPGLoss(), [partition(batch, chunks)])[0]
+    m = run_split(w, ClippedPGLoss(GRPOLossConfig(temperature=T)), [partition(batch, chunks)])[0]
     mtp_keys = sorted(k for k in m if k.startswith("mtp/"))
     assert mtp_keys == sorted(
         ["mtp/grad_norm"]
@@ -72,15 +79,16 @@ def test_mtp_metrics_are_token_weighted_over_the_step(chunks):
     assert 0.0 <= m["mtp/mtp_1_acceptance_rate"] <= 100.0
 
 
-def test_attached_token_level_gradients_include_mtp_in_backbone():
+@pytest.mark.parametrize("objective,T", OBJECTIVES)
+def test_attached_token_level_gradients_include_mtp_in_backbone(objective, T):
     D, lam = 1, 0.5
     batch = make_batch(12, seed=2, prev=False)
-    ref_model = make_model(D=D, lam=lam, detach=False)
-    model = make_model(D=D, lam=lam, detach=False)
+    ref_model = make_model(D=D, lam=lam, detach=False, objective=objective)
+    model = make_model(D=D, lam=lam, detach=False, objective=objective)
     w = make_worker(model, mbs=4, max_grad_norm=None)
     grads = capture_grads(w)
-    run_split(w, ClippedPGLoss(), [partition(batch, [5, 7])])
-    terms = per_sample_terms(ref_model, batch)
+    run_split(w, ClippedPGLoss(GRPOLossConfig(temperature=T)), [partition(batch, [5, 7])])
+    terms = per_sample_terms(ref_model, batch, temperature=T)
     n_t = sum(float(s["mask"].sum()) for s in terms)
     main = sum((-(batch.advantages[i]) * s["logprobs"] * s["mask"]).sum() for i, s in enumerate(terms)) / n_t
     (main + mtp_raw_sum(terms, D) * lam / D / n_t).backward(retain_graph=True)
@@ -105,8 +113,11 @@ def _reference_adamw_step(model, lr, weight_decay, max_grad_norm):
     return norm
 
 
-@pytest.mark.parametrize("repeated,pack,chunks", [(False, True, [1, 7, 3, 5]), (True, False, [16])])
-def test_sequence_level_attached_step_matches_an_independent_reference(repeated, pack, chunks):
+@pytest.mark.parametrize(
+    "repeated,pack,chunks,objective",
+    [(False, True, [1, 7, 3, 5], "ce"), (True, False, [16], "ce"), (False, True, [1, 7, 3, 5], "distill")],
+)
+def test_sequence_level_attached_step_matches_an_independent_reference(repeated, pack, chunks, objective):
     """SEQUENCE_LEVEL + attached heads + λ > 0 (DESIGN §3): the policy gradient is
     ∇main/N_s + (λ/D)∇mtp/N_t — checked on the whole step (normalized gradients, reported norm,
     clipping, AdamW update, metrics) against plain autograd on per-sample terms.
@@ -117,10 +128,12 @@ def test_sequence_level_attached_step_matches_an_independent_reference(repeated,
     """
     D, lam, lr = 2, 0.3, 1e-3
     batch = make_batch(16, seed=5, prev=False)
-    ref_model = make_model(D=D, lam=lam, repeated=repeated, detach=False)
-    model = make_model(D=D, lam=lam, repeated=repeated, detach=False)
+    ref_model = make_model(D=D, lam=lam, repeated=repeated, detach=False, objective=objective)
+    model = make_model(D=D, lam=lam, repeated=repeated, detach=False, objective=objective)
     loss = ClippedPGLoss(GRPOLossConfig(loss_type=LossType.SEQUENCE_LEVEL))
-    free = make_worker(make_model(D=D, lam=lam, repeated=repeated, detach=False), mbs=3, pack=pack, max_grad_norm=None)
+    free = make_worker(
+        make_model(D=D, lam=lam, repeated=repeated, detach=False, objective=objective), mbs=3, pack=pack, max_grad_norm=None
+    )
     free_grads = capture_grads(free)
     run_split(free, loss, [partition(batch, chunks)])
     w = make_worker(model, lr=lr, mbs=3, pack=pack, max_grad_norm=0.5)

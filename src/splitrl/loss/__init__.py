@@ -1,4 +1,5 @@
-"""Losses of the split step: contracts (``base``), GRPO (``grpo``), target logprobs (``logprobs``)."""
+"""Losses of the split step: contracts (``base``) and GRPO (``grpo``); the chunked output head that
+computes target logprobs lives with the model (``splitrl.models.head``)."""
 
 from typing import TYPE_CHECKING
 

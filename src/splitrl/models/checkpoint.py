@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from splitrl.models.config import SUPPORTED_FAMILIES, ModelCapabilities, MTPConfig
-from splitrl.models.mtp import mtp_checkpoint_names, mtp_state_from_checkpoint
+from splitrl.models.mtp import mtp_checkpoint_names, mtp_state_from_checkpoint, warm_start_from_backbone
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +259,8 @@ def load_pretrained(
 
     Returns:
         A :class:`PolicyModel` in fp32. MTP tensors found in the directory are loaded exactly;
-        a directory without them (a plain HF model) leaves freshly initialized heads. A directory
+        a directory without them (a plain HF model) gets heads started as ``mtp.mtp_init`` says
+        (default: from the backbone's last layer, :func:`~splitrl.models.mtp.warm_start_from_backbone`). A directory
         whose depths share ``fc``, the input norms and the final norm (splitrl checkpoints
         written before per-depth modules, or Qwen3-Next with ``mtp_num_hidden_layers`` > 1) is
         converted exactly: the shared tensors are copied into every depth module (a warning
@@ -304,7 +305,17 @@ def load_pretrained(
             log.warning("%s holds MTP tensors but mtp_num_layers=0: the heads are not loaded", path)
         return model
     if not stored:
-        log.warning("%s has no MTP tensors: the %d MTP depth(s) start from random init", path, mtp.mtp_num_layers)
+        if mtp.mtp_init == "random":
+            log.warning("%s has no MTP tensors: the %d MTP depth(s) start from random init", path, mtp.mtp_num_layers)
+        else:
+            warm_start_from_backbone(model.mtp, backbone, mtp.mtp_init)
+            log.warning(
+                "%s has no MTP tensors: the %d MTP depth(s) start from the backbone's last layer (mtp_init=%s); "
+                "train them first with train.mtp_warmup_steps",
+                path,
+                mtp.mtp_num_layers,
+                mtp.mtp_init,
+            )
         return model
     stored, layout = mtp_state_from_checkpoint(stored, model.mtp.num_modules)
     expected = set(model.mtp.state_dict())

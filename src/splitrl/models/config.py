@@ -63,6 +63,19 @@ class MTPConfig(BaseModel):
             the train step keeps apart with a second backward pass per microbatch and one extra
             fp32 gradient buffer of the policy parameters (``splitrl.train.side_grads``); every other
             combination runs a single backward.
+        mtp_objective: the per-position term of the MTP loss (DESIGN §3). ``ce``: cross-entropy
+            on the sampled target token (the seed system's, Megatron's). ``distill``: KL(p̄ ‖ q_k),
+            p̄ the policy's own next-token distribution at the target position (main logits / T,
+            detached), q_k the depth's at the same T (T = the rollout temperature): what
+            speculative acceptance depends on, and a far less noisy estimate of it than one
+            sampled token (at T = 1 the two have the same expected gradient). Same masks, N_t
+            normalization, detach rule and loss scale either way; ``mtp/mtp_{k}_loss`` reports
+            the chosen term.
+        mtp_init: how depths start when a checkpoint has no MTP weights (a random-init backbone
+            always starts them at random): ``last_layer`` copies the backbone's last decoder layer
+            and final norm into each depth and lets ``fc`` pass the hidden half through;
+            ``last_layer_embedding`` / ``last_layer_sum`` pass the embedding half / both;
+            ``random`` keeps the random init (:func:`splitrl.models.mtp.warm_start_from_backbone`).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -71,6 +84,8 @@ class MTPConfig(BaseModel):
     mtp_loss_scaling_factor: float = Field(0.1, ge=0.0, description="lambda; each depth weighs lambda/D")
     mtp_use_repeated_layer: bool = False
     mtp_detach_heads: bool = True
+    mtp_objective: Literal["ce", "distill"] = "ce"
+    mtp_init: Literal["random", "last_layer", "last_layer_embedding", "last_layer_sum"] = "last_layer"
 
 
 class ModelConfig(BaseModel):

@@ -261,3 +261,54 @@ def mtp_state_from_checkpoint(stored: dict[str, torch.Tensor], num_modules: int)
         for name, t in top.items():
             out[f"depths.{i}.{name}"] = t.clone() if isinstance(t, torch.Tensor) else t
     return out, "qwen3_next" if len(layer_ids) <= 1 else "shared"
+
+
+# ------------------------------------------------------------------------------ warm start
+WARM_STARTS = ("random", "last_layer", "last_layer_embedding", "last_layer_sum")
+
+
+@torch.no_grad()
+def warm_start_from_backbone(block: MTPBlock, backbone: nn.Module, mode: str) -> None:
+    """Start every depth module from the backbone's own next-token computation (DESIGN §3).
+
+    For each depth module: the decoder layer is a copy of the backbone's last decoder layer, the
+    final norm a copy of the backbone's final norm (the output head reads what it was trained on),
+    the two input norms are identities (weight 1), and ``fc`` [H, 2H] = [E | Hd] passes
+    through
+
+    - ``last_layer``: the hidden half (E = 0, Hd = I): the depth first computes the backbone's
+      last layer again on h^{k-1};
+    - ``last_layer_embedding``: the embedding half (E = I, Hd = 0);
+    - ``last_layer_sum``: both (E = Hd = I).
+
+    ``random`` leaves the block as initialized. Which one drafts best after the heads-only
+    warm-up is measured in ``bench/bench_mtp_warmstart.py`` (results: ``bench/RESULTS.md``).
+
+    Args:
+        block: the MTP block (changed in place).
+        backbone: the transformers ``*ForCausalLM`` it sits on.
+        mode: one of ``WARM_STARTS``.
+
+    Raises:
+        ValueError: an unknown ``mode``.
+    """
+    if mode not in WARM_STARTS:
+        raise ValueError(f"unknown MTP warm start {mode!r}; use one of {WARM_STARTS}")
+    if mode == "random":
+        return
+    inner = backbone.model
+    last = inner.layers[-1].state_dict()
+    for depth in block.depths:
+        missing, unexpected = depth.layer.load_state_dict(last, strict=False)
+        if missing or unexpected:  # same class and config: only a family quirk could cause this
+            raise ValueError(f"cannot copy the backbone's last layer into an MTP depth: {missing or unexpected}")
+        depth.norm.weight.copy_(inner.norm.weight)
+        depth.pre_fc_norm_embedding.weight.fill_(1.0)
+        depth.pre_fc_norm_hidden.weight.fill_(1.0)
+        H = depth.fc.weight.shape[0]
+        eye = torch.eye(H, dtype=depth.fc.weight.dtype, device=depth.fc.weight.device)
+        depth.fc.weight.zero_()
+        if mode in ("last_layer_embedding", "last_layer_sum"):
+            depth.fc.weight[:, :H] = eye
+        if mode in ("last_layer", "last_layer_sum"):
+            depth.fc.weight[:, H:] = eye

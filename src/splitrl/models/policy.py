@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen3Config, Qwen3MoeConfig
 
-from splitrl.loss.logprobs import target_logprobs
+from splitrl.models.head import distill_kl, target_logprobs
 from splitrl.models.attention import packed_attention_mask
 from splitrl.models.config import (
     SIZE_KEYS,
@@ -96,8 +96,9 @@ class PolicyOutput:
         logprobs: [B, S] logprob of token t (predicted from t-1) under softmax(logits / T);
             0 where t is the first token of a sample or padding.
         entropy: [B, S] entropy of the distribution that predicts token t (zeros unless asked).
-        mtp_ce_sums: D scalars, Σ_t CE_k(t)·mask_k(t) — raw sums, differentiable when the MTP
-            branch trains (λ > 0 and grad enabled).
+        mtp_loss_sums: D scalars, Σ_t ℓ_k(t)·mask_k(t) — raw sums of the MTP objective
+            (``mtp_objective``: ℓ = CE on the target token, or KL(p̄ ‖ q_k)), differentiable when
+            the MTP branch trains (λ > 0 and grad enabled).
         mtp_hit_sums: D scalars, Σ_t [argmax = target]·mask_k(t) (not differentiable).
         mtp_counts: D scalars, Σ_t mask_k(t).
         moe_aux: MoE backbones: L_aux of this forward's rows (:mod:`splitrl.models.moe`), fp32
@@ -107,7 +108,7 @@ class PolicyOutput:
 
     logprobs: torch.Tensor
     entropy: torch.Tensor
-    mtp_ce_sums: list[torch.Tensor] = field(default_factory=list)
+    mtp_loss_sums: list[torch.Tensor] = field(default_factory=list)
     mtp_hit_sums: list[torch.Tensor] = field(default_factory=list)
     mtp_counts: list[torch.Tensor] = field(default_factory=list)
     moe_aux: torch.Tensor | None = None
@@ -129,7 +130,24 @@ def _shift_left(x: torch.Tensor, n: int, value: float = 0) -> torch.Tensor:
 def _logprobs_at(
     select_N: torch.Tensor, hidden_NH: torch.Tensor, weight_VH: torch.Tensor, targets_N: torch.Tensor, **kw
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``target_logprobs`` at the selected positions only, scattered back to [N] (0 elsewhere).
+    """``target_logprobs`` at the selected positions only, scattered back to [N] (0 elsewhere)."""
+    return _head_at(target_logprobs, select_N, (hidden_NH,), weight_VH, targets_N, **kw)
+
+
+def _distill_at(
+    select_N: torch.Tensor,
+    student_NH: torch.Tensor,
+    teacher_NH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    targets_N: torch.Tensor,
+    **kw,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``distill_kl`` at the selected positions only, scattered back to [N] (0 elsewhere)."""
+    return _head_at(distill_kl, select_N, (student_NH, teacher_NH), weight_VH, targets_N, **kw)
+
+
+def _head_at(fn, select_N: torch.Tensor, hiddens: tuple[torch.Tensor, ...], weight_VH, targets_N, **kw) -> tuple:
+    """``fn(*hiddens[idx], weight, targets[idx])`` at the selected positions, scattered to [N].
 
     With nothing selected, one position is still computed and multiplied by 0: the output head
     must take part in every backward (FSDP2 reduce-scatters per microbatch on every rank).
@@ -139,7 +157,7 @@ def _logprobs_at(
     if idx.numel() == 0:
         idx = torch.zeros(1, dtype=torch.long, device=select_N.device)
         scale = 0.0
-    outs = target_logprobs(hidden_NH[idx], weight_VH, targets_N[idx], **kw)
+    outs = fn(*(h[idx] for h in hiddens), weight_VH, targets_N[idx], **kw)
     full = []
     for o in outs:
         z = o.new_zeros(select_N.shape[0])
@@ -375,8 +393,8 @@ class PolicyModel(nn.Module):
             position_ids: [B, S] int64 (default: restart at 0 for each segment).
             mtp_loss_mask: [B, S] float, *unshifted* ``token_mask * sample_mask`` (DESIGN §3); the
                 shifts are applied here, once. Required when D > 0.
-            temperature: T of the sampling distribution; main logprobs are of logits / T (the MTP
-                cross-entropy is always at T = 1).
+            temperature: T of the sampling distribution; main logprobs are of logits / T. The
+                MTP cross-entropy is at T = 1; the distillation term compares p̄ and q_k at T.
             with_entropy: also compute the (differentiable) entropy at each position.
             logprob_mask: [B, S]; when given, logprobs and entropy are computed only where it is
                 nonzero (0 elsewhere), so the output head skips prompt and padding positions.
@@ -426,6 +444,7 @@ class PolicyModel(nn.Module):
             return out
 
         detach = self.mtp_config.mtp_detach_heads
+        distill = self.mtp_config.mtp_objective == "distill"
         position_embeddings = self.rotary_emb(hidden0, position_ids)
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.mtp_trains):
             h_prev = hidden0.detach() if detach else hidden0
@@ -450,8 +469,16 @@ class PolicyModel(nn.Module):
                 valid = (seg_target == segment_ids) & (segment_ids >= 0)
                 m = _shift_left(mtp_mask, k + 1) * valid
                 m_flat = m.reshape(-1)
-                lp_k, _, hit_k = _logprobs_at(m_flat > 0, h_k.reshape(-1, H), w_mtp, targets.reshape(-1))
-                out.mtp_ce_sums.append(-(lp_k * m_flat).sum())
+                if distill:
+                    # p̄: the main head at t + k (it predicts x_{t+k+1}), detached (DESIGN §3)
+                    teacher = _shift_left(hidden0.detach(), k).reshape(-1, H)
+                    loss_k, hit_k = _distill_at(
+                        m_flat > 0, h_k.reshape(-1, H), teacher, w_mtp, targets.reshape(-1), temperature=temperature
+                    )
+                else:
+                    lp_k, _, hit_k = _logprobs_at(m_flat > 0, h_k.reshape(-1, H), w_mtp, targets.reshape(-1))
+                    loss_k = -lp_k
+                out.mtp_loss_sums.append((loss_k * m_flat).sum())
                 out.mtp_hit_sums.append((hit_k * m_flat).sum())
                 out.mtp_counts.append(m_flat.sum())
                 h_prev = h_k

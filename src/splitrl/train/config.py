@@ -50,7 +50,7 @@ class SpeedConfig(BaseModel):
             the peak was 49.7 GiB at 16 k tokens and 81.1 GiB at 32 k without it, 19.1 GiB with it
             (15-20 % fewer tokens/s).
         fused_head_kernels: compile the output head's per-chunk softmax statistics and gradient
-            into fused kernels on CUDA (see ``splitrl.loss.logprobs``).
+            into fused kernels on CUDA (see ``splitrl.models.head``).
         packed_attention: packed rows on CUDA: ``flex`` (FlexAttention block mask), ``varlen``
             (flash variable-length kernel) or ``dense`` (an [S, S] mask, the CPU path).
         compute_weight_copy: bf16/fp16 on one process: compute on low-precision weight copies made

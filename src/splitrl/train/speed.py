@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from splitrl.compile_lock import serialized
-from splitrl.loss.logprobs import set_fused_kernels
+from splitrl.models.head import set_fused_kernels
 from splitrl.train.config import SpeedConfig
 
 

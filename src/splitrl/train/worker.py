@@ -317,7 +317,7 @@ class TrainWorker:
         n_valid = mb.loss_mask.sum()
         side = None  # raw sums normalized by N_t at finish, whatever the loss type
         if model.mtp_trains:
-            side = (model.mtp_config.mtp_loss_scaling_factor / D) * torch.stack(out.mtp_ce_sums).sum()
+            side = (model.mtp_config.mtp_loss_scaling_factor / D) * torch.stack(out.mtp_loss_sums).sum()
         if model.moe_aux_loss_coef > 0:
             aux = model.moe_aux_loss_coef * n_valid * out.moe_aux
             side = aux if side is None else side + aux
@@ -338,7 +338,7 @@ class TrainWorker:
         if model.is_moe:
             parts += [n_valid * out.moe_aux, n_valid * out.moe_load_max]
         if D > 0:
-            parts += [*out.mtp_ce_sums, *out.mtp_hit_sums, *out.mtp_counts]
+            parts += [*out.mtp_loss_sums, *out.mtp_hit_sums, *out.mtp_counts]
         parts += [lo.metrics[k].value for k in names]
         st.pending.append((torch.stack([p.detach().double().reshape(()) for p in parts]), names))
         if not st.metric_specs:

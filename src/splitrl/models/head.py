@@ -1,4 +1,4 @@
-"""Logprobs of given targets without keeping the full logits alive.
+"""The output head without the full logits: target logprobs and the MTP distillation term.
 
 Legend: N = flattened positions, H = hidden size, V = vocabulary, C = positions per chunk.
 
@@ -80,11 +80,30 @@ def _grad_logits(
     return g.to(z_CV.dtype)
 
 
+def _distill_stats(zs_CV: torch.Tensor, zt_CV: torch.Tensor, targets_C: torch.Tensor, temperature: float):
+    f32 = torch.promote_types(zs_CV.dtype, torch.float32)
+    zs = zs_CV.to(f32) / temperature
+    zt = zt_CV.to(f32) / temperature
+    lse_s = torch.logsumexp(zs, dim=-1)
+    lse_t = torch.logsumexp(zt, dim=-1)
+    logp = zt - lse_t[:, None]
+    kl = (logp.exp() * (logp - (zs - lse_s[:, None]))).sum(-1)
+    hit = (zs.argmax(-1) == targets_C).float()
+    return kl, hit, lse_s, lse_t
+
+
+def _distill_grad(zs_CV, zt_CV, lse_s_C, lse_t_C, g_kl_C, temperature: float):
+    f32 = torch.promote_types(zs_CV.dtype, torch.float32)
+    q = (zs_CV.to(f32) / temperature - lse_s_C[:, None]).exp()
+    p = (zt_CV.to(f32) / temperature - lse_t_C[:, None]).exp()
+    return ((q - p) * (g_kl_C[:, None] / temperature)).to(zs_CV.dtype)
+
+
 _COMPILED: dict[str, object] = {}
 
 
 def _kernel(name: str, device: torch.device):
-    fn = {"stats": _stats, "grad": _grad_logits}[name]
+    fn = {"stats": _stats, "grad": _grad_logits, "distill_stats": _distill_stats, "distill_grad": _distill_grad}[name]
     if device.type != "cuda" or not _USE_COMPILED["enabled"]:
         return fn
     if name not in _COMPILED:
@@ -173,4 +192,97 @@ def target_logprobs(
     with torch.autocast(dev, enabled=False):
         return _ChunkedHead.apply(
             hidden_NH, weight_VH, targets_N, float(temperature), with_entropy, chunk_size, compute_dtype
+        )
+
+
+class _ChunkedDistill(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, student_NH, teacher_NH, weight_VH, targets_N, temperature, chunk_size, compute_dtype):
+        hs = student_NH.to(compute_dtype)
+        ht = teacher_NH.detach().to(compute_dtype)
+        w = weight_VH.to(compute_dtype)
+        N = hs.shape[0]
+        f32 = dict(dtype=torch.promote_types(compute_dtype, torch.float32), device=hs.device)
+        kl, hit, lse_s, lse_t = (torch.empty(N, **f32) for _ in range(4))
+        stats = _kernel("distill_stats", hs.device)
+        for s in range(0, N, chunk_size):
+            e = min(N, s + chunk_size)
+            kl[s:e], hit[s:e], lse_s[s:e], lse_t[s:e] = stats(
+                F.linear(hs[s:e], w), F.linear(ht[s:e], w), targets_N[s:e], temperature
+            )
+        ctx.save_for_backward(hs, ht, w, lse_s, lse_t)
+        ctx.cfg = (temperature, chunk_size, student_NH.dtype, weight_VH.dtype)
+        ctx.mark_non_differentiable(hit)
+        return kl, hit
+
+    @staticmethod
+    def backward(ctx, g_kl, _g_hit):
+        hs, ht, w, lse_s, lse_t = ctx.saved_tensors
+        temperature, chunk_size, h_dtype, w_dtype = ctx.cfg
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        N = hs.shape[0]
+        acc = lse_s.dtype
+        g_kl = torch.zeros(N, dtype=acc, device=hs.device) if g_kl is None else g_kl.to(acc)
+        dh = torch.empty(N, hs.shape[1], dtype=h_dtype, device=hs.device) if need_h else None
+        dw = torch.zeros(w.shape, dtype=acc, device=w.device) if need_w else None
+        grad = _kernel("distill_grad", hs.device)
+        for s in range(0, N, chunk_size):
+            e = min(N, s + chunk_size)
+            gz = grad(F.linear(hs[s:e], w), F.linear(ht[s:e], w), lse_s[s:e], lse_t[s:e], g_kl[s:e], temperature)
+            if need_h:
+                dh[s:e] = gz @ w
+            if need_w:
+                dw += (gz.t() @ hs[s:e]).to(acc)
+        return dh, None, (dw.to(w_dtype) if need_w else None), None, None, None, None
+
+
+def distill_kl(
+    student_NH: torch.Tensor,
+    teacher_NH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    targets_N: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(p̄ ‖ q) per position, the MTP distillation term of DESIGN §3.
+
+    With z_s = student · Wᵀ / T, z_t = teacher · Wᵀ / T (fp32 reductions), q = softmax(z_s) and
+    p̄ = softmax(z_t) treated as a constant (the teacher gets no gradient, whatever its
+    ``requires_grad``):
+
+        KL(t)      = Σ_v p̄_v (log p̄_v − log q_v)
+        ∂KL/∂z_s,v = q_v − p̄_v               (so ∂KL/∂logits = (q − p̄) / T)
+
+    T is the rollout temperature: speculative acceptance compares the draft's and the policy's
+    distributions at T. Like :func:`target_logprobs`, only one chunk of logits (student and
+    teacher) exists at a time; the backward recomputes both.
+
+    Args:
+        student_NH: [N, H] the MTP depth's hidden states h^k (after its final norm).
+        teacher_NH: [N, H] the backbone's h⁰ at the target's predicting position (t + k).
+        weight_VH: [V, H] the output head (its gradient comes from the student side only).
+        targets_N: [N] int64 sampled target ids, for the teacher-forced hit (argmax of q).
+        temperature: T > 0.
+        chunk_size: positions per chunk (default: 4096 on CUDA, 2048 elsewhere).
+
+    Returns:
+        (kl [N] fp32, differentiable w.r.t. ``student_NH`` and ``weight_VH``;
+        hit [N] fp32, 1.0 where argmax q == target, not differentiable).
+
+    Raises:
+        ValueError: ``temperature`` <= 0.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    dev = student_NH.device.type
+    if torch.is_autocast_enabled(dev):
+        compute_dtype = torch.get_autocast_dtype(dev)
+    else:
+        compute_dtype = torch.promote_types(student_NH.dtype, weight_VH.dtype)
+    if chunk_size is None:
+        chunk_size = 4096 if dev == "cuda" else 2048
+    with torch.autocast(dev, enabled=False):
+        return _ChunkedDistill.apply(
+            student_NH, teacher_NH, weight_VH, targets_N, float(temperature), chunk_size, compute_dtype
         )
