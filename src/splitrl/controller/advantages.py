@@ -43,8 +43,8 @@ class AdvantageConfig(BaseModel):
         estimator: ``"grpo"`` (baseline = group mean) or ``"rloo"`` (baseline = mean of the other
             samples of the group).
         normalize_std: divide by the group's reward std (original GRPO). Off gives the
-            Dr. GRPO-style advantage: with std division and a high learning rate (2e-3) the
-            tiny CPU demo policy collapsed to one constant output.
+            Dr. GRPO-style advantage: with std division and a high learning rate (2e-3) a
+            policy of the CPU demo's size collapsed to one constant output.
         eps: added to the std before dividing (reward units), so near-constant groups do not blow
             up.
     """
