@@ -16,9 +16,7 @@ and optimizer state dicts, which blocks for the whole write. Same disk (``--dir`
     python bench/bench_checkpoint.py --config examples/qwen3_0p6b_gpu.yaml --device cuda
     python bench/bench_checkpoint.py                      # the CPU demo's model on CPU
 
-Measured 2026-11-30 on one H200 (`--saves 3`, 8.2 GB of state): blocked 3.38 s at the first save
-(pinned buffers allocated), 0.20 and 0.21 s at the next two; files written 15.2 / 11.6 / 12.0 s
-after each call; ``torch.save`` blocked 5.61 s.
+Measured figures: bench/RESULTS.md (Checkpoints).
 """
 
 from __future__ import annotations

@@ -43,26 +43,15 @@ per step generation and training overlapped (``timing/generation_during_train_s`
 Streaming at staleness 0 gains only where chunks can train before the step is complete: with
 ``coalesce_chunks`` a microbatch waits until it is full, so a config whose one microbatch holds the
 whole step (the CPU demo's ``micro_batch_size: 128``) runs every forward and backward pass after
-the last group, as ``sync`` does (only the chunks' data preparation overlaps generation). Measured 2026-11-30 on the 2-core CPU machine shared with other jobs (load average
-4-10 during the runs, so the figures moved by ±30 % between runs): the demo as is (Ray +
-TransferQueue) sync 97 samples/s, async s=0 0.85x, s=1 1.10x (an earlier run: 110 samples/s,
-1.08x, 1.57x); ``backend=local dataplane.kind=inprocess`` (in-process threads share the GIL;
-load 2) sync 234 samples/s, async s=0 1.28x, s=1 1.34x; the same with
-``train.microbatch.micro_batch_size=32`` (load 5) sync 165 samples/s, 1.31x, 0.87x.
-On H200s (the GPU example on reverse_digits, ``--steps 8 --warmup-steps 0``, every response 128
-tokens): split placement on two GPUs sync 84.9 samples/s, async s=0 1.06x, s=1 1.77x; one GPU
-(local backend) 112.3 samples/s, 0.95x, 1.05x; colocated on two GPUs (``--steps 6``) 39.0
-samples/s, 0.94x. With ragged lengths (``--stop-prob 0.02``, response mean 46 tokens) split on
-two GPUs: sync 82.7 samples/s, async s=0 1.07x, s=1 1.48x; s=0 overlapped 0.02 s a step because
-its chunks waited for the step's first prompts (``chunk_order: prompt``); ``async s=0 arrival``
-was built after that run and is not measured on a GPU yet. The README's benchmark section says
-what bounds each.
+the last group, as ``sync`` does (only the chunks' data preparation overlaps generation).
+Measured figures (CPU and H200s, each schedule's ratio to ``sync``) and what bounds each:
+bench/RESULTS.md (End to end).
 
 Ragged response lengths (``--stop-prob P``). A random-init model (the GPU example: no hub access)
 almost never samples its tokenizer's EOS (1 id of 151936), so every response runs to
 ``rollout.max_new_tokens``, all samples of a step finish at the same moment and streaming a step's
-groups at ``max_staleness: 0`` has nothing to overlap (measured on the H200: async s=0 = 1.06x
-sync), while real RL responses vary ~10x in length within a step. ``--stop-prob P`` gives every
+groups at ``max_staleness: 0`` has nothing to overlap (async s=0 ≈ sync on the H200s: bench/RESULTS.md),
+while real RL responses vary ~10x in length within a step. ``--stop-prob P`` gives every
 run (warm-up included) ``rollout.stop_token_ids`` = the ids the config already stops on (its own
 list and the tokenizer's EOS) plus the highest ids of the model's vocabulary that spell no text
 of the tokenizer (no text id, no pad), as many as make ``round(P · vocab_size)`` stopping ids in

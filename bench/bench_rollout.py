@@ -37,16 +37,9 @@ Reading the output:
     python bench/bench_rollout.py --device cuda --preset qwen3-0.6b --batch-sizes 1,32,256 \\
         --prompt-len 128 --new-tokens 128 --speculative --baselines hf-eager,hf-static --ragged 1024 --check
 
-Measured 2026-12-01 (afternoon) on one H200 (torch 2.11, bf16, `--device cuda --preset qwen3-0.6b
---batch-sizes 1,32,256 --prompt-len 128 --new-tokens 128 --speculative --no-graph-column --ragged
-1024`): MTP warm-up 70 s, held-out coupled acceptance 75.0 / 70.8 % per depth (rejection rule 82.3 /
-78.4 %); plain 650 / 18,565 / 63,626 tokens/s at batch 1 / 32 / 256 (18.3 / 25.6 / 39.5 % of the
-roofline); speculative 1.88x / 1.45x / 1.14x plain at 65-70 % acceptance (rules on: 2.00x / 1.45x /
-1.14x). Ragged: continuous 43.7 k tokens/s, + speculation 60.0 k (1.37x), rules on 59.6 k, static
-batches 31.2 k. `--attention` (the day before, one layer, flash call vs our Triton kernel): batch
-32 x 192 entries 20.7 vs 7.5 us (a verify, Q = 3: 42.6 vs 7.4); batch 1 x 2,048 entries 12.7 vs 34.2
-us, which is why few long one-query rows stay on the flash call (`SPLITRL_DECODE_ATTENTION=flash`
-runs it everywhere). The README's benchmark table has the history (HF baselines, profiles).
+Measured figures, with their dates and commands, are in bench/RESULTS.md (the history: HF
+baselines, profiles, ``--attention``, which shows why few long one-query rows stay on the flash
+call; ``SPLITRL_DECODE_ATTENTION=flash`` runs it everywhere).
 """
 
 from __future__ import annotations
@@ -86,7 +79,7 @@ PRESETS = {
         num_key_value_heads=4,
         head_dim=64,
     ),
-    # the shape of Qwen3-0.6B (596 M parameters), as in FINDINGS.md's H200 baseline
+    # the shape of Qwen3-0.6B (596 M parameters), as in bench/RESULTS.md's GPU figures
     "qwen3-0.6b": dict(
         vocab_size=151936,
         hidden_size=1024,
@@ -419,8 +412,7 @@ def train_mtp_heads(model: PolicyModel, args: argparse.Namespace) -> tuple[dict[
     against the sampled token, -log q(x), as splitrl's MTP loss does in training (DESIGN §3). Here p
     is the distribution the samples were drawn from (logits / T after ``--top-k``), so the two
     losses have the same expectation; the sampled token is a far noisier estimate of it, so with the
-    same data the heads get further with ``distill`` (2026-12-01, one H200, this bench's qwen3-0.6b
-    shape, 2,048 samples, 600 steps: held-out coupled depth-1 acceptance 75-76 % against 57 %).
+    same data the heads get further with ``distill`` (bench/RESULTS.md, rollout decoding).
     AdamW (lr 2e-3, no weight decay), 20 warm-up steps then a cosine decay, batches of 32 sequences
     (fewer for responses over 128 tokens: the fp32 logits of a batch stay ~4 k tokens a depth).
     """

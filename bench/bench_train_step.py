@@ -97,8 +97,8 @@ def time_interleaved(fns: dict[str, object], device: str, repeats: int, warmups:
     is rounded up to an even count). The relative speed is t_first / t_function within a round;
     the two rounds of a forward-reverse pair are combined by their geometric mean, which cancels a
     steady drift of the device's speed (clocks, other jobs); the figure is the median over pairs.
-    On the H200 a one-after-the-other order made configurations measured later look 4-7 % slower
-    than the same work measured first.
+    On the GPU a one-after-the-other order made configurations measured later look slower than the
+    same work measured first (bench/RESULTS.md).
     """
     names = list(fns)
     repeats += repeats % 2

@@ -19,11 +19,7 @@ gaps); compare kinds within a run. On a CPU there are no kernels: only walls, ch
     python bench/profile_rollout.py --device cuda --preset qwen3-0.6b --batch-sizes 1,32 --phases
     python bench/profile_rollout.py --device cuda --preset qwen3-0.6b --ragged 1024 --phases   # the ragged call
 
-Measured with the scripts this was made from (2026-12-01, one H200, main at a68e047, batch 32,
-prompt 128 + 128): plain 248 ms a call, 209 ms of kernels for 127 forwards (1.65 ms each),
-prefill gaps of 22 ms (eager prefills: the prefill graphs failed to capture then); speculative
-220 ms, 181 ms of kernels for 77 verifies; per forward the decode attention 307 / 321 us, the KV
-writes 160 / 180 us (58 / 63 launches, two a layer then), the draft heads' output layer 150 us.
+Figures measured with the scripts this was made from: bench/RESULTS.md (rollout decoding).
 """
 
 from __future__ import annotations

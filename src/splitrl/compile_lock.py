@@ -3,8 +3,8 @@
 Under the local backend the train worker and the rollout engine run on two threads of one
 process. While one thread compiles (Dynamo / AOTAutograd trace with FX), torch sets a process-wide
 "FX tracing" flag, and a compiled function entered meanwhile from the other thread fails with
-"Detected that you are using FX to symbolically trace a dynamo-optimized function" (seen on the
-H200 with `splitrl train --config examples/qwen3_0p6b_gpu.yaml`, 2026-11-30). Holding one lock
+"Detected that you are using FX to symbolically trace a dynamo-optimized function" (seen on a
+GPU with `splitrl train --config examples/qwen3_0p6b_gpu.yaml`). Holding one lock
 for the duration of each compiled call makes compilation exclusive. A compiled call only launches
 kernels, so outside compilation the lock is held for microseconds; with one GPU shared by both
 threads nothing runs less in parallel than before.

@@ -46,7 +46,7 @@ def demo_task_config():
 def demo_model_config() -> ModelConfig:
     """The CPU demo's policy: a 2-layer Qwen3 (hidden 128) with one MTP depth, random init.
 
-    The size FINDINGS.md measured learning a compact reasoning-gym task by RL alone on 2 cores.
+    A size that learns a compact reasoning-gym task by RL alone, from scratch, on 2 CPU cores.
     """
     return ModelConfig(
         family="qwen3",
@@ -188,8 +188,8 @@ class RunConfig(BaseModel):
     chunk_order: Literal["prompt", "arrival"] = "prompt"
     placement: Literal["auto", "colocated", "split"] = "auto"
 
-    # defaults: the CPU demo (FINDINGS.md: an entropy bonus and no std division keep the tiny
-    # policy from collapsing to one answer)
+    # defaults: the CPU demo (without an entropy bonus, or with std division at a high learning
+    # rate, the tiny policy collapsed to one constant output)
     model: ModelConfig = Field(default_factory=demo_model_config)
     tokenizer: TokenizerConfig = Field(default_factory=lambda: TokenizerConfig(charset=DEMO_CHARSET))
     task: TaskConfig = Field(default_factory=demo_task_config)

@@ -552,7 +552,7 @@ class SingleController:
                 ) from None
             return
         # transferqueue's controller and storage units ask for a CPU each: give Ray logical
-        # CPUs beyond the physical ones (FINDINGS.md), or it waits forever
+        # CPUs beyond the physical ones (they may exceed the cores), or it waits forever
         need = self.config.num_generation_workers + self.config.num_train_workers + 4
         log.info("start-up: starting a local Ray cluster")
         with _children_ignore_sigint(), _children_in_their_own_group(), _loopback_only_ray():

@@ -7,7 +7,8 @@ parameters stay gathered through the whole forward and backward.
 
 Reduce-scatter *sums* over ranks (no division by world size): the only normalization is the one
 at finish (DESIGN §2 invariant 7). On gloo the divide factor alone is rejected ("Cannot use
-ReduceOp.PREMUL_SUM with Gloo"), so the forced sum reduction is set too (FINDINGS.md).
+ReduceOp.PREMUL_SUM with Gloo"), so the forced sum reduction
+(``set_force_sum_reduction_for_comms``) is set too.
 """
 
 from __future__ import annotations

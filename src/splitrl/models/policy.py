@@ -344,7 +344,7 @@ class PolicyModel(nn.Module):
         backbone_positions = position_ids
         if mask is None:
             # transformers reads a position-id reset as the start of a packed sample and then
-            # builds a dense mask (3.5x slower attention on the H200); padding after the sample
+            # builds a dense mask (much slower attention: bench/RESULTS.md); padding after the sample
             # keeps counting so that no reset is seen. Padding positions are never read.
             S = position_ids.shape[1]
             backbone_positions = torch.where(

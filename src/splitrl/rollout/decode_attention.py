@@ -8,17 +8,15 @@ Why a kernel of our own: the flash varlen kernel reads a key/value head once per
 (G times) and fills a 64/128-row query tile with Q rows; folded (one sequence per query position,
 G heads as rows) it reads the prefix once per *query position* (Q times). Here one program owns
 (row b, kv head) and all Q·G of its queries (query position i, head g as row i·G + g of one tile),
-so the prefix is read once. Measured on an H200 (Qwen3-0.6B shape: Hk = 8, G = 2, d = 128, bf16,
-``python bench/bench_rollout.py --device cuda --attention``): batch 32, 192 entries a row, Q = 3:
-7.4 us a layer against 43 us for the folded flash call (flash at Q = 1: 21 us); batch 256: 54 us
-against 282 us.
+so the prefix is read once; ``python bench/bench_rollout.py --device cuda --attention`` times one
+layer of both (figures in bench/RESULTS.md).
 
 Row b's queries sit at positions p_b - Q + 1 .. p_b (``seqused[b]`` = p_b + 1) and query i reads the
 entries j <= p_b - Q + 1 + i: the causal block of :meth:`splitrl.rollout.kv.StaticKVCache.plan`
 with ``causal=True``. With per-query limits it reads any plan of that method (entries up to a limit,
 plus the query's own): the MTP depths' draft windows, whose queries are not one causal block
-(:mod:`splitrl.rollout.drafter`); on the H200 their masked SDPA call cost ~20 us a depth at batch 32
-(2026-12-01 profile). The softmax is the online (streaming) one of FlashAttention (Dao et al.,
+(:mod:`splitrl.rollout.drafter`), which a masked SDPA call a depth ran before (its cost: bench/RESULTS.md).
+The softmax is the online (streaming) one of FlashAttention (Dao et al.,
 2022, Algorithm 1) in fp32; probabilities are rounded to the value dtype before the product with
 the values, as the flash kernel does.
 
@@ -107,9 +105,9 @@ if AVAILABLE:
 
 
 # One program per (row, kv head) walks the row's entries alone: with few programs and long rows the
-# flash kernel's split over the entries (splitkv) keeps more of the GPU busy. Measured on the H200
-# (``bench_rollout.py --attention``), one query a row, 8 programs: 4.9 vs 9.3 us at 192 entries,
-# 34 vs 13 us at 2,048; 256 programs: faster at every length up to 8,192. A verify (Q > 1) is
+# flash kernel's split over the entries (splitkv) keeps more of the GPU busy (``bench_rollout.py
+# --attention``; figures in bench/RESULTS.md): with one query a row and few programs the flash call wins
+# on long rows; with many programs this kernel is faster at every length measured. A verify (Q > 1) is
 # faster here at every size measured (the flash call then reads a row Q times or G times).
 FEW_PROGRAMS = 128
 LONG_ROW = 512

@@ -26,9 +26,8 @@ mismatch (or the bonus position) emits the target token. Speculative and plain d
 emit the same tokens by construction (up to the rounding of logits computed in differently shaped
 forwards), and switching speculation off in the middle of a call changes nothing but speed. The
 acceptance is P(draft race winner = target race winner) instead of the rejection rule's
-Σ min(p, q) (``bench/bench_rollout.py`` measures both per depth on held-out samples: 75.0 / 70.8 %
-vs 82.3 / 78.4 % on the H200 run of 2026-12-01, heads distilled from the model's own distributions
-on its own samples): determinism costs acceptance.
+Σ min(p, q) (``bench/bench_rollout.py`` measures both per depth on held-out samples; figures in
+bench/RESULTS.md): determinism costs acceptance.
 """
 
 from __future__ import annotations
@@ -63,8 +62,8 @@ SYNC_EVERY = 16
 # Prefill token budget of one forward (rows of a refill are cut into forwards of at most this).
 PREFILL_TOKENS = 16384
 # Refills of at most this many tokens (rows x padded prompt length) run as CUDA graphs, one per
-# (rows, length) bucket: an eager prefill is host-bound below it (2026-12-01, one H200, Qwen3-0.6B
-# shape: 1 x 128 tokens took 18 ms for 1.7 ms of kernels, 32 x 128 23 ms for 11 ms).
+# (rows, length) bucket: an eager prefill is host-bound below it (bench/RESULTS.md, rollout decoding,
+# the profile of eager prefills).
 GRAPH_PREFILL_TOKENS = 8192
 # At most this many prefill graphs per engine (each holds its activations in the graph pool);
 # refills of other shapes run eagerly.
@@ -200,8 +199,8 @@ class RolloutStats:
         speculative_speedup: the switch-off rule's last estimate of (speculative tokens/s) /
             (plain tokens/s), from device-timed steps of both kinds and the measured acceptance. It
             extrapolates the mean tokens a verify and leaves out prefills and a call's tail (rows
-            finishing at different verifies, the call waiting for the slowest), so it reads high:
-            1.90 where 1.45 was measured (H200, batch 32, 2026-12-01). It only decides on or off;
+            finishing at different verifies, the call waiting for the slowest), so it reads high
+            (bench/RESULTS.md compares it with measured ratios). It only decides on or off;
             between calls the engine compares whole calls' tokens/s (see :class:`RolloutEngine`).
         switched_off_at_iteration: verify iteration of this call at which speculation was switched
             off (None: it was not).
@@ -391,7 +390,7 @@ class RolloutEngine:
     ``SWITCH_MIN_ITERATIONS`` iterations it estimates speedup = plain wall / speculative wall for
     the same tokens, plain wall = a · Σ t_plain + (a · iterations / SYNC_EVERY) · h, with a = 1 +
     accepted drafts per iteration and h the host time per chunk (wall - device of the verify
-    chunks; a device-only estimate said 1.15x where 0.94x was measured at batch 256). Below 1 it decodes the rest
+    chunks; a device-only estimate read high at batch 256, see bench/RESULTS.md). Below 1 it decodes the rest
     of the call plainly (same tokens, see the module docstring) and the next calls too
     (``stats.speculative_next`` = False, logged) until the next weight sync
     (:meth:`load_state_dict`), whose new MTP heads may draft better.
@@ -400,7 +399,7 @@ class RolloutEngine:
     also measures whole calls: tokens/s of speculative and of plain calls, per row bucket of the
     call (a running mean of the last calls of each kind), over the call's decoding time (its wall
     time less ``stats.setup_s``: a call that captures CUDA graphs is still a fair sample; counting
-    the capture made the rule decode plainly at batch 1 where speculation was 1.2x faster, and
+    the capture made the rule decode plainly at batch 1 where speculation was faster, and
     skipping such calls cost an extra plain call). A call during which torch.compile compiled a
     kernel (seconds, once per shape) is not a sample. Once a speculative call has run in a
     bucket, the next call there runs plainly to measure it; from then on each call runs the
@@ -870,7 +869,7 @@ class RolloutEngine:
         st.out_tokens[sl, 0], st.out_logprobs[sl, 0] = y, lp
         for t in (st.drafted, st.accepted, st.reached_depth, st.accepted_depth):
             # not ``t[sl] = 0``: that copies a CPU scalar tensor to the device, which a CUDA graph
-            # capture refuses (every prefill capture failed on the H200 until 2026-12-01)
+            # capture refuses (it made every prefill capture fail; bench/RESULTS.md)
             t.index_fill_(0, sl, 0)
         if spec:
             ids[rows, lens] = y
@@ -940,7 +939,7 @@ class RolloutEngine:
                 )
             # a verify makes ~2 tokens: with prompts waiting, half the iterations keep the wait for a
             # free slot as long in tokens as a plain chunk's; with none, fewer host syncs are all that
-            # count (each left the GPU idle ~0.7 ms on the H200, 2026-12-01 profile at batch 32)
+            # count (each leaves the GPU idle a while: bench/RESULTS.md, the profile at batch 32)
             limit = SYNC_EVERY // 2 if spec and waiting else SYNC_EVERY
             n_steps = max(1, min(limit, math.ceil(remaining / per_iter)))
             top = max(len(prompts[item[s]]) + min(count[s] + n_steps * Q, max_new) for s in active)

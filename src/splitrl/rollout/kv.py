@@ -80,8 +80,8 @@ _FOLD_MODES = {"verify": 2, "all": 1, "none": 1 << 30}
 FLASH_FOLD_MIN_Q = _FOLD_MODES[_env_choice("SPLITRL_FLASH_FOLD", tuple(_FOLD_MODES), "verify")]
 
 # Decode attention on a flash cache: "triton" runs our kernel (:mod:`splitrl.rollout.decode_attention`:
-# each key/value head of a row read once for all Q*G of its queries; on the H200 2-5x faster than the
-# flash call except for few long one-query rows, which stay on it: ``decode_attention.preferred``;
+# each key/value head of a row read once for all Q*G of its queries; faster than the flash call
+# (bench/RESULTS.md) except for few long one-query rows, which stay on it: ``decode_attention.preferred``;
 # the default where Triton imports), "flash" the flash varlen call below. Read from
 # SPLITRL_DECODE_ATTENTION; the bench compares them. The choice changes bf16 rounding, as the GEMMs'
 # shapes (batch bucket, verify vs plain) already do: tokens are bit-identical across batches and
@@ -234,7 +234,7 @@ class StaticKVCache:
         else:
             shape = (num_layers, slots, kv_heads, max_len, head_dim)
         # keys and values in one allocation: a decode step writes both with one index_copy_ a
-        # layer (write_kv), half the launches of two (~2.5 us each, 28 layers, on the H200)
+        # layer (write_kv), half the launches of two (their cost: bench/RESULTS.md)
         self.kv = torch.zeros((2, *shape), dtype=dtype, device=device)
         self.k, self.v = self.kv[0], self.kv[1]
         # plans with any mask (the MTP draft windows) read by the Triton kernel with per-query limits

@@ -18,8 +18,8 @@ class ReverseDigitsTaskConfig(TaskOptions):
         seed: prompt ``i`` is drawn from an RNG seeded with ``(seed, i)``; seeds give disjoint
             streams.
         scoring: ``"partial"``: digits equal at the same position ÷ max(len(response),
-            len(answer)) (a tiny model learns from this from scratch in under a minute on CPU,
-            FINDINGS.md); ``"strict"``: 1.0 for an exact match, else 0.0. The response is
+            len(answer)) (a tiny model learns from this from scratch in under a minute on 2 CPU
+            cores); ``"strict"``: 1.0 for an exact match, else 0.0. The response is
             stripped of surrounding whitespace first.
     """
 

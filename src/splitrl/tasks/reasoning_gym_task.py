@@ -1,7 +1,7 @@
 """Tasks from reasoning-gym's procedural generators, with optional compact prompts.
 
 reasoning-gym's questions are long instructions; a tiny model trained from scratch only learns
-from short ones (FINDINGS.md). With ``compact_prompts`` a prompt is rebuilt from the item's
+from short ones. With ``compact_prompts`` a prompt is rebuilt from the item's
 ``metadata`` in a few characters, and its answer in a matching compact form:
 
 | generator | compact prompt | compact answer | partial-credit units |

@@ -66,8 +66,8 @@ def _aligned_nbytes(numel: int, dtype: torch.dtype) -> int:
 
 def _flat_buffers(state_dict: dict[str, Any], layout: list[tuple], pin: bool) -> dict[str, Any]:
     """CPU tensors shaped like every tensor of ``state_dict`` (whose :func:`_layout` is
-    ``layout``), carved out of one allocation (one pinned allocation instead of one per tensor:
-    the first save blocked 8.3 s with one per tensor on the H200). Non-tensor values are copied
+    ``layout``), carved out of one allocation (one pinned allocation instead of one per tensor,
+    which made the first save block far longer: bench/RESULTS.md). Non-tensor values are copied
     through. DCP's writer clones a view before writing it, so each tensor's file holds its own
     bytes only."""
     total = sum(_aligned_nbytes(math.prod(shape), dtype) for _, shape, dtype, _ in layout)

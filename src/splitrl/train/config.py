@@ -20,8 +20,8 @@ class MicrobatchConfig(BaseModel):
         coalesce_chunks: the split step cuts microbatches from the stream of its chunks' samples
             rather than from each chunk alone: the last, still unfilled microbatch of a chunk
             waits for the next chunk's samples (or for finish). Many small chunks then run as the
-            same full microbatches as one synchronous step (on one H200, 16 one-sample chunks
-            ran at 0.38x the synchronous step without it); the result is the same either way
+            same full microbatches as one synchronous step (without it many small chunks run
+            far slower: bench/RESULTS.md); the result is the same either way
             (chunk invariance), only the call that does the work moves.
     """
 
@@ -37,18 +37,17 @@ AUTO_CHECKPOINT_TOKENS = 16384
 
 
 class SpeedConfig(BaseModel):
-    """Switches of :func:`apply_speed_config` (defaults chosen by measurement on one H200, see README).
+    """Switches of :func:`apply_speed_config` (defaults chosen by measurement, see bench/RESULTS.md).
 
     Attributes:
         compile_layers: ``torch.compile`` each decoder layer (backbone and MTP) on one CUDA
-            device (measured 1.58x the eager step, Qwen3-0.6B shape + 2 MTP depths, packed rows;
-            the first steps pay the compilation). Not applied under FSDP2, where it was not measured.
+            device (faster than the eager step, bench/RESULTS.md; the first steps pay the
+            compilation). Not applied under FSDP2, where it was not measured.
         activation_checkpointing: recompute each decoder layer in the backward instead of
             keeping its activations (saves most activation memory for ~1/3 more layer compute).
             ``auto`` (default): on for CUDA microbatch budgets above 16,384 tokens
-            (``AUTO_CHECKPOINT_TOKENS``): on one H200, Qwen3-0.6B shape + 2 MTP depths, packed,
-            the peak was 49.7 GiB at 16 k tokens and 81.1 GiB at 32 k without it, 19.1 GiB with it
-            (15-20 % fewer tokens/s).
+            (``AUTO_CHECKPOINT_TOKENS``), where the peak memory without it grows past what it
+            saves in speed (bench/RESULTS.md, peak memory).
         fused_head_kernels: compile the output head's per-chunk softmax statistics and gradient
             into fused kernels on CUDA (see ``splitrl.models.head``).
         packed_attention: packed rows on CUDA: ``flex`` (FlexAttention block mask), ``varlen``

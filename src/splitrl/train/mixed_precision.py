@@ -3,8 +3,8 @@
 On a single process (no FSDP2, which casts the gathered shards itself), autocast alone re-casts
 every fp32 weight on every microbatch and, worse, keeps the residual stream in fp32: a Hugging
 Face RMSNorm multiplies its fp32 weight with a bf16 activation, so every layer's elementwise work
-and every matmul input pays an fp32 round trip (measured on an H200: 28 % of a step's kernel time
-in casts and copies, README). :class:`ComputeWeights` instead keeps one low-precision copy of
+and every matmul input pays an fp32 round trip (a large share of a step's kernel time in casts and
+copies: bench/RESULTS.md). :class:`ComputeWeights` instead keeps one low-precision copy of
 every parameter, refreshed from the fp32 masters once per step (:meth:`refresh`), and swaps it in
 for the duration of a microbatch's forward and backward (:meth:`active`):
 
