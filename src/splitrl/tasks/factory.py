@@ -7,17 +7,18 @@ from typing import Annotated, Any
 
 from pydantic import Field, TypeAdapter
 
+from splitrl.tasks.asdiv import AsdivTask, AsdivTaskConfig
 from splitrl.tasks.base import Task
 from splitrl.tasks.math_file import MathFileTask, MathFileTaskConfig
 from splitrl.tasks.procedural import ReverseDigitsTask, ReverseDigitsTaskConfig
 from splitrl.tasks.reasoning_gym_task import ReasoningGymTask, ReasoningGymTaskConfig
 
 TaskConfig = Annotated[
-    ReasoningGymTaskConfig | ReverseDigitsTaskConfig | MathFileTaskConfig,
+    ReasoningGymTaskConfig | ReverseDigitsTaskConfig | MathFileTaskConfig | AsdivTaskConfig,
     Field(discriminator="kind"),
 ]
 """Any task config; the ``kind`` field (``"reasoning_gym"``, ``"reverse_digits"``,
-``"math_file"``) says which. Use it as a field type in a larger config, or load a mapping with
+``"math_file"``, ``"asdiv"``) says which. Use it as a field type in a larger config, or load a mapping with
 :func:`parse_task_config`."""
 
 _TASK_CONFIG_ADAPTER: TypeAdapter = TypeAdapter(TaskConfig)
@@ -26,6 +27,7 @@ _TASK_CLASSES: dict[type, type[Task]] = {
     ReasoningGymTaskConfig: ReasoningGymTask,
     ReverseDigitsTaskConfig: ReverseDigitsTask,
     MathFileTaskConfig: MathFileTask,
+    AsdivTaskConfig: AsdivTask,
 }
 
 

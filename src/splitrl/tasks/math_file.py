@@ -112,17 +112,25 @@ class MathFileTask(Task):
         return TaskPrompt(index=index, text=text, answer=self._answers[row], metadata={"row": row})
 
     def score(self, prompt: TaskPrompt, response_text: str) -> float:
-        from math_verify import parse, verify
+        return math_verify_score(prompt.answer, response_text)
 
-        reference = prompt.answer
-        if "$" not in reference and "\\boxed" not in reference:
-            # Bare LaTeX such as \frac{1}{2} is only recognized inside math delimiters.
-            reference = f"${reference}$"
-        gold = parse(reference, parsing_timeout=None)
-        predicted = parse(response_text, parsing_timeout=None)
-        if not gold or not predicted:
-            return 0.0
-        return float(verify(gold, predicted, timeout_seconds=None))
+
+def math_verify_score(reference: str, response_text: str) -> float:
+    """1.0 when math-verify finds an expression in ``response_text`` equal to ``reference``, else 0.0.
+
+    math-verify's own time limits are off (see the module docstring): call it through
+    :mod:`splitrl.tasks.scoring`, which enforces one.
+    """
+    from math_verify import parse, verify
+
+    if "$" not in reference and "\\boxed" not in reference:
+        # Bare LaTeX such as \frac{1}{2} is only recognized inside math delimiters.
+        reference = f"${reference}$"
+    gold = parse(reference, parsing_timeout=None)
+    predicted = parse(response_text, parsing_timeout=None)
+    if not gold or not predicted:
+        return 0.0
+    return float(verify(gold, predicted, timeout_seconds=None))
 
 
 def _load_columns(config: MathFileTaskConfig) -> tuple[list[str], list[str], list[str] | None]:
