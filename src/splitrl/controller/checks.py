@@ -82,9 +82,11 @@ def model_hf_config(config: RunConfig) -> Any:
 
         from splitrl.models.checkpoint import verify_pretrained
         from splitrl.models.config import SUPPORTED_FAMILIES
+        from splitrl.models.gguf import resolve_model_path
 
-        verify_pretrained(m.pretrained_path, mtp=m.mtp)
-        hf_cfg = AutoConfig.from_pretrained(m.pretrained_path)
+        path = resolve_model_path(m.pretrained_path)  # a .gguf file: its converted directory
+        verify_pretrained(path, mtp=m.mtp)
+        hf_cfg = AutoConfig.from_pretrained(path)
         key = f"model.pretrained_path={m.pretrained_path!r} (config.json)"
         if hf_cfg.model_type not in SUPPORTED_FAMILIES:
             raise ValueError(

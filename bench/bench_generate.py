@@ -1,0 +1,139 @@
+"""Generation of a real checkpoint on real prompts: splitrl's engine, plain and speculative, against
+transformers' ``generate`` on the same prompts, in one run.
+
+The model is a checkpoint directory, a ``policy/`` export or a ``.gguf`` file; the prompts are
+ASDiv training problems in the model's chat template (what ``examples/smollm2_asdiv.yaml``
+trains on). For each batch size it prints tokens/s of
+
+- ``hf``: ``model.generate`` (dynamic cache, greedy or sampled at T), the baseline a user has;
+- ``plain``: the rollout engine without speculation;
+- ``speculative``: the engine drafting with the checkpoint's MTP heads (the switch-off rule off,
+  so what is timed is speculation itself), with its acceptance rate;
+
+and the ratios to ``hf`` and ``plain``. Tokens counted are the generated ones (stop tokens
+included). Each setting is timed ``--repeats`` times after one untimed warm-up call and the best
+is kept. Run from the repository root, e.g.
+
+    python bench/bench_generate.py --model runs/smollm2_asdiv --device cuda --batch-sizes 1,32,128
+    python bench/bench_generate.py --model SmolLM2-135M-Instruct.Q4_1.gguf --device cpu --batch-sizes 1,8 --new-tokens 64
+
+Results are recorded in bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _best(fn, repeats: int, device: str) -> tuple[float, object]:
+    fn()  # warm-up: compilation, graph capture, allocator
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        out = fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return best, out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="run dir, checkpoint, policy/ dir, HF directory or .gguf file")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--batch-sizes", default="1,32,128")
+    ap.add_argument("--new-tokens", type=int, default=192)
+    ap.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--no-speculative", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU")
+    args = ap.parse_args(argv)
+    print("command: python bench/bench_generate.py " + " ".join(sys.argv[1:] if argv is None else argv), flush=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from splitrl.cli_eval import resolve_policy_dir
+    from splitrl.controller.generation import load_tokenizer
+    from splitrl.models import PolicyModel
+    from splitrl.models.hf_files import rollout_stop_token_ids
+    from splitrl.rollout import GenerationConfig, RolloutEngine
+    from splitrl.tasks import encode_prompt, make_task
+    from splitrl.tasks.tokenizer import TokenizerConfig
+
+    policy_dir, _ = resolve_policy_dir(args.model)
+    tok = load_tokenizer(TokenizerConfig(kind="pretrained"), str(policy_dir))
+    task = make_task({"kind": "asdiv", "split": "train", "chat_template": True})
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = PolicyModel.from_pretrained(str(policy_dir)).to(dtype)
+    greedy = args.temperature == 0
+    gen = GenerationConfig(
+        temperature=1.0 if greedy else args.temperature, top_k=1 if greedy else 0,
+        max_new_tokens=args.new_tokens, batch_size=max(int(b) for b in args.batch_sizes.split(",")),
+    )  # fmt: skip
+    gen = gen.model_copy(update={"stop_token_ids": rollout_stop_token_ids(gen, tok, policy_dir)})
+    spec_ok = model.num_mtp_depths > 0 and not args.no_speculative
+    plain = RolloutEngine(model, gen, device=args.device)
+    spec = None
+    if spec_ok:
+        spec = RolloutEngine(model, gen.model_copy(update={"speculative": True}), device=args.device)
+        spec.speculative_switch_off = False
+    hf = None
+    if not args.no_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=dtype).to(args.device).eval()
+    print(f"model {policy_dir} ({sum(p.numel() for p in model.backbone.parameters()) / 1e6:.1f} M parameters, "
+          f"{model.num_mtp_depths} MTP depth(s)), {args.device} {dtype}, T={args.temperature}, "
+          f"≤ {args.new_tokens} new tokens", flush=True)  # fmt: skip
+    print(f"{'batch':>5} {'hf tok/s':>9} {'plain':>9} {'spec':>9} {'accept %':>8} {'plain/hf':>8} {'spec/plain':>10}")
+    for b in (int(x) for x in args.batch_sizes.split(",")):
+        prompts = [encode_prompt(task.get_prompt(i), tok, True) for i in range(b)]
+        seeds = list(range(b))
+        row = {}
+        t, res = _best(lambda: plain.generate(prompts, seeds), args.repeats, args.device)
+        row["plain"] = sum(len(r.response_ids) for r in res) / t
+        if spec is not None:
+            t, res = _best(lambda: spec.generate(prompts, seeds), args.repeats, args.device)
+            row["spec"] = sum(len(r.response_ids) for r in res) / t
+            row["accept"] = spec.last_stats.acceptance_rate
+        if hf is not None:
+            tok.padding_side = "left"
+            if tok.pad_token_id is None:
+                tok.pad_token = tok.eos_token
+            enc = tok.pad({"input_ids": prompts}, return_tensors="pt").to(args.device)
+            kw = dict(max_new_tokens=args.new_tokens, eos_token_id=gen.stop_token_ids, pad_token_id=tok.pad_token_id)
+            kw.update(do_sample=False) if greedy else kw.update(do_sample=True, temperature=args.temperature, top_k=0)
+
+            def run_hf():
+                with torch.no_grad():
+                    return hf.generate(**enc, **kw)
+
+            t, out = _best(run_hf, args.repeats, args.device)
+            new = out[:, enc["input_ids"].shape[1]:]
+            stop = torch.tensor(gen.stop_token_ids, device=new.device)
+            # tokens up to and including the first stop token (HF pads after it)
+            ended = torch.isin(new, stop).int().cumsum(1)
+            counted = ((ended == 0) | ((ended == 1) & torch.isin(new, stop))).sum()
+            row["hf"] = float(counted) / t
+        fmt = lambda k: f"{row[k]:9.0f}" if k in row else f"{'-':>9}"  # noqa: E731
+        ratio = lambda a, c: f"{row[a] / row[c]:.2f}x" if a in row and c in row else "-"  # noqa: E731
+        acc = f"{row['accept']:8.1f}" if "accept" in row else f"{'-':>8}"
+        print(f"{b:5d} {fmt('hf')} {fmt('plain')} {fmt('spec')} {acc} {ratio('plain', 'hf'):>8} {ratio('spec', 'plain'):>10}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
