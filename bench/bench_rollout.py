@@ -58,7 +58,7 @@ import torch
 
 from splitrl.models import ModelConfig, MTPConfig, PolicyModel
 from splitrl.rollout import GenerationConfig, RolloutEngine, kv
-from splitrl.rollout.engine import SLOW_SPECULATION_WARNING
+from splitrl.rollout.spec_policy import SLOW_SPECULATION_WARNING
 
 PRESETS = {
     "tiny": dict(
@@ -727,9 +727,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     # the table reports the speedups; every other warning (e.g. a failed CUDA-graph capture) shows
-    engine_log = logging.getLogger("splitrl.rollout.engine")
-    if _quiet_speculation_warning not in engine_log.filters:  # main() may run more than once
-        engine_log.addFilter(_quiet_speculation_warning)
+    policy_log = logging.getLogger("splitrl.rollout.spec_policy")
+    if _quiet_speculation_warning not in policy_log.filters:  # main() may run more than once
+        policy_log.addFilter(_quiet_speculation_warning)
     dtype = (
         getattr(torch, args.dtype)
         if args.dtype

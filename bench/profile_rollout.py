@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import bench_rollout as br  # noqa: E402
 
 from splitrl.rollout import GenerationConfig, RolloutEngine  # noqa: E402
+from splitrl.rollout.scheduler import Scheduler  # noqa: E402
 
 GAP_US = 20.0  # idle stretches longer than this are listed
 
@@ -122,14 +123,21 @@ def timeline(trace_path: str, forwards: int, top: int) -> list[str]:
 
 
 class _Phases:
-    """Wraps an engine's phase methods with a synchronize and a clock (instance attributes only)."""
+    """Wraps an engine's phase methods with a synchronize and a clock: the runner's as instance
+    attributes, the scheduler's (one scheduler a call) on its class until :meth:`close`."""
 
     def __init__(self, engine: RolloutEngine, device: str):
         self.seconds: collections.Counter = collections.Counter()
         self.calls: collections.Counter = collections.Counter()
-        for attr, name in (("_prefill", "prefills"), ("_run_steps", "decode chunks"),
-                           ("_collect", "collections"), ("_compact", "compactions")):  # fmt: skip
-            setattr(engine, attr, self._timed(getattr(engine, attr), name, device, generator=attr == "_collect"))
+        for attr, name in (("prefill", "prefills"), ("run_steps", "decode chunks")):
+            setattr(engine.runner, attr, self._timed(getattr(engine.runner, attr), name, device, generator=False))
+        self._originals = {attr: getattr(Scheduler, attr) for attr in ("collect", "compact")}
+        for attr, name in (("collect", "collections"), ("compact", "compactions")):
+            setattr(Scheduler, attr, self._timed(self._originals[attr], name, device, generator=attr == "collect"))
+
+    def close(self) -> None:
+        for attr, fn in self._originals.items():
+            setattr(Scheduler, attr, fn)
 
     def _timed(self, fn, name: str, device: str, generator: bool):
         def run(*a, **k):
@@ -154,13 +162,13 @@ def profile_call(model, args, label: str, cfg: GenerationConfig, prompts, seeds)
     engine = RolloutEngine(model, cfg, args.device)
     engine.speculative_switch_off = False
     chunks: list[tuple[int, int, int]] = []
-    run_steps = engine._run_steps
+    run_steps = engine.runner.run_steps
 
     def recording(kind, B, L, n):
         chunks.append((B, L, n))
         return run_steps(kind, B, L, n)
 
-    engine._run_steps = recording
+    engine.runner.run_steps = recording
     for _ in range(2):  # captures, compilations
         engine.generate(prompts, seeds)
     walls = []
@@ -193,7 +201,10 @@ def profile_call(model, args, label: str, cfg: GenerationConfig, prompts, seeds)
         phases = _Phases(engine, args.device)
         br.sync(args.device)
         t0 = time.perf_counter()
-        engine.generate(prompts, seeds)
+        try:
+            engine.generate(prompts, seeds)
+        finally:
+            phases.close()
         br.sync(args.device)
         wall = time.perf_counter() - t0
         parts = ", ".join(f"{k} {v:.3f} s / {phases.calls[k]}" for k, v in phases.seconds.items())

@@ -85,14 +85,14 @@ def _count_steps(engine, B: int, args) -> dict:
     """Ops of one plain and one speculative step from a live mid-response state (restored after)."""
     results = {}
     for kind in ("plain", "spec"):
-        st = engine._state
+        st = engine.runner.state
         # a live state: slots 0..B-1 mid-response
         st.done[:B] = False
         st.counter[:B] = 3
         st.pos[:B] = 10
         saved = st.snapshot()
         L = 64
-        step = engine._plain_step if kind == "plain" else engine._spec_step
+        step = engine.runner.plain_step if kind == "plain" else engine.runner.spec_step
         step(B, L)  # warm (lazy inits)
         st.restore(saved)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -124,12 +124,12 @@ def main(argv=None) -> None:
     prompts = random_prompts(B, 128, (5, 9))
     engine.generate(prompts, list(range(B)))  # buffers, drafter, state
     _wrap_fused(engine.fwd.k)
-    fwd, drafter = engine.fwd, engine._drafter
+    fwd, drafter = engine.fwd, engine.runner.drafter
     _wrap(fwd, "backbone_decode", "backbone")
     _wrap(fwd, "mtp_decode", "drafter/mtp_decode")
-    _wrap(engine, "_logits", "lm_head")
-    _wrap(engine, "_sample", "sample")
-    _wrap(engine, "_write_outputs", "write_outputs")
+    _wrap(engine.runner, "_logits", "lm_head")
+    _wrap(engine.runner, "_sample", "sample")
+    _wrap(engine.runner, "_write_outputs", "write_outputs")
     _wrap(drafter, "step", "drafter")
     _wrap(drafter, "_draw", "drafter/draft_head+draw")
     with torch.inference_mode():

@@ -6,7 +6,8 @@ import torch
 from _rollout_helpers import make_model, random_prompts, reference_sample
 
 from splitrl.rollout import GenerationConfig, RolloutEngine
-from splitrl.rollout import engine as engine_mod
+from splitrl.rollout import runner as runner_mod
+from splitrl.rollout import scheduler as scheduler_mod
 
 VOCAB = 64
 
@@ -65,15 +66,15 @@ def test_results_do_not_depend_on_slots_refills_or_compaction(monkeypatch, model
     prompts = random_prompts(8, VOCAB, (1, 9), seed=22)
     seeds = list(range(8))
     moves = []
-    original = engine_mod.RolloutEngine._compact
+    original = scheduler_mod.Scheduler.compact
     def recording(self, active, *a):
         moves.append(list(active))
         return original(self, active, *a)
 
-    monkeypatch.setattr(engine_mod.RolloutEngine, "_compact", recording)
+    monkeypatch.setattr(scheduler_mod.Scheduler, "compact", recording)
     wide = RolloutEngine(model, cfg, "cpu").generate(prompts, seeds)
     assert any(m != list(range(len(m))) for m in moves)  # some rows really moved
-    monkeypatch.setattr(engine_mod, "SYNC_EVERY", 1)
+    monkeypatch.setattr(scheduler_mod, "SYNC_EVERY", 1)
     for slots in (1, 2):
         narrow = RolloutEngine(model, cfg.model_copy(update={"batch_size": slots}), "cpu").generate(prompts, seeds)
         for a, b in zip(wide, narrow):
@@ -94,16 +95,16 @@ def test_refills_padded_to_graph_buckets_sample_as_the_reference(monkeypatch, sp
     prompts = random_prompts(9, VOCAB, (1, 20), seed=24)
     seeds = [500 + i for i in range(9)]
     shapes = []
-    original = engine_mod.RolloutEngine._prefill_device
+    original = runner_mod.ModelRunner.prefill_device
 
     def recording(self, ids, lens, sl, *a):
-        pad_slots = [s for s in sl.tolist()[1:] if s == self._sink]
+        pad_slots = [s for s in sl.tolist()[1:] if s == self.sink]
         shapes.append((len(sl) - len(pad_slots), tuple(ids.shape)))
-        assert self._sink == cfg.batch_size and len(set(sl.tolist()) - {self._sink}) == len(sl) - len(pad_slots)
+        assert self.sink == cfg.batch_size and len(set(sl.tolist()) - {self.sink}) == len(sl) - len(pad_slots)
         return original(self, ids, lens, sl, *a)
 
-    monkeypatch.setattr(engine_mod.RolloutEngine, "_prefill_device", recording)
-    monkeypatch.setattr(engine_mod, "REFILL_MIN_FRACTION", 0.0)  # refill single slots too
+    monkeypatch.setattr(runner_mod.ModelRunner, "prefill_device", recording)
+    monkeypatch.setattr(scheduler_mod, "REFILL_MIN_FRACTION", 0.0)  # refill single slots too
     engine = RolloutEngine(model, cfg, "cpu")
     engine.prefill_buckets = True
     for n in (3, 9):  # 3 prompts: a refill of 3 rows into bucket 4
@@ -114,7 +115,7 @@ def test_refills_padded_to_graph_buckets_sample_as_the_reference(monkeypatch, sp
     assert any(rows == 4 and real == 3 for real, (rows, _) in shapes), shapes  # a row into the sink
     assert any(rows == 1 for _, (rows, _) in shapes), shapes
     # a refill too large for a graph runs unpadded
-    monkeypatch.setattr(engine_mod, "GRAPH_PREFILL_TOKENS", 0)
+    monkeypatch.setattr(runner_mod, "GRAPH_PREFILL_TOKENS", 0)
     shapes.clear()
     engine = RolloutEngine(model, cfg, "cpu")
     engine.prefill_buckets = True
@@ -134,13 +135,13 @@ def test_refills_run_as_cuda_graphs_and_sample_as_the_reference(monkeypatch, cap
     )
     prompts = random_prompts(9, VOCAB, (1, 20), seed=24)
     seeds = [500 + i for i in range(9)]
-    monkeypatch.setattr(engine_mod, "REFILL_MIN_FRACTION", 0.0)  # refills of 1..4 rows
+    monkeypatch.setattr(scheduler_mod, "REFILL_MIN_FRACTION", 0.0)  # refills of 1..4 rows
     engine = RolloutEngine(model, cfg, "cuda")
     assert engine.use_cuda_graphs and engine.prefill_buckets
-    with caplog.at_level("WARNING", logger="splitrl.rollout.engine"):
+    with caplog.at_level("WARNING", logger="splitrl.rollout.runner"):
         results = engine.generate(prompts, seeds)
     assert not [r for r in caplog.records if "capture" in r.getMessage()], caplog.text
-    assert sum(k[0] == "prefill" for k in engine._graphs) >= 2, list(engine._graphs)
+    assert sum(k[0] == "prefill" for k in engine.runner.graphs) >= 2, list(engine.runner.graphs)
     _check_against_reference(model, cfg, prompts, seeds, results)
     again = engine.generate(prompts, seeds)  # the graphs replayed on other inputs
     assert [r.response_ids for r in again] == [r.response_ids for r in results]
@@ -160,13 +161,13 @@ def test_bf16_cuda_path_logprobs_match_a_full_forward(monkeypatch, caplog, specu
     model = make_model(vocab=VOCAB, depths=2, seed=3, init=0.05, head_dim=64).to("cuda", torch.bfloat16)
     cfg = GenerationConfig(speculative=speculative, temperature=1.0, max_new_tokens=24, batch_size=4)
     prompts = random_prompts(7, VOCAB, (3, 40), seed=31)
-    monkeypatch.setattr(engine_mod, "REFILL_MIN_FRACTION", 0.0)
+    monkeypatch.setattr(scheduler_mod, "REFILL_MIN_FRACTION", 0.0)
     engine = RolloutEngine(model, cfg, "cuda")
     engine.speculative_switch_off = False
-    with caplog.at_level("WARNING", logger="splitrl.rollout.engine"):
+    with caplog.at_level("WARNING", logger="splitrl.rollout.runner"):
         results = engine.generate(prompts, list(range(7)))
     assert not [r for r in caplog.records if "capture" in r.getMessage()], caplog.text
-    assert any(k[0] == "prefill" for k in engine._graphs)
+    assert any(k[0] == "prefill" for k in engine.runner.graphs)
     errors = []
     for prompt, res in zip(prompts, results):
         lp, _ = teacher_forced(model, prompt, res.response_ids, 1.0)

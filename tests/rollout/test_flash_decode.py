@@ -167,7 +167,7 @@ def test_the_mtp_cache_is_never_a_flash_cache(monkeypatch):
     from _rollout_helpers import make_model
 
     from splitrl.rollout import GenerationConfig, RolloutEngine
-    from splitrl.rollout import engine as engine_mod
+    from splitrl.rollout import runner as runner_mod
 
     built = []
 
@@ -176,7 +176,7 @@ def test_the_mtp_cache_is_never_a_flash_cache(monkeypatch):
             built.append((num_layers, kwargs.get("flash")))
             super().__init__(num_layers, *args, **kwargs)
 
-    monkeypatch.setattr(engine_mod, "StaticKVCache", Recording)
+    monkeypatch.setattr(runner_mod, "StaticKVCache", Recording)
     model = make_model(vocab=32, depths=2)
     engine = RolloutEngine(model, GenerationConfig(speculative=True, max_new_tokens=4, batch_size=2), "cpu")
     engine.generate([[1, 2]], [0])
@@ -528,7 +528,7 @@ def test_the_engine_drafts_the_same_with_the_per_query_kernel(monkeypatch):
         engine = RolloutEngine(model, cfg, "cuda")
         engine.speculative_switch_off = False
         out = engine.generate(prompts, list(range(7)))
-        assert engine._mtp_cache.query_kernel is query_kernel
+        assert engine.runner.mtp_cache.query_kernel is query_kernel
         return out
 
     kernel, masked = run(True), run(False)

@@ -10,7 +10,8 @@ import torch
 from _rollout_helpers import make_model, random_prompts, reference_sample, scripted_draw
 
 from splitrl.rollout import GenerationConfig, RolloutEngine
-from splitrl.rollout import engine as engine_mod
+from splitrl.rollout import runner as runner_mod
+from splitrl.rollout import scheduler as scheduler_mod
 from splitrl.rollout.drafter import MTPDrafter
 from splitrl.rollout.fused import draft_window, plan_tensors, query_limits
 from splitrl.rollout.sampling import filter_logits
@@ -69,13 +70,13 @@ def test_long_prompts_read_past_the_first_length_bucket(monkeypatch, speculative
     seeds = [0, 1, 2]
     assert max(len(p) for p in prompts) > 100
     lengths = []
-    original = engine_mod.RolloutEngine._run_steps
+    original = runner_mod.ModelRunner.run_steps
 
     def recording(self, kind, B, L, n):
         lengths.append(L)
         return original(self, kind, B, L, n)
 
-    monkeypatch.setattr(engine_mod.RolloutEngine, "_run_steps", recording)
+    monkeypatch.setattr(runner_mod.ModelRunner, "run_steps", recording)
     engine = RolloutEngine(model, cfg, "cpu")
     engine.speculative_switch_off = False
     results = engine.generate(prompts, seeds)
@@ -98,20 +99,20 @@ def test_compaction_moves_the_mtp_cache_with_its_rows(monkeypatch, depths):
     cfg = GenerationConfig(speculative=True, temperature=0.8, max_new_tokens=40, batch_size=8, stop_token_ids=[3, 5])
     prompts = random_prompts(8, V, (1, 7), seed=6)
     seeds = list(range(8))
-    monkeypatch.setattr(engine_mod, "SYNC_EVERY", 2)
+    monkeypatch.setattr(scheduler_mod, "SYNC_EVERY", 2)
     moved = []
-    original = engine_mod.RolloutEngine._compact
+    original = scheduler_mod.Scheduler.compact
 
     def recording(self, active, *a):
         moved.extend(s for i, s in enumerate(active) if s != i)
         return original(self, active, *a)
 
-    monkeypatch.setattr(engine_mod.RolloutEngine, "_compact", recording)
+    monkeypatch.setattr(scheduler_mod.Scheduler, "compact", recording)
     engine = RolloutEngine(model, cfg, "cpu")
     engine.speculative_switch_off = False
     batch = engine.generate(prompts, seeds)
     assert len(moved) >= 3, moved  # rows really moved
-    monkeypatch.setattr(engine_mod.RolloutEngine, "_compact", original)
+    monkeypatch.setattr(scheduler_mod.Scheduler, "compact", original)
     for p, s, b in zip(prompts, seeds, batch):
         alone = RolloutEngine(model, cfg, "cpu")
         alone.speculative_switch_off = False
@@ -212,12 +213,12 @@ def test_stream_yields_a_sample_before_the_others_have_finished(monkeypatch):
     prompts, seeds = [[5, 6, 7], [5, 6, 7]], [38, 3]
     full = RolloutEngine(model, cfg, "cpu").generate(prompts, seeds)
     assert len(full[0].response_ids) <= 6 and len(full[1].response_ids) == 30, [len(r.response_ids) for r in full]
-    monkeypatch.setattr(engine_mod, "SYNC_EVERY", 1)
+    monkeypatch.setattr(scheduler_mod, "SYNC_EVERY", 1)
     engine = RolloutEngine(model, cfg, "cpu")
     stream = engine.generate_stream(prompts, seeds)
     i, first = next(stream)
     assert i == 0 and first.response_ids == full[0].response_ids
-    counters = engine._state.counter[:2].tolist()  # rows still decoding hold their live counters
+    counters = engine.runner.state.counter[:2].tolist()  # rows still decoding hold their live counters
     assert engine.last_stats.generated_tokens == len(first.response_ids)
     assert counters[1] <= len(first.response_ids) + 1 < 30, counters
     rest = list(stream)

@@ -8,7 +8,10 @@ import torch
 from _rollout_helpers import make_model, random_prompts, scripted_draw, teacher_forced, teacher_forced_mtp_hidden
 
 from splitrl.rollout import GenerationConfig, RolloutEngine
-from splitrl.rollout import engine as engine_mod
+from splitrl.rollout import results as results_mod
+from splitrl.rollout import runner as runner_mod
+from splitrl.rollout import scheduler as scheduler_mod
+from splitrl.rollout import spec_policy as spec_policy_mod
 from splitrl.rollout.drafter import MTPDrafter
 from splitrl.rollout.sampling import filter_logits, seed_words
 
@@ -178,8 +181,8 @@ def test_verify_accepts_right_drafts_and_corrects_wrong_ones(monkeypatch):
 def _switch_off_after(monkeypatch, iterations):
     """Make the switch-off rule decide after ``iterations`` verify iterations, with timings that
     make plain steps look free."""
-    monkeypatch.setattr(engine_mod, "SWITCH_MIN_ITERATIONS", iterations)
-    monkeypatch.setattr(engine_mod.RolloutEngine, "_plain_step_time", lambda self, B, L: 1e-9)
+    monkeypatch.setattr(spec_policy_mod, "SWITCH_MIN_ITERATIONS", iterations)
+    monkeypatch.setattr(runner_mod.ModelRunner, "plain_step_time", lambda self, B, L: 1e-9)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 10, 0.9)])
@@ -189,7 +192,7 @@ def test_speculation_on_off_and_switched_off_midway_give_the_same_samples(monkey
     cfg = dict(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=40, stop_token_ids=[3], batch_size=4)
     prompts = random_prompts(9, 32, (1, 8), seed=12)
     seeds = [50 + i for i in range(9)]
-    monkeypatch.setattr(engine_mod, "SWITCH_MIN_ITERATIONS", 10**9)  # speculative throughout
+    monkeypatch.setattr(spec_policy_mod, "SWITCH_MIN_ITERATIONS", 10**9)  # speculative throughout
     spec, plain = _spec_and_plain(model, **cfg)
     out_s, out_p = spec.generate(prompts, seeds), plain.generate(prompts, seeds)
     assert spec.last_stats.accepted_tokens > 0 and spec.last_stats.switched_off_at_iteration is None
@@ -211,13 +214,13 @@ def test_switches_itself_off_when_slower_and_back_on_after_a_sync(monkeypatch):
     model = make_model(vocab=VOCAB, depths=2)
     engine = RolloutEngine(model, GenerationConfig(speculative=True, max_new_tokens=40, batch_size=2), "cpu")
     prompts, seeds = [[1, 2], [3]], [0, 1]
-    monkeypatch.setattr(engine_mod.RolloutEngine, "_record_call", lambda *a: None)
-    monkeypatch.setattr(engine_mod, "SWITCH_MIN_ITERATIONS", 2)
-    monkeypatch.setattr(engine_mod.RolloutEngine, "_plain_step_time", lambda self, B, L: 1e3)  # plain is slow
+    monkeypatch.setattr(spec_policy_mod.SpecPolicy, "record_call", lambda *a: None)
+    monkeypatch.setattr(spec_policy_mod, "SWITCH_MIN_ITERATIONS", 2)
+    monkeypatch.setattr(runner_mod.ModelRunner, "plain_step_time", lambda self, B, L: 1e3)  # plain is slow
     engine.generate(prompts, seeds)
     assert engine.last_stats.speculative_active and engine.last_stats.speculative_next
     assert engine.last_stats.speculative_speedup >= 1.0
-    monkeypatch.setattr(engine_mod.RolloutEngine, "_plain_step_time", lambda self, B, L: 1e-9)  # plain is fast
+    monkeypatch.setattr(runner_mod.ModelRunner, "plain_step_time", lambda self, B, L: 1e-9)  # plain is fast
     engine.generate(prompts, seeds)
     assert engine.last_stats.speculative_active and not engine.last_stats.speculative_next
     assert engine.last_stats.speculative_speedup < 1.0
@@ -237,10 +240,10 @@ def test_step_times_are_measured_without_changing_the_samples(monkeypatch):
     model = make_model(vocab=VOCAB, depths=2)
     cfg = GenerationConfig(speculative=True, max_new_tokens=30, batch_size=4, stop_token_ids=[5])
     prompts, seeds = random_prompts(6, VOCAB, (1, 4), seed=9), list(range(6))
-    monkeypatch.setattr(engine_mod, "SWITCH_MIN_ITERATIONS", 10**9)
+    monkeypatch.setattr(spec_policy_mod, "SWITCH_MIN_ITERATIONS", 10**9)
     reference = RolloutEngine(model, cfg, "cpu").generate(prompts, seeds)
 
-    original = engine_mod.RolloutEngine._plain_step_time
+    original = runner_mod.ModelRunner.plain_step_time
     timed = []
 
     def time_every_chunk(self, B, L):
@@ -248,8 +251,8 @@ def test_step_times_are_measured_without_changing_the_samples(monkeypatch):
         timed.append(original(self, B, L))
         return timed[-1]
 
-    monkeypatch.setattr(engine_mod.RolloutEngine, "_plain_step_time", time_every_chunk)
-    monkeypatch.setattr(engine_mod.RolloutEngine, "_should_switch_off", lambda *a: False)
+    monkeypatch.setattr(runner_mod.ModelRunner, "plain_step_time", time_every_chunk)
+    monkeypatch.setattr(spec_policy_mod.SpecPolicy, "should_switch_off", lambda *a: False)
     results = RolloutEngine(model, cfg, "cpu").generate(prompts, seeds)
     assert len(timed) > 3 and all(t > 0 for t in timed)
     for a, b in zip(reference, results):
@@ -299,7 +302,7 @@ def test_every_mtp_cache_entry_matches_teacher_forcing(monkeypatch):
     monkeypatch.setattr(MTPDrafter, "step", step)
     monkeypatch.setattr(DecoderForward, "mtp_prefill", mtp_prefill)
     monkeypatch.setattr(DecoderForward, "mtp_decode", mtp_decode)
-    monkeypatch.setattr(engine_mod, "SWITCH_MIN_ITERATIONS", 10**9)
+    monkeypatch.setattr(spec_policy_mod, "SWITCH_MIN_ITERATIONS", 10**9)
     engine = RolloutEngine(model, GenerationConfig(speculative=True, max_new_tokens=14, batch_size=2), "cpu")
     prompts = random_prompts(5, 16, (1, 7), seed=10)
     seeds = [20, 21, 22, 23, 24]
@@ -325,12 +328,12 @@ def test_switch_off_estimate_counts_the_host_time_of_each_chunk():
     model = make_model(vocab=VOCAB, depths=2)
     engine = RolloutEngine(model, GenerationConfig(speculative=True, max_new_tokens=8, batch_size=2), "cpu")
     engine.speculative_switch_off = False
-    stats = engine_mod.RolloutStats(drafted_tokens=100, accepted_tokens=50)  # a = 1 + 2 · 0.5 = 2
+    stats = results_mod.RolloutStats(drafted_tokens=100, accepted_tokens=50)  # a = 1 + 2 · 0.5 = 2
     # 4 chunks of 8 iterations: device 4 ms per iteration, 10 ms host per chunk; plain step 2.5 ms
-    timing = engine_mod._SpecTiming(spec_s=32 * 4e-3, wall_s=32 * 4e-3 + 4 * 10e-3, plain_s=32 * 2.5e-3, chunks=4, iterations=32)
-    engine._should_switch_off(timing, stats, [0, 0], [0, 0])
+    timing = spec_policy_mod.SpecTiming(spec_s=32 * 4e-3, wall_s=32 * 4e-3 + 4 * 10e-3, plain_s=32 * 2.5e-3, chunks=4, iterations=32)
+    engine.policy.should_switch_off(timing, stats, [0, 0], [0, 0])
     a = 2.0
-    plain_wall = a * 32 * 2.5e-3 + a * 32 / engine_mod.SYNC_EVERY * 10e-3
+    plain_wall = a * 32 * 2.5e-3 + a * 32 / scheduler_mod.SYNC_EVERY * 10e-3
     assert stats.speculative_speedup == pytest.approx(plain_wall / (32 * 4e-3 + 40e-3), rel=1e-12)
     device_only = a * 32 * 2.5e-3 / (32 * 4e-3)
     assert stats.speculative_speedup < device_only  # 1.19 vs 1.25
@@ -344,19 +347,19 @@ def test_measured_choice_runs_the_faster_kind_and_revisits_the_slower(monkeypatc
     model = make_model(vocab=VOCAB, depths=2)
     engine = RolloutEngine(model, GenerationConfig(speculative=True, max_new_tokens=12, batch_size=2), "cpu")
     prompts, seeds = [[1, 2], [3]], [0, 1]
-    monkeypatch.setattr(engine_mod.RolloutEngine, "_should_switch_off", lambda *a: False)
+    monkeypatch.setattr(spec_policy_mod.SpecPolicy, "should_switch_off", lambda *a: False)
     speed = {True: 50.0, False: 100.0}  # plain is faster
 
     def record(self, speculative, bucket, tokens_per_s):  # the real one, fed fixed speeds
         real_record(self, speculative, bucket, speed[speculative])
 
-    real_record = engine_mod.RolloutEngine._record_call
-    monkeypatch.setattr(engine_mod.RolloutEngine, "_record_call", record)
+    real_record = spec_policy_mod.SpecPolicy.record_call
+    monkeypatch.setattr(spec_policy_mod.SpecPolicy, "record_call", record)
     kinds, outs = [], []
-    for _ in range(engine_mod.EXPLORE_EVERY + 4):
+    for _ in range(spec_policy_mod.EXPLORE_EVERY + 4):
         outs.append([r.response_ids for r in engine.generate(prompts, seeds)])
         kinds.append(engine.last_stats.speculative_active)
-    E = engine_mod.EXPLORE_EVERY
+    E = spec_policy_mod.EXPLORE_EVERY
     assert kinds[:2] == [True, False]  # measure both
     assert kinds[2 : 2 + E] == [False] * E  # the faster one
     assert kinds[2 + E] is True  # the slower one, once
@@ -379,7 +382,7 @@ def test_measured_choice_rates_leave_out_setup_time(monkeypatch):
     not see them."""
     model = make_model(vocab=VOCAB, depths=2)
     engine = RolloutEngine(model, GenerationConfig(speculative=True, max_new_tokens=40, batch_size=2), "cpu")
-    real_run_steps = engine_mod.RolloutEngine._run_steps
+    real_run_steps = runner_mod.ModelRunner.run_steps
 
     def slow_plain(self, kind, B, L, n):
         if kind == "plain":
@@ -387,9 +390,9 @@ def test_measured_choice_rates_leave_out_setup_time(monkeypatch):
         return real_run_steps(self, kind, B, L, n)
 
     recorded = []
-    monkeypatch.setattr(engine_mod.RolloutEngine, "_run_steps", slow_plain)
-    monkeypatch.setattr(engine_mod.RolloutEngine, "_should_switch_off", lambda *a: False)
-    monkeypatch.setattr(engine_mod.RolloutEngine, "_record_call", lambda self, spec, bucket, rate: recorded.append(rate))
+    monkeypatch.setattr(runner_mod.ModelRunner, "run_steps", slow_plain)
+    monkeypatch.setattr(spec_policy_mod.SpecPolicy, "should_switch_off", lambda *a: False)
+    monkeypatch.setattr(spec_policy_mod.SpecPolicy, "record_call", lambda self, spec, bucket, rate: recorded.append(rate))
     engine.generate([[1, 2], [3]], [0, 1])
     stats = engine.last_stats
     assert stats.speculative_active
@@ -403,18 +406,18 @@ def test_a_call_during_which_torch_compile_compiled_is_no_speed_sample(monkeypat
     model = make_model(vocab=VOCAB, depths=2)
     engine = RolloutEngine(model, GenerationConfig(speculative=True, max_new_tokens=6, batch_size=2), "cpu")
     recorded = []
-    monkeypatch.setattr(engine_mod.RolloutEngine, "_record_call", lambda self, spec, bucket, rate: recorded.append(rate))
+    monkeypatch.setattr(spec_policy_mod.SpecPolicy, "record_call", lambda self, spec, bucket, rate: recorded.append(rate))
     count = iter(range(1000))
-    monkeypatch.setattr(engine_mod, "_compilations", lambda: next(count))  # something compiles in every call
+    monkeypatch.setattr(spec_policy_mod, "_compilations", lambda: next(count))  # something compiles in every call
     engine.generate([[1, 2]], [0])
     assert recorded == []
-    monkeypatch.setattr(engine_mod, "_compilations", lambda: 7)
+    monkeypatch.setattr(spec_policy_mod, "_compilations", lambda: 7)
     engine.generate([[1, 2]], [0])
     assert len(recorded) == 1
 
 
 def test_compilations_counts_what_torch_compile_makes():
-    before = engine_mod._compilations()
+    before = spec_policy_mod._compilations()
     f = torch.compile(lambda x: x * 3 + 1)
     f(torch.ones(3))
-    assert engine_mod._compilations() > before
+    assert spec_policy_mod._compilations() > before

@@ -157,7 +157,7 @@ def test_drafter_step_equals_the_unfused_reference(dtype, depths):
     engine = RolloutEngine(model, GenerationConfig(speculative=True, max_new_tokens=30, batch_size=B), "cpu")
     engine.speculative_switch_off = False
     engine.generate(random_prompts(B, VOCAB, (3, 9), seed=1), list(range(B)))  # caches, state, drafter
-    drafter, st = engine._drafter, engine._state
+    drafter, st = engine.runner.drafter, engine.runner.state
     D, W, H = drafter.D, drafter.D + 1, model.config.hidden_size
     g = torch.Generator().manual_seed(3)
     with torch.inference_mode():

@@ -1,0 +1,185 @@
+"""When the rollout engine decodes speculatively: the in-call switch-off rule and the measured
+choice between calls (DESIGN §5 "Speculative rollouts ... switch themselves off").
+
+Speculation never changes a sample's tokens (see :mod:`splitrl.rollout.engine`), so everything
+here decides speed only. The rule reads the timings the engine takes of its verify chunks
+(:class:`SpecTiming`) and the plain-step times the model runner measures.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from splitrl.rollout import scheduler
+from splitrl.rollout.config import GenerationConfig
+
+if TYPE_CHECKING:
+    from splitrl.rollout.results import RolloutStats
+
+log = logging.getLogger(__name__)
+
+# The speculative switch-off rule decides after this many verify iterations of a call.
+SWITCH_MIN_ITERATIONS = 32
+# With both kinds measured, the slower kind of call runs once every this many calls (its speed
+# changes as the MTP heads learn).
+EXPLORE_EVERY = 8
+# The start of the warning that the in-call rule switched speculation off (benchmarks filter it:
+# they report the speedups themselves).
+SLOW_SPECULATION_WARNING = "speculative rollouts estimated"
+
+
+def _compilations() -> int:
+    """Graphs torch.compile has made in this process so far (Dynamo's own count; 0 where absent)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:  # noqa: BLE001 - a torch without the counter: every call is a sample
+        return 0
+
+
+@dataclass
+class SpecTiming:
+    """What the verify iterations of a call cost, and what plain steps would have cost.
+
+    spec_s: device seconds of the verify chunks; wall_s: their wall seconds from launch to the
+    host's read of the done flags (device time plus the host work that the GPU waits for);
+    plain_s: device seconds of one plain step per verify iteration, in the same buckets;
+    chunks / iterations: verify chunks and iterations timed.
+    """
+
+    spec_s: float = 0.0
+    wall_s: float = 0.0
+    plain_s: float = 0.0
+    chunks: int = 0
+    iterations: int = 0
+
+    def add_chunk(self, wall_s: float, spec_s: float, iterations: int, plain_step_s: float) -> None:
+        """One verify chunk of ``iterations`` iterations; ``plain_step_s``: a plain step's device
+        seconds in the chunk's bucket."""
+        self.wall_s += wall_s
+        self.spec_s += spec_s
+        self.chunks += 1
+        self.iterations += iterations
+        self.plain_s += iterations * plain_step_s
+
+
+class SpecPolicy:
+    """Decides, per call and inside a call, whether the engine decodes speculatively.
+
+    Speculative switch-off (DESIGN §5): the engine times each chunk of verify iterations on the
+    device (CUDA events around its graph replays) and by the wall clock (launch to the host's read
+    of the done flags, which synchronizes), and, for each bucket they ran in, a plain step (CUDA
+    events around replays, after a synchronize; the state is restored). After
+    ``SWITCH_MIN_ITERATIONS`` iterations it estimates speedup = plain wall / speculative wall for
+    the same tokens, plain wall = a · Σ t_plain + (a · iterations / SYNC_EVERY) · h, with a = 1 +
+    accepted drafts per iteration and h the host time per chunk (wall - device of the verify
+    chunks; a device-only estimate read high at batch 256, see bench/RESULTS.md). Below 1 it decodes the rest
+    of the call plainly (same tokens, see :mod:`splitrl.rollout.engine`) and the next calls too
+    (``stats.speculative_next`` = False, logged) until the next weight sync
+    (:meth:`weights_updated`), whose new MTP heads may draft better.
+
+    Measured choice. The estimate can err (it misses prefill and scheduling work), so the engine
+    also measures whole calls: tokens/s of speculative and of plain calls, per row bucket of the
+    call (a running mean of the last calls of each kind), over the call's decoding time (its wall
+    time less ``stats.setup_s``: a call that captures CUDA graphs is still a fair sample; counting
+    the capture made the rule decode plainly at batch 1 where speculation was faster, and
+    skipping such calls cost an extra plain call). A call during which torch.compile compiled a
+    kernel (seconds, once per shape) is not a sample. Once a speculative call has run in a
+    bucket, the next call there runs plainly to measure it; from then on each call runs the
+    faster kind, and every ``EXPLORE_EVERY`` calls the slower kind runs once more. Plain and
+    speculative calls emit the same tokens, so the choice changes speed only.
+
+    Attributes:
+        switch_off: apply the switch-off rule and the measured choice (default True); when False
+            every call is speculative and the rule's estimate is still computed and reported
+            (benchmarks measure speculation this way).
+    """
+
+    def __init__(self, config: GenerationConfig, num_drafts: int):
+        self.speculative = config.speculative
+        self.num_drafts = num_drafts
+        self.switch_off = True
+        self._active = config.speculative  # False once the in-call rule switched it off
+        self._warned_slow = False
+        self._call_rates: dict[tuple[bool, int], float] = {}  # (speculative, row bucket) -> tokens/s
+        self._since_explore: dict[int, int] = {}  # row bucket -> calls since the slower kind ran
+        self._compiles_before = 0
+
+    def weights_updated(self) -> None:
+        """New weights (new MTP heads): speculation is on again if configured."""
+        self._active = self.speculative
+
+    def choose(self, bucket: int, peek: bool = False) -> bool:
+        """Speculative or plain for a call of row bucket ``bucket`` (see "Measured choice");
+        ``peek``: without counting the call towards the next exploration."""
+        if not self.speculative:
+            return False
+        if not self.switch_off:
+            return True
+        if not self._active:  # the in-call rule switched it off until the next sync
+            return False
+        spec_rate, plain_rate = self._call_rates.get((True, bucket)), self._call_rates.get((False, bucket))
+        if spec_rate is None:
+            return True
+        if plain_rate is None:
+            return False  # measure plain once
+        faster = spec_rate >= plain_rate
+        due = self._since_explore.get(bucket, 0) >= EXPLORE_EVERY
+        if not peek:
+            self._since_explore[bucket] = 0 if due else self._since_explore.get(bucket, 0) + 1
+        return (not faster) if due else faster
+
+    def record_call(self, speculative: bool, bucket: int, tokens_per_s: float) -> None:
+        key = (speculative, bucket)
+        old = self._call_rates.get(key)
+        self._call_rates[key] = tokens_per_s if old is None else 0.5 * (old + tokens_per_s)
+
+    def call_started(self) -> None:
+        self._compiles_before = _compilations()
+
+    def call_finished(self, stats: RolloutStats, bucket: int) -> None:
+        """Take the finished call's speed as a sample of its kind (unless speculation was switched
+        off inside it, or torch.compile compiled during it) and set ``stats.speculative_next``.
+        ``stats.wall_time_s`` and ``stats.setup_s`` are final."""
+        decoding_s = stats.wall_time_s - stats.setup_s
+        # a call during which torch.compile compiled something (a kernel's first shape: seconds)
+        # is no speed sample; the measured setup (captures, plain-step timings) is left out of it
+        compiled = _compilations() != self._compiles_before
+        if stats.switched_off_at_iteration is None and stats.generated_tokens and decoding_s > 0 and not compiled:
+            self.record_call(stats.speculative_active, bucket, stats.generated_tokens / decoding_s)
+        stats.speculative_next = self.choose(bucket, peek=True)
+
+    def should_switch_off(self, timing: SpecTiming, stats: RolloutStats, live_drafted, live_accepted) -> bool:
+        """After ``SWITCH_MIN_ITERATIONS`` verify iterations, estimate speedup = (tokens per verify)
+        · (plain step time) / (verify iteration time) over the iterations so far, each bucket's
+        plain time measured on the device; switch off below 1. ``live_drafted`` /
+        ``live_accepted``: the counts of the rows still decoding (by slot)."""
+        if timing.iterations < SWITCH_MIN_ITERATIONS:
+            return False
+        drafted = stats.drafted_tokens + sum(live_drafted)
+        if not drafted or timing.wall_s <= 0 or not timing.chunks:
+            return False
+        per_iter = 1.0 + self.num_drafts * (stats.accepted_tokens + sum(live_accepted)) / drafted
+        # plain decoding of the same tokens: per_iter plain steps per verify iteration, plus the
+        # host's per-chunk work (the done-flag read, bookkeeping: measured on the verify chunks,
+        # wall - device) once per SYNC_EVERY plain steps
+        host_per_chunk = max(0.0, timing.wall_s - timing.spec_s) / timing.chunks
+        plain_wall = per_iter * timing.plain_s + per_iter * timing.iterations / scheduler.SYNC_EVERY * host_per_chunk
+        stats.speculative_speedup = plain_wall / timing.wall_s
+        if stats.speculative_speedup >= 1.0 or not self.switch_off:
+            return False
+        self._active = False
+        level = logging.INFO if self._warned_slow else logging.WARNING  # afterwards: rollout/speculative_next
+        self._warned_slow = True
+        log.log(
+            level,
+            SLOW_SPECULATION_WARNING + " at %.2fx plain speed (%.2f tokens per verify, acceptance %.1f%%): "
+            "decoding plainly until the next weight sync",
+            stats.speculative_speedup,
+            per_iter,
+            100.0 * (per_iter - 1.0) / self.num_drafts,
+        )
+        return True
