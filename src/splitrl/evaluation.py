@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitrl.controller.generation import cut_at_stop_string, decode_response, sample_seed
 from splitrl.models.hf_files import rollout_stop_token_ids
 from splitrl.rollout import GenerationConfig, RolloutEngine
+from splitrl.rollout.sampling import sample_seed
+from splitrl.rollout.text import cut_at_stop_string, decode_response
 from splitrl.tasks import RewardScorer, Task, TaskPrompt, encode_prompt
 
 

@@ -1,6 +1,6 @@
 """Stop strings cut a response after the token that completes one (DESIGN §5)."""
 
-from splitrl.controller.generation import cut_at_stop_string
+from splitrl.rollout.text import cut_at_stop_string
 
 
 def test_cut_after_the_token_that_completes_the_stop_string():

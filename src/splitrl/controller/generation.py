@@ -4,7 +4,6 @@ the data plane; the controller gets back light :class:`~splitrl.types.Group` rec
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +14,8 @@ from splitrl.dataplane import DataPlane
 from splitrl.models import ModelConfig, PolicyModel
 from splitrl.models.hf_files import rollout_stop_token_ids
 from splitrl.rollout import GenerationConfig, RolloutEngine
+from splitrl.rollout.sampling import sample_seed
+from splitrl.rollout.text import cut_at_stop_string, decode_response
 from splitrl.tasks import RewardScorer, encode_prompt, make_task
 from splitrl.tasks.tokenizer import TokenizerConfig
 from splitrl.types import Group, SampleMeta
@@ -34,36 +35,6 @@ def load_tokenizer(config: TokenizerConfig, model_path: str | None = None):
     if path is None:
         raise ValueError("tokenizer.kind='pretrained' needs tokenizer.path (or model.pretrained_path)")
     return AutoTokenizer.from_pretrained(resolve_model_path(path))
-
-
-def sample_seed(run_seed: int, prompt_index: int, sample_index: int) -> int:
-    """The seed of one sample, from the run seed, prompt index and sample index (DESIGN §4)."""
-    h = hashlib.blake2b(f"{run_seed}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & ((1 << 63) - 1)
-
-
-def cut_at_stop_string(ids: list[int], decode, stop_strings: list[str]) -> int | None:
-    """Number of tokens up to and including the first one whose text completes a stop string,
-    or None when no stop string occurs. ``decode(ids) -> str``."""
-    if not stop_strings or not any(s in decode(ids) for s in stop_strings):
-        return None
-    for n in range(1, len(ids) + 1):
-        text = decode(ids[:n])
-        if any(s in text for s in stop_strings):
-            return n
-    return None
-
-
-def decode_response(tokenizer, ids: list[int]) -> str:
-    """The text of generated ids, special tokens dropped.
-
-    A model whose vocabulary is larger than the tokenizer's (padded embeddings, a random-init
-    model) can sample ids the tokenizer has no text for: they decode as unknown (dropped when the
-    tokenizer has no unknown token)."""
-    n = len(tokenizer)
-    unk = tokenizer.unk_token_id
-    ids = [i if i < n else unk for i in ids if i < n or unk is not None]
-    return tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def sample_id(prompt_index: int, sample_index: int, version: int) -> str:

@@ -20,6 +20,7 @@ non-negative int64, where torch's integer arithmetic is well defined on every de
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -45,6 +46,12 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 13)
     x = _mul32(x, 0xC2B2AE35)
     return x ^ (x >> 16)
+
+
+def sample_seed(run_seed: int, prompt_index: int, sample_index: int) -> int:
+    """The seed of one sample, from the run seed, prompt index and sample index (DESIGN §4)."""
+    h = hashlib.blake2b(f"{run_seed}/{prompt_index}/{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 63) - 1)
 
 
 def seed_words(seeds: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
