@@ -18,7 +18,7 @@ the same steps from its view, so neither shows a step twice.
 
 Non-finite values. JSON has no NaN or infinity, so ``metrics.jsonl`` stores them as the strings
 ``"nan"``, ``"inf"`` and ``"-inf"``; every line stays valid JSON, and the information survives
-(``null`` would not tell a diverged loss from an infinite one). :func:`read_metrics` turns them
+(``null`` would not tell a diverged loss from an infinite one). :func:`~splitrl.logging.metrics_file.read_metrics` turns them
 back into floats. Metric values are numbers only, so a string in a metric field always means one
 of these three.
 """
@@ -39,6 +39,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict
 from tqdm.auto import tqdm
 
+from splitrl.logging.metrics_file import _encode_non_finite, _parse_line, write_atomically
 from splitrl.logging.plot import plot_metrics, plot_records
 from splitrl.logging.wandb_logger import WandbConfig, WandbSink
 
@@ -48,8 +49,6 @@ METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PLOT_FILE = "metrics.png"
 CONFIG_FILE = "config.yaml"
-
-_JSON_TO_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 # Progress-bar fields: label -> metric keys tried in order (the first one present is shown).
 _POSTFIX_FIELDS: dict[str, tuple[str, ...]] = {
@@ -290,24 +289,6 @@ def progress_postfix(step: int, metrics: Mapping[str, float]) -> dict[str, str]:
     return fields
 
 
-def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Read a ``metrics.jsonl`` file: one dict per line, in file order.
-
-    ``"nan"``, ``"inf"`` and ``"-inf"`` strings are turned back into floats; blank lines are
-    skipped.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: a line is not a JSON object (the message gives the line number).
-    """
-    path = Path(path)
-    records = []
-    for line_no, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), start=1):
-        if line.strip():
-            records.append(_decode_non_finite(_parse_line(path, line_no, line)))
-    return records
-
-
 def _to_number(key: str, value: Any) -> int | float:
     if key == "step":
         raise ValueError("metric key 'step' is reserved for the step index; rename the metric")
@@ -335,32 +316,6 @@ def _format_value(label: str, value: float) -> str:
     if label == "mtp_acc":
         return f"{value:.1f}%"
     return f"{value:.4g}"
-
-
-def _encode_non_finite(record: Mapping[str, Any]) -> dict[str, Any]:
-    out = {}
-    for key, value in record.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            value = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-        out[key] = value
-    return out
-
-
-def _decode_non_finite(record: dict[str, Any]) -> dict[str, Any]:
-    return {
-        key: _JSON_TO_NON_FINITE[value] if isinstance(value, str) and value in _JSON_TO_NON_FINITE else value
-        for key, value in record.items()
-    }
-
-
-def _parse_line(path: Path, line_no: int, line: str) -> dict[str, Any]:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}:{line_no} is not valid JSON ({err.msg}): {line[:80]!r}") from err
-    if not isinstance(record, dict):
-        raise ValueError(f"{path}:{line_no} is not a JSON object: {line[:80]!r}")
-    return record
 
 
 def check_metrics_record(out_dir: str | os.PathLike[str], start_step: int) -> None:
@@ -419,24 +374,3 @@ def _lines_before_step(path: Path, start_step: int, quiet: bool = False) -> list
 def _rewrite_atomically(path: Path, lines: list[str]) -> None:
     # Replace in one rename so an interruption here cannot lose the steps being kept.
     write_atomically(path, "".join(line + "\n" for line in lines).encode("utf-8"))
-
-
-def write_atomically(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same directory and one rename:
-    readers see the old file or the whole new one, never a partial one.
-
-    Raises:
-        OSError: the write failed (e.g. ENOSPC); the temporary file is removed and ``path`` is
-            unchanged.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

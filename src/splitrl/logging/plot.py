@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from splitrl.logging.metrics_file import read_metrics, write_atomically
+
 REWARD_KEYS = ("train/reward",)
 _MTP_ACCEPTANCE = re.compile(r"^train/mtp/mtp_(\d+)_acceptance_rate$")
 _ROLLOUT_ACCEPTANCE = re.compile(r"^rollout/.*acceptance_rate$")
@@ -45,9 +47,6 @@ def plot_metrics(jsonl_path: str | os.PathLike[str], png_path: str | os.PathLike
         OSError: the PNG could not be written; ``png_path`` is then unchanged (written through a
             temporary file and a rename).
     """
-    # Imported here because logger.py imports this module and read_metrics lives there.
-    from splitrl.logging.logger import read_metrics
-
     return plot_records(read_metrics(jsonl_path), png_path)
 
 
@@ -85,8 +84,6 @@ def plot_records(records: Sequence[dict[str, Any]], png_path: str | os.PathLike[
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     # one rename: a full disk leaves the old picture (or none), never a truncated PNG
-    from splitrl.logging.logger import write_atomically
-
     write_atomically(png_path, buf.getvalue())
     return png_path
 
