@@ -52,6 +52,26 @@ def _unrecognized(command: argparse.ArgumentParser, bad: list[str], hint: str = 
     command.error(f"unrecognized arguments: {' '.join(bad)}{hint}")
 
 
+def _print_reference(filter_text: str | None = None) -> int:
+    """``splitrl config``: print every key of the run config (those whose path contains
+    ``filter_text``, case ignored, when given) with its type, the run's default and its documentation."""
+    from splitrl._lazy import deferred_import_checks
+    from splitrl.config import RunConfig
+    from splitrl.config_help import config_keys, format_reference
+
+    with deferred_import_checks():  # the defaults, without importing the task libraries
+        defaults = RunConfig().model_dump(mode="json")
+    keys = config_keys(RunConfig, defaults)
+    if filter_text:
+        wanted = filter_text.lower()  # `splitrl config MTP` found nothing: keys are lower case
+        keys = [k for k in keys if wanted in k.path.lower() and not k.type.startswith("section")]
+        if not keys:
+            print(f"no config key contains {filter_text!r}; run `splitrl config` for all of them")
+            return 1
+    print(format_reference(keys), end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
@@ -66,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     from splitrl import __version__
     from splitrl.cli_eval import OnlyOnce, add_eval_commands
-    from splitrl.config_help import TRAIN_EPILOG, print_reference
+    from splitrl.config_help import TRAIN_EPILOG
 
     parser = argparse.ArgumentParser(prog="splitrl", description="Asynchronous GRPO with MTP heads", allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -90,7 +110,7 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "config":
         if extra:
             _unrecognized(command, extra)
-        return print_reference(args.filter)
+        return _print_reference(args.filter)
     if args.command != "train":  # generate / eval (splitrl.cli_eval)
         bad = [x for x in extra if x.startswith("-") or "=" not in x]
         if bad:

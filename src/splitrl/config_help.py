@@ -4,8 +4,8 @@ Both are read off the pydantic models themselves — field types, the run's defa
 sentence of each field's description or of its entry under ``Attributes:`` in the class
 docstring — so they cannot drift from what :func:`splitrl.config.load_config` accepts.
 
-This module imports no config at load time (``splitrl.config`` imports it for error messages); the
-functions take the root model class.
+This module imports no config (``splitrl.config`` imports it for error messages); the functions
+take the root model class, and ``splitrl config`` (:mod:`splitrl.cli`) passes ``RunConfig``.
 """
 
 from __future__ import annotations
@@ -353,22 +353,3 @@ examples:
 run configs to start from: {_examples_dir()}
 every key with its type, default and meaning: splitrl config [FILTER]   (e.g. splitrl config mtp)
 """
-
-
-def print_reference(filter_text: str | None = None) -> int:
-    """``splitrl config``: print every key of the run config (those whose path contains
-    ``filter_text``, case ignored, when given) with its type, the run's default and its documentation."""
-    from splitrl._lazy import deferred_import_checks
-    from splitrl.config import RunConfig
-
-    with deferred_import_checks():  # the defaults, without importing the task libraries
-        defaults = RunConfig().model_dump(mode="json")
-    keys = config_keys(RunConfig, defaults)
-    if filter_text:
-        wanted = filter_text.lower()  # `splitrl config MTP` found nothing: keys are lower case
-        keys = [k for k in keys if wanted in k.path.lower() and not k.type.startswith("section")]
-        if not keys:
-            print(f"no config key contains {filter_text!r}; run `splitrl config` for all of them")
-            return 1
-    print(format_reference(keys), end="")
-    return 0
