@@ -209,6 +209,50 @@ def test_speculation_on_off_and_switched_off_midway_give_the_same_samples(monkey
         torch.testing.assert_close(torch.tensor(m.logprobs), torch.tensor(p.logprobs), atol=1e-5, rtol=0)
 
 
+def test_deterministic_rollouts_give_bit_identical_logprobs_whatever_the_timings(monkeypatch):
+    """rollout.deterministic: the speculation decision reads no clock. Under timings that make the
+    switch-off rule and the measured choice decode plainly (plain steps free, plain calls faster)
+    and under timings that keep speculation on (the reverse), every call is speculative and the
+    tokens and logprobs are bit-identical. Without the switch the same timings do decide both
+    ways (checked here), and logprobs of tokens a plain step emits differ from a verify's in the
+    last bits (16 of 202 here on CPU fp32: matrix products of other shapes round otherwise)."""
+    model = make_model(vocab=32, depths=2, hidden_size=32, intermediate_size=64, init=0.5)
+    prompts, seeds = random_prompts(9, 32, (1, 8), seed=12), [50 + i for i in range(9)]
+    monkeypatch.setattr(spec_policy_mod, "SWITCH_MIN_ITERATIONS", 3)
+    real_record = spec_policy_mod.SpecPolicy.record_call
+    plain_wins = (1e-9, {True: 50.0, False: 100.0})  # (plain step seconds, call tokens/s by kind)
+    spec_wins = (1e3, {True: 100.0, False: 50.0})
+
+    def run(deterministic: bool, timings) -> list[tuple[list[int], torch.Tensor, bool, int | None]]:
+        step_s, speed = timings
+        monkeypatch.setattr(runner_mod.ModelRunner, "plain_step_time", lambda self, B, L: step_s)
+        monkeypatch.setattr(
+            spec_policy_mod.SpecPolicy, "record_call", lambda self, kind, b, rate: real_record(self, kind, b, speed[kind])
+        )
+        cfg = GenerationConfig(
+            speculative=True, deterministic=deterministic, max_new_tokens=40, stop_token_ids=[3], batch_size=4
+        )
+        engine = RolloutEngine(model, cfg, "cpu")
+        calls = []
+        for _ in range(3):  # the measured choice decides from the second call on
+            results = engine.generate(prompts, seeds)
+            stats = engine.last_stats
+            tokens = [t for r in results for t in r.response_ids]
+            logprobs = torch.tensor([lp for r in results for lp in r.logprobs])
+            calls.append((tokens, logprobs, stats.speculative_active, stats.switched_off_at_iteration))
+        return calls
+
+    timed = run(False, plain_wins), run(False, spec_wins)  # the timings decide both ways
+    assert timed[0][0][3] is not None and [c[2] for c in timed[0]] == [True, False, False]
+    assert [c[2] for c in timed[1]] == [True, False, True] and all(c[3] is None for c in timed[1])  # plain measured once
+    a, b = run(True, plain_wins), run(True, spec_wins)
+    for x, y in zip(a, b):
+        assert x[2] and y[2] and x[3] is None and y[3] is None  # speculative throughout
+        assert x[0] == y[0] == a[0][0]
+        assert torch.equal(x[1], y[1]) and torch.equal(x[1], a[0][1])  # bit for bit
+    assert timed[0][0][0] == a[0][0]  # the tokens never depended on it
+
+
 def test_switches_itself_off_when_slower_and_back_on_after_a_sync(monkeypatch):
     """The in-call rule (the measured choice between calls is tested below; off here)."""
     model = make_model(vocab=VOCAB, depths=2)

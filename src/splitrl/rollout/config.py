@@ -26,6 +26,14 @@ class GenerationConfig(BaseModel):
             distribution is exactly the plain one. Requires a model with ``mtp_num_layers > 0``.
         num_draft_tokens: tokens drafted per verify forward (depths 1..n are used); default: every
             MTP depth of the model.
+        deterministic: with ``speculative``, decode every call speculatively from start to end
+            instead of letting measured speed switch speculation off (no clock is read). The tokens
+            are the same either way, but a token emitted by a verify forward and the same token
+            emitted by a plain step get logprobs that differ in their last bits (the forwards run
+            matrix products of other shapes: up to 3e-6 on the fp32 CPU tests), so with the
+            speed-driven switch two runs of one config can differ there; with this on they are
+            bit-identical, as plain runs are. Costs speed only where speculation is slower than
+            plain decoding. No effect without ``speculative``.
         batch_size: most rows in one forward; larger requests run as several batches.
     """
 
@@ -40,6 +48,7 @@ class GenerationConfig(BaseModel):
     stop_strings: list[str] = Field(default_factory=list)
     speculative: bool = False
     num_draft_tokens: int | None = Field(None, ge=1)
+    deterministic: bool = False
     batch_size: int = Field(64, ge=1)
 
     @field_validator("temperature")

@@ -24,8 +24,12 @@ drafter`); the backbone scores [x_n, drafts] in one forward, recomputes the targ
 drafted index with that index's noise and accepts the leading drafts that equal it; the first
 mismatch (or the bonus position) emits the target token. Speculative and plain decoding therefore
 emit the same tokens by construction (up to the rounding of logits computed in differently shaped
-forwards), and switching speculation off in the middle of a call changes nothing but speed. The
-acceptance is P(draft race winner = target race winner) instead of the rejection rule's
+forwards), and switching speculation off in the middle of a call changes nothing but speed and
+the last bits of logprobs: a verify's matrix products have other shapes than a plain step's, and
+GEMM kernels round by shape (on CPU fp32 a token's logit differs by ~1e-6; exact equality would
+need shape-invariant kernels in every layer). ``GenerationConfig.deterministic`` keeps the
+switch from following the clock, so that the logprobs do not depend on timing. The acceptance is
+P(draft race winner = target race winner) instead of the rejection rule's
 Σ min(p, q) (``bench/bench_rollout.py`` measures both per depth on held-out samples; figures in
 bench/RESULTS.md): determinism costs acceptance. Whether a call decodes speculatively is
 decided by :class:`~splitrl.rollout.spec_policy.SpecPolicy`.
@@ -137,7 +141,8 @@ class RolloutEngine:
     as :class:`~splitrl.rollout.spec_policy.SpecPolicy` decides (an in-call switch-off rule from
     device-timed steps, and a measured choice between calls); a weight sync
     (:meth:`load_state_dict`, :meth:`weights_updated`) switches speculation on again. Both kinds
-    emit the same tokens (see the module docstring).
+    emit the same tokens (see the module docstring); with ``config.deterministic`` every call is
+    speculative, so that the logprobs do not depend on timing either.
 
     Attributes:
         use_cuda_graphs: capture decode steps as CUDA graphs (CUDA only; default True there).
@@ -387,7 +392,7 @@ class RolloutEngine:
         runner, kind = self.runner, "spec" if spec else "plain"
         if runner.use_cuda_graphs:
             runner.graph(kind, B, L)  # a capture is setup: not inside the chunk's timings
-        if not spec:
+        if not spec or self.policy.deterministic:  # deterministic: no clock decides, nothing is timed
             runner.run_steps(kind, B, L, n_steps)
             return slots.sync(active, B)
         timer = DeviceTimer(self.device, synchronize=False)

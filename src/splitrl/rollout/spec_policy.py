@@ -92,14 +92,19 @@ class SpecPolicy:
     faster kind, and every ``EXPLORE_EVERY`` calls the slower kind runs once more. Plain and
     speculative calls emit the same tokens, so the choice changes speed only.
 
+    With ``config.deterministic`` neither runs: every call is speculative and nothing is timed
+    (the decision reads no clock, so two runs of one config give bit-identical logprobs).
+
     Attributes:
         switch_off: apply the switch-off rule and the measured choice (default True); when False
             every call is speculative and the rule's estimate is still computed and reported
             (benchmarks measure speculation this way).
+        deterministic: ``config.deterministic``: speculation follows the config alone.
     """
 
     def __init__(self, config: GenerationConfig, num_drafts: int):
         self.speculative = config.speculative
+        self.deterministic = config.deterministic
         self.num_drafts = num_drafts
         self.switch_off = True
         self._active = config.speculative  # False once the in-call rule switched it off
@@ -117,7 +122,7 @@ class SpecPolicy:
         ``peek``: without counting the call towards the next exploration."""
         if not self.speculative:
             return False
-        if not self.switch_off:
+        if self.deterministic or not self.switch_off:
             return True
         if not self._active:  # the in-call rule switched it off until the next sync
             return False
@@ -157,7 +162,7 @@ class SpecPolicy:
         · (plain step time) / (verify iteration time) over the iterations so far, each bucket's
         plain time measured on the device; switch off below 1. ``live_drafted`` /
         ``live_accepted``: the counts of the rows still decoding (by slot)."""
-        if timing.iterations < SWITCH_MIN_ITERATIONS:
+        if self.deterministic or timing.iterations < SWITCH_MIN_ITERATIONS:
             return False
         drafted = stats.drafted_tokens + sum(live_drafted)
         if not drafted or timing.wall_s <= 0 or not timing.chunks:
