@@ -322,7 +322,8 @@ class ModelRunner:
 
     @contextmanager
     def _setup_time(self) -> Iterator[None]:
-        """Count the enclosed seconds (the engine's device work included) into ``stats.setup_s``.
+        """Count the enclosed seconds (the engine's device work included) into :attr:`setup_s` (each
+        call reports its share as ``stats.setup_s``).
         Waits for the engine's stream only: with placement=colocated the train half of the process
         queues work on the same device, which is not the engine's setup."""
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
