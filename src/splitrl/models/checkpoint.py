@@ -260,7 +260,7 @@ def load_pretrained(
     Returns:
         A :class:`PolicyModel` in fp32. MTP tensors found in the directory are loaded exactly;
         a directory without them (a plain HF model) gets heads started as ``mtp.mtp_init`` says
-        (default: from the backbone's last layer, :func:`~splitrl.models.mtp.warm_start_from_backbone`). A directory
+        (default: random init; :func:`~splitrl.models.mtp.warm_start_from_backbone`). A directory
         whose depths share ``fc``, the input norms and the final norm (splitrl checkpoints
         written before per-depth modules, or Qwen3-Next with ``mtp_num_hidden_layers`` > 1) is
         converted exactly: the shared tensors are copied into every depth module (a warning
@@ -306,7 +306,12 @@ def load_pretrained(
         return model
     if not stored:
         if mtp.mtp_init == "random":
-            log.warning("%s has no MTP tensors: the %d MTP depth(s) start from random init", path, mtp.mtp_num_layers)
+            log.warning(
+                "%s has no MTP tensors: the %d MTP depth(s) start from random init; train them first with "
+                "train.mtp_warmup_steps",
+                path,
+                mtp.mtp_num_layers,
+            )
         else:
             warm_start_from_backbone(model.mtp, backbone, mtp.mtp_init)
             log.warning(

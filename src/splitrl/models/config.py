@@ -63,19 +63,19 @@ class MTPConfig(BaseModel):
             the train step keeps apart with a second backward pass per microbatch and one extra
             fp32 gradient buffer of the policy parameters (``splitrl.train.side_grads``); every other
             combination runs a single backward.
-        mtp_objective: the per-position term of the MTP loss (DESIGN §3). ``ce``: cross-entropy
-            on the sampled target token (the seed system's, Megatron's). ``distill``: KL(p̄ ‖ q_k),
-            p̄ the policy's own next-token distribution at the target position (main logits / T,
-            detached), q_k the depth's at the same T (T = the rollout temperature): what
-            speculative acceptance depends on, and a far less noisy estimate of it than one
-            sampled token (at T = 1 the two have the same expected gradient). Same masks, N_t
-            normalization, detach rule and loss scale either way; ``mtp/mtp_{k}_loss`` reports
-            the chosen term.
+        mtp_objective: the per-position term of the MTP loss (DESIGN §3). ``ce`` (default):
+            cross-entropy on the sampled target token (the seed system's, Megatron's).
+            ``distill``: KL(p̄ ‖ q_k), p̄ the policy's own next-token distribution at the target
+            position (main logits / T, detached), q_k the depth's at the same T (T = the rollout
+            temperature), what speculative acceptance depends on. Same masks, N_t normalization,
+            detach rule and loss scale either way; ``mtp/mtp_{k}_loss`` reports the chosen term.
+            ``ce`` is the default because it drafted as well or better on SmolLM2-135M-Instruct
+            (``bench/bench_mtp_warmstart.py``; figures in bench/RESULTS.md).
         mtp_init: how depths start when a checkpoint has no MTP weights (a random-init backbone
-            always starts them at random): ``last_layer`` copies the backbone's last decoder layer
-            and final norm into each depth and lets ``fc`` pass the hidden half through;
-            ``last_layer_embedding`` / ``last_layer_sum`` pass the embedding half / both;
-            ``random`` keeps the random init (:func:`splitrl.models.mtp.warm_start_from_backbone`).
+            always starts them at random). ``random`` (default, measured best in the same bench);
+            ``last_layer``: each depth copies the backbone's last decoder layer and final norm and
+            ``fc`` passes the hidden half through; ``last_layer_embedding`` / ``last_layer_sum``:
+            ``fc`` passes the embedding half / both (:func:`splitrl.models.mtp.warm_start_from_backbone`).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -85,7 +85,7 @@ class MTPConfig(BaseModel):
     mtp_use_repeated_layer: bool = False
     mtp_detach_heads: bool = True
     mtp_objective: Literal["ce", "distill"] = "ce"
-    mtp_init: Literal["random", "last_layer", "last_layer_embedding", "last_layer_sum"] = "last_layer"
+    mtp_init: Literal["random", "last_layer", "last_layer_embedding", "last_layer_sum"] = "random"
 
 
 class ModelConfig(BaseModel):

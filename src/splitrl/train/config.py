@@ -77,8 +77,10 @@ class OptimConfig(BaseModel):
 
     Attributes:
         lr: peak learning rate of the policy parameters.
-        mtp_lr: peak learning rate of the MTP parameters (default: ``lr``).
-        weight_decay: AdamW decay of matrices (norm weights and biases are not decayed).
+        mtp_lr: peak learning rate of the MTP parameters, their own AdamW group (the heads-only
+            warm-up uses it too; the schedule scales it like ``lr``); ``null``: ``lr``. Default
+            1e-3, measured best for fresh heads on a pretrained policy, far above a policy's
+            RL learning rate (``bench/bench_mtp_warmstart.py``; figures in bench/RESULTS.md).
         warmup_steps: linear warmup from lr/warmup_steps to lr.
         schedule: ``constant`` after warmup, or ``cosine`` decay to ``min_lr_ratio``·lr at
             ``total_steps`` (required for cosine; a run config fills in its ``num_steps``
@@ -94,7 +96,7 @@ class OptimConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     lr: float = Field(1e-5, gt=0.0)
-    mtp_lr: float | None = Field(None, gt=0.0)
+    mtp_lr: float | None = Field(1e-3, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0.0)
