@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from splitrl.config import demo_model_config, load_config
 from splitrl.controller.controller import preflight
 from splitrl.models import PolicyModel
-from splitrl.models.checkpoint import load_pretrained
+from splitrl.models.policy import load_pretrained
 from splitrl.tasks import make_task
 
 LOCAL = ["backend=local", "logging.tensorboard=false"]

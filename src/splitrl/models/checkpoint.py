@@ -13,6 +13,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors import safe_open
@@ -20,7 +21,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from splitrl.models.config import SUPPORTED_FAMILIES, ModelCapabilities, MTPConfig
-from splitrl.models.mtp import mtp_checkpoint_names, mtp_state_from_checkpoint, warm_start_from_backbone
+from splitrl.models.mtp import MTPBlock, mtp_checkpoint_names, mtp_state_from_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +137,8 @@ def verify_pretrained(path: str | os.PathLike, key: str = "model.pretrained_path
     Args:
         path: the directory.
         key: the config key that named it (used in messages).
-        mtp: when given, stored MTP tensors must also fit these knobs (as :func:`load_pretrained`
-            requires).
+        mtp: when given, stored MTP tensors must also fit these knobs (as
+            :func:`splitrl.models.policy.load_pretrained` requires).
 
     Raises:
         ValueError: naming ``key``, the file and what is wrong.
@@ -206,10 +207,9 @@ def verify_pretrained(path: str | os.PathLike, key: str = "model.pretrained_path
 
 
 def _meta_policy(hf_cfg, mtp: MTPConfig | None):
-    """The policy ``hf_cfg`` and ``mtp`` describe, built on the meta device (no memory, no
-    init) for its tensor names and shapes; None for a model type this package cannot build."""
-    from splitrl.models.policy import PolicyModel
-
+    """The backbone and MTP block ``hf_cfg`` and ``mtp`` describe (as ``PolicyModel`` builds
+    them), on the meta device (no memory, no init), for their tensor names and shapes; None for
+    a model type this package cannot build."""
     try:
         cls = AutoModelForCausalLM._model_mapping[type(hf_cfg)]
     except KeyError:
@@ -217,7 +217,12 @@ def _meta_policy(hf_cfg, mtp: MTPConfig | None):
     if getattr(hf_cfg, "model_type", None) not in SUPPORTED_FAMILIES:
         return None
     with torch.device("meta"):
-        return PolicyModel(cls(hf_cfg), mtp)
+        backbone = cls(hf_cfg)
+        block = None
+        if mtp is not None and mtp.mtp_num_layers > 0:
+            inner = backbone.model
+            block = MTPBlock(hf_cfg, mtp.mtp_num_layers, mtp.mtp_use_repeated_layer, type(inner.layers[0]), type(inner.norm))
+    return SimpleNamespace(backbone=backbone, mtp=block)
 
 
 def _mtp_mismatch(path, mtp: MTPConfig, stored: set[str], expected: set[str], hf_cfg) -> str:
@@ -240,101 +245,6 @@ def read_mtp_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
                 if k.startswith("mtp."):
                     out[k[len("mtp.") :]] = st.get_tensor(k)
     return out
-
-
-def load_pretrained(
-    path: str | os.PathLike,
-    *,
-    mtp: MTPConfig | None = None,
-    capabilities: ModelCapabilities | None = None,
-    attn_implementation: str = "sdpa",
-):
-    """Load a local Hugging Face directory through transformers' own ``from_pretrained``.
-
-    Args:
-        path: directory with ``config.json`` and safetensors weights (ours, or a stock HF one).
-        mtp: MTP knobs; default: those saved in the directory, else no MTP.
-        capabilities: default: those saved, else none.
-        attn_implementation: ``sdpa`` or ``eager``.
-
-    Returns:
-        A :class:`PolicyModel` in fp32. MTP tensors found in the directory are loaded exactly;
-        a directory without them (a plain HF model) gets heads started as ``mtp.mtp_init`` says
-        (default: random init; :func:`~splitrl.models.mtp.warm_start_from_backbone`). A directory
-        whose depths share ``fc``, the input norms and the final norm (splitrl checkpoints
-        written before per-depth modules, or Qwen3-Next with ``mtp_num_hidden_layers`` > 1) is
-        converted exactly: the shared tensors are copied into every depth module (a warning
-        says so), and a later save writes the per-depth layout.
-
-    Raises:
-        ValueError: missing directory or config, missing / truncated / corrupt weight files
-            (:func:`verify_pretrained`), or stored MTP tensors that do not fit the requested MTP
-            shape (e.g. a different number of depths).
-    """
-    from splitrl.models.policy import PolicyModel
-
-    from splitrl.models.gguf import resolve_model_path
-
-    path = Path(resolve_model_path(path))
-    verify_pretrained(path, key="pretrained_path")
-    hf_cfg = AutoConfig.from_pretrained(str(path))
-    saved = getattr(hf_cfg, "splitrl", None) or {}
-    if mtp is None:
-        if "mtp" in saved:
-            mtp = MTPConfig(**saved["mtp"])
-        else:
-            # a Qwen3-Next-layout checkpoint written elsewhere: as many depths as stored layers
-            mtp = MTPConfig(mtp_num_layers=int(getattr(hf_cfg, "mtp_num_hidden_layers", 0) or 0))
-    if capabilities is None:
-        capabilities = ModelCapabilities(**saved["capabilities"]) if "capabilities" in saved else ModelCapabilities()
-    # the stock class does not know the mtp.* tensors (read below): tell it they are expected
-    # to be left over, instead of reporting each as UNEXPECTED
-    cls = AutoModelForCausalLM._model_mapping[type(hf_cfg)]
-    saved_ignore = cls._keys_to_ignore_on_load_unexpected
-    cls._keys_to_ignore_on_load_unexpected = list(saved_ignore or []) + [r"^mtp\."]
-    try:
-        backbone = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=torch.float32, attn_implementation=attn_implementation
-        )
-    finally:
-        cls._keys_to_ignore_on_load_unexpected = saved_ignore
-    model = PolicyModel(backbone, mtp, capabilities)
-    stored = read_mtp_tensors(path)
-    if model.mtp is None:
-        if stored:
-            log.warning("%s holds MTP tensors but mtp_num_layers=0: the heads are not loaded", path)
-        return model
-    if not stored:
-        if mtp.mtp_init == "random":
-            log.warning(
-                "%s has no MTP tensors: the %d MTP depth(s) start from random init; train them first with "
-                "train.mtp_warmup_steps",
-                path,
-                mtp.mtp_num_layers,
-            )
-        else:
-            warm_start_from_backbone(model.mtp, backbone, mtp.mtp_init)
-            log.warning(
-                "%s has no MTP tensors: the %d MTP depth(s) start from the backbone's last layer (mtp_init=%s); "
-                "train them first with train.mtp_warmup_steps",
-                path,
-                mtp.mtp_num_layers,
-                mtp.mtp_init,
-            )
-        return model
-    stored, layout = mtp_state_from_checkpoint(stored, model.mtp.num_modules)
-    expected = set(model.mtp.state_dict())
-    if set(stored) != expected:
-        raise ValueError(_mtp_mismatch(path, mtp, set(stored), expected, hf_cfg))
-    if layout == "shared":
-        log.warning(
-            "%s stores MTP depths that share fc / pre_fc_norm_* / norm (the layout before per-depth MTP "
-            "modules): copied into each of the %d depth modules; saving writes the per-depth layout",
-            path,
-            model.mtp.num_modules,
-        )
-    model.mtp.load_state_dict(stored, strict=True)
-    return model
 
 
 def export_deepseek_v3(model, path: str | os.PathLike) -> None:

@@ -10,15 +10,17 @@ prediction (main or MTP) crosses from one sample into the next.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen3Config, Qwen3MoeConfig
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen3Config, Qwen3MoeConfig
 
-from splitrl.models.head import distill_kl, target_logprobs
 from splitrl.models.attention import packed_attention_mask
+from splitrl.models.checkpoint import _mtp_mismatch, read_mtp_tensors, save_pretrained, verify_pretrained
 from splitrl.models.config import (
     SIZE_KEYS,
     SUPPORTED_FAMILIES,
@@ -27,8 +29,10 @@ from splitrl.models.config import (
     ModelConfig,
     MTPConfig,
 )
+from splitrl.models.gguf import resolve_model_path
+from splitrl.models.head import distill_kl, target_logprobs
 from splitrl.models.moe import router_statistics
-from splitrl.models.mtp import MTPBlock
+from splitrl.models.mtp import MTPBlock, mtp_state_from_checkpoint, warm_start_from_backbone
 
 log = logging.getLogger(__name__)
 
@@ -252,8 +256,6 @@ class PolicyModel(nn.Module):
     def from_config(cls, config: ModelConfig) -> "PolicyModel":
         """Random-init model (or a local pretrained one when ``config.pretrained_path`` is set)."""
         if config.pretrained_path is not None:
-            from splitrl.models.checkpoint import load_pretrained
-
             return load_pretrained(
                 config.pretrained_path,
                 mtp=config.mtp,
@@ -271,15 +273,11 @@ class PolicyModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str, **kwargs) -> "PolicyModel":
-        """Load a local directory (ours, or a stock Hugging Face one); see ``checkpoint.load_pretrained``."""
-        from splitrl.models.checkpoint import load_pretrained
-
+        """Load a local directory (ours, or a stock Hugging Face one); see :func:`load_pretrained`."""
         return load_pretrained(path, **kwargs)
 
     def save_pretrained(self, path: str) -> None:
         """Write config.json + model.safetensors with the MTP tensors under ``mtp.`` (DESIGN §3)."""
-        from splitrl.models.checkpoint import save_pretrained
-
         save_pretrained(self, path)
 
     # ------------------------------------------------------------------------------- accessors
@@ -483,3 +481,94 @@ class PolicyModel(nn.Module):
                 out.mtp_counts.append(m_flat.sum())
                 h_prev = h_k
         return out
+
+
+def load_pretrained(
+    path: str | os.PathLike,
+    *,
+    mtp: MTPConfig | None = None,
+    capabilities: ModelCapabilities | None = None,
+    attn_implementation: str = "sdpa",
+):
+    """Load a local Hugging Face directory through transformers' own ``from_pretrained``.
+
+    Args:
+        path: directory with ``config.json`` and safetensors weights (ours, or a stock HF one).
+        mtp: MTP knobs; default: those saved in the directory, else no MTP.
+        capabilities: default: those saved, else none.
+        attn_implementation: ``sdpa`` or ``eager``.
+
+    Returns:
+        A :class:`PolicyModel` in fp32. MTP tensors found in the directory are loaded exactly;
+        a directory without them (a plain HF model) gets heads started as ``mtp.mtp_init`` says
+        (default: random init; :func:`~splitrl.models.mtp.warm_start_from_backbone`). A directory
+        whose depths share ``fc``, the input norms and the final norm (splitrl checkpoints
+        written before per-depth modules, or Qwen3-Next with ``mtp_num_hidden_layers`` > 1) is
+        converted exactly: the shared tensors are copied into every depth module (a warning
+        says so), and a later save writes the per-depth layout.
+
+    Raises:
+        ValueError: missing directory or config, missing / truncated / corrupt weight files
+            (:func:`verify_pretrained`), or stored MTP tensors that do not fit the requested MTP
+            shape (e.g. a different number of depths).
+    """
+    path = Path(resolve_model_path(path))
+    verify_pretrained(path, key="pretrained_path")
+    hf_cfg = AutoConfig.from_pretrained(str(path))
+    saved = getattr(hf_cfg, "splitrl", None) or {}
+    if mtp is None:
+        if "mtp" in saved:
+            mtp = MTPConfig(**saved["mtp"])
+        else:
+            # a Qwen3-Next-layout checkpoint written elsewhere: as many depths as stored layers
+            mtp = MTPConfig(mtp_num_layers=int(getattr(hf_cfg, "mtp_num_hidden_layers", 0) or 0))
+    if capabilities is None:
+        capabilities = ModelCapabilities(**saved["capabilities"]) if "capabilities" in saved else ModelCapabilities()
+    # the stock class does not know the mtp.* tensors (read below): tell it they are expected
+    # to be left over, instead of reporting each as UNEXPECTED
+    cls = AutoModelForCausalLM._model_mapping[type(hf_cfg)]
+    saved_ignore = cls._keys_to_ignore_on_load_unexpected
+    cls._keys_to_ignore_on_load_unexpected = list(saved_ignore or []) + [r"^mtp\."]
+    try:
+        backbone = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch.float32, attn_implementation=attn_implementation
+        )
+    finally:
+        cls._keys_to_ignore_on_load_unexpected = saved_ignore
+    model = PolicyModel(backbone, mtp, capabilities)
+    stored = read_mtp_tensors(path)
+    if model.mtp is None:
+        if stored:
+            log.warning("%s holds MTP tensors but mtp_num_layers=0: the heads are not loaded", path)
+        return model
+    if not stored:
+        if mtp.mtp_init == "random":
+            log.warning(
+                "%s has no MTP tensors: the %d MTP depth(s) start from random init; train them first with "
+                "train.mtp_warmup_steps",
+                path,
+                mtp.mtp_num_layers,
+            )
+        else:
+            warm_start_from_backbone(model.mtp, backbone, mtp.mtp_init)
+            log.warning(
+                "%s has no MTP tensors: the %d MTP depth(s) start from the backbone's last layer (mtp_init=%s); "
+                "train them first with train.mtp_warmup_steps",
+                path,
+                mtp.mtp_num_layers,
+                mtp.mtp_init,
+            )
+        return model
+    stored, layout = mtp_state_from_checkpoint(stored, model.mtp.num_modules)
+    expected = set(model.mtp.state_dict())
+    if set(stored) != expected:
+        raise ValueError(_mtp_mismatch(path, mtp, set(stored), expected, hf_cfg))
+    if layout == "shared":
+        log.warning(
+            "%s stores MTP depths that share fc / pre_fc_norm_* / norm (the layout before per-depth MTP "
+            "modules): copied into each of the %d depth modules; saving writes the per-depth layout",
+            path,
+            model.mtp.num_modules,
+        )
+    model.mtp.load_state_dict(stored, strict=True)
+    return model
