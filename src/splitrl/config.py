@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from splitrl._lazy import deferred_import_checks, import_checks_deferred
 from splitrl.config_help import explain_validation_error
 from splitrl.config_types import UserPath
-from splitrl.controller.advantages import AdvantageConfig
+from splitrl.loss.advantages import AdvantageConfig
 from splitrl.controller.buffer import ReplayBufferConfig
 from splitrl.dataplane import DataPlaneConfig
 from splitrl.eval_config import EvalConfig

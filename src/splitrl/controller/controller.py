@@ -47,7 +47,7 @@ import torch
 
 from splitrl.config import RunConfig
 from splitrl.controller.actors import spawn
-from splitrl.controller.advantages import advantage_metrics, compute_group_advantages
+from splitrl.loss.advantages import advantage_metrics, compute_group_advantages
 from splitrl.controller.buffer import ReplayBuffer, StepComposer, group_from_dict, group_to_dict, staleness_metrics
 from splitrl.controller.generation import GenerationWorker, load_tokenizer
 from splitrl.controller.health import RunHealth

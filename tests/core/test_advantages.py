@@ -7,7 +7,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from splitrl.controller.advantages import (
+from splitrl.loss.advantages import (
     AdvantageConfig,
     advantage_metrics,
     compute_group_advantages,
