@@ -17,7 +17,7 @@ import yaml
 from splitrl.cli import main
 from splitrl.cli_eval import heldout_start, resolve_policy_dir
 from splitrl.config import load_config
-from splitrl.controller.generation import GenerationWorker
+from splitrl.workers.generation import GenerationWorker
 from splitrl.dataplane import InProcessDataPlane
 from splitrl.evaluation import evaluate, generate_samples, pass_at_k
 from splitrl.models import PolicyModel

@@ -152,7 +152,7 @@ def load_policy_and_config(args: argparse.Namespace):
 
         tokenizer = AutoTokenizer.from_pretrained(str(policy_dir))
     else:  # a checkpoint written before policy/ held its tokenizer
-        from splitrl.controller.generation import load_tokenizer
+        from splitrl.workers.generation import load_tokenizer
 
         tokenizer = load_tokenizer(config.tokenizer, config.model.pretrained_path)
     model = PolicyModel.from_pretrained(str(policy_dir))

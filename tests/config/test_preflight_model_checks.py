@@ -187,7 +187,7 @@ def test_overlong_data_rows_are_left_out_counted_and_named(tmp_path, caplog):
 def test_a_run_over_a_file_with_an_overlong_row_trains_every_other_row(tmp_path, monkeypatch):
     """Kind: the overlong row crashed the run when its step came ("prompt 0 ... exceeds"); the
     run now trains on the rows that fit, each of them, and none other."""
-    from splitrl.controller import generation
+    from splitrl.workers import generation
     from splitrl.controller.controller import train
 
     rows = [("1+1", "2"), ("y" * 300, "1"), ("2+3", "5"), ("3+3", "6")]

@@ -11,7 +11,7 @@ from _tiny import TINY_STEP
 
 from splitrl.config import load_config
 from splitrl.controller import controller as C
-from splitrl.controller import generation
+from splitrl.workers import generation
 from splitrl.controller.policy_client import PolicyClient
 
 TINY = TINY_STEP + ["backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false"]

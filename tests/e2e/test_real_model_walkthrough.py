@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-import splitrl.controller.generation as generation_module
+import splitrl.workers.generation as generation_module
 from splitrl.config import load_config
 from splitrl.controller.controller import train
 from splitrl.logging import read_metrics

@@ -86,7 +86,7 @@ def test_resume_from_a_checkpoint_written_in_the_background_reproduces_the_run(t
     reports its files on disk; the blocking time is logged as timing/checkpoint_s."""
     import shutil
 
-    from splitrl.controller import train_actor
+    from splitrl.workers import train_actor
 
     real = train_actor.TrainActor.checkpoint_written
     polls: list[tuple[bool, bool]] = []  # (files written, step_000002 visible as a checkpoint)
@@ -196,7 +196,7 @@ def test_bad_configs_fail_before_anything_starts(tmp_path):
 
 
 def test_failed_chunk_aborts_and_stops_with_the_cause(tmp_path, monkeypatch):
-    from splitrl.controller import train_actor
+    from splitrl.workers import train_actor
 
     def boom(self, *a, **k):
         raise ValueError("injected chunk failure")
@@ -263,7 +263,7 @@ def test_fewer_steps_than_a_run_made_is_said_not_passed_for_a_finished_run(tmp_p
 
 
 def test_a_failed_chunk_is_retried_and_the_run_goes_on(tmp_path, monkeypatch):
-    from splitrl.controller import train_actor
+    from splitrl.workers import train_actor
 
     real = train_actor.TrainActor.train_chunk
     calls = {"n": 0}
@@ -283,7 +283,7 @@ def test_a_failed_chunk_is_retried_and_the_run_goes_on(tmp_path, monkeypatch):
 def test_watchdog_reports_a_stall_instead_of_hanging(tmp_path, monkeypatch):
     import time
 
-    from splitrl.controller import generation
+    from splitrl.workers import generation
     from splitrl.controller.controller import StallError
 
     def hung(self, *a, **k):
@@ -300,7 +300,7 @@ def test_watchdog_reports_a_stall_instead_of_hanging(tmp_path, monkeypatch):
 def test_two_generation_workers_with_a_small_buffer_generate_each_prompt_once(tmp_path, monkeypatch):
     """Back-pressure keeps a finished request's groups waiting for room in the buffer; another
     pump must not claim (and generate) those prompts again meanwhile."""
-    from splitrl.controller import generation
+    from splitrl.workers import generation
 
     seen: list[int] = []
     real = generation.GenerationWorker.generate_groups
@@ -342,7 +342,7 @@ def test_groups_reach_training_before_their_generation_call_returns(tmp_path, mo
     while that call is still generating. Without streaming the worker below waits in vain."""
     import threading
 
-    from splitrl.controller import generation
+    from splitrl.workers import generation
     from splitrl.controller.policy_client import PolicyClient
 
     training_started = threading.Event()

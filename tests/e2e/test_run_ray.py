@@ -10,7 +10,7 @@ from _tiny import TINY_STEP
 
 from splitrl.config import load_config
 from splitrl.controller.controller import train
-from splitrl.controller.generation import GenerationWorker
+from splitrl.workers.generation import GenerationWorker
 from splitrl.logging import read_metrics
 
 pytestmark = pytest.mark.ray

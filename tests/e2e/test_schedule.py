@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 from splitrl.config import load_config
 from splitrl.controller.controller import train
-from splitrl.controller.generation import GenerationWorker
-from splitrl.controller.train_actor import TrainActor
+from splitrl.workers.generation import GenerationWorker
+from splitrl.workers.train_actor import TrainActor
 
 TINY = TINY_STEP + ["backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false", "checkpoint_every=0"]
 NUM_STEPS = 3

@@ -18,7 +18,7 @@ def test_cut_after_the_token_that_completes_the_stop_string():
 
 def test_generation_worker_ends_responses_at_stop_strings():
     from splitrl.config import load_config
-    from splitrl.controller.generation import GenerationWorker
+    from splitrl.workers.generation import GenerationWorker
     from splitrl.dataplane import InProcessDataPlane
 
     cfg = load_config(None, ["rollout.max_new_tokens=8", "rollout.stop_strings=[',']"])
@@ -45,7 +45,7 @@ def test_generation_worker_hands_each_group_over_when_its_last_sample_ends():
     import pytest
 
     from splitrl.config import load_config
-    from splitrl.controller.generation import GenerationWorker
+    from splitrl.workers.generation import GenerationWorker
     from splitrl.dataplane import InProcessDataPlane
 
     cfg = load_config(None, ["rollout.max_new_tokens=6", "rollout.batch_size=4"])

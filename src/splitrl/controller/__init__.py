@@ -1,3 +1,3 @@
 """The single controller and its parts (DESIGN §4): replay buffer and sampler (``buffer``),
-group advantages (``advantages``), generation and train actors, the policy client and the
+the policy client that drives the train workers, and the
 asyncio controller that drives them (``controller``)."""

@@ -146,7 +146,7 @@ def load_checked_tokenizer(config: RunConfig) -> Any:
         ValueError: naming ``tokenizer.path`` / ``model.pretrained_path``: the directory has no
             tokenizer files, or transformers cannot load it.
     """
-    from splitrl.controller.generation import load_tokenizer
+    from splitrl.workers.generation import load_tokenizer
 
     tc = config.tokenizer
     where = tc.path or config.model.pretrained_path

@@ -49,7 +49,7 @@ from splitrl.config import RunConfig
 from splitrl.controller.actors import spawn
 from splitrl.loss.advantages import advantage_metrics, compute_group_advantages
 from splitrl.controller.buffer import ReplayBuffer, StepComposer, group_from_dict, group_to_dict, staleness_metrics
-from splitrl.controller.generation import GenerationWorker, load_tokenizer
+from splitrl.workers.generation import GenerationWorker, load_tokenizer
 from splitrl.controller.health import RunHealth
 from splitrl.controller.placement import (
     bundle_options,
@@ -78,7 +78,7 @@ from splitrl.controller.run_checkpoint import (
     unusable_checkpoints,
     write_complete,
 )
-from splitrl.controller.train_actor import TOKEN_FIELDS, TrainActor
+from splitrl.workers.train_actor import TOKEN_FIELDS, TrainActor
 from splitrl.dataplane import DataPlaneConfig, make_data_plane
 from splitrl.eval_config import plan_eval
 from splitrl.logging import MetricsLogger

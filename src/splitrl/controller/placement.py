@@ -112,15 +112,15 @@ class ColocatedWorker:
     """A train rank and a generation worker in one process (``placement: colocated``).
 
     Args:
-        train: ``(args, kwargs)`` of :class:`~splitrl.controller.train_actor.TrainActor`.
-        gen: ``(args, kwargs)`` of :class:`~splitrl.controller.generation.GenerationWorker`.
+        train: ``(args, kwargs)`` of :class:`~splitrl.workers.train_actor.TrainActor`.
+        gen: ``(args, kwargs)`` of :class:`~splitrl.workers.generation.GenerationWorker`.
     """
 
     PARTS = ("train", "gen")
 
     def __init__(self, train: tuple[tuple, dict], gen: tuple[tuple, dict]) -> None:
-        from splitrl.controller.generation import GenerationWorker
-        from splitrl.controller.train_actor import TrainActor
+        from splitrl.workers.generation import GenerationWorker
+        from splitrl.workers.train_actor import TrainActor
 
         # the train rank first: with several ranks it pins this process's CUDA device
         self.train = TrainActor(*train[0], **train[1])

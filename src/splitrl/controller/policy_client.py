@@ -30,7 +30,7 @@ def balance_by_tokens(samples: list[SampleMeta], num_shards: int) -> list[list[i
 
 
 class PolicyClient:
-    """Drives ``TrainActor`` s (see :mod:`splitrl.controller.train_actor`) through actor handles."""
+    """Drives ``TrainActor`` s (see :mod:`splitrl.workers.train_actor`) through actor handles."""
 
     def __init__(self, actors: list) -> None:
         if not actors:

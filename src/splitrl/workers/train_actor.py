@@ -132,7 +132,7 @@ class TrainActor:
 
     def stage_weights_into(self, workers: list, version: int, bucket_bytes: int) -> int:
         """In-process weight sync (``backend: local``): stage this rank's policy into the
-        :class:`~splitrl.controller.generation.GenerationWorker` objects of this process, on the
+        :class:`~splitrl.workers.generation.GenerationWorker` objects of this process, on the
         device, beside their generation calls; each engine takes them at its next call. Runs on
         this actor's thread (no train call runs meanwhile). Returns the bytes staged per worker.
         """
