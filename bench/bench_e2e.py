@@ -190,7 +190,7 @@ def stop_token_ids(config: RunConfig, p: float) -> list[int]:
             outside the tokenizer's text (how to fix is said); or the config's model/tokenizer
             are invalid.
     """
-    from splitrl.controller.checks import load_checked_tokenizer, model_hf_config
+    from splitrl.controller.preflight import load_checked_tokenizer, model_hf_config
 
     vocab = model_hf_config(config).vocab_size
     tok = load_checked_tokenizer(config)
@@ -214,7 +214,7 @@ def stop_token_ids(config: RunConfig, p: float) -> list[int]:
 
 
 def _eos(config: RunConfig) -> int | None:
-    from splitrl.controller.checks import load_checked_tokenizer
+    from splitrl.controller.preflight import load_checked_tokenizer
 
     return load_checked_tokenizer(config).eos_token_id
 

@@ -136,7 +136,7 @@ def _main(argv: list[str] | None) -> int:
     if args.print_config:
         import yaml
 
-        from splitrl.controller.checks import model_hf_config
+        from splitrl.controller.preflight import model_hf_config
 
         try:  # the model's own keys too (transformers keeps a misspelt one silently)
             model_hf_config(config)

@@ -136,7 +136,7 @@ def test_non_utf8_input_names_the_file_and_line(tmp_path, capsys):
 def test_output_dir_filesystem_errors_are_one_line(tmp_path, capsys, monkeypatch):
     """Kind: an OSError under output_dir (cannot create, cannot write, fails mid-run) ended in a
     traceback; it is one line naming output_dir (preflight) or the file (during the run)."""
-    from splitrl.controller.checks import check_output_dir
+    from splitrl.controller.preflight import check_output_dir
 
     with pytest.raises(ValueError, match=r"output_dir='/proc/splitrl_x/run': cannot create it"):
         check_output_dir("/proc/splitrl_x/run")

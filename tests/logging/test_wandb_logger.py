@@ -214,7 +214,7 @@ def test_preflight_checks_wandb_credentials(tmp_path, monkeypatch):
     import pytest
 
     from splitrl.config import load_config
-    from splitrl.controller import controller as C
+    from splitrl.controller import preflight as C
 
     def refuse(config, *a, **k):
         if config is not None:

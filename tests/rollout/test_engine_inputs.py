@@ -56,7 +56,7 @@ def test_a_backbone_that_stays_small_with_some_defaults_still_builds():
 
 def test_preflight_refuses_the_huge_default_and_names_the_small_ones_it_lets_through(caplog):
     from splitrl.config import load_config
-    from splitrl.controller.checks import model_hf_config
+    from splitrl.controller.preflight import model_hf_config
 
     config = load_config(None, ["model.backbone={vocab_size: 64}"])
     with pytest.raises(ValueError, match="10.81 B-parameter"):

@@ -47,9 +47,13 @@ import torch
 
 from splitrl.config import RunConfig
 from splitrl.controller.actors import spawn
-from splitrl.loss.advantages import advantage_metrics, compute_group_advantages
-from splitrl.controller.buffer import ReplayBuffer, StepComposer, group_from_dict, group_to_dict, staleness_metrics
-from splitrl.workers.generation import GenerationWorker, load_tokenizer
+from splitrl.controller.buffer import (
+    ReplayBuffer,
+    StepComposer,
+    group_from_dict,
+    group_to_dict,
+    staleness_metrics,
+)
 from splitrl.controller.health import RunHealth
 from splitrl.controller.placement import (
     bundle_options,
@@ -60,13 +64,17 @@ from splitrl.controller.placement import (
     spawn_colocated,
 )
 from splitrl.controller.policy_client import PolicyClient
+from splitrl.controller.preflight import (  # noqa: F401 - re-exported
+    latest_checkpoint,
+    preflight,
+    settings_without_effect,
+)
 from splitrl.controller.run_checkpoint import (
-    TMP_SUFFIX,
     CONTROLLER_STATE,
     RUN_CONFIG,
+    TMP_SUFFIX,
     CheckpointError,
     RunDirLock,
-    checkpoint_step,
     complete_checkpoints,
     intact_checkpoints,
     known_damaged,
@@ -75,17 +83,17 @@ from splitrl.controller.run_checkpoint import (
     remove_leftovers,
     set_aside_earlier_run,
     step_dir,
-    unusable_checkpoints,
     write_complete,
 )
-from splitrl.workers.train_actor import TOKEN_FIELDS, TrainActor
 from splitrl.dataplane import DataPlaneConfig, make_data_plane
 from splitrl.eval_config import plan_eval
 from splitrl.logging import MetricsLogger
-from splitrl.logging.wandb_logger import check_credentials as check_wandb_credentials
+from splitrl.loss.advantages import advantage_metrics, compute_group_advantages
 from splitrl.models.hf_files import write_inference_files
 from splitrl.train.checkpoint import SHARDS_DIR
 from splitrl.types import Group
+from splitrl.workers.generation import GenerationWorker, load_tokenizer
+from splitrl.workers.train_actor import TOKEN_FIELDS, TrainActor
 
 log = logging.getLogger(__name__)
 
@@ -93,185 +101,6 @@ log = logging.getLogger(__name__)
 LEGACY_TRAINER_FILE = "trainer.pt"  # the whole trainer state in one file (checkpoints before sharded ones)
 # how often the controller asks whether a checkpoint's background writes are done
 CHECKPOINT_POLL_S = 0.2
-
-
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest intact checkpoint directory of a run, or None (a damaged newer one is skipped
-    with a warning; see :mod:`splitrl.controller.run_checkpoint`)."""
-    return latest_intact_checkpoint(output_dir)
-
-
-def settings_without_effect(config: RunConfig) -> list[str]:
-    """Valid settings that, together, leave part of the run doing nothing (warned about, not
-    refused: each can be meant, e.g. training only the MTP heads)."""
-    out = []
-    warm = config.train.mtp_warmup_steps
-    if warm and warm >= config.num_steps:
-        out.append(
-            f"train.mtp_warmup_steps={warm} >= num_steps={config.num_steps}: only the MTP heads train in this run, "
-            "the policy itself is never updated (lower mtp_warmup_steps to train the policy after the warm-up)"
-        )
-    ev = config.eval
-    if ev.eval_every > config.num_steps and not ev.at_end:
-        out.append(
-            f"eval.eval_every={ev.eval_every} > num_steps={config.num_steps} and eval.at_end=false: this run never "
-            "evaluates (lower eval.eval_every or set eval.at_end=true)"
-        )
-    if config.chunk_order == "arrival" and (config.buffer.max_staleness > 0 or config.schedule == "sync"):
-        why = (
-            "schedule=sync generates the whole step before it trains"
-            if config.schedule == "sync"
-            else f"buffer.max_staleness={config.buffer.max_staleness} already takes groups as they arrive"
-        )
-        out.append(f"chunk_order=arrival has no effect: {why} (leave chunk_order at its default, prompt)")
-    return out
-
-
-def preflight(config: RunConfig) -> int:
-    """Checks that need more than the config's own fields, run before any worker starts.
-
-    Checks that ``output_dir`` can be written; verifies the model's config (head counts) and a
-    ``pretrained_path``'s weight files; builds the task (a data file that is missing, lacks its
-    columns or is not UTF-8 fails here) and the tokenizer, which must fit the model's vocabulary;
-    checks that a character tokenizer covers the task's prompts and that prompts fit the context
-    (rows of a data file that do not are left out: ``config.task`` is updated and a warning names
-    them); and, when resuming, that the checkpoint was written by the same model, tokenizer and
-    ``groups_per_step`` (other changed settings are logged) and that ``metrics.jsonl`` is a record
-    the run can extend. An ``output_dir`` that the write check created is removed again (if still
-    empty), with the parents it created, when a check fails. Returns the step to resume from (0: a fresh run).
-
-    Raises:
-        ValueError: naming what to fix.
-    """
-    out = Path(config.output_dir).absolute()
-    created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
-    try:
-        step = _preflight(config)
-        if config.resume and config.logging.jsonl:
-            # the logger reads it too, but only once the workers are up (a foreign file there was
-            # reported ~20 s after the start: a new user's trial)
-            from splitrl.logging.logger import check_metrics_record
-
-            check_metrics_record(config.output_dir, step + 1)
-    except BaseException:
-        # the write check created output_dir (and its missing parents): a refused run leaves no
-        # empty directory behind
-        for d in created:
-            try:
-                d.rmdir()
-            except OSError:  # not empty (a file appeared meanwhile) or gone: keep it and those above
-                break
-        raise
-    return step
-
-
-def _preflight(config: RunConfig) -> int:
-    from splitrl.controller.checks import (
-        check_output_dir,
-        check_vocab,
-        fit_prompts_to_context,
-        load_checked_tokenizer,
-        model_hf_config,
-    )
-    from splitrl.models.gguf import resolve_model_files
-    from splitrl.tasks import encode_prompt, make_task
-
-    resolve_model_files(config)  # a .gguf pretrained_path becomes its converted directory, once
-    check_output_dir(config.output_dir)
-    check_wandb_credentials(config.logging.wandb)
-    for warning in settings_without_effect(config):
-        log.warning(warning)
-    hf_cfg = model_hf_config(config)
-    task = make_task(config.task)
-    tok = load_checked_tokenizer(config)
-    check_vocab(config, tok, hf_cfg)
-    encode_prompt(task.get_prompt(0), tok, task.config.chat_template)  # task.chat_template=true needs a template
-    if config.tokenizer.kind == "char":
-        unk = tok.unk_token_id
-        n = task.num_prompts or 64
-        for i in range(min(64, n)):
-            p = task.get_prompt(i)
-            if unk in encode_prompt(p, tok, task.config.chat_template) or unk in tok(p.answer, add_special_tokens=False)["input_ids"]:
-                missing = sorted(set(p.text + p.answer) - set(tok.convert_ids_to_tokens(range(len(tok)))))
-                raise ValueError(
-                    f"the character tokenizer cannot spell prompt {i} of the task ({p.text!r}): characters "
-                    f"{missing} are not in tokenizer.charset; widen tokenizer.charset (null = all printable "
-                    "ASCII, then model.backbone.vocab_size >= 100) or use tokenizer.kind=pretrained"
-                )
-    task_config = fit_prompts_to_context(config, task, tok, hf_cfg)
-    if task_config is not config.task:
-        config.task = task_config  # the workers build the task from this: same prompts everywhere
-    ckpt = latest_checkpoint(config.output_dir) if config.resume else None
-    if config.resume:
-        bad = unusable_checkpoints(config.output_dir)
-        if ckpt is None and bad:
-            # starting over would replace this run's metrics and checkpoints: the user decides
-            listed = "; ".join(f"{name} ({why})" for name, why in bad[-3:])
-            raise ValueError(
-                f"{config.output_dir} holds checkpoints but none can be resumed from: {listed}. "
-                "resume=false starts over in this output_dir (the earlier metrics and checkpoints are moved to "
-                "earlier_runs/), or use a new output_dir"
-            )
-        newer = [name for name, _ in bad if ckpt is not None and name > ckpt.name]
-        if newer:
-            log.warning("resuming from %s; newer checkpoint(s) %s cannot be used (%s)", ckpt.name, ", ".join(newer),
-                        "; ".join(why for name, why in bad if name in newer))
-    if ckpt is None:
-        return 0
-    saved_path = ckpt / RUN_CONFIG
-    if saved_path.exists():
-        try:
-            saved = json.loads(saved_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{saved_path} cannot be read ({e}); resume=false starts over in this output_dir") from None
-        now = config.model_dump(mode="json")
-        if saved.get("model") != now["model"]:
-            shown = _shown_differences(saved.get("model") or {}, now["model"], "model")
-            raise ValueError(
-                f"{ckpt} was written by a different model config than this run's ({shown}); resume needs the "
-                "same model. Use a new output_dir, or resume=false to start over in this one"
-            )
-        # the same vocabulary size can map ids to other characters: the weights would be read with
-        # another meaning for every id. The path may move (a copied model directory): not compared
-        tok_was = {k: v for k, v in (saved.get("tokenizer") or {}).items() if k != "path"}
-        tok_now = {k: v for k, v in now["tokenizer"].items() if k != "path"}
-        if tok_was and tok_was != tok_now:
-            shown = _shown_differences(tok_was, tok_now, "tokenizer")
-            raise ValueError(
-                f"{ckpt} was written with another tokenizer config than this run's ({shown}); resume needs the same "
-                "tokenizer. Set it as the checkpoint has it, use a new output_dir, or resume=false to start over in this one"
-            )
-        was = saved.get("groups_per_step")
-        if was is not None and was != config.groups_per_step:
-            # step k trains prompt indices k*G .. (k+1)*G-1 and the checkpoint records which indices
-            # are done: another G maps the next step onto done prompts and the run waits forever
-            raise ValueError(
-                f"{ckpt} was written by a run with groups_per_step={was}, this run has "
-                f"groups_per_step={config.groups_per_step}; a resumed run keeps the prompts of each step, so set "
-                f"groups_per_step={was} (or use a new output_dir, or resume=false to start over in this one)"
-            )
-        # other settings may change on resume (a longer run, a new learning rate), but not silently: a
-        # user's resume with group_size=4 over a group_size=8 run, or a new temperature, said nothing
-        changed = [(k.lstrip("."), a, b) for k, a, b in _differences(saved, now, "")]
-        changed = [(k, a, b) for k, a, b in changed if not any(k == p or k.startswith(p + ".") for p in _RESUME_MAY_CHANGE)]
-        if changed:
-            log.warning(
-                "resuming from %s with settings that differ from the run that wrote it (this run's settings apply "
-                "from step %d on): %s", ckpt, checkpoint_step(ckpt) + 1,
-                "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:8])
-                + (f" (and {len(changed) - 8} more)" if len(changed) > 8 else ""),
-            )  # fmt: skip
-    return checkpoint_step(ckpt)
-
-
-# run-config keys (and sections: a dotted prefix) a resumed run is expected to change: how long,
-# where, how it logs and runs, and speed settings retuned on another machine
-_RESUME_MAY_CHANGE = frozenset({
-    "num_steps", "output_dir", "resume", "logging", "checkpoint_every", "export_every", "eval", "backend",
-    "placement", "ray_address", "num_generation_workers", "num_train_workers", "dataplane", "device",
-    "torch_threads", "watchdog_timeout_s", "reward_timeout_s", "max_step_retries", "on_chunk_failure",
-    "tokenizer.path", "rollout.batch_size", "train.microbatch", "train.speed", "train.fsdp_reshard_after_forward",
-})  # fmt: skip
 
 
 # Seconds to wait for the cluster's free CPUs to cover the run: the actors of a run that just
@@ -308,24 +137,6 @@ def check_cluster_cpus(need: int, resources: Mapping[str, float]) -> None:
             f"TransferQueue data plane) but {have:g} are free; lower num_train_workers / num_generation_workers, "
             "free the cluster, or start its nodes with more --num-cpus (logical CPUs may exceed the cores)"
         )
-
-
-def _shown_differences(saved: dict, now: dict, prefix: str, most: int = 5) -> str:
-    """The first ``most`` leaves where a checkpoint's config section and this run's differ, for
-    an error message (``model.x: checkpoint 1, this run 2; ... (and 3 more)``)."""
-    diffs = _differences(saved, now, prefix)
-    shown = "; ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, a, b in diffs[:most])
-    return shown + (f" (and {len(diffs) - most} more)" if len(diffs) > most else "")
-
-
-def _differences(a, b, prefix: str) -> list[tuple[str, object, object]]:
-    """(dotted key, value in a, value in b) of every leaf where two nested dicts differ."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for k in sorted(a.keys() | b.keys(), key=str):
-            out += _differences(a.get(k), b.get(k), f"{prefix}.{k}")
-        return out
-    return [] if a == b else [(prefix, a, b)]
 
 
 # signals that stop a run cleanly: Ctrl-C, and what schedulers and container runtimes send
