@@ -87,7 +87,8 @@ from pathlib import Path
 import torch
 
 from splitrl.config import RunConfig, load_config
-from splitrl.controller.controller import _resolve_backend, train
+from splitrl.controller.cluster import resolve_backend
+from splitrl.controller.controller import train
 from splitrl.controller.placement import resolve_placement
 from splitrl.models.hf_files import rollout_stop_token_ids
 
@@ -287,8 +288,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                 dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
                 where = torch.cuda.get_device_name() if dev == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
                 print(
-                    f"{where}, torch {torch.__version__}, backend {_resolve_backend(cfg)}, placement "
-                    f"{resolve_placement(cfg.placement, _resolve_backend(cfg), dev, cfg.num_generation_workers, cfg.num_train_workers)}, "
+                    f"{where}, torch {torch.__version__}, backend {resolve_backend(cfg)}, placement "
+                    f"{resolve_placement(cfg.placement, resolve_backend(cfg), dev, cfg.num_generation_workers, cfg.num_train_workers)}, "
                     f"{cfg.num_generation_workers} generation "
                     f"+ {cfg.num_train_workers} train worker(s); a step = {cfg.groups_per_step} prompts x {cfg.group_size} "
                     f"samples, <= {cfg.rollout.max_new_tokens} new tokens, chunks of {cfg.min_groups_per_chunk} groups; "

@@ -98,7 +98,8 @@ def test_join_errors_are_immediate_and_say_what_is_wrong():
     retried for minutes; a cluster with too few free CPUs waited forever for the actors."""
     import socket
 
-    from splitrl.controller.controller import _check_reachable, check_cluster_cpus
+    from splitrl.controller.cluster import check_cluster_cpus
+    from splitrl.controller.cluster import check_reachable as _check_reachable
 
     with socket.socket() as s:  # a free port nothing listens on
         s.bind(("127.0.0.1", 0))

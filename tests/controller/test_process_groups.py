@@ -15,7 +15,7 @@ import pytest
 def test_children_started_inside_survive_a_signal_to_the_drivers_group():
     code = r"""
 import os, signal, subprocess, sys, time
-from splitrl.controller.controller import _children_in_their_own_group
+from splitrl.controller.cluster import children_in_their_own_group as _children_in_their_own_group
 own = os.getpgrp()
 with _children_in_their_own_group():
     inside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from _tiny import TINY_STEP
 
-from splitrl.controller.controller import _is_loopback
+from splitrl.controller.cluster import is_loopback as _is_loopback
 from splitrl.logging import read_metrics
 
 pytestmark = pytest.mark.ray
@@ -63,7 +63,7 @@ def ray_head():
     temp_dir = tempfile.mkdtemp(prefix="rayhead_", dir="/tmp")
     env = dict(
         os.environ,
-        # keep the node address 127.0.0.1 (see controller._loopback_only_ray): loopback only
+        # keep the node address 127.0.0.1 (see cluster.loopback_only_ray): loopback only
         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
         # a throwaway loopback cluster: without token authentication, whether or not this
         # machine has a ~/.ray/auth_token (Ray 2.60 then turns it on for `ray start`)

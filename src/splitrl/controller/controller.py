@@ -28,18 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
-import ipaddress
 import json
 import logging
 import os
 import random
 import shutil
 import signal
-import socket
-import sys
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +48,20 @@ from splitrl.controller.buffer import (
     group_from_dict,
     group_to_dict,
     staleness_metrics,
+)
+from splitrl.controller.cluster import (  # noqa: F401 - SIGNAL_ECHO_S, STOP_SIGNALS re-exported
+    SIGNAL_ECHO_S,
+    STOP_SIGNALS,
+    flush_console,
+    free_port,
+    install_stop_signals,
+    is_loopback,
+    ray_address,
+    remove_stop_signals,
+    resolve_backend,
+    shutdown,
+    start_cluster,
+    wait_for_free_cpus,
 )
 from splitrl.controller.health import RunHealth
 from splitrl.controller.placement import (
@@ -101,142 +110,10 @@ log = logging.getLogger(__name__)
 LEGACY_TRAINER_FILE = "trainer.pt"  # the whole trainer state in one file (checkpoints before sharded ones)
 # how often the controller asks whether a checkpoint's background writes are done
 CHECKPOINT_POLL_S = 0.2
-
-
 # Seconds to wait for the cluster's free CPUs to cover the run: the actors of a run that just
 # ended (in this process, or another job's) free theirs lazily.
 CPU_WAIT_S = 15.0
 
-
-def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """Refuse a ``host:port`` Ray address that accepts no connection (Ray itself retries for
-    minutes with warnings only). ``auto`` and ``ray://`` addresses are left to Ray."""
-    if address == "auto" or "://" in address or ":" not in address:
-        return
-    host, _, port = address.rpartition(":")
-    try:
-        port_n = int(port)
-    except ValueError:
-        raise ValueError(f"ray_address={address!r}: expected host:port, auto or ray://host:port") from None
-    try:
-        socket.create_connection((host.strip("[]"), port_n), timeout=timeout_s).close()
-    except OSError as e:
-        raise ValueError(
-            f"nothing accepts connections at {address} (ray_address / RAY_ADDRESS: {e.strerror or e}); start the "
-            f"head there (`ray start --head --port={port_n}`) or fix the address"
-        ) from None
-
-
-def check_cluster_cpus(need: int, resources: Mapping[str, float]) -> None:
-    """Refuse a cluster with fewer free CPUs than the run's actors ask for (each asks for one;
-    Ray would wait forever for the missing ones). ``resources``: ``ray.available_resources()``."""
-    have = resources.get("CPU", 0.0)
-    if have < need:
-        raise ValueError(
-            f"the run's actors need {need} CPUs of the Ray cluster (one per train / generation worker, 3 for the "
-            f"TransferQueue data plane) but {have:g} are free; lower num_train_workers / num_generation_workers, "
-            "free the cluster, or start its nodes with more --num-cpus (logical CPUs may exceed the cores)"
-        )
-
-
-# signals that stop a run cleanly: Ctrl-C, and what schedulers and container runtimes send
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-# a second stop signal this soon after the first is the same one delivered twice (`timeout` and a
-# terminal reach the process and its group within milliseconds), not a request to exit at once;
-# a person's double Ctrl-C takes longer (1 s here ignored a 0.3 s double tap: a new user's trial)
-SIGNAL_ECHO_S = 0.2
-
-
-@contextlib.contextmanager
-def _loopback_only_ray():
-    """Make the Ray cluster started inside a single-node one whose node address is 127.0.0.1:
-    its servers, workers and agents (and TransferQueue, which binds Ray's node address) then
-    listen on loopback only.
-
-    Ray 2.60 turns ``_node_ip_address="127.0.0.1"`` into the machine's external address (on
-    Linux, ``services.resolve_ip_for_localhost``); it keeps loopback only where clusters are
-    switched off, as on macOS. That switch is ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``: read at
-    import (hence the constant, for this process) and by every Ray process started here (hence
-    the environment, which they inherit).
-    """
-    from ray._private import ray_constants
-
-    env_key = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
-    old_env, old_const = os.environ.get(env_key), ray_constants.ENABLE_RAY_CLUSTER
-    os.environ[env_key] = "0"
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = old_const
-        if old_env is None:
-            os.environ.pop(env_key, None)
-        else:
-            os.environ[env_key] = old_env
-
-
-def _is_loopback(address: str) -> bool:
-    """Whether a Ray address (``host:port``, ``ray://host:port``, or ``auto`` with ``RAY_ADDRESS``
-    set to one of those) names this machine's loopback interface (127.0.0.0/8, ``localhost``, ::1)."""
-    if address == "auto":
-        address = os.environ.get("RAY_ADDRESS", "auto")
-        if address == "auto":
-            return False  # Ray finds the cluster of this machine itself
-    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name
-        return False
-
-
-@contextlib.contextmanager
-def _children_in_their_own_group():
-    """Processes started inside (the local Ray cluster's GCS, raylet and, through them, every
-    worker) land in a new process group, and this process returns to its own afterwards. GNU
-    ``timeout`` signals its whole process group, and schedulers may too: in this process's group,
-    Ray's processes died of the stop signal before the final checkpoint was gathered (a new user
-    lost 18 steps). Not possible for a session leader (EPERM): then nothing changes."""
-    if not hasattr(os, "setpgid"):
-        yield
-        return
-    own = os.getpgrp()
-    try:
-        os.setpgid(0, 0)
-    except OSError:
-        yield
-        return
-    try:
-        yield
-    finally:
-        try:
-            os.setpgid(0, own)
-        except OSError as err:  # the old group is gone (its other members exited): stay where we are
-            log.warning("could not return to process group %d (%s); signals to that group miss this run", own, err)
-
-
-@contextlib.contextmanager
-def _children_ignore_sigint():
-    """Processes started inside inherit an ignored SIGINT (kept across exec; Python keeps it
-    too), so a terminal's Ctrl-C reaches only this process."""
-    try:
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    except ValueError:  # not the main thread: nothing to change
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
-
-
-def _flush_console() -> None:
-    for stream in (sys.stderr, sys.stdout):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
 
 
 class StallError(RuntimeError):
@@ -261,23 +138,6 @@ class RunResult:
     interrupt_signal: int | None = None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _resolve_backend(config: RunConfig) -> str:
-    if config.backend != "auto":
-        return config.backend
-    try:
-        import ray  # noqa: F401
-
-        return "ray"
-    except ImportError:
-        return "local"
-
-
 def arrived_first(held_in_arrival_order: list[int], step_prompts: list[int], n: int) -> list[int]:
     """The next chunk under ``chunk_order: arrival``: the first ``n`` prompt indices of
     ``step_prompts`` (the open step's untrained prompts) in the order their groups arrived
@@ -300,7 +160,7 @@ class SingleController:
     def __init__(self, config: RunConfig) -> None:
         self.config = config
         self.out = Path(config.output_dir)
-        self.backend = _resolve_backend(config)
+        self.backend = resolve_backend(config)
         self.device = config.device
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -312,63 +172,6 @@ class SingleController:
         self.checkpoint_s = 0.0  # training blocked by checkpoints since the last step's metrics
 
     # ============================================================================== set-up
-    def _ray_address(self) -> str | None:
-        """The cluster this run joins (``ray_address``, else ``RAY_ADDRESS``), or None: its own."""
-        return self.config.ray_address or os.environ.get("RAY_ADDRESS")
-
-    def _start_cluster(self) -> None:
-        """Start a local Ray cluster, or join the one named by ``ray_address`` / ``RAY_ADDRESS``.
-
-        A local cluster listens on loopback only (every Ray server, worker and agent, and
-        TransferQueue's sockets, bind the node address, here 127.0.0.1) and runs no dashboard:
-        nothing of a laptop run is reachable from the network. Joining a cluster is the explicit
-        case: then the cluster's own settings apply (a cluster with token authentication needs
-        ``RAY_AUTH_MODE=token`` in this process's environment: Ray 2.60 turns it on by itself
-        for ``address=auto`` only). A loopback address (``127.0.0.1:6379``) joins a head started
-        on this machine with ``--node-ip-address=127.0.0.1``, with 127.0.0.1 as this process's
-        node address too. The cluster's processes ignore Ctrl-C (the terminal sends it to the
-        whole process group): the controller decides how to stop, and it still needs its
-        workers to finish the step and write the checkpoint.
-        """
-        if self.backend != "ray":
-            return
-        import ray
-
-        if ray.is_initialized():
-            return
-        src = str(Path(__file__).resolve().parents[2])
-        runtime_env = {
-            "env_vars": {
-                "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                # TransferQueue caps its (de)serialization threads at this and warns on
-                # every call when it exceeds the physical cores
-                "TQ_NUM_THREADS": str(min(8, os.cpu_count() or 1)),
-            }
-        }
-        address = self._ray_address()
-        if address:
-            log.info("start-up: joining the Ray cluster at %s", address)
-            # a head started on this machine with --node-ip-address=127.0.0.1 listens on loopback
-            # only; Ray would otherwise dial it at the machine's external address and never connect
-            joining = _loopback_only_ray() if _is_loopback(address) else contextlib.nullcontext()
-            _check_reachable(address)
-            try:
-                with joining:
-                    ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
-            except ConnectionError as e:  # an OSError: not a file problem, say what it is
-                raise ValueError(
-                    f"could not join the Ray cluster at {address} ({str(e).strip().splitlines()[0]}). If the cluster "
-                    "uses token authentication (Ray's default since 2.5x), set RAY_AUTH_MODE=token (and the token, "
-                    "e.g. RAY_AUTH_TOKEN) in this shell as on the head; otherwise check ray_address"
-                ) from None
-            return
-        # transferqueue's controller and storage units ask for a CPU each: give Ray logical
-        # CPUs beyond the physical ones (they may exceed the cores), or it waits forever
-        need = self.config.num_generation_workers + self.config.num_train_workers + 4
-        log.info("start-up: starting a local Ray cluster")
-        with _children_ignore_sigint(), _children_in_their_own_group(), _loopback_only_ray():
-            ray.init(num_cpus=max(8, need), include_dashboard=False, log_to_driver=True, runtime_env=runtime_env)
-
     def _build(self) -> None:
         cfg = self.config
         G, T = cfg.num_generation_workers, cfg.num_train_workers
@@ -382,10 +185,7 @@ class SingleController:
             # wait forever for CPUs or GPUs
             actors = T if self.placement == "colocated" else G + T
             need = actors + (3 if cfg.dataplane.kind == "transferqueue" else 0)
-            deadline = time.monotonic() + CPU_WAIT_S
-            while ray.available_resources().get("CPU", 0.0) < need and time.monotonic() < deadline:
-                time.sleep(0.5)
-            check_cluster_cpus(need, ray.available_resources())
+            wait_for_free_cpus(need, CPU_WAIT_S)
             if gpu:
                 check_cluster_gpus(self.placement, G, T, ray.cluster_resources())
                 self.placement_group = make_placement_group(gpus_needed(self.placement, G, T))
@@ -398,7 +198,7 @@ class SingleController:
             "torch and builds the model", T, G, self.device, self.placement,
         )
         train_cfg = cfg.train.model_copy(update={"device": self.device})
-        port = _free_port()
+        port = free_port()
 
         def train_part(r: int) -> tuple[tuple, dict]:
             args = (cfg.model, train_cfg, cfg.trainer_loss_config(), self.data_plane)  # temperature, tis_cap resolved
@@ -919,9 +719,9 @@ class SingleController:
 
         timeout = self.config.watchdog_timeout_s
         layout = await self.gen_actors[0].call("weight_layout")
-        address = self._ray_address()
+        address = ray_address(self.config)
         # our own local cluster, or a joined head on this machine's loopback: the group stays there
-        loopback = not address or _is_loopback(address)
+        loopback = not address or is_loopback(address)
         try:
             host, port = await self.train_actors[0].call("open_weight_sync", loopback, layout)
         except ValueError:
@@ -1108,7 +908,7 @@ class SingleController:
     async def _run_locked(self) -> RunResult:
         cfg = self.config
         remove_leftovers(self.out)  # half-written checkpoints and temp files of a killed run
-        self._start_cluster()
+        start_cluster(cfg, self.backend)
         self._build()
         self._wake = asyncio.Event()
         self.version = 0
@@ -1155,11 +955,7 @@ class SingleController:
         self.logger = MetricsLogger(self.out, cfg.num_steps, start_step=start + 1, config=cfg.logging)
         self.logger.save_config(cfg)
         loop = asyncio.get_running_loop()
-        for sig in STOP_SIGNALS:
-            try:
-                loop.add_signal_handler(sig, self._on_interrupt, sig)
-            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
-                pass
+        install_stop_signals(loop, self._on_interrupt)
         pumps = [asyncio.create_task(self._rollout_pump(a)) for a in self.gen_actors]
         if self._restored_pending:
             pumps.append(asyncio.create_task(self._deliver(self._restored_pending)))
@@ -1189,11 +985,7 @@ class SingleController:
                 await self._finish_pending_checkpoint(timeout=min(120.0, cfg.watchdog_timeout_s))
             except CheckpointError as e:
                 log.error("%s", e)
-            for sig in STOP_SIGNALS:
-                try:
-                    loop.remove_signal_handler(sig)
-                except (NotImplementedError, RuntimeError, ValueError):
-                    pass
+            remove_stop_signals(loop)
             self.logger.close()
             self._shutdown()
         return RunResult(
@@ -1217,7 +1009,7 @@ class SingleController:
             return
         if self._interrupted:
             log.error("%s again: exiting now without a checkpoint (rerun to resume from the last one)", name)
-            _flush_console()
+            flush_console()
             os._exit(128 + int(sig))
         log.warning("%s: finishing the current step, saving a checkpoint and stopping (send it again to exit at once)", name)
         self._interrupted = True
@@ -1227,22 +1019,8 @@ class SingleController:
         self._wake_pumps()
 
     def _shutdown(self) -> None:
-        for a in [*getattr(self, "gen_actors", []), *getattr(self, "train_actors", [])]:
-            try:
-                a.kill()
-            except Exception:  # noqa: BLE001 - best effort at shutdown
-                pass
-        try:
-            self.data_plane.close()
-        except Exception:  # noqa: BLE001
-            pass
-        if getattr(self, "placement_group", None) is not None:
-            from ray.util.placement_group import remove_placement_group
-
-            try:
-                remove_placement_group(self.placement_group)
-            except Exception:  # noqa: BLE001 - best effort at shutdown
-                pass
+        workers = [*getattr(self, "gen_actors", []), *getattr(self, "train_actors", [])]
+        shutdown(workers, getattr(self, "data_plane", None), getattr(self, "placement_group", None))
 
 
 def train(config: RunConfig) -> RunResult:
