@@ -126,7 +126,8 @@ def _stalled_controller(tmp_path, **state):
         generating={}, pending={}, held={},
     )
     for k, v in {**defaults, **state}.items():
-        setattr(c, k, v)
+        k = "done" if k == "done_indices" else k  # where each prompt is: the controller's PromptSchedule
+        setattr(c.schedule if hasattr(c.schedule, k) else c, k, v)
     return c
 
 

@@ -133,7 +133,7 @@ def test_arrival_chunk_order_trains_the_same_steps_in_the_order_groups_arrive(tm
     or never, the arrival order ignored (then the check of the chosen order fails). A chunk taken
     from the next step cannot happen here (at max_staleness 0 no later group exists mid-step):
     test_arrival_bookkeeping_never_takes_another_steps_group guards that."""
-    from splitrl.controller import controller as controller_mod
+    from splitrl.controller import prompt_schedule as controller_mod
 
     _deliver_groups_in_reverse(monkeypatch)
     chosen: list[list[int]] = []
@@ -238,6 +238,7 @@ def test_arrival_bookkeeping_never_takes_another_steps_group():
     from types import SimpleNamespace
 
     from splitrl.controller.controller import SingleController
+    from splitrl.controller.prompt_schedule import PromptSchedule
     from splitrl.types import Group
 
     class Arrivals:  # the buffer: hands over the queued groups one wait at a time
@@ -257,17 +258,17 @@ def test_arrival_bookkeeping_never_takes_another_steps_group():
 
     ctl = SingleController.__new__(SingleController)
     ctl.config = load_config(None, ["schedule=async", "buffer.max_staleness=0", "groups_per_step=4", "chunk_order=arrival"])
-    ctl.step, ctl.next_index, ctl.version, ctl.wait_s = 0, 0, 0, 0.0
-    ctl.held = {5: group(5), 2: group(2)}  # 5: of step 1
-    ctl.taken = set()
+    ctl.schedule = sched = PromptSchedule(4, ctl.config.num_steps, 0, "arrival")  # where the bookkeeping lives
+    ctl.step, ctl.version, ctl.wait_s = 0, 0, 0.0
+    sched.held = {5: group(5), 2: group(2)}  # 5: of step 1
     ctl.buffer = Arrivals([group(3), group(0), group(1)])
 
     def take(n):
         return [g.prompt_index for g in asyncio.run(ctl._wait_groups(n))]
 
-    assert take(1) == [2] and ctl.taken == {2} and ctl.next_index == 0
-    assert take(2) == [3, 0] and ctl.taken == {0, 2, 3}
+    assert take(1) == [2] and sched.taken == {2} and sched.next_index == 0
+    assert take(2) == [3, 0] and sched.taken == {0, 2, 3}
     assert take(1) == [1]
-    assert ctl.next_index == 4 and ctl.taken == set() and list(ctl.held) == [5]
+    assert sched.next_index == 4 and sched.taken == set() and list(sched.held) == [5]
     ctl.step = 1
-    assert take(1) == [5] and ctl.taken == {5} and ctl.next_index == 4
+    assert take(1) == [5] and sched.taken == {5} and sched.next_index == 4

@@ -78,6 +78,11 @@ from splitrl.controller.preflight import (  # noqa: F401 - re-exported
     preflight,
     settings_without_effect,
 )
+from splitrl.controller.prompt_schedule import (  # noqa: F401 - arrived_first re-exported
+    PromptSchedule,
+    arrived_first,
+    strategy_of,
+)
 from splitrl.controller.run_checkpoint import (
     CONTROLLER_STATE,
     RUN_CONFIG,
@@ -138,14 +143,6 @@ class RunResult:
     interrupt_signal: int | None = None
 
 
-def arrived_first(held_in_arrival_order: list[int], step_prompts: list[int], n: int) -> list[int]:
-    """The next chunk under ``chunk_order: arrival``: the first ``n`` prompt indices of
-    ``step_prompts`` (the open step's untrained prompts) in the order their groups arrived
-    (``held_in_arrival_order``); fewer when fewer have arrived."""
-    wanted = set(step_prompts)
-    return [i for i in held_in_arrival_order if i in wanted][:n]
-
-
 def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
     total = 0.0
     for s1, e1 in a:
@@ -170,6 +167,9 @@ class SingleController:
         self._interrupted_at = 0.0  # time.monotonic() of the first stop signal
         self._pending_checkpoint: asyncio.Task | None = None  # finishes a checkpoint written in the background
         self.checkpoint_s = 0.0  # training blocked by checkpoints since the last step's metrics
+        buf = config.buffer
+        strategy = strategy_of(buf.max_staleness, config.chunk_order, config.schedule)
+        self.schedule = PromptSchedule(config.groups_per_step, config.num_steps, buf.max_staleness, strategy)
 
     # ============================================================================== set-up
     def _build(self) -> None:
@@ -356,7 +356,7 @@ class SingleController:
         tmp.mkdir(parents=True)
         # a consistent snapshot of the controller side: no await between these reads. Every state
         # a prompt can be in here is either saved or regenerated on resume (see _restore):
-        #   trained ............... done_indices
+        #   trained ............... the schedule's done
         #   buffered .............. the buffer's state
         #   accepted, not buffered  pending_groups: generated and waiting for buffer room, or held
         #                           by the deterministic train pump for a later chunk
@@ -364,8 +364,8 @@ class SingleController:
         #                           the lowest prompt index that is not done)
         #   evicted / never claimed likewise not done: regenerated
         buffer_state = self.buffer.state_dict()
-        done = sorted(self.done_indices)
-        accepted = [group_to_dict(g) for g in self._accepted_groups()]
+        done = sorted(self.schedule.done)
+        accepted = [group_to_dict(g) for g in self.schedule.accepted_groups()]
         buffered_ids = [s["sample_id"] for g in [*buffer_state["groups"], *accepted] for s in g["samples"]]
         samples = self.data_plane.get(buffered_ids, TOKEN_FIELDS) if buffered_ids else {}
         staged_s = await self.policy.save_checkpoint(str(tmp), blocking)
@@ -428,11 +428,9 @@ class SingleController:
         self.buffer.load_state_dict(state["buffer"])
         if state["buffered_ids"]:
             self.data_plane.put(state["buffered_ids"], state["buffered_samples"])
-        self.done_indices = set(state["done_indices"])
         # accepted groups that were waiting for buffer room (or held): delivered again by run()
         self._restored_pending = [group_from_dict(g) for g in state.get("pending_groups", [])]
-        for g in self._restored_pending:
-            self.in_flight.add(g.prompt_index)
+        self.schedule.restore(state["done_indices"], self._restored_pending)
         self.version = int(state["version"])
         self.expected_tokens = int(state.get("expected_tokens", self.expected_tokens))
         random.setstate(state["rng"]["python"])
@@ -441,27 +439,6 @@ class SingleController:
         return int(state["step"])
 
     # ============================================================================ pumps
-    def _claim(self, n: int) -> list[int]:
-        """The next ``n`` prompt indices not yet done or in flight, all of one step."""
-        G = self.config.groups_per_step
-        out: list[int] = []
-        i = self.cursor
-        while len(out) < n:
-            if i in self.done_indices or i in self.in_flight:
-                if not out:
-                    self.cursor = i + 1
-                i += 1
-                continue
-            if out and i // G != out[0] // G:
-                break
-            if i // G >= self.config.num_steps:
-                break
-            out.append(i)
-            i += 1
-        for j in out:
-            self.in_flight.add(j)
-        return out
-
     def _wake_pumps(self) -> None:
         """Wake every rollout pump waiting for work (new weights, a requeued prompt, stop)."""
         self._wake.set()
@@ -471,33 +448,28 @@ class SingleController:
         """A stale group left the buffer: free its tensors and generate its prompt again, so that
         no prompt of the schedule is lost and the last step does not wait for it forever."""
         self.data_plane.delete(group.sample_ids)
-        self.done_indices.discard(group.prompt_index)
-        self.cursor = min(self.cursor, group.prompt_index)
+        self.schedule.evicted(group.prompt_index)
         self._wake_pumps()
 
     async def _rollout_pump(self, actor) -> None:
         cfg = self.config
-        G = cfg.groups_per_step
+        sched = self.schedule
         while True:
-            nxt = self.cursor
-            while nxt in self.done_indices or nxt in self.in_flight:
-                nxt += 1
-            if self._stop.is_set() and nxt // G > self.step:
+            nxt = sched.next_unclaimed()
+            if self._stop.is_set() and sched.step_of(nxt) > self.step:
                 return  # stopping: only the open step's prompts are still needed
             # generate for step s only with weights the sampler will accept (no wasted work);
             # past the last step, wait: an eviction may hand a prompt back. schedule=sync runs at
             # max_staleness 0: step s + 1 waits for the weights its step s trained
-            need = nxt // G - cfg.buffer.max_staleness
-            if nxt // G >= cfg.num_steps or self.synced_version < need:
+            if not sched.may_generate(nxt, self.synced_version):
                 await self._wake.wait()
                 continue
-            indices = self._claim(cfg.generation_groups_per_call)
+            indices = sched.claim(cfg.generation_groups_per_call)
             if not indices:
                 await asyncio.sleep(0.01)
                 continue
             t0 = time.perf_counter()
-            for j in indices:
-                self.generating[j] = t0
+            sched.started(indices, t0)
             # under schedule=async each group is handed over as soon as its last sample finishes
             # (the train pump's chunks stream from them): an in-process worker calls on_group on
             # its thread, a Ray worker yields the group from a streaming call. schedule=sync takes
@@ -521,12 +493,10 @@ class SingleController:
                 else:
                     groups, metrics = await actor.call("generate_groups", indices, cfg.group_size, on_group)
             except BaseException:
-                for j in indices:
-                    self.in_flight.discard(j)
+                sched.release(indices)
                 raise
             finally:
-                for j in indices:
-                    self.generating.pop(j, None)
+                sched.finished(indices)
             t1 = time.perf_counter()
             self.gen_intervals.append((t0, t1))
             self.rollout_acc.append(metrics)
@@ -534,105 +504,61 @@ class SingleController:
             if streamed:
                 await asyncio.gather(*(asyncio.wrap_future(f) for f in streamed.values()))
 
-    def _accepted_groups(self) -> list[Group]:
-        """Groups generated and accepted but in no buffer: waiting for room, or held by the
-        deterministic train pump for a later chunk. Checkpoints save them (DESIGN §4: no prompt
-        is lost)."""
-        return [*self.pending.values(), *self.held.values()]
-
     async def _deliver(self, groups: list[Group]) -> None:
         """Put generated groups into the buffer, waiting for room (back-pressure). Until a group
         is in the buffer it is *pending*: its index stays in flight (no pump claims it again) and
         checkpoints save it with its tensors."""
-        for g in groups:
-            self.pending[g.prompt_index] = g
+        self.schedule.generated(groups)
         for g in groups:
             await self.buffer.put(g)
             # no await between the put and this bookkeeping: a checkpoint sees the group in
             # exactly one place
-            del self.pending[g.prompt_index]
-            self.done_indices.add(g.prompt_index)
-            self.in_flight.discard(g.prompt_index)
+            self.schedule.buffered(g)
 
     async def _wait_groups(self, n: int) -> list[Group]:
+        """The next chunk's groups (at most ``n``), as the schedule's strategy takes them."""
         cfg = self.config
         t0 = time.perf_counter()
-        if cfg.buffer.max_staleness == 0 and (cfg.chunk_order == "prompt" or cfg.schedule == "sync"):
-            # deterministic: the step's own prompts, in prompt order (sync too: the whole step is
-            # held before it trains, so arrival order would only cost reproducibility)
-            want = list(range(self.next_index, self.next_index + n))
-            await self._hold(want)
-            groups = [self.held.pop(i) for i in want]
-            self.next_index += n
-        elif cfg.buffer.max_staleness == 0:
-            # chunk_order=arrival: the step's own prompts, in the order their groups arrive
-            end = (self.step + 1) * cfg.groups_per_step
-            left = [i for i in range(self.next_index, end) if i not in self.taken]
-            await self._hold(left, at_least=min(n, len(left)))
-            chosen = arrived_first(list(self.held), left, n)
-            groups = [self.held.pop(i) for i in chosen]
-            self.taken.update(chosen)
-            if len(self.taken) == end - self.next_index:  # the step is complete
-                self.next_index, self.taken = end, set()
-        else:
+        if self.schedule.strategy == "staleness":
             ok = await self.buffer.wait_ready(min(n, cfg.min_groups_per_chunk), timeout=cfg.watchdog_timeout_s, current_version=self.version)
             if not ok:
                 raise StallError(self._stall_report(f"{n} groups"))
             groups = self.buffer.select(self.version, max_groups=n, min_groups=min(n, cfg.min_groups_per_chunk))
+        else:
+            # max_staleness 0: the step's own prompts, in prompt order (deterministic) or in the
+            # order their groups arrive (chunk_order=arrival)
+            await self._hold(*self.schedule.wanted(n, self.step))
+            groups = self.schedule.take(n, self.step)
         self.wait_s += time.perf_counter() - t0
         return groups
 
     async def _hold(self, want: list[int], at_least: int | None = None) -> None:
         """Wait until the group of every prompt index in ``want`` (or of ``at_least`` of them) is
         held (``max_staleness: 0``: the train pump takes a step's own prompts; groups that arrive
-        before their turn are moved from the buffer to ``held``, in arrival order).
+        before their turn are moved from the buffer to the schedule's ``held``, in arrival order).
 
         Raises:
             StallError: no group arrived for ``watchdog_timeout_s``; says where the prompts are.
         """
         cfg = self.config
+        sched = self.schedule
         need = len(want) if at_least is None else at_least
-        while sum(i in self.held for i in want) < need:
+        while sched.num_held(want) < need:
             ok = await self.buffer.wait_ready(1, timeout=cfg.watchdog_timeout_s, current_version=self.version)
             if not ok:
-                raise StallError(self._stall_report("rollouts for prompts " + str([i for i in want if i not in self.held])))
-            for g in self.buffer.select(self.version, max_groups=max(1, self.buffer.size), min_groups=1):
-                self.held[g.prompt_index] = g
+                raise StallError(self._stall_report("rollouts for prompts " + str([i for i in want if i not in sched.held])))
+            sched.hold(self.buffer.select(self.version, max_groups=max(1, self.buffer.size), min_groups=1))
 
     def _stall_report(self, what: str) -> str:
         """Why the train pump waited in vain, from where every prompt of the schedule is."""
         cfg = self.config
+        sched = self.schedule
         head = (
             f"watchdog: waited {cfg.watchdog_timeout_s:.0f}s for {what} at step {self.step + 1} "
             f"(policy version {self.version}, synced {self.synced_version}); buffer holds {self.buffer.size} groups, "
-            f"{len(self.pending)} generated groups wait for buffer room, {len(self.generating)} prompts are being generated."
+            f"{len(sched.pending)} generated groups wait for buffer room, {len(sched.generating)} prompts are being generated."
         )
-        now = time.perf_counter()
-        if self.generating:
-            oldest = min(self.generating.values())
-            return head + (
-                f" Generation of prompts {sorted(self.generating)[:8]} has run for {now - oldest:.0f}s: a generation "
-                "worker may be hung or dead."
-            )
-        accounted = self.done_indices | self.in_flight | set(self.held)
-        total = cfg.num_steps * cfg.groups_per_step
-        missing = [i for i in range(total) if i not in accounted]
-        lost = [i for i in missing if i < self.cursor]
-        if lost:
-            return head + (
-                f" No generation is running, and prompts {lost[:8]} are neither trained, buffered nor in flight, "
-                "and below the generation cursor, so no worker will generate them: the controller lost track of them "
-                "(a bug; please report it with this message). Restart the run: it resumes from the last checkpoint."
-            )
-        if missing and self.synced_version < missing[0] // cfg.groups_per_step - cfg.buffer.max_staleness:
-            return head + (
-                f" The next prompt to generate ({missing[0]}) waits for policy version "
-                f"{missing[0] // cfg.groups_per_step - cfg.buffer.max_staleness}; nothing is being generated."
-            )
-        return head + (
-            " No generation is running and no prompt is missing: the wait cannot be explained by a hung worker "
-            "(a bug; please report it with this message)."
-        )
+        return head + sched.diagnosis(time.perf_counter(), self.synced_version)
 
     async def _policy_call(self, coro, what: str):
         try:
@@ -657,7 +583,7 @@ class SingleController:
                     # the plain loop: the whole step is generated before any of it trains (the
                     # chunks below are then those of async at max_staleness 0, already held)
                     t = time.perf_counter()
-                    await self._hold(list(range(self.next_index, (step + 1) * cfg.groups_per_step)))
+                    await self._hold(self.schedule.step_prompts(step))
                     self.wait_s += time.perf_counter() - t
                 # fp16: per-chunk losses are scaled by 1 / (the expected tokens of the step) so that
                 # activation gradients stay in range; finish divides it out (DESIGN §2)
@@ -913,13 +839,7 @@ class SingleController:
         self._wake = asyncio.Event()
         self.version = 0
         self.synced_version = -1
-        self.done_indices: set[int] = set()
-        self.in_flight: set[int] = set()
-        self.generating: dict[int, float] = {}  # prompt index -> start time of its request
-        self.pending: dict[int, Group] = {}  # generated, waiting for buffer room
         self._restored_pending: list[Group] = []
-        self.held: dict[int, Group] = {}  # insertion order = arrival order
-        self.taken: set[int] = set()  # chunk_order=arrival: prompts of the open step already trained
         self.gen_intervals: list[tuple[float, float]] = []
         self.train_intervals: list[tuple[float, float]] = []
         self.rollout_acc: list[dict] = []
@@ -934,8 +854,7 @@ class SingleController:
         start = await self._restore()
         # generation may run ahead of (and, with evictions, behind) the step boundary: restart at the
         # lowest prompt index that is not done, so a prompt in flight at the checkpoint is regenerated
-        self.cursor = 0
-        self.next_index = start * cfg.groups_per_step
+        self.schedule.start_at(start)
         await self._sync_weights()
         log.info(
             "start-up: workers ready and weights synced in %.1fs; generating the first rollouts (step %d: %d prompts "
