@@ -49,6 +49,7 @@ from splitrl.controller.buffer import (
     group_to_dict,
     staleness_metrics,
 )
+from splitrl.controller.checkpointer import RunCheckpointer
 from splitrl.controller.cluster import (  # noqa: F401 - SIGNAL_ECHO_S, STOP_SIGNALS re-exported
     SIGNAL_ECHO_S,
     STOP_SIGNALS,
@@ -86,25 +87,15 @@ from splitrl.controller.prompt_schedule import (  # noqa: F401 - arrived_first r
 from splitrl.controller.run_checkpoint import (
     CONTROLLER_STATE,
     RUN_CONFIG,
-    TMP_SUFFIX,
     CheckpointError,
     RunDirLock,
-    complete_checkpoints,
-    intact_checkpoints,
-    known_damaged,
-    latest_intact_checkpoint,
-    mark_damaged,
     remove_leftovers,
     set_aside_earlier_run,
-    step_dir,
-    write_complete,
 )
 from splitrl.dataplane import DataPlaneConfig, make_data_plane
 from splitrl.eval_config import plan_eval
 from splitrl.logging import MetricsLogger
 from splitrl.loss.advantages import advantage_metrics, compute_group_advantages
-from splitrl.models.hf_files import write_inference_files
-from splitrl.train.checkpoint import SHARDS_DIR
 from splitrl.types import Group
 from splitrl.workers.generation import GenerationWorker, load_tokenizer
 from splitrl.workers.train_actor import TOKEN_FIELDS, TrainActor
@@ -112,9 +103,6 @@ from splitrl.workers.train_actor import TOKEN_FIELDS, TrainActor
 log = logging.getLogger(__name__)
 
 
-LEGACY_TRAINER_FILE = "trainer.pt"  # the whole trainer state in one file (checkpoints before sharded ones)
-# how often the controller asks whether a checkpoint's background writes are done
-CHECKPOINT_POLL_S = 0.2
 # Seconds to wait for the cluster's free CPUs to cover the run: the actors of a run that just
 # ended (in this process, or another job's) free theirs lazily.
 CPU_WAIT_S = 15.0
@@ -165,8 +153,11 @@ class SingleController:
         self._interrupted = False
         self._interrupt_signal: int | None = None
         self._interrupted_at = 0.0  # time.monotonic() of the first stop signal
-        self._pending_checkpoint: asyncio.Task | None = None  # finishes a checkpoint written in the background
-        self.checkpoint_s = 0.0  # training blocked by checkpoints since the last step's metrics
+        # what a checkpoint holds is written by _write_checkpoint (looked up at each call)
+        self.checkpointer = RunCheckpointer(
+            config, self.out, self._stop,
+            lambda step, tmp, export, blocking: self._write_checkpoint(step, tmp, export=export, blocking=blocking),
+        )  # fmt: skip
         buf = config.buffer
         strategy = strategy_of(buf.max_staleness, config.chunk_order, config.schedule)
         self.schedule = PromptSchedule(config.groups_per_step, config.num_steps, buf.max_staleness, strategy)
@@ -227,125 +218,14 @@ class SingleController:
                 for i in range(G)
             ]
         self.policy = PolicyClient(self.train_actors)
+        self.checkpointer.policy = self.policy
         self.sync_path: str | None = None  # chosen at the first weight sync (_open_weight_sync)
         self.buffer = ReplayBuffer(cfg.buffer, on_evict=self._on_evict)
         self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.pretrained_path)  # saved with checkpoints
 
     # ============================================================================ checkpoints
-    async def _save_checkpoint(self, step: int) -> Path:
-        """Write the run's state at ``step`` (see :mod:`splitrl.controller.run_checkpoint`).
-
-        Training is blocked only while the previous checkpoint is finished (when it is still
-        being written), the train ranks copy their shards into CPU memory and the controller
-        writes its own small state; the shard files are then written in the background, and a
-        background task writes ``COMPLETE`` (with the checksums of the files on disk) and renames
-        the directory into place once every rank's files are written. The last checkpoint of a
-        run (the end, a stop) is waited for whole; a Hugging Face export (``export_every``, and
-        the last checkpoint) blocks while it is gathered and written. The blocking time is logged
-        and reported as ``timing/checkpoint_s`` with the next step's metrics.
-
-        Raises:
-            CheckpointError: this write (or the previous checkpoint's background write) failed
-                (a full disk, permissions); the partial checkpoint is removed and the previous
-                complete ones are untouched.
-        """
-        cfg = self.config
-        t0 = time.perf_counter()
-        await self._finish_pending_checkpoint()
-        waited = time.perf_counter() - t0
-        final = step >= cfg.num_steps or self._stop.is_set()
-        export = final or bool(cfg.export_every and step % cfg.export_every == 0)
-        path = step_dir(self.out, step)
-        tmp = path.with_name(path.name + TMP_SUFFIX)
-        try:
-            staged_s = await self._write_checkpoint(step, tmp, export=export, blocking=final)
-        except Exception as e:  # noqa: BLE001 - every writer's failure: OSError, torch's and
-            # safetensors' own errors for a full disk (RuntimeError "file write failed", ...)
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(self._checkpoint_failure(step, path, e)) from e
-        blocked = time.perf_counter() - t0
-        self.checkpoint_s += blocked
-        log.info(
-            "checkpoint step %d: training blocked %.2fs (waiting for the previous checkpoint %.2fs, trainer shards "
-            "staged in %.2fs%s)%s",
-            step, blocked, waited, staged_s, ", policy/ exported" if export else "",
-            "" if final else "; its files are being written in the background",
-        )
-        completion = asyncio.create_task(self._complete_checkpoint(step, tmp, path, t0))
-        if final:
-            await completion
-        else:
-            self._pending_checkpoint = completion
-        return path
-
-    async def _complete_checkpoint(self, step: int, tmp: Path, path: Path, t0: float) -> None:
-        """Wait until every rank's shard files are on disk, then write ``COMPLETE`` (sizes and
-        checksums of everything in ``tmp``, hashed off the event loop), rename ``tmp`` into
-        place and prune old checkpoints.
-
-        Raises:
-            CheckpointError: a rank's background write failed, or the marker / rename did;
-                ``tmp`` is removed.
-        """
-        try:
-            while not await self.policy.checkpoint_written():
-                await asyncio.sleep(CHECKPOINT_POLL_S)
-            await asyncio.to_thread(write_complete, tmp, step)  # last: sizes and checksums of everything above
-            shutil.rmtree(path, ignore_errors=True)
-            tmp.rename(path)
-        except Exception as e:  # noqa: BLE001 - as in _save_checkpoint
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(self._checkpoint_failure(step, path, e)) from e
-        self._prune_checkpoints()
-        log.info("checkpoint step %d complete in %s (%.1fs after it started)", step, path, time.perf_counter() - t0)
-
-    async def _finish_pending_checkpoint(self, timeout: float | None = None) -> None:
-        """Wait for the checkpoint being written in the background, if any (raises its
-        CheckpointError). With ``timeout``: give up after that many seconds and leave its
-        ``.tmp`` directory, which never loads and is removed by the next run."""
-        task, self._pending_checkpoint = self._pending_checkpoint, None
-        if task is None:
-            return
-        if timeout is None:
-            await task
-            return
-        done, _ = await asyncio.wait([task], timeout=timeout)
-        if not done:
-            task.cancel()
-            log.error("the checkpoint being written in the background did not finish within %.0fs; it is left incomplete", timeout)
-            return
-        task.result()
-
     def _prune_checkpoints(self) -> None:
-        """Keep the two newest complete checkpoints, and the newest one with a Hugging Face export
-        (``policy/``), so that ``splitrl eval OUTPUT_DIR`` always finds one once it was written.
-        One found damaged (on resume) is no keeper and is removed: counting it deleted the intact
-        checkpoint the run resumed from and kept one that cannot load."""
-        done = complete_checkpoints(self.out)
-        good = [p for p in done if not known_damaged(p)]
-        keep = set(good[-2:])
-        exported = [p for p in good if (p / "policy" / "config.json").is_file()]
-        if exported:
-            keep.add(exported[-1])
-        for old in done:
-            if old not in keep:
-                shutil.rmtree(old, ignore_errors=True)
-
-    def _checkpoint_failure(self, step: int, path: Path, e: BaseException) -> str:
-        if isinstance(e, OSError):
-            cause = f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
-        else:
-            cause = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        try:
-            free = f" {shutil.disk_usage(self.out).free / 2**30:.1f} GiB are free on that disk."
-        except OSError:
-            free = ""
-        intact = latest_intact_checkpoint(self.out)
-        return (
-            f"could not write the checkpoint of step {step} to {path}: {cause}.{free} "
-            + (f"The newest intact checkpoint is {intact.name}. " if intact else "No checkpoint is on disk yet. ")
-            + "Free space (or fix the cause) and rerun the same command to resume."
-        )
+        self.checkpointer.prune()
 
     async def _write_checkpoint(self, step: int, tmp: Path, export: bool, blocking: bool) -> float:
         """Write the checkpoint's files into ``tmp`` (all but ``COMPLETE``): the trainer's shards
@@ -368,10 +248,7 @@ class SingleController:
         accepted = [group_to_dict(g) for g in self.schedule.accepted_groups()]
         buffered_ids = [s["sample_id"] for g in [*buffer_state["groups"], *accepted] for s in g["samples"]]
         samples = self.data_plane.get(buffered_ids, TOKEN_FIELDS) if buffered_ids else {}
-        staged_s = await self.policy.save_checkpoint(str(tmp), blocking)
-        if export:
-            await self.policy.save_pretrained(str(tmp / "policy"))
-            write_inference_files(tmp / "policy", self.tokenizer, self.config.rollout, self.config.model.pretrained_path)
+        staged_s = await self.checkpointer.write_trainer(tmp, blocking, export, self.tokenizer)
         torch.save(
             {
                 "step": step,
@@ -395,36 +272,15 @@ class SingleController:
         """Load the newest checkpoint that loads (a damaged one is skipped with a warning) into
         the train workers and the controller; returns its step (0: none, a fresh run).
 
-        A sharded trainer state (``trainer/``) loads into any number of train workers; the
-        ``trainer.pt`` of a checkpoint written by splitrl before sharded checkpoints loads too.
-
         Raises:
-            RuntimeError: a sharded state failed to load part-way and no older checkpoint loads
-                (the workers' weights are then neither fresh nor restored).
+            RuntimeError: see :meth:`RunCheckpointer.load_newest`.
         """
         if not self.config.resume:
             return 0
-        touched = None  # a checkpoint whose sharded load failed after it may have written into the model
-        for path in intact_checkpoints(self.out):
-            try:
-                state = torch.load(path / CONTROLLER_STATE, weights_only=False)
-                if (path / SHARDS_DIR).is_dir():
-                    touched = path
-                    await self.policy.load_checkpoint(str(path))
-                else:  # the whole trainer state in one file: a checkpoint of splitrl before sharded ones
-                    await self.policy.load_state_dict(torch.load(path / LEGACY_TRAINER_FILE, weights_only=False))
-                break
-            except Exception as e:  # noqa: BLE001 - e.g. a checkpoint of an older splitrl without checksums
-                why = f"it does not load: {type(e).__name__}: {e}"
-                mark_damaged(path, why)
-                log.warning("checkpoint %s is damaged (%s); falling back to an older one", path.name, why)
-        else:
-            if touched is not None:
-                raise RuntimeError(
-                    f"checkpoint {touched} failed to load part-way and no older checkpoint loads; the run cannot "
-                    "resume. Use resume=false to start over in this output_dir, or a new output_dir"
-                )
+        loaded = await self.checkpointer.load_newest()
+        if loaded is None:
             return 0
+        path, state = loaded
         self.buffer.load_state_dict(state["buffer"])
         if state["buffered_ids"]:
             self.data_plane.put(state["buffered_ids"], state["buffered_samples"])
@@ -746,8 +602,7 @@ class SingleController:
         out["timing/train_s"] = sum(e - s for s, e in self.train_intervals)
         out["timing/weight_sync_s"] = sync_s
         # written after the previous step's metrics were logged: reported with this step's
-        out["timing/checkpoint_s"] = self.checkpoint_s
-        self.checkpoint_s = 0.0
+        out["timing/checkpoint_s"] = self.checkpointer.take_blocked_s()
         out["timing/exposed_wait_s"] = self.wait_s
         out["timing/generation_during_train_s"] = _overlap(gen_intervals, self.train_intervals)
         out["timing/policy_version"] = float(self.version)
@@ -801,7 +656,7 @@ class SingleController:
             # a stop (Ctrl-C, SIGTERM) always leaves a checkpoint of the last finished step,
             # checkpoint_every=0 (only at the end) included
             if due or self._stop.is_set():
-                await self._save_checkpoint(done)
+                await self.checkpointer.save(done)
             if self._stop.is_set():
                 self.stopped_early = done < cfg.num_steps
                 return
@@ -901,7 +756,7 @@ class SingleController:
             # a run that failed after a checkpoint started in the background: its staged state
             # is consistent, so finish it (a hung trainer gets a bounded wait)
             try:
-                await self._finish_pending_checkpoint(timeout=min(120.0, cfg.watchdog_timeout_s))
+                await self.checkpointer.finish_pending(timeout=min(120.0, cfg.watchdog_timeout_s))
             except CheckpointError as e:
                 log.error("%s", e)
             remove_stop_signals(loop)

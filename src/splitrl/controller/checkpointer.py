@@ -1,0 +1,234 @@
+"""The run's checkpoint lifecycle (DESIGN §4 "restorable"): save, complete, prune, restore.
+
+A checkpoint is written into ``step_N.tmp/`` while training is blocked as briefly as possible
+(the controller writes its own small state and the train ranks stage their shards in CPU memory),
+completed in the background (``COMPLETE`` with the checksums of every file, then renamed into
+place), and pruned to the two newest plus the newest Hugging Face export. What goes into a
+checkpoint is the controller's (``write_files``); the directory layout and its integrity checks
+are :mod:`splitrl.controller.run_checkpoint`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from splitrl.config import RunConfig
+from splitrl.controller.run_checkpoint import (
+    CONTROLLER_STATE,
+    TMP_SUFFIX,
+    CheckpointError,
+    complete_checkpoints,
+    intact_checkpoints,
+    known_damaged,
+    latest_intact_checkpoint,
+    mark_damaged,
+    step_dir,
+    write_complete,
+)
+from splitrl.models.hf_files import write_inference_files
+from splitrl.train.checkpoint import SHARDS_DIR
+
+# the run's progress, checkpoints included, is told by the controller's logger (users and tests follow it)
+log = logging.getLogger("splitrl.controller.controller")
+
+LEGACY_TRAINER_FILE = "trainer.pt"  # the whole trainer state in one file (checkpoints before sharded ones)
+# how often the controller asks whether a checkpoint's background writes are done
+CHECKPOINT_POLL_S = 0.2
+
+WriteFiles = Callable[..., Awaitable[float]]
+
+
+class RunCheckpointer:
+    """Saves, completes, prunes and restores the checkpoints of one run in ``out``.
+
+    Args:
+        config: the run's config (``num_steps``, ``export_every``, ``rollout``, ``model``).
+        out: the run's output directory.
+        stop: set when the run stops early: the checkpoint then is its last one, waited for whole.
+        write_files: ``await write_files(step, tmp, export=..., blocking=...)`` writes a
+            checkpoint's files into ``tmp`` (all but ``COMPLETE``) and returns the seconds the
+            train ranks blocked to stage their shards.
+    """
+
+    def __init__(self, config: RunConfig, out: Path, stop: asyncio.Event, write_files: WriteFiles) -> None:
+        self.config = config
+        self.out = out
+        self._stop = stop
+        self._write_files = write_files
+        self.policy: Any = None  # the train workers' PolicyClient, set once they are up
+        self._pending: asyncio.Task | None = None  # finishes a checkpoint written in the background
+        self.blocked_s = 0.0  # training blocked by checkpoints since the last step's metrics
+
+    def take_blocked_s(self) -> float:
+        """The seconds training was blocked by checkpoints since the last call."""
+        out, self.blocked_s = self.blocked_s, 0.0
+        return out
+
+    async def save(self, step: int) -> Path:
+        """Write the run's state at ``step`` (see :mod:`splitrl.controller.run_checkpoint`).
+
+        Training is blocked only while the previous checkpoint is finished (when it is still
+        being written), the train ranks copy their shards into CPU memory and the controller
+        writes its own small state; the shard files are then written in the background, and a
+        background task writes ``COMPLETE`` (with the checksums of the files on disk) and renames
+        the directory into place once every rank's files are written (the files themselves are
+        written by the controller's ``write_files``). The last checkpoint of a
+        run (the end, a stop) is waited for whole; a Hugging Face export (``export_every``, and
+        the last checkpoint) blocks while it is gathered and written. The blocking time is logged
+        and reported as ``timing/checkpoint_s`` with the next step's metrics.
+
+        Raises:
+            CheckpointError: this write (or the previous checkpoint's background write) failed
+                (a full disk, permissions); the partial checkpoint is removed and the previous
+                complete ones are untouched.
+        """
+        cfg = self.config
+        t0 = time.perf_counter()
+        await self.finish_pending()
+        waited = time.perf_counter() - t0
+        final = step >= cfg.num_steps or self._stop.is_set()
+        export = final or bool(cfg.export_every and step % cfg.export_every == 0)
+        path = step_dir(self.out, step)
+        tmp = path.with_name(path.name + TMP_SUFFIX)
+        try:
+            staged_s = await self._write_files(step, tmp, export=export, blocking=final)
+        except Exception as e:  # noqa: BLE001 - every writer's failure: OSError, torch's and
+            # safetensors' own errors for a full disk (RuntimeError "file write failed", ...)
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(self.failure(step, path, e)) from e
+        blocked = time.perf_counter() - t0
+        self.blocked_s += blocked
+        log.info(
+            "checkpoint step %d: training blocked %.2fs (waiting for the previous checkpoint %.2fs, trainer shards "
+            "staged in %.2fs%s)%s",
+            step, blocked, waited, staged_s, ", policy/ exported" if export else "",
+            "" if final else "; its files are being written in the background",
+        )
+        completion = asyncio.create_task(self._complete(step, tmp, path, t0))
+        if final:
+            await completion
+        else:
+            self._pending = completion
+        return path
+
+    async def _complete(self, step: int, tmp: Path, path: Path, t0: float) -> None:
+        """Wait until every rank's shard files are on disk, then write ``COMPLETE`` (sizes and
+        checksums of everything in ``tmp``, hashed off the event loop), rename ``tmp`` into
+        place and prune old checkpoints.
+
+        Raises:
+            CheckpointError: a rank's background write failed, or the marker / rename did;
+                ``tmp`` is removed.
+        """
+        try:
+            while not await self.policy.checkpoint_written():
+                await asyncio.sleep(CHECKPOINT_POLL_S)
+            await asyncio.to_thread(write_complete, tmp, step)  # last: sizes and checksums of everything above
+            shutil.rmtree(path, ignore_errors=True)
+            tmp.rename(path)
+        except Exception as e:  # noqa: BLE001 - as in save
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(self.failure(step, path, e)) from e
+        self.prune()
+        log.info("checkpoint step %d complete in %s (%.1fs after it started)", step, path, time.perf_counter() - t0)
+
+    async def finish_pending(self, timeout: float | None = None) -> None:
+        """Wait for the checkpoint being written in the background, if any (raises its
+        CheckpointError). With ``timeout``: give up after that many seconds and leave its
+        ``.tmp`` directory, which never loads and is removed by the next run."""
+        task, self._pending = self._pending, None
+        if task is None:
+            return
+        if timeout is None:
+            await task
+            return
+        done, _ = await asyncio.wait([task], timeout=timeout)
+        if not done:
+            task.cancel()
+            log.error("the checkpoint being written in the background did not finish within %.0fs; it is left incomplete", timeout)
+            return
+        task.result()
+
+    def prune(self) -> None:
+        """Keep the two newest complete checkpoints, and the newest one with a Hugging Face export
+        (``policy/``), so that ``splitrl eval OUTPUT_DIR`` always finds one once it was written.
+        One found damaged (on resume) is no keeper and is removed: counting it deleted the intact
+        checkpoint the run resumed from and kept one that cannot load."""
+        done = complete_checkpoints(self.out)
+        good = [p for p in done if not known_damaged(p)]
+        keep = set(good[-2:])
+        exported = [p for p in good if (p / "policy" / "config.json").is_file()]
+        if exported:
+            keep.add(exported[-1])
+        for old in done:
+            if old not in keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def failure(self, step: int, path: Path, e: BaseException) -> str:
+        """The message of a failed checkpoint write: the cause, the free space, what is left."""
+        if isinstance(e, OSError):
+            cause = f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+        else:
+            cause = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        try:
+            free = f" {shutil.disk_usage(self.out).free / 2**30:.1f} GiB are free on that disk."
+        except OSError:
+            free = ""
+        intact = latest_intact_checkpoint(self.out)
+        return (
+            f"could not write the checkpoint of step {step} to {path}: {cause}.{free} "
+            + (f"The newest intact checkpoint is {intact.name}. " if intact else "No checkpoint is on disk yet. ")
+            + "Free space (or fix the cause) and rerun the same command to resume."
+        )
+
+    async def write_trainer(self, tmp: Path, blocking: bool, export: bool, tokenizer: Any) -> float:
+        """The trainer's part of a checkpoint: its shards into ``tmp`` (started here, finished in
+        the background unless ``blocking``) and, with ``export``, a Hugging Face ``policy/`` with
+        the tokenizer and the rollout's generation config. Returns the seconds the train ranks
+        blocked to stage their shards."""
+        staged_s = await self.policy.save_checkpoint(str(tmp), blocking)
+        if export:
+            await self.policy.save_pretrained(str(tmp / "policy"))
+            write_inference_files(tmp / "policy", tokenizer, self.config.rollout, self.config.model.pretrained_path)
+        return staged_s
+
+    async def load_newest(self) -> tuple[Path, dict] | None:
+        """Load the newest checkpoint that loads into the train workers (a damaged one is marked,
+        skipped with a warning, and an older one tried); returns its path and the controller's
+        state saved with it, or None when none loads (a fresh run).
+
+        A sharded trainer state (``trainer/``) loads into any number of train workers; the
+        ``trainer.pt`` of a checkpoint written by splitrl before sharded checkpoints loads too.
+
+        Raises:
+            RuntimeError: a sharded state failed to load part-way and no older checkpoint loads
+                (the workers' weights are then neither fresh nor restored).
+        """
+        touched = None  # a checkpoint whose sharded load failed after it may have written into the model
+        for path in intact_checkpoints(self.out):
+            try:
+                state = torch.load(path / CONTROLLER_STATE, weights_only=False)
+                if (path / SHARDS_DIR).is_dir():
+                    touched = path
+                    await self.policy.load_checkpoint(str(path))
+                else:  # the whole trainer state in one file: a checkpoint of splitrl before sharded ones
+                    await self.policy.load_state_dict(torch.load(path / LEGACY_TRAINER_FILE, weights_only=False))
+                return path, state
+            except Exception as e:  # noqa: BLE001 - e.g. a checkpoint of an older splitrl without checksums
+                why = f"it does not load: {type(e).__name__}: {e}"
+                mark_damaged(path, why)
+                log.warning("checkpoint %s is damaged (%s); falling back to an older one", path.name, why)
+        if touched is not None:
+            raise RuntimeError(
+                f"checkpoint {touched} failed to load part-way and no older checkpoint loads; the run cannot "
+                "resume. Use resume=false to start over in this output_dir, or a new output_dir"
+            )
+        return None
