@@ -92,6 +92,7 @@ from splitrl.controller.run_checkpoint import (
     remove_leftovers,
     set_aside_earlier_run,
 )
+from splitrl.controller.weight_sync_path import open_weight_sync, push_weights
 from splitrl.dataplane import DataPlaneConfig, make_data_plane
 from splitrl.eval_config import plan_eval
 from splitrl.logging import MetricsLogger
@@ -478,61 +479,9 @@ class SingleController:
                 log.warning("step %d failed (%s: %s); retrying (%d/%d)", step + 1, type(e).__name__, e, attempt, cfg.max_step_retries)
 
     async def _open_weight_sync(self) -> str:
-        """Choose how weights reach the generation engines, and say which (issue 9):
-
-        - ``in_process`` (``backend=local``): the train actor stages a copy on the device for each
-          engine of this process;
-        - ``colocated``: each colocated actor stages a copy on its device
-          (:class:`~splitrl.controller.placement.ColocatedWorker`);
-        - ``group``: a torch.distributed group from train rank 0 to the engines (NCCL / gloo);
-        - ``object_store``: the fallback where that group cannot be built — the full weights go
-          through CPU and Ray's object store at every sync (slow for large models).
-
-        Raises:
-            ValueError: the trainer's and the engines' tensors do not match (another model).
-        """
-        if self.backend == "local":
-            log.info("weight sync: in-process copy on %s, staged beside generation", self.device)
-            return "in_process"
-        if self.placement == "colocated":
-            log.info("weight sync: on-device copy inside each colocated worker (%d), staged beside generation", len(self.gen_actors))
-            return "colocated"
-        from splitrl.distributed.weight_sync import DEFAULT_BUCKET_BYTES
-
-        timeout = self.config.watchdog_timeout_s
-        layout = await self.gen_actors[0].call("weight_layout")
-        address = ray_address(self.config)
-        # our own local cluster, or a joined head on this machine's loopback: the group stays there
-        loopback = not address or is_loopback(address)
-        try:
-            host, port = await self.train_actors[0].call("open_weight_sync", loopback, layout)
-        except ValueError:
-            raise
-        except Exception as e:  # noqa: BLE001 - e.g. no address to listen on: fall back below
-            results: list = [e]
-        else:
-            world = 1 + len(self.gen_actors)
-            calls = [t.call("join_weight_sync", host, port, world, layout, DEFAULT_BUCKET_BYTES, timeout) for t in self.train_actors]
-            calls += [
-                g.call("join_weight_sync", host, port, i + 1, world, layout, DEFAULT_BUCKET_BYTES, timeout)
-                for i, g in enumerate(self.gen_actors)
-            ]
-            # every member returns (joined or timed out) before the choice: none is left blocked
-            results = await asyncio.gather(*calls, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
-        if not errors:
-            log.info(
-                "weight sync: train rank 0 -> %d generation worker(s) over a torch.distributed %s group (%s:%d), "
-                "%.0f MB in %d MB buckets", len(self.gen_actors), results[0], host, port, layout.nbytes / 2**20,
-                DEFAULT_BUCKET_BYTES // 2**20,
-            )
-            return "group"
-        e = errors[0]
-        log.warning(
-            "weight sync: the torch.distributed group could not be built (%s: %s); falling back to Ray's object "
-            "store: the full weights go through CPU at every sync (slow for large models)", type(e).__name__, e,
-        )
-        return "object_store"
+        """Choose how weights reach the generation engines, and say which (see
+        :func:`~splitrl.controller.weight_sync_path.open_weight_sync`)."""
+        return await open_weight_sync(self.config, self.backend, self.placement, self.device, self.train_actors, self.gen_actors)
 
     async def _sync_weights(self) -> float:
         """Bring the generation engines to the trainer's weights (``self.version``); returns
@@ -541,25 +490,7 @@ class SingleController:
         if self.sync_path is None:
             self.sync_path = await self._open_weight_sync()
             t0 = time.perf_counter()  # the group's set-up is start-up time, not a sync
-        from splitrl.distributed.weight_sync import DEFAULT_BUCKET_BYTES
-
-        if self.sync_path == "in_process":
-            # on the train actor's thread: staged beside generation, taken at each engine's next call
-            gens = [a.obj for a in self.gen_actors]
-            await self._policy_call(
-                self.train_actors[0].call("stage_weights_into", gens, self.version, DEFAULT_BUCKET_BYTES), "weight sync"
-            )
-        elif self.sync_path == "colocated":
-            # in the train parts' thread: staged beside generation, taken at each engine's next call
-            stage = [a.submit_host("sync_weights", self.version, DEFAULT_BUCKET_BYTES) for a in self.train_actors]
-            await self._policy_call(asyncio.gather(*stage), "weight sync")
-        elif self.sync_path == "group":
-            # staged beside generation; each engine switches at the start of its next call
-            receive = [a.submit_in("sync", "receive_weights", self.version) for a in self.gen_actors]
-            await self._policy_call(asyncio.gather(self.policy.broadcast_weights(), *receive), "weight sync")
-        else:  # object_store: the fallback of split placement
-            sd = await self._policy_call(self.policy.policy_state_dict(to_cpu=True), "policy_state_dict")
-            await asyncio.gather(*(a.call("load_weights", sd, self.version) for a in self.gen_actors))
+        await push_weights(self.sync_path, self.version, self.policy, self.train_actors, self.gen_actors, self._policy_call)
         self.synced_version = self.version
         self._wake_pumps()
         return time.perf_counter() - t0
