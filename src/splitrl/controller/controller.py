@@ -47,7 +47,6 @@ from splitrl.controller.buffer import (
     StepComposer,
     group_from_dict,
     group_to_dict,
-    staleness_metrics,
 )
 from splitrl.controller.checkpointer import RunCheckpointer
 from splitrl.controller.cluster import (  # noqa: F401 - SIGNAL_ECHO_S, STOP_SIGNALS re-exported
@@ -92,11 +91,12 @@ from splitrl.controller.run_checkpoint import (
     remove_leftovers,
     set_aside_earlier_run,
 )
+from splitrl.controller.step_metrics import step_metrics
 from splitrl.controller.weight_sync_path import open_weight_sync, push_weights
 from splitrl.dataplane import DataPlaneConfig, make_data_plane
 from splitrl.eval_config import plan_eval
 from splitrl.logging import MetricsLogger
-from splitrl.loss.advantages import advantage_metrics, compute_group_advantages
+from splitrl.loss.advantages import compute_group_advantages
 from splitrl.types import Group
 from splitrl.workers.generation import GenerationWorker, load_tokenizer
 from splitrl.workers.train_actor import TOKEN_FIELDS, TrainActor
@@ -130,14 +130,6 @@ class RunResult:
     # the signal that stopped the run (SIGINT or SIGTERM), None when none did; the CLI exits with
     # 128 + its number (130, 143)
     interrupt_signal: int | None = None
-
-
-def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    total = 0.0
-    for s1, e1 in a:
-        for s2, e2 in b:
-            total += max(0.0, min(e1, e2) - max(s1, s2))
-    return total
 
 
 class SingleController:
@@ -496,49 +488,16 @@ class SingleController:
         return time.perf_counter() - t0
 
     def _step_metrics(self, train: dict[str, float], groups: list[Group], step_s: float, sync_s: float) -> dict[str, float]:
-        out = {f"train/{k}" if not k.startswith("timing/") else k: v for k, v in train.items()}
-        samples = [s for g in groups for s in g.samples]
-        lengths = [s.response_len for s in samples]
-        rollout = advantage_metrics(groups)
-        # the mean reward under one name (DESIGN §3 lists it as train/reward)
-        out["train/reward"] = rollout.pop("reward/mean")
-        out.update({f"rollout/{k}": v for k, v in rollout.items()})
-        out["rollout/response_length_mean"] = sum(lengths) / max(1, len(lengths))
-        out["rollout/prompt_length_mean"] = sum(s.prompt_len for s in samples) / max(1, len(samples))
-        out["rollout/response_length_max"] = float(max(lengths, default=0))
-        out["rollout/truncation_rate"] = sum(s.truncated for s in samples) / max(1, len(samples))
-        out["rollout/reward_timeout_rate"] = sum(s.reward_timed_out for s in samples) / max(1, len(samples))
-        crashed = sum(s.info.get("reward_error") is not None and not s.reward_timed_out for s in samples)
-        out["rollout/reward_error_rate"] = crashed / max(1, len(samples))
-        acc = self.rollout_acc
-        self.rollout_acc = []
-        gen_tokens = sum(m["generated_tokens"] for m in acc)
-        gen_s = sum(m["generation_s"] for m in acc)
-        # every step's record has the same keys: NaN where a step has no value (no generation
-        # call finished since the last step; speculation switched itself off)
-        out["rollout/tokens_per_s"] = gen_tokens / gen_s if gen_s > 0 else float("nan")
-        if self.config.rollout.speculative:
-            drafted = sum(m["drafted_tokens"] for m in acc)
-            accepted = sum(m["accepted_tokens"] for m in acc)
-            out["rollout/acceptance_rate"] = 100.0 * accepted / drafted if drafted else float("nan")
-            out["rollout/speculative_active"] = float(acc[-1]["speculative_active"]) if acc else float("nan")
-        out.update(staleness_metrics(groups, self.version - 1))  # keys carry their buffer/ prefix
-        out["buffer/size"] = float(self.buffer.size)
-        out["buffer/evicted_groups_total"] = float(self.buffer.num_evicted_groups)
-        out["buffer/evicted_samples_total"] = float(self.buffer.num_evicted_samples)
-        gen_intervals = self.gen_intervals
-        self.gen_intervals = []
-        out["timing/step_s"] = step_s
-        out["timing/generation_s"] = sum(e - s for s, e in gen_intervals)
-        out["timing/train_s"] = sum(e - s for s, e in self.train_intervals)
-        out["timing/weight_sync_s"] = sync_s
-        # written after the previous step's metrics were logged: reported with this step's
-        out["timing/checkpoint_s"] = self.checkpointer.take_blocked_s()
-        out["timing/exposed_wait_s"] = self.wait_s
-        out["timing/generation_during_train_s"] = _overlap(gen_intervals, self.train_intervals)
-        out["timing/policy_version"] = float(self.version)
-        self.wait_s = 0.0
-        return out
+        """The step's record; what the pumps recorded since the last step starts afresh."""
+        calls, self.rollout_acc = self.rollout_acc, []
+        gen_intervals, self.gen_intervals = self.gen_intervals, []
+        wait_s, self.wait_s = self.wait_s, 0.0
+        return step_metrics(
+            train, groups, calls=calls, speculative=self.config.rollout.speculative, buffer=self.buffer,
+            version=self.version, gen_intervals=gen_intervals, train_intervals=self.train_intervals, wait_s=wait_s,
+            # written after the previous step's metrics were logged: reported with this step's
+            checkpoint_s=self.checkpointer.take_blocked_s(), step_s=step_s, sync_s=sync_s,
+        )  # fmt: skip
 
     async def _evaluate(self) -> dict[str, float]:
         """``eval/*`` metrics of the current weights on the held-out prompts, split over the
