@@ -22,6 +22,12 @@ it), so generation of step s waits for the weights of version s, and the train p
 waits until every group of the step is generated before it trains the first chunk. Generation and
 training then never overlap, and the chunks, samples and math are those of ``async`` at
 ``max_staleness: 0``: the two runs log the same numbers, at different speeds.
+
+What this module keeps is the loop (``_train_pump``, ``_run_step``, ``_rollout_pump``); its parts
+live beside it: where each prompt is (:mod:`.prompt_schedule`), the checkpoint lifecycle
+(:mod:`.checkpointer`), the weight-sync path (:mod:`.weight_sync_path`), a step's metrics
+(:mod:`.step_metrics`), Ray start-up, signals and shutdown (:mod:`.cluster`), the checks before
+anything starts (:mod:`.preflight`); the workers it drives are :mod:`splitrl.workers`.
 """
 
 from __future__ import annotations
@@ -42,55 +48,23 @@ import torch
 
 from splitrl.config import RunConfig
 from splitrl.controller.actors import spawn
-from splitrl.controller.buffer import (
-    ReplayBuffer,
-    StepComposer,
-    group_from_dict,
-    group_to_dict,
-)
+from splitrl.controller.buffer import ReplayBuffer, StepComposer, group_from_dict, group_to_dict
 from splitrl.controller.checkpointer import RunCheckpointer
-from splitrl.controller.cluster import (  # noqa: F401 - SIGNAL_ECHO_S, STOP_SIGNALS re-exported
-    SIGNAL_ECHO_S,
-    STOP_SIGNALS,
-    flush_console,
-    free_port,
-    install_stop_signals,
-    is_loopback,
-    ray_address,
-    remove_stop_signals,
-    resolve_backend,
-    shutdown,
-    start_cluster,
+from splitrl.controller.cluster import SIGNAL_ECHO_S, STOP_SIGNALS  # noqa: F401 - re-exported
+from splitrl.controller.cluster import (
+    flush_console, free_port, install_stop_signals, remove_stop_signals, resolve_backend, shutdown, start_cluster,
     wait_for_free_cpus,
-)
+)  # fmt: skip
 from splitrl.controller.health import RunHealth
 from splitrl.controller.placement import (
-    bundle_options,
-    check_cluster_gpus,
-    gpus_needed,
-    make_placement_group,
-    resolve_placement,
-    spawn_colocated,
-)
+    bundle_options, check_cluster_gpus, gpus_needed, make_placement_group, resolve_placement, spawn_colocated,
+)  # fmt: skip
 from splitrl.controller.policy_client import PolicyClient
-from splitrl.controller.preflight import (  # noqa: F401 - re-exported
-    latest_checkpoint,
-    preflight,
-    settings_without_effect,
-)
-from splitrl.controller.prompt_schedule import (  # noqa: F401 - arrived_first re-exported
-    PromptSchedule,
-    arrived_first,
-    strategy_of,
-)
+from splitrl.controller.preflight import latest_checkpoint, preflight, settings_without_effect  # noqa: F401 - re-exported
+from splitrl.controller.prompt_schedule import PromptSchedule, arrived_first, strategy_of  # noqa: F401 - re-exported
 from splitrl.controller.run_checkpoint import (
-    CONTROLLER_STATE,
-    RUN_CONFIG,
-    CheckpointError,
-    RunDirLock,
-    remove_leftovers,
-    set_aside_earlier_run,
-)
+    CONTROLLER_STATE, RUN_CONFIG, CheckpointError, RunDirLock, remove_leftovers, set_aside_earlier_run,
+)  # fmt: skip
 from splitrl.controller.step_metrics import step_metrics
 from splitrl.controller.weight_sync_path import open_weight_sync, push_weights
 from splitrl.dataplane import DataPlaneConfig, make_data_plane
@@ -107,7 +81,6 @@ log = logging.getLogger(__name__)
 # Seconds to wait for the cluster's free CPUs to cover the run: the actors of a run that just
 # ended (in this process, or another job's) free theirs lazily.
 CPU_WAIT_S = 15.0
-
 
 
 class StallError(RuntimeError):
@@ -146,6 +119,20 @@ class SingleController:
         self._interrupted = False
         self._interrupt_signal: int | None = None
         self._interrupted_at = 0.0  # time.monotonic() of the first stop signal
+        self._wake = asyncio.Event()  # replaced at each wake-up (_wake_pumps)
+        self.version = 0  # the trainer's policy version: steps trained
+        self.synced_version = -1  # the version the generation engines hold
+        self.step = 0  # the open step
+        self._restored_pending: list[Group] = []  # accepted groups of the checkpoint, delivered again
+        # recorded between two steps' metrics (step_metrics)
+        self.gen_intervals: list[tuple[float, float]] = []
+        self.train_intervals: list[tuple[float, float]] = []
+        self.rollout_acc: list[dict] = []
+        self.wait_s = 0.0
+        # fp16 loss scaling: the step's expected valid tokens, then the last step's
+        self.expected_tokens = max(1, config.groups_per_step * config.group_size * config.rollout.max_new_tokens // 2)
+        self.history: list[dict[str, float]] = []
+        self.stopped_early = False
         # what a checkpoint holds is written by _write_checkpoint (looked up at each call)
         self.checkpointer = RunCheckpointer(
             config, self.out, self._stop,
@@ -581,19 +568,44 @@ class SingleController:
         remove_leftovers(self.out)  # half-written checkpoints and temp files of a killed run
         start_cluster(cfg, self.backend)
         self._build()
-        self._wake = asyncio.Event()
-        self.version = 0
-        self.synced_version = -1
-        self._restored_pending: list[Group] = []
-        self.gen_intervals: list[tuple[float, float]] = []
-        self.train_intervals: list[tuple[float, float]] = []
-        self.rollout_acc: list[dict] = []
-        self.wait_s = 0.0
-        self.expected_tokens = max(1, cfg.groups_per_step * cfg.group_size * cfg.rollout.max_new_tokens // 2)
-        self.history: list[dict[str, float]] = []
-        self.stopped_early = False
-        self.step = 0
         random.seed(cfg.seed)
+        start = await self._start_up()
+        loop = asyncio.get_running_loop()
+        install_stop_signals(loop, self._on_interrupt)
+        pumps = [asyncio.create_task(self._rollout_pump(a)) for a in self.gen_actors]
+        if self._restored_pending:
+            pumps.append(asyncio.create_task(self._deliver(self._restored_pending)))
+        trainer = asyncio.create_task(self._train_pump(start))
+        try:
+            await self._supervise(trainer, pumps)
+        finally:
+            self._stop.set()
+            self._wake_pumps()
+            for t in [trainer, *pumps]:
+                t.cancel()
+            await asyncio.gather(trainer, *pumps, return_exceptions=True)
+            # a run that failed after a checkpoint started in the background: its staged state
+            # is consistent, so finish it (a hung trainer gets a bounded wait)
+            try:
+                await self.checkpointer.finish_pending(timeout=min(120.0, cfg.watchdog_timeout_s))
+            except CheckpointError as e:
+                log.error("%s", e)
+            remove_stop_signals(loop)
+            self.logger.close()
+            self._shutdown()
+        return RunResult(
+            str(self.out),
+            start + len(self.history),
+            self.history,
+            self.stopped_early or self._interrupted,
+            self._interrupted,
+            self._interrupt_signal,
+        )
+
+    async def _start_up(self) -> int:
+        """Restore the newest checkpoint (if resuming), sync the weights, set an earlier run
+        aside (when starting over) and open the metrics logger; returns the step to start at."""
+        cfg = self.config
         t_ready = time.perf_counter()
         log.info("start-up: waiting for the workers to load the model")
         start = await self._restore()
@@ -618,48 +630,22 @@ class SingleController:
                             why, self.out, ", ".join(moved), dest)
         self.logger = MetricsLogger(self.out, cfg.num_steps, start_step=start + 1, config=cfg.logging)
         self.logger.save_config(cfg)
-        loop = asyncio.get_running_loop()
-        install_stop_signals(loop, self._on_interrupt)
-        pumps = [asyncio.create_task(self._rollout_pump(a)) for a in self.gen_actors]
-        if self._restored_pending:
-            pumps.append(asyncio.create_task(self._deliver(self._restored_pending)))
-        trainer = asyncio.create_task(self._train_pump(start))
-        try:
-            while True:
-                done, _ = await asyncio.wait([trainer, *pumps], return_when=asyncio.FIRST_COMPLETED)
-                if trainer in done:
-                    trainer.result()
-                    break
-                for p in done:
-                    if p.exception() is not None:
-                        raise p.exception()
-                pumps = [p for p in pumps if not p.done()]
-                if not pumps:
-                    await trainer
-                    break
-        finally:
-            self._stop.set()
-            self._wake_pumps()
-            for t in [trainer, *pumps]:
-                t.cancel()
-            await asyncio.gather(trainer, *pumps, return_exceptions=True)
-            # a run that failed after a checkpoint started in the background: its staged state
-            # is consistent, so finish it (a hung trainer gets a bounded wait)
-            try:
-                await self.checkpointer.finish_pending(timeout=min(120.0, cfg.watchdog_timeout_s))
-            except CheckpointError as e:
-                log.error("%s", e)
-            remove_stop_signals(loop)
-            self.logger.close()
-            self._shutdown()
-        return RunResult(
-            str(self.out),
-            start + len(self.history),
-            self.history,
-            self.stopped_early or self._interrupted,
-            self._interrupted,
-            self._interrupt_signal,
-        )
+        return start
+
+    async def _supervise(self, trainer: asyncio.Task, pumps: list[asyncio.Task]) -> None:
+        """Wait until the train pump is done; a rollout pump's failure is the run's."""
+        while True:
+            done, _ = await asyncio.wait([trainer, *pumps], return_when=asyncio.FIRST_COMPLETED)
+            if trainer in done:
+                trainer.result()
+                return
+            for p in done:
+                if p.exception() is not None:
+                    raise p.exception()
+            pumps = [p for p in pumps if not p.done()]
+            if not pumps:
+                await trainer
+                return
 
     def _on_interrupt(self, sig: int = signal.SIGINT) -> None:
         """SIGINT (Ctrl-C) and SIGTERM (schedulers, containers): the first finishes the open step,
