@@ -306,28 +306,9 @@ class SingleController:
                 continue
             t0 = time.perf_counter()
             sched.started(indices, t0)
-            # under schedule=async each group is handed over as soon as its last sample finishes
-            # (the train pump's chunks stream from them): an in-process worker calls on_group on
-            # its thread, a Ray worker yields the group from a streaming call. schedule=sync takes
-            # them with the call: the step trains only once every generation call of it returned
-            streamed: dict[int, concurrent.futures.Future] = {}
-            on_group = None
-            if getattr(actor, "in_process", False) and cfg.schedule == "async":
-                loop = asyncio.get_running_loop()
-
-                def on_group(group: Group) -> None:  # on the worker's thread
-                    streamed[group.prompt_index] = asyncio.run_coroutine_threadsafe(self._deliver([group]), loop)
-
+            streamed: dict[int, concurrent.futures.Future] = {}  # groups delivered while the call ran
             try:
-                if cfg.schedule == "async" and hasattr(actor, "stream"):
-                    groups, metrics = [], {}
-                    async for item in actor.stream("generate_groups_stream", indices, cfg.group_size):
-                        if isinstance(item, Group):
-                            await self._deliver([item])  # back-pressure holds this loop, not the worker
-                        else:
-                            metrics = item
-                else:
-                    groups, metrics = await actor.call("generate_groups", indices, cfg.group_size, on_group)
+                groups, metrics = await self._generate(actor, indices, streamed)
             except BaseException:
                 sched.release(indices)
                 raise
@@ -339,6 +320,33 @@ class SingleController:
             await self._deliver([g for g in groups if g.prompt_index not in streamed])
             if streamed:
                 await asyncio.gather(*(asyncio.wrap_future(f) for f in streamed.values()))
+
+    async def _generate(self, actor, indices: list[int], streamed: dict) -> tuple[list[Group], dict]:
+        """One generation call for ``indices``: its groups not yet delivered and its metrics.
+
+        Under ``schedule: async`` each group is handed over as soon as its last sample finishes
+        (the train pump's chunks stream from them): an in-process worker calls ``on_group`` on its
+        thread (the delivery's future lands in ``streamed``), a Ray worker yields the group from a
+        streaming call. ``schedule: sync`` takes them with the call: the step trains only once
+        every generation call of it returned.
+        """
+        cfg = self.config
+        on_group = None
+        if getattr(actor, "in_process", False) and cfg.schedule == "async":
+            loop = asyncio.get_running_loop()
+
+            def on_group(group: Group) -> None:  # on the worker's thread
+                streamed[group.prompt_index] = asyncio.run_coroutine_threadsafe(self._deliver([group]), loop)
+
+        if cfg.schedule == "async" and hasattr(actor, "stream"):
+            groups, metrics = [], {}
+            async for item in actor.stream("generate_groups_stream", indices, cfg.group_size):
+                if isinstance(item, Group):
+                    await self._deliver([item])  # back-pressure holds this loop, not the worker
+                else:
+                    metrics = item
+            return groups, metrics
+        return await actor.call("generate_groups", indices, cfg.group_size, on_group)
 
     async def _deliver(self, groups: list[Group]) -> None:
         """Put generated groups into the buffer, waiting for room (back-pressure). Until a group
