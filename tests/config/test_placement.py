@@ -79,13 +79,14 @@ def test_the_controller_checks_gpus_before_starting_anything(tmp_path, monkeypat
     starts (a fake cluster with one GPU; the run asks for split with 1 + 1 workers)."""
     ray = pytest.importorskip("ray")
     from splitrl.controller import controller as ctl_mod
+    from splitrl.controller import launch  # where the workers are started
 
     started = []
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 1.0})
     monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 8.0, "GPU": 1.0})
-    monkeypatch.setattr(ctl_mod, "make_data_plane", lambda *a, **k: started.append("data plane"))
-    monkeypatch.setattr(ctl_mod, "spawn", lambda *a, **k: started.append("worker"))
-    monkeypatch.setattr(ctl_mod, "make_placement_group", lambda *a, **k: started.append("placement group"))
+    monkeypatch.setattr(launch, "make_data_plane", lambda *a, **k: started.append("data plane"))
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: started.append("worker"))
+    monkeypatch.setattr(launch, "make_placement_group", lambda *a, **k: started.append("placement group"))
     ctl = ctl_mod.SingleController(load_config(None, ["backend=ray", "placement=split", f"output_dir={tmp_path}"]))
     ctl.device = "cuda"  # as resolved on a GPU machine
     with pytest.raises(ValueError, match="placement=split needs 2 GPUs .* the Ray cluster has 1"):
@@ -126,12 +127,13 @@ def test_the_controller_checks_free_cpus_before_starting_anything(tmp_path, monk
     worker starts, instead of actors that wait forever (a new user's trial: 5 + 5 workers on 8 CPUs)."""
     ray = pytest.importorskip("ray")
     from splitrl.controller import controller as ctl_mod
+    from splitrl.controller import launch  # where the workers are started
 
     started = []
     monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 8.0})
-    monkeypatch.setattr(ctl_mod, "CPU_WAIT_S", 0.0)
-    monkeypatch.setattr(ctl_mod, "make_data_plane", lambda *a, **k: started.append("data plane"))
-    monkeypatch.setattr(ctl_mod, "spawn", lambda *a, **k: started.append("worker"))
+    monkeypatch.setattr(launch, "CPU_WAIT_S", 0.0)
+    monkeypatch.setattr(launch, "make_data_plane", lambda *a, **k: started.append("data plane"))
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: started.append("worker"))
     ctl = ctl_mod.SingleController(load_config(
         None, ["backend=ray", "placement=split", "num_train_workers=5", "num_generation_workers=5", f"output_dir={tmp_path}"]
     ))

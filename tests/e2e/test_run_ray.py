@@ -45,7 +45,7 @@ def test_three_steps_on_ray_and_transferqueue_with_groups_streamed_into_training
     Without streaming the held worker below waits in vain (30 s) and records False."""
     import ray.cloudpickle
 
-    from splitrl.controller import controller as controller_mod
+    from splitrl.controller import launch as controller_mod  # where the workers are started
     from splitrl.controller.policy_client import PolicyClient
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the worker class travels by value

@@ -47,18 +47,14 @@ from pathlib import Path
 import torch
 
 from splitrl.config import RunConfig
-from splitrl.controller.actors import spawn
 from splitrl.controller.buffer import ReplayBuffer, StepComposer, group_from_dict, group_to_dict
 from splitrl.controller.checkpointer import RunCheckpointer
 from splitrl.controller.cluster import SIGNAL_ECHO_S, STOP_SIGNALS  # noqa: F401 - re-exported
 from splitrl.controller.cluster import (
-    flush_console, free_port, install_stop_signals, remove_stop_signals, resolve_backend, shutdown, start_cluster,
-    wait_for_free_cpus,
+    flush_console, install_stop_signals, remove_stop_signals, resolve_backend, shutdown, start_cluster,
 )  # fmt: skip
 from splitrl.controller.health import RunHealth
-from splitrl.controller.placement import (
-    bundle_options, check_cluster_gpus, gpus_needed, make_placement_group, resolve_placement, spawn_colocated,
-)  # fmt: skip
+from splitrl.controller.launch import launch_workers
 from splitrl.controller.policy_client import PolicyClient
 from splitrl.controller.preflight import latest_checkpoint, preflight, settings_without_effect  # noqa: F401 - re-exported
 from splitrl.controller.prompt_schedule import PromptSchedule, arrived_first, strategy_of  # noqa: F401 - re-exported
@@ -67,20 +63,14 @@ from splitrl.controller.run_checkpoint import (
 )  # fmt: skip
 from splitrl.controller.step_metrics import step_metrics
 from splitrl.controller.weight_sync_path import open_weight_sync, push_weights
-from splitrl.dataplane import DataPlaneConfig, make_data_plane
 from splitrl.eval_config import plan_eval
 from splitrl.logging import MetricsLogger
 from splitrl.loss.advantages import compute_group_advantages
 from splitrl.types import Group
-from splitrl.workers.generation import GenerationWorker, load_tokenizer
-from splitrl.workers.train_actor import TOKEN_FIELDS, TrainActor
+from splitrl.workers.generation import load_tokenizer
+from splitrl.workers.train_actor import TOKEN_FIELDS
 
 log = logging.getLogger(__name__)
-
-
-# Seconds to wait for the cluster's free CPUs to cover the run: the actors of a run that just
-# ended (in this process, or another job's) free theirs lazily.
-CPU_WAIT_S = 15.0
 
 
 class StallError(RuntimeError):
@@ -144,59 +134,12 @@ class SingleController:
 
     # ============================================================================== set-up
     def _build(self) -> None:
+        """Start the workers (:func:`~splitrl.controller.launch.launch_workers`) and the parts
+        of the controller that drive them."""
         cfg = self.config
-        G, T = cfg.num_generation_workers, cfg.num_train_workers
-        gpu = self.device == "cuda"
-        self.placement = resolve_placement(cfg.placement, self.backend, self.device, G, T)
-        self.placement_group = None
-        if self.backend == "ray":
-            import ray
-
-            # before any worker (or the data plane) starts: a clear error instead of actors that
-            # wait forever for CPUs or GPUs
-            actors = T if self.placement == "colocated" else G + T
-            need = actors + (3 if cfg.dataplane.kind == "transferqueue" else 0)
-            wait_for_free_cpus(need, CPU_WAIT_S)
-            if gpu:
-                check_cluster_gpus(self.placement, G, T, ray.cluster_resources())
-                self.placement_group = make_placement_group(gpus_needed(self.placement, G, T))
-                log.info("start-up: reserved %d GPU(s) for placement %s", gpus_needed(self.placement, G, T), self.placement)
-        dp_cfg = cfg.dataplane if self.backend == "ray" else DataPlaneConfig(kind="inprocess")
-        log.info("start-up: starting the %s data plane", dp_cfg.kind)
-        self.data_plane = make_data_plane(dp_cfg)
-        log.info(
-            "start-up: starting %d train worker(s) and %d generation worker(s) on %s (placement %s); each imports "
-            "torch and builds the model", T, G, self.device, self.placement,
-        )
-        train_cfg = cfg.train.model_copy(update={"device": self.device})
-        port = free_port()
-
-        def train_part(r: int) -> tuple[tuple, dict]:
-            args = (cfg.model, train_cfg, cfg.trainer_loss_config(), self.data_plane)  # temperature, tis_cap resolved
-            return args, dict(rank=r, world_size=T, master_port=port, torch_threads=cfg.torch_threads)
-
-        gen_part = (
-            (cfg.model, cfg.rollout, cfg.task, cfg.tokenizer, self.data_plane),
-            dict(run_seed=cfg.seed, reward_timeout_s=cfg.reward_timeout_s, mask_truncated=cfg.mask_truncated,
-                 device=self.device, dtype=cfg.rollout_dtype, torch_threads=cfg.torch_threads),
-        )
-        pg = self.placement_group
-        if self.backend == "ray" and self.placement == "colocated":
-            parts = [spawn_colocated(train_part(r), gen_part, ray_options=bundle_options(pg, r)) for r in range(T)]
-            self.train_actors = [t for t, _ in parts]
-            self.gen_actors = [g for _, g in parts]
-        else:
-            # split: train ranks in bundles 0..T-1, generation workers in T..T+G-1
-            self.train_actors = [
-                spawn(TrainActor, *args, **kwargs, backend=self.backend, ray_options=bundle_options(pg, r))
-                for r, (args, kwargs) in ((r, train_part(r)) for r in range(T))
-            ]
-            # a weight sync is received in a concurrency group of its own, beside generation
-            self.gen_actors = [
-                spawn(GenerationWorker, *gen_part[0], **gen_part[1], backend=self.backend,
-                      ray_options=bundle_options(pg, T + i), remote_options={"concurrency_groups": {"sync": 1}})
-                for i in range(G)
-            ]
+        w = launch_workers(cfg, self.backend, self.device)
+        self.placement, self.placement_group, self.data_plane = w.placement, w.placement_group, w.data_plane
+        self.train_actors, self.gen_actors = w.train_actors, w.gen_actors
         self.policy = PolicyClient(self.train_actors)
         self.checkpointer.policy = self.policy
         self.sync_path: str | None = None  # chosen at the first weight sync (_open_weight_sync)
