@@ -96,7 +96,12 @@ class RunResult:
 
 
 class SingleController:
-    """Runs one GRPO training run described by a :class:`RunConfig`."""
+    """Runs one GRPO training run described by a :class:`RunConfig`.
+
+    ``run`` checks the config (preflight), starts the cluster and the workers, then runs one train
+    pump (``_train_pump``: step, weight sync, log, checkpoint) and one rollout pump per generation
+    worker (``_rollout_pump``) until the last step or a stop.
+    """
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config
@@ -132,104 +137,241 @@ class SingleController:
         strategy = strategy_of(buf.max_staleness, config.chunk_order, config.schedule)
         self.schedule = PromptSchedule(config.groups_per_step, config.num_steps, buf.max_staleness, strategy)
 
-    # ============================================================================== set-up
-    def _build(self) -> None:
-        """Start the workers (:func:`~splitrl.controller.launch.launch_workers`) and the parts
-        of the controller that drive them."""
+    # ============================================= run: start up, run the pumps, wind down
+    async def run(self) -> RunResult:
         cfg = self.config
-        w = launch_workers(cfg, self.backend, self.device)
-        self.placement, self.placement_group, self.data_plane = w.placement, w.placement_group, w.data_plane
-        self.train_actors, self.gen_actors = w.train_actors, w.gen_actors
-        self.policy = PolicyClient(self.train_actors)
-        self.checkpointer.policy = self.policy
-        self.sync_path: str | None = None  # chosen at the first weight sync (_open_weight_sync)
-        self.buffer = ReplayBuffer(cfg.buffer, on_evict=self._on_evict)
-        self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.pretrained_path)  # saved with checkpoints
+        done_before = preflight(cfg)
+        self.eval_indices = plan_eval(cfg) if cfg.eval.enabled else []  # raises before anything starts
+        log.log(*cfg.off_policy_summary())
+        self.health = RunHealth(cfg.reward_timeout_s, loss_scaling=cfg.train.precision == "fp16")
+        if done_before > cfg.num_steps:
+            # the user asked for fewer steps than were made: say so, or it reads as a success
+            log.warning(
+                "%s already holds a run of %d steps, more than num_steps=%d; nothing to do (raise num_steps to "
+                "continue it, or set resume=false to start over: the earlier run is set aside, not deleted)",
+                self.out, done_before, cfg.num_steps,
+            )  # fmt: skip
+            return RunResult(str(self.out), done_before)
+        if done_before == cfg.num_steps:
+            log.info("%s already holds a finished run (%d steps); nothing to do", self.out, done_before)
+            return RunResult(str(self.out), done_before)
+        self.out.mkdir(parents=True, exist_ok=True)
+        lock = RunDirLock(self.out)  # a second run in this directory stops here, before any write
+        try:
+            return await self._run_locked()
+        finally:
+            lock.release()
 
-    # ============================================================================ checkpoints
-    def _prune_checkpoints(self) -> None:
-        self.checkpointer.prune()
-
-    async def _write_checkpoint(self, step: int, tmp: Path, export: bool, blocking: bool) -> float:
-        """Write the checkpoint's files into ``tmp`` (all but ``COMPLETE``): the trainer's shards
-        (started here, finished in the background unless ``blocking``), ``policy/`` when
-        ``export``, ``controller.pt`` and ``run_config.json``. Returns the seconds the trainer
-        ranks blocked to stage their shards."""
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        # a consistent snapshot of the controller side: no await between these reads. Every state
-        # a prompt can be in here is either saved or regenerated on resume (see _restore):
-        #   trained ............... the schedule's done
-        #   buffered .............. the buffer's state
-        #   accepted, not buffered  pending_groups: generated and waiting for buffer room, or held
-        #                           by the deterministic train pump for a later chunk
-        #   being generated ....... not saved: not done, so regenerated (the cursor restarts at
-        #                           the lowest prompt index that is not done)
-        #   evicted / never claimed likewise not done: regenerated
-        buffer_state = self.buffer.state_dict()
-        done = sorted(self.schedule.done)
-        accepted = [group_to_dict(g) for g in self.schedule.accepted_groups()]
-        buffered_ids = [s["sample_id"] for g in [*buffer_state["groups"], *accepted] for s in g["samples"]]
-        samples = self.data_plane.get(buffered_ids, TOKEN_FIELDS) if buffered_ids else {}
-        staged_s = await self.checkpointer.write_trainer(tmp, blocking, export, self.tokenizer)
-        torch.save(
-            {
-                "step": step,
-                "version": self.version,
-                "done_indices": done,
-                "buffer": buffer_state,
-                "pending_groups": accepted,
-                "buffered_ids": buffered_ids,
-                "buffered_samples": samples,
-                "expected_tokens": self.expected_tokens,
-                "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
-            },
-            tmp / CONTROLLER_STATE,
+    async def _run_locked(self) -> RunResult:
+        cfg = self.config
+        remove_leftovers(self.out)  # half-written checkpoints and temp files of a killed run
+        start_cluster(cfg, self.backend)
+        self._build()
+        random.seed(cfg.seed)
+        start = await self._start_up()
+        loop = asyncio.get_running_loop()
+        install_stop_signals(loop, self._on_interrupt)
+        pumps = [asyncio.create_task(self._rollout_pump(a)) for a in self.gen_actors]
+        if self._restored_pending:
+            pumps.append(asyncio.create_task(self._deliver(self._restored_pending)))
+        trainer = asyncio.create_task(self._train_pump(start))
+        try:
+            await self._supervise(trainer, pumps)
+        finally:
+            self._stop.set()
+            self._wake_pumps()
+            for t in [trainer, *pumps]:
+                t.cancel()
+            await asyncio.gather(trainer, *pumps, return_exceptions=True)
+            # a run that failed after a checkpoint started in the background: its staged state
+            # is consistent, so finish it (a hung trainer gets a bounded wait)
+            try:
+                await self.checkpointer.finish_pending(timeout=min(120.0, cfg.watchdog_timeout_s))
+            except CheckpointError as e:
+                log.error("%s", e)
+            remove_stop_signals(loop)
+            self.logger.close()
+            self._shutdown()
+        return RunResult(
+            str(self.out),
+            start + len(self.history),
+            self.history,
+            self.stopped_early or self._interrupted,
+            self._interrupted,
+            self._interrupt_signal,
         )
-        # the model config a resume is checked against (preflight) comes from here, so a
-        # checkpoint without policy/ is enough to resume
-        (tmp / RUN_CONFIG).write_text(json.dumps(self.config.model_dump(mode="json"), indent=1))
-        return staged_s
 
-    async def _restore(self) -> int:
-        """Load the newest checkpoint that loads (a damaged one is skipped with a warning) into
-        the train workers and the controller; returns its step (0: none, a fresh run).
+    # =========================== the loop: train a step, sync the weights, log, checkpoint
+    async def _train_pump(self, start_step: int) -> None:
+        """The RL loop: train step k on the groups the schedule gives it, sync the weights to the
+        generation engines (the rollout pumps wake up), evaluate when due, log, checkpoint."""
+        cfg = self.config
+        for step in range(start_step, cfg.num_steps):
+            self.step = step
+            t0 = time.perf_counter()
+            train_metrics, groups = await self._run_step(step)
+            self.version += 1
+            sync_s = await self._sync_weights()
+            # held-out evaluation with the weights just synced, queued on the generation workers
+            # before the rollout pumps resume: training waits for the evaluation only
+            eval_metrics = await self._evaluate() if cfg.eval.due(step + 1, cfg.num_steps) else {}
+            self.data_plane.delete([s.sample_id for g in groups for s in g.samples])
+            if train_metrics.get("num_valid_tokens", 0) > 0:
+                self.expected_tokens = int(train_metrics["num_valid_tokens"])
+            metrics = self._step_metrics(train_metrics, groups, time.perf_counter() - t0, sync_s)
+            metrics.update(eval_metrics)
+            self.logger.log(step + 1, metrics)
+            self.health.check(step + 1, metrics)
+            self.history.append(metrics)
+            done = step + 1
+            due = (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.num_steps
+            # a stop (Ctrl-C, SIGTERM) always leaves a checkpoint of the last finished step,
+            # checkpoint_every=0 (only at the end) included
+            if due or self._stop.is_set():
+                await self.checkpointer.save(done)
+            if self._stop.is_set():
+                self.stopped_early = done < cfg.num_steps
+                return
+
+    async def _run_step(self, step: int) -> tuple[dict[str, float], list[Group]]:
+        """One optimizer step, streamed in chunks; retried per ``on_chunk_failure``."""
+        cfg = self.config
+        composer = StepComposer(cfg.groups_per_step, cfg.min_groups_per_chunk)
+        received: list[Group] = []
+        attempt = 0
+        while True:
+            composer.start_step()
+            train_intervals = []
+            try:
+                if cfg.schedule == "sync":
+                    # the plain loop: the whole step is generated before any of it trains (the
+                    # chunks below are then those of async at max_staleness 0, already held)
+                    t = time.perf_counter()
+                    await self._hold(self.schedule.step_prompts(step))
+                    self.wait_s += time.perf_counter() - t
+                # fp16: per-chunk losses are scaled by 1 / (the expected tokens of the step) so that
+                # activation gradients stay in range; finish divides it out (DESIGN §2)
+                expected = self.expected_tokens if cfg.train.precision == "fp16" else None
+                await self._policy_call(self.policy.begin(expected), "begin_train_step")
+                replay = list(received)
+                while not composer.is_full:
+                    req = composer.next_chunk()
+                    if replay:
+                        groups, replay = replay[: req.max_groups], replay[req.max_groups :]
+                    else:
+                        n = min(req.max_groups, cfg.min_groups_per_chunk) if cfg.buffer.max_staleness == 0 else req.max_groups
+                        groups = await self._wait_groups(n)
+                        received.extend(groups)
+                    compute_group_advantages(groups, cfg.advantage)
+                    t = time.perf_counter()
+                    await self._policy_call(self.policy.train_chunk(groups), "train_microbatch")
+                    train_intervals.append((t, time.perf_counter()))
+                    composer.add_chunk(groups)
+                t = time.perf_counter()
+                metrics = await self._policy_call(self.policy.finish(), "finish_train_step")
+                train_intervals.append((t, time.perf_counter()))
+                self.train_intervals = train_intervals
+                return metrics, composer.finish_step()
+            except StallError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any failure of a chunk aborts the step
+                composer.abort_step()
+                try:
+                    await self._policy_call(self.policy.abort(), "abort_train_step")
+                except Exception as abort_error:  # noqa: BLE001
+                    raise StepFailed(f"step {step + 1} failed ({type(e).__name__}: {e}) and abort failed too") from abort_error
+                attempt += 1
+                if cfg.on_chunk_failure == "stop" or attempt > cfg.max_step_retries:
+                    raise StepFailed(f"step {step + 1} failed after {attempt} attempt(s): {type(e).__name__}: {e}") from e
+                log.warning("step %d failed (%s: %s); retrying (%d/%d)", step + 1, type(e).__name__, e, attempt, cfg.max_step_retries)
+
+    async def _wait_groups(self, n: int) -> list[Group]:
+        """The next chunk's groups (at most ``n``), as the schedule's strategy takes them."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        if self.schedule.strategy == "staleness":
+            ok = await self.buffer.wait_ready(min(n, cfg.min_groups_per_chunk), timeout=cfg.watchdog_timeout_s, current_version=self.version)
+            if not ok:
+                raise StallError(self._stall_report(f"{n} groups"))
+            groups = self.buffer.select(self.version, max_groups=n, min_groups=min(n, cfg.min_groups_per_chunk))
+        else:
+            # max_staleness 0: the step's own prompts, in prompt order (deterministic) or in the
+            # order their groups arrive (chunk_order=arrival)
+            await self._hold(*self.schedule.wanted(n, self.step))
+            groups = self.schedule.take(n, self.step)
+        self.wait_s += time.perf_counter() - t0
+        return groups
+
+    async def _hold(self, want: list[int], at_least: int | None = None) -> None:
+        """Wait until the group of every prompt index in ``want`` (or of ``at_least`` of them) is
+        held (``max_staleness: 0``: the train pump takes a step's own prompts; groups that arrive
+        before their turn are moved from the buffer to the schedule's ``held``, in arrival order).
 
         Raises:
-            RuntimeError: see :meth:`RunCheckpointer.load_newest`.
+            StallError: no group arrived for ``watchdog_timeout_s``; says where the prompts are.
         """
-        if not self.config.resume:
-            return 0
-        loaded = await self.checkpointer.load_newest()
-        if loaded is None:
-            return 0
-        path, state = loaded
-        self.buffer.load_state_dict(state["buffer"])
-        if state["buffered_ids"]:
-            self.data_plane.put(state["buffered_ids"], state["buffered_samples"])
-        # accepted groups that were waiting for buffer room (or held): delivered again by run()
-        self._restored_pending = [group_from_dict(g) for g in state.get("pending_groups", [])]
-        self.schedule.restore(state["done_indices"], self._restored_pending)
-        self.version = int(state["version"])
-        self.expected_tokens = int(state.get("expected_tokens", self.expected_tokens))
-        random.setstate(state["rng"]["python"])
-        torch.set_rng_state(state["rng"]["torch"])
-        log.info("resumed from %s (step %d)", path, state["step"])
-        return int(state["step"])
+        cfg = self.config
+        sched = self.schedule
+        need = len(want) if at_least is None else at_least
+        while sched.num_held(want) < need:
+            ok = await self.buffer.wait_ready(1, timeout=cfg.watchdog_timeout_s, current_version=self.version)
+            if not ok:
+                raise StallError(self._stall_report("rollouts for prompts " + str([i for i in want if i not in sched.held])))
+            sched.hold(self.buffer.select(self.version, max_groups=max(1, self.buffer.size), min_groups=1))
 
-    # ============================================================================ pumps
-    def _wake_pumps(self) -> None:
-        """Wake every rollout pump waiting for work (new weights, a requeued prompt, stop)."""
-        self._wake.set()
-        self._wake = asyncio.Event()
-
-    def _on_evict(self, group: Group) -> None:
-        """A stale group left the buffer: free its tensors and generate its prompt again, so that
-        no prompt of the schedule is lost and the last step does not wait for it forever."""
-        self.data_plane.delete(group.sample_ids)
-        self.schedule.evicted(group.prompt_index)
+    async def _sync_weights(self) -> float:
+        """Bring the generation engines to the trainer's weights (``self.version``); returns
+        the seconds it took (logged as ``timing/weight_sync_s``)."""
+        t0 = time.perf_counter()
+        if self.sync_path is None:
+            self.sync_path = await self._open_weight_sync()
+            t0 = time.perf_counter()  # the group's set-up is start-up time, not a sync
+        await push_weights(self.sync_path, self.version, self.policy, self.train_actors, self.gen_actors, self._policy_call)
+        self.synced_version = self.version
         self._wake_pumps()
+        return time.perf_counter() - t0
 
+    async def _open_weight_sync(self) -> str:
+        """Choose how weights reach the generation engines, and say which (see
+        :func:`~splitrl.controller.weight_sync_path.open_weight_sync`)."""
+        return await open_weight_sync(self.config, self.backend, self.placement, self.device, self.train_actors, self.gen_actors)
+
+    def _step_metrics(self, train: dict[str, float], groups: list[Group], step_s: float, sync_s: float) -> dict[str, float]:
+        """The step's record; what the pumps recorded since the last step starts afresh."""
+        calls, self.rollout_acc = self.rollout_acc, []
+        gen_intervals, self.gen_intervals = self.gen_intervals, []
+        wait_s, self.wait_s = self.wait_s, 0.0
+        return step_metrics(
+            train, groups, calls=calls, speculative=self.config.rollout.speculative, buffer=self.buffer,
+            version=self.version, gen_intervals=gen_intervals, train_intervals=self.train_intervals, wait_s=wait_s,
+            # written after the previous step's metrics were logged: reported with this step's
+            checkpoint_s=self.checkpointer.take_blocked_s(), step_s=step_s, sync_s=sync_s,
+        )  # fmt: skip
+
+    async def _evaluate(self) -> dict[str, float]:
+        """``eval/*`` metrics of the current weights on the held-out prompts, split over the
+        generation workers (each runs its share as its next call)."""
+        from splitrl.evaluation import summarize
+
+        ecfg = self.config.eval
+        t0 = time.perf_counter()
+        n = len(self.gen_actors)
+        shares = [(a, self.eval_indices[i::n]) for i, a in enumerate(self.gen_actors) if self.eval_indices[i::n]]
+        futures = [
+            a.submit("evaluate", ecfg.task, share, ecfg.num_samples, ecfg.seed, ecfg.correct_threshold, ecfg.greedy)
+            for a, share in shares
+        ]
+        parts = await self._policy_call(asyncio.gather(*futures), "evaluate")
+        out: dict[str, float] = {}
+        for name, prefix, k in (("sampled", "eval/", ecfg.num_samples), ("greedy", "eval/greedy/", 1)):
+            if name in parts[0]:
+                samples = [s for p in parts for s in p[name][0]]
+                drafted, accepted = sum(p[name][1] for p in parts), sum(p[name][2] for p in parts)
+                out.update(summarize(samples, k, [1, *ecfg.ks, k], prefix, drafted, accepted))
+        out["timing/eval_s"] = time.perf_counter() - t0
+        return out
+
+    # =============== rollouts: generate what the schedule allows, deliver it to the buffer
     async def _rollout_pump(self, actor) -> None:
         cfg = self.config
         sched = self.schedule
@@ -302,256 +444,31 @@ class SingleController:
             # exactly one place
             self.schedule.buffered(g)
 
-    async def _wait_groups(self, n: int) -> list[Group]:
-        """The next chunk's groups (at most ``n``), as the schedule's strategy takes them."""
-        cfg = self.config
-        t0 = time.perf_counter()
-        if self.schedule.strategy == "staleness":
-            ok = await self.buffer.wait_ready(min(n, cfg.min_groups_per_chunk), timeout=cfg.watchdog_timeout_s, current_version=self.version)
-            if not ok:
-                raise StallError(self._stall_report(f"{n} groups"))
-            groups = self.buffer.select(self.version, max_groups=n, min_groups=min(n, cfg.min_groups_per_chunk))
-        else:
-            # max_staleness 0: the step's own prompts, in prompt order (deterministic) or in the
-            # order their groups arrive (chunk_order=arrival)
-            await self._hold(*self.schedule.wanted(n, self.step))
-            groups = self.schedule.take(n, self.step)
-        self.wait_s += time.perf_counter() - t0
-        return groups
-
-    async def _hold(self, want: list[int], at_least: int | None = None) -> None:
-        """Wait until the group of every prompt index in ``want`` (or of ``at_least`` of them) is
-        held (``max_staleness: 0``: the train pump takes a step's own prompts; groups that arrive
-        before their turn are moved from the buffer to the schedule's ``held``, in arrival order).
-
-        Raises:
-            StallError: no group arrived for ``watchdog_timeout_s``; says where the prompts are.
-        """
-        cfg = self.config
-        sched = self.schedule
-        need = len(want) if at_least is None else at_least
-        while sched.num_held(want) < need:
-            ok = await self.buffer.wait_ready(1, timeout=cfg.watchdog_timeout_s, current_version=self.version)
-            if not ok:
-                raise StallError(self._stall_report("rollouts for prompts " + str([i for i in want if i not in sched.held])))
-            sched.hold(self.buffer.select(self.version, max_groups=max(1, self.buffer.size), min_groups=1))
-
-    def _stall_report(self, what: str) -> str:
-        """Why the train pump waited in vain, from where every prompt of the schedule is."""
-        cfg = self.config
-        sched = self.schedule
-        head = (
-            f"watchdog: waited {cfg.watchdog_timeout_s:.0f}s for {what} at step {self.step + 1} "
-            f"(policy version {self.version}, synced {self.synced_version}); buffer holds {self.buffer.size} groups, "
-            f"{len(sched.pending)} generated groups wait for buffer room, {len(sched.generating)} prompts are being generated."
-        )
-        return head + sched.diagnosis(time.perf_counter(), self.synced_version)
-
-    async def _policy_call(self, coro, what: str):
-        try:
-            return await asyncio.wait_for(coro, timeout=self.config.watchdog_timeout_s)
-        except asyncio.TimeoutError:
-            raise StallError(
-                f"watchdog: {what} did not return within {self.config.watchdog_timeout_s:.0f}s at step {self.step}; "
-                "a train worker is hung (e.g. inside a collective). Restart the run: it resumes from the last checkpoint."
-            ) from None
-
-    async def _run_step(self, step: int) -> tuple[dict[str, float], list[Group]]:
-        """One optimizer step, streamed in chunks; retried per ``on_chunk_failure``."""
-        cfg = self.config
-        composer = StepComposer(cfg.groups_per_step, cfg.min_groups_per_chunk)
-        received: list[Group] = []
-        attempt = 0
-        while True:
-            composer.start_step()
-            train_intervals = []
-            try:
-                if cfg.schedule == "sync":
-                    # the plain loop: the whole step is generated before any of it trains (the
-                    # chunks below are then those of async at max_staleness 0, already held)
-                    t = time.perf_counter()
-                    await self._hold(self.schedule.step_prompts(step))
-                    self.wait_s += time.perf_counter() - t
-                # fp16: per-chunk losses are scaled by 1 / (the expected tokens of the step) so that
-                # activation gradients stay in range; finish divides it out (DESIGN §2)
-                expected = self.expected_tokens if cfg.train.precision == "fp16" else None
-                await self._policy_call(self.policy.begin(expected), "begin_train_step")
-                replay = list(received)
-                while not composer.is_full:
-                    req = composer.next_chunk()
-                    if replay:
-                        groups, replay = replay[: req.max_groups], replay[req.max_groups :]
-                    else:
-                        n = min(req.max_groups, cfg.min_groups_per_chunk) if cfg.buffer.max_staleness == 0 else req.max_groups
-                        groups = await self._wait_groups(n)
-                        received.extend(groups)
-                    compute_group_advantages(groups, cfg.advantage)
-                    t = time.perf_counter()
-                    await self._policy_call(self.policy.train_chunk(groups), "train_microbatch")
-                    train_intervals.append((t, time.perf_counter()))
-                    composer.add_chunk(groups)
-                t = time.perf_counter()
-                metrics = await self._policy_call(self.policy.finish(), "finish_train_step")
-                train_intervals.append((t, time.perf_counter()))
-                self.train_intervals = train_intervals
-                return metrics, composer.finish_step()
-            except StallError:
-                raise
-            except Exception as e:  # noqa: BLE001 - any failure of a chunk aborts the step
-                composer.abort_step()
-                try:
-                    await self._policy_call(self.policy.abort(), "abort_train_step")
-                except Exception as abort_error:  # noqa: BLE001
-                    raise StepFailed(f"step {step + 1} failed ({type(e).__name__}: {e}) and abort failed too") from abort_error
-                attempt += 1
-                if cfg.on_chunk_failure == "stop" or attempt > cfg.max_step_retries:
-                    raise StepFailed(f"step {step + 1} failed after {attempt} attempt(s): {type(e).__name__}: {e}") from e
-                log.warning("step %d failed (%s: %s); retrying (%d/%d)", step + 1, type(e).__name__, e, attempt, cfg.max_step_retries)
-
-    async def _open_weight_sync(self) -> str:
-        """Choose how weights reach the generation engines, and say which (see
-        :func:`~splitrl.controller.weight_sync_path.open_weight_sync`)."""
-        return await open_weight_sync(self.config, self.backend, self.placement, self.device, self.train_actors, self.gen_actors)
-
-    async def _sync_weights(self) -> float:
-        """Bring the generation engines to the trainer's weights (``self.version``); returns
-        the seconds it took (logged as ``timing/weight_sync_s``)."""
-        t0 = time.perf_counter()
-        if self.sync_path is None:
-            self.sync_path = await self._open_weight_sync()
-            t0 = time.perf_counter()  # the group's set-up is start-up time, not a sync
-        await push_weights(self.sync_path, self.version, self.policy, self.train_actors, self.gen_actors, self._policy_call)
-        self.synced_version = self.version
+    def _on_evict(self, group: Group) -> None:
+        """A stale group left the buffer: free its tensors and generate its prompt again, so that
+        no prompt of the schedule is lost and the last step does not wait for it forever."""
+        self.data_plane.delete(group.sample_ids)
+        self.schedule.evicted(group.prompt_index)
         self._wake_pumps()
-        return time.perf_counter() - t0
 
-    def _step_metrics(self, train: dict[str, float], groups: list[Group], step_s: float, sync_s: float) -> dict[str, float]:
-        """The step's record; what the pumps recorded since the last step starts afresh."""
-        calls, self.rollout_acc = self.rollout_acc, []
-        gen_intervals, self.gen_intervals = self.gen_intervals, []
-        wait_s, self.wait_s = self.wait_s, 0.0
-        return step_metrics(
-            train, groups, calls=calls, speculative=self.config.rollout.speculative, buffer=self.buffer,
-            version=self.version, gen_intervals=gen_intervals, train_intervals=self.train_intervals, wait_s=wait_s,
-            # written after the previous step's metrics were logged: reported with this step's
-            checkpoint_s=self.checkpointer.take_blocked_s(), step_s=step_s, sync_s=sync_s,
-        )  # fmt: skip
+    def _wake_pumps(self) -> None:
+        """Wake every rollout pump waiting for work (new weights, a requeued prompt, stop)."""
+        self._wake.set()
+        self._wake = asyncio.Event()
 
-    async def _evaluate(self) -> dict[str, float]:
-        """``eval/*`` metrics of the current weights on the held-out prompts, split over the
-        generation workers (each runs its share as its next call)."""
-        from splitrl.evaluation import summarize
-
-        ecfg = self.config.eval
-        t0 = time.perf_counter()
-        n = len(self.gen_actors)
-        shares = [(a, self.eval_indices[i::n]) for i, a in enumerate(self.gen_actors) if self.eval_indices[i::n]]
-        futures = [
-            a.submit("evaluate", ecfg.task, share, ecfg.num_samples, ecfg.seed, ecfg.correct_threshold, ecfg.greedy)
-            for a, share in shares
-        ]
-        parts = await self._policy_call(asyncio.gather(*futures), "evaluate")
-        out: dict[str, float] = {}
-        for name, prefix, k in (("sampled", "eval/", ecfg.num_samples), ("greedy", "eval/greedy/", 1)):
-            if name in parts[0]:
-                samples = [s for p in parts for s in p[name][0]]
-                drafted, accepted = sum(p[name][1] for p in parts), sum(p[name][2] for p in parts)
-                out.update(summarize(samples, k, [1, *ecfg.ks, k], prefix, drafted, accepted))
-        out["timing/eval_s"] = time.perf_counter() - t0
-        return out
-
-    async def _train_pump(self, start_step: int) -> None:
+    # ============================================== set-up, restore and checkpoint content
+    def _build(self) -> None:
+        """Start the workers (:func:`~splitrl.controller.launch.launch_workers`) and the parts
+        of the controller that drive them."""
         cfg = self.config
-        for step in range(start_step, cfg.num_steps):
-            self.step = step
-            t0 = time.perf_counter()
-            train_metrics, groups = await self._run_step(step)
-            self.version += 1
-            sync_s = await self._sync_weights()
-            # held-out evaluation with the weights just synced, queued on the generation workers
-            # before the rollout pumps resume: training waits for the evaluation only
-            eval_metrics = await self._evaluate() if cfg.eval.due(step + 1, cfg.num_steps) else {}
-            self.data_plane.delete([s.sample_id for g in groups for s in g.samples])
-            if train_metrics.get("num_valid_tokens", 0) > 0:
-                self.expected_tokens = int(train_metrics["num_valid_tokens"])
-            metrics = self._step_metrics(train_metrics, groups, time.perf_counter() - t0, sync_s)
-            metrics.update(eval_metrics)
-            self.logger.log(step + 1, metrics)
-            self.health.check(step + 1, metrics)
-            self.history.append(metrics)
-            done = step + 1
-            due = (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.num_steps
-            # a stop (Ctrl-C, SIGTERM) always leaves a checkpoint of the last finished step,
-            # checkpoint_every=0 (only at the end) included
-            if due or self._stop.is_set():
-                await self.checkpointer.save(done)
-            if self._stop.is_set():
-                self.stopped_early = done < cfg.num_steps
-                return
-
-    # ============================================================================ run
-    async def run(self) -> RunResult:
-        cfg = self.config
-        done_before = preflight(cfg)
-        self.eval_indices = plan_eval(cfg) if cfg.eval.enabled else []  # raises before anything starts
-        log.log(*cfg.off_policy_summary())
-        self.health = RunHealth(cfg.reward_timeout_s, loss_scaling=cfg.train.precision == "fp16")
-        if done_before > cfg.num_steps:
-            # the user asked for fewer steps than were made: say so, or it reads as a success
-            log.warning(
-                "%s already holds a run of %d steps, more than num_steps=%d; nothing to do (raise num_steps to "
-                "continue it, or set resume=false to start over: the earlier run is set aside, not deleted)",
-                self.out, done_before, cfg.num_steps,
-            )  # fmt: skip
-            return RunResult(str(self.out), done_before)
-        if done_before == cfg.num_steps:
-            log.info("%s already holds a finished run (%d steps); nothing to do", self.out, done_before)
-            return RunResult(str(self.out), done_before)
-        self.out.mkdir(parents=True, exist_ok=True)
-        lock = RunDirLock(self.out)  # a second run in this directory stops here, before any write
-        try:
-            return await self._run_locked()
-        finally:
-            lock.release()
-
-    async def _run_locked(self) -> RunResult:
-        cfg = self.config
-        remove_leftovers(self.out)  # half-written checkpoints and temp files of a killed run
-        start_cluster(cfg, self.backend)
-        self._build()
-        random.seed(cfg.seed)
-        start = await self._start_up()
-        loop = asyncio.get_running_loop()
-        install_stop_signals(loop, self._on_interrupt)
-        pumps = [asyncio.create_task(self._rollout_pump(a)) for a in self.gen_actors]
-        if self._restored_pending:
-            pumps.append(asyncio.create_task(self._deliver(self._restored_pending)))
-        trainer = asyncio.create_task(self._train_pump(start))
-        try:
-            await self._supervise(trainer, pumps)
-        finally:
-            self._stop.set()
-            self._wake_pumps()
-            for t in [trainer, *pumps]:
-                t.cancel()
-            await asyncio.gather(trainer, *pumps, return_exceptions=True)
-            # a run that failed after a checkpoint started in the background: its staged state
-            # is consistent, so finish it (a hung trainer gets a bounded wait)
-            try:
-                await self.checkpointer.finish_pending(timeout=min(120.0, cfg.watchdog_timeout_s))
-            except CheckpointError as e:
-                log.error("%s", e)
-            remove_stop_signals(loop)
-            self.logger.close()
-            self._shutdown()
-        return RunResult(
-            str(self.out),
-            start + len(self.history),
-            self.history,
-            self.stopped_early or self._interrupted,
-            self._interrupted,
-            self._interrupt_signal,
-        )
+        w = launch_workers(cfg, self.backend, self.device)
+        self.placement, self.placement_group, self.data_plane = w.placement, w.placement_group, w.data_plane
+        self.train_actors, self.gen_actors = w.train_actors, w.gen_actors
+        self.policy = PolicyClient(self.train_actors)
+        self.checkpointer.policy = self.policy
+        self.sync_path: str | None = None  # chosen at the first weight sync (_open_weight_sync)
+        self.buffer = ReplayBuffer(cfg.buffer, on_evict=self._on_evict)
+        self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.pretrained_path)  # saved with checkpoints
 
     async def _start_up(self) -> int:
         """Restore the newest checkpoint (if resuming), sync the weights, set an earlier run
@@ -597,6 +514,97 @@ class SingleController:
             if not pumps:
                 await trainer
                 return
+
+    async def _restore(self) -> int:
+        """Load the newest checkpoint that loads (a damaged one is skipped with a warning) into
+        the train workers and the controller; returns its step (0: none, a fresh run).
+
+        Raises:
+            RuntimeError: see :meth:`RunCheckpointer.load_newest`.
+        """
+        if not self.config.resume:
+            return 0
+        loaded = await self.checkpointer.load_newest()
+        if loaded is None:
+            return 0
+        path, state = loaded
+        self.buffer.load_state_dict(state["buffer"])
+        if state["buffered_ids"]:
+            self.data_plane.put(state["buffered_ids"], state["buffered_samples"])
+        # accepted groups that were waiting for buffer room (or held): delivered again by run()
+        self._restored_pending = [group_from_dict(g) for g in state.get("pending_groups", [])]
+        self.schedule.restore(state["done_indices"], self._restored_pending)
+        self.version = int(state["version"])
+        self.expected_tokens = int(state.get("expected_tokens", self.expected_tokens))
+        random.setstate(state["rng"]["python"])
+        torch.set_rng_state(state["rng"]["torch"])
+        log.info("resumed from %s (step %d)", path, state["step"])
+        return int(state["step"])
+
+    async def _write_checkpoint(self, step: int, tmp: Path, export: bool, blocking: bool) -> float:
+        """Write the checkpoint's files into ``tmp`` (all but ``COMPLETE``): the trainer's shards
+        (started here, finished in the background unless ``blocking``), ``policy/`` when
+        ``export``, ``controller.pt`` and ``run_config.json``. Returns the seconds the trainer
+        ranks blocked to stage their shards."""
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        # a consistent snapshot of the controller side: no await between these reads. Every state
+        # a prompt can be in here is either saved or regenerated on resume (see _restore):
+        #   trained ............... the schedule's done
+        #   buffered .............. the buffer's state
+        #   accepted, not buffered  pending_groups: generated and waiting for buffer room, or held
+        #                           by the deterministic train pump for a later chunk
+        #   being generated ....... not saved: not done, so regenerated (the cursor restarts at
+        #                           the lowest prompt index that is not done)
+        #   evicted / never claimed likewise not done: regenerated
+        buffer_state = self.buffer.state_dict()
+        done = sorted(self.schedule.done)
+        accepted = [group_to_dict(g) for g in self.schedule.accepted_groups()]
+        buffered_ids = [s["sample_id"] for g in [*buffer_state["groups"], *accepted] for s in g["samples"]]
+        samples = self.data_plane.get(buffered_ids, TOKEN_FIELDS) if buffered_ids else {}
+        staged_s = await self.checkpointer.write_trainer(tmp, blocking, export, self.tokenizer)
+        torch.save(
+            {
+                "step": step,
+                "version": self.version,
+                "done_indices": done,
+                "buffer": buffer_state,
+                "pending_groups": accepted,
+                "buffered_ids": buffered_ids,
+                "buffered_samples": samples,
+                "expected_tokens": self.expected_tokens,
+                "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
+            },
+            tmp / CONTROLLER_STATE,
+        )
+        # the model config a resume is checked against (preflight) comes from here, so a
+        # checkpoint without policy/ is enough to resume
+        (tmp / RUN_CONFIG).write_text(json.dumps(self.config.model_dump(mode="json"), indent=1))
+        return staged_s
+
+    def _prune_checkpoints(self) -> None:
+        self.checkpointer.prune()
+
+    # ==================================================== watchdog, stop signals, shutdown
+    async def _policy_call(self, coro, what: str):
+        try:
+            return await asyncio.wait_for(coro, timeout=self.config.watchdog_timeout_s)
+        except asyncio.TimeoutError:
+            raise StallError(
+                f"watchdog: {what} did not return within {self.config.watchdog_timeout_s:.0f}s at step {self.step}; "
+                "a train worker is hung (e.g. inside a collective). Restart the run: it resumes from the last checkpoint."
+            ) from None
+
+    def _stall_report(self, what: str) -> str:
+        """Why the train pump waited in vain, from where every prompt of the schedule is."""
+        cfg = self.config
+        sched = self.schedule
+        head = (
+            f"watchdog: waited {cfg.watchdog_timeout_s:.0f}s for {what} at step {self.step + 1} "
+            f"(policy version {self.version}, synced {self.synced_version}); buffer holds {self.buffer.size} groups, "
+            f"{len(sched.pending)} generated groups wait for buffer room, {len(sched.generating)} prompts are being generated."
+        )
+        return head + sched.diagnosis(time.perf_counter(), self.synced_version)
 
     def _on_interrupt(self, sig: int = signal.SIGINT) -> None:
         """SIGINT (Ctrl-C) and SIGTERM (schedulers, containers): the first finishes the open step,
