@@ -165,7 +165,7 @@ class SingleController:
     async def _run_locked(self) -> RunResult:
         cfg = self.config
         remove_leftovers(self.out)  # half-written checkpoints and temp files of a killed run
-        start_cluster(cfg, self.backend)
+        self._start_cluster()
         self._build()
         random.seed(cfg.seed)
         start = await self._start_up()
@@ -457,6 +457,10 @@ class SingleController:
         self._wake = asyncio.Event()
 
     # ============================================== set-up, restore and checkpoint content
+    def _start_cluster(self) -> None:
+        """Start a local Ray cluster or join the configured one (:func:`~splitrl.controller.cluster.start_cluster`)."""
+        start_cluster(self.config, self.backend)
+
     def _build(self) -> None:
         """Start the workers (:func:`~splitrl.controller.launch.launch_workers`) and the parts
         of the controller that drive them."""
