@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     from splitrl.cli_eval import resolve_policy_dir
-    from splitrl.controller.generation import load_tokenizer
+    from splitrl.workers.generation import load_tokenizer
     from splitrl.models import PolicyModel
     from splitrl.models.hf_files import rollout_stop_token_ids
     from splitrl.rollout import GenerationConfig, RolloutEngine

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
-from splitrl.controller.generation import load_tokenizer  # noqa: E402
+from splitrl.workers.generation import load_tokenizer  # noqa: E402
 from splitrl.loss import ClippedPGLoss, GRPOLossConfig  # noqa: E402
 from splitrl.models import MTPConfig, PolicyModel  # noqa: E402
 from splitrl.models.gguf import resolve_model_path  # noqa: E402
