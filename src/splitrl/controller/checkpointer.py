@@ -11,18 +11,23 @@ are :mod:`splitrl.controller.run_checkpoint`'s.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import random
 import shutil
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from splitrl.config import RunConfig
+from splitrl.controller.buffer import group_from_dict, group_to_dict
 from splitrl.controller.run_checkpoint import (
     CONTROLLER_STATE,
+    RUN_CONFIG,
     TMP_SUFFIX,
     CheckpointError,
     complete_checkpoints,
@@ -35,6 +40,8 @@ from splitrl.controller.run_checkpoint import (
 )
 from splitrl.models.hf_files import write_inference_files
 from splitrl.train.checkpoint import SHARDS_DIR
+from splitrl.types import Group
+from splitrl.workers.train_actor import TOKEN_FIELDS
 
 # the run's progress, checkpoints included, is told by the controller's logger (users and tests follow it)
 log = logging.getLogger("splitrl.controller.controller")
@@ -44,6 +51,16 @@ LEGACY_TRAINER_FILE = "trainer.pt"  # the whole trainer state in one file (check
 CHECKPOINT_POLL_S = 0.2
 
 WriteFiles = Callable[..., Awaitable[float]]
+
+
+@dataclass
+class Restored:
+    """What a restored checkpoint hands back to the controller."""
+
+    step: int  # steps done
+    version: int  # the trainer's policy version
+    expected_tokens: int | None  # fp16 loss scaling's expected tokens (None: a checkpoint without)
+    pending: list[Group]  # accepted groups that were in no buffer: the controller delivers them again
 
 
 class RunCheckpointer:
@@ -63,9 +80,21 @@ class RunCheckpointer:
         self.out = out
         self._stop = stop
         self._write_files = write_files
-        self.policy: Any = None  # the train workers' PolicyClient, set once they are up
+        # the run's parts whose state a checkpoint holds, attached once the workers are up
+        self.policy: Any = None  # the train workers' PolicyClient
+        self.buffer: Any = None
+        self.schedule: Any = None
+        self.data_plane: Any = None
+        self.tokenizer: Any = None  # saved with the Hugging Face export
         self._pending: asyncio.Task | None = None  # finishes a checkpoint written in the background
         self.blocked_s = 0.0  # training blocked by checkpoints since the last step's metrics
+
+    def attach(self, policy: Any, buffer: Any, schedule: Any, data_plane: Any, tokenizer: Any) -> None:
+        """The run's parts, once its workers are up: the train workers' client, the replay buffer,
+        the prompt schedule, the data plane (the buffered samples' tensors) and the tokenizer."""
+        self.policy, self.buffer, self.schedule, self.data_plane, self.tokenizer = (
+            policy, buffer, schedule, data_plane, tokenizer,
+        )  # fmt: skip
 
     def take_blocked_s(self) -> float:
         """The seconds training was blocked by checkpoints since the last call."""
@@ -189,16 +218,71 @@ class RunCheckpointer:
             + "Free space (or fix the cause) and rerun the same command to resume."
         )
 
-    async def write_trainer(self, tmp: Path, blocking: bool, export: bool, tokenizer: Any) -> float:
-        """The trainer's part of a checkpoint: its shards into ``tmp`` (started here, finished in
-        the background unless ``blocking``) and, with ``export``, a Hugging Face ``policy/`` with
-        the tokenizer and the rollout's generation config. Returns the seconds the train ranks
-        blocked to stage their shards."""
+    async def write(self, step: int, tmp: Path, *, export: bool, blocking: bool, version: int, expected_tokens: int) -> float:
+        """Write a checkpoint's files into ``tmp`` (all but ``COMPLETE``): the trainer's shards
+        (started here, finished in the background unless ``blocking``), ``policy/`` when
+        ``export``, ``controller.pt`` and ``run_config.json``. Returns the seconds the trainer
+        ranks blocked to stage their shards."""
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        # a consistent snapshot of the controller side: no await between these reads. Every state
+        # a prompt can be in here is either saved or regenerated on resume (see restore):
+        #   trained ............... the schedule's done
+        #   buffered .............. the buffer's state
+        #   accepted, not buffered  pending_groups: generated and waiting for buffer room, or held
+        #                           by the deterministic train pump for a later chunk
+        #   being generated ....... not saved: not done, so regenerated (the cursor restarts at
+        #                           the lowest prompt index that is not done)
+        #   evicted / never claimed likewise not done: regenerated
+        buffer_state = self.buffer.state_dict()
+        done = sorted(self.schedule.done)
+        accepted = [group_to_dict(g) for g in self.schedule.accepted_groups()]
+        buffered_ids = [s["sample_id"] for g in [*buffer_state["groups"], *accepted] for s in g["samples"]]
+        samples = self.data_plane.get(buffered_ids, TOKEN_FIELDS) if buffered_ids else {}
         staged_s = await self.policy.save_checkpoint(str(tmp), blocking)
         if export:
             await self.policy.save_pretrained(str(tmp / "policy"))
-            write_inference_files(tmp / "policy", tokenizer, self.config.rollout, self.config.model.pretrained_path)
+            write_inference_files(tmp / "policy", self.tokenizer, self.config.rollout, self.config.model.pretrained_path)
+        torch.save(
+            {
+                "step": step,
+                "version": version,
+                "done_indices": done,
+                "buffer": buffer_state,
+                "pending_groups": accepted,
+                "buffered_ids": buffered_ids,
+                "buffered_samples": samples,
+                "expected_tokens": expected_tokens,
+                "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
+            },
+            tmp / CONTROLLER_STATE,
+        )
+        # the model config a resume is checked against (preflight) comes from here, so a
+        # checkpoint without policy/ is enough to resume
+        (tmp / RUN_CONFIG).write_text(json.dumps(self.config.model_dump(mode="json"), indent=1))
         return staged_s
+
+    async def restore(self) -> Restored | None:
+        """Load the newest checkpoint that loads (:meth:`load_newest`) into the train workers,
+        the buffer (with its samples' tensors), the schedule and the RNGs; None: none loads.
+
+        Raises:
+            RuntimeError: see :meth:`load_newest`.
+        """
+        loaded = await self.load_newest()
+        if loaded is None:
+            return None
+        path, state = loaded
+        self.buffer.load_state_dict(state["buffer"])
+        if state["buffered_ids"]:
+            self.data_plane.put(state["buffered_ids"], state["buffered_samples"])
+        pending = [group_from_dict(g) for g in state.get("pending_groups", [])]
+        self.schedule.restore(state["done_indices"], pending)
+        expected = state.get("expected_tokens")
+        random.setstate(state["rng"]["python"])
+        torch.set_rng_state(state["rng"]["torch"])
+        log.info("resumed from %s (step %d)", path, state["step"])
+        return Restored(int(state["step"]), int(state["version"]), None if expected is None else int(expected), pending)
 
     async def load_newest(self) -> tuple[Path, dict] | None:
         """Load the newest checkpoint that loads into the train workers (a damaged one is marked,

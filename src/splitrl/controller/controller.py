@@ -34,11 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import os
 import random
-import shutil
 import signal
 import time
 from dataclasses import dataclass, field
@@ -47,20 +45,17 @@ from pathlib import Path
 import torch
 
 from splitrl.config import RunConfig
-from splitrl.controller.buffer import ReplayBuffer, StepComposer, group_from_dict, group_to_dict
+from splitrl.controller.buffer import ReplayBuffer, StepComposer
 from splitrl.controller.checkpointer import RunCheckpointer
 from splitrl.controller.cluster import SIGNAL_ECHO_S, STOP_SIGNALS  # noqa: F401 - re-exported
-from splitrl.controller.cluster import (
-    flush_console, install_stop_signals, remove_stop_signals, resolve_backend, shutdown, start_cluster,
-)  # fmt: skip
+from splitrl.controller.cluster import flush_console, install_stop_signals, remove_stop_signals, resolve_backend
+from splitrl.controller.cluster import shutdown, start_cluster
 from splitrl.controller.health import RunHealth
 from splitrl.controller.launch import launch_workers
 from splitrl.controller.policy_client import PolicyClient
 from splitrl.controller.preflight import latest_checkpoint, preflight, settings_without_effect  # noqa: F401 - re-exported
 from splitrl.controller.prompt_schedule import PromptSchedule, arrived_first, strategy_of  # noqa: F401 - re-exported
-from splitrl.controller.run_checkpoint import (
-    CONTROLLER_STATE, RUN_CONFIG, CheckpointError, RunDirLock, remove_leftovers, set_aside_earlier_run,
-)  # fmt: skip
+from splitrl.controller.run_checkpoint import CheckpointError, RunDirLock, remove_leftovers, set_aside_earlier_run
 from splitrl.controller.step_metrics import step_metrics
 from splitrl.controller.weight_sync_path import open_weight_sync, push_weights
 from splitrl.eval_config import plan_eval
@@ -68,7 +63,6 @@ from splitrl.logging import MetricsLogger
 from splitrl.loss.advantages import compute_group_advantages
 from splitrl.types import Group
 from splitrl.workers.generation import load_tokenizer
-from splitrl.workers.train_actor import TOKEN_FIELDS
 
 log = logging.getLogger(__name__)
 
@@ -469,10 +463,10 @@ class SingleController:
         self.placement, self.placement_group, self.data_plane = w.placement, w.placement_group, w.data_plane
         self.train_actors, self.gen_actors = w.train_actors, w.gen_actors
         self.policy = PolicyClient(self.train_actors)
-        self.checkpointer.policy = self.policy
         self.sync_path: str | None = None  # chosen at the first weight sync (_open_weight_sync)
         self.buffer = ReplayBuffer(cfg.buffer, on_evict=self._on_evict)
         self.tokenizer = load_tokenizer(cfg.tokenizer, cfg.model.pretrained_path)  # saved with checkpoints
+        self.checkpointer.attach(self.policy, self.buffer, self.schedule, self.data_plane, self.tokenizer)
 
     async def _start_up(self) -> int:
         """Restore the newest checkpoint (if resuming), sync the weights, set an earlier run
@@ -528,63 +522,22 @@ class SingleController:
         """
         if not self.config.resume:
             return 0
-        loaded = await self.checkpointer.load_newest()
-        if loaded is None:
+        restored = await self.checkpointer.restore()
+        if restored is None:
             return 0
-        path, state = loaded
-        self.buffer.load_state_dict(state["buffer"])
-        if state["buffered_ids"]:
-            self.data_plane.put(state["buffered_ids"], state["buffered_samples"])
         # accepted groups that were waiting for buffer room (or held): delivered again by run()
-        self._restored_pending = [group_from_dict(g) for g in state.get("pending_groups", [])]
-        self.schedule.restore(state["done_indices"], self._restored_pending)
-        self.version = int(state["version"])
-        self.expected_tokens = int(state.get("expected_tokens", self.expected_tokens))
-        random.setstate(state["rng"]["python"])
-        torch.set_rng_state(state["rng"]["torch"])
-        log.info("resumed from %s (step %d)", path, state["step"])
-        return int(state["step"])
+        self._restored_pending = restored.pending
+        self.version = restored.version
+        if restored.expected_tokens is not None:  # a checkpoint written before it was saved has none
+            self.expected_tokens = restored.expected_tokens
+        return restored.step
 
     async def _write_checkpoint(self, step: int, tmp: Path, export: bool, blocking: bool) -> float:
-        """Write the checkpoint's files into ``tmp`` (all but ``COMPLETE``): the trainer's shards
-        (started here, finished in the background unless ``blocking``), ``policy/`` when
-        ``export``, ``controller.pt`` and ``run_config.json``. Returns the seconds the trainer
-        ranks blocked to stage their shards."""
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        # a consistent snapshot of the controller side: no await between these reads. Every state
-        # a prompt can be in here is either saved or regenerated on resume (see _restore):
-        #   trained ............... the schedule's done
-        #   buffered .............. the buffer's state
-        #   accepted, not buffered  pending_groups: generated and waiting for buffer room, or held
-        #                           by the deterministic train pump for a later chunk
-        #   being generated ....... not saved: not done, so regenerated (the cursor restarts at
-        #                           the lowest prompt index that is not done)
-        #   evicted / never claimed likewise not done: regenerated
-        buffer_state = self.buffer.state_dict()
-        done = sorted(self.schedule.done)
-        accepted = [group_to_dict(g) for g in self.schedule.accepted_groups()]
-        buffered_ids = [s["sample_id"] for g in [*buffer_state["groups"], *accepted] for s in g["samples"]]
-        samples = self.data_plane.get(buffered_ids, TOKEN_FIELDS) if buffered_ids else {}
-        staged_s = await self.checkpointer.write_trainer(tmp, blocking, export, self.tokenizer)
-        torch.save(
-            {
-                "step": step,
-                "version": self.version,
-                "done_indices": done,
-                "buffer": buffer_state,
-                "pending_groups": accepted,
-                "buffered_ids": buffered_ids,
-                "buffered_samples": samples,
-                "expected_tokens": self.expected_tokens,
-                "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
-            },
-            tmp / CONTROLLER_STATE,
+        """Write the checkpoint's files into ``tmp`` (see :meth:`RunCheckpointer.write`); returns
+        the seconds the trainer ranks blocked to stage their shards."""
+        return await self.checkpointer.write(
+            step, tmp, export=export, blocking=blocking, version=self.version, expected_tokens=self.expected_tokens
         )
-        # the model config a resume is checked against (preflight) comes from here, so a
-        # checkpoint without policy/ is enough to resume
-        (tmp / RUN_CONFIG).write_text(json.dumps(self.config.model_dump(mode="json"), indent=1))
-        return staged_s
 
     def _prune_checkpoints(self) -> None:
         self.checkpointer.prune()
