@@ -3,9 +3,11 @@
 A checkpoint is written into ``step_N.tmp/`` while training is blocked as briefly as possible
 (the controller writes its own small state and the train ranks stage their shards in CPU memory),
 completed in the background (``COMPLETE`` with the checksums of every file, then renamed into
-place), and pruned to the two newest plus the newest Hugging Face export. What goes into a
-checkpoint is the controller's (``write_files``); the directory layout and its integrity checks
-are :mod:`splitrl.controller.run_checkpoint`'s.
+place), and pruned to the two newest plus the newest Hugging Face export. A checkpoint holds
+the trainer's shards, an optional Hugging Face ``policy/``, the controller's state (the replay
+buffer with its samples' tensors, the prompt schedule's books, the policy version, the RNGs) and
+the run config; a resume restores all of it. The directory layout and its integrity checks are
+:mod:`splitrl.controller.run_checkpoint`'s.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ class RunCheckpointer:
         stop: set when the run stops early: the checkpoint then is its last one, waited for whole.
         write_files: ``await write_files(step, tmp, export=..., blocking=...)`` writes a
             checkpoint's files into ``tmp`` (all but ``COMPLETE``) and returns the seconds the
-            train ranks blocked to stage their shards.
+            train ranks blocked to stage their shards: the controller's hook, which calls
+            :meth:`write` with its policy version.
     """
 
     def __init__(self, config: RunConfig, out: Path, stop: asyncio.Event, write_files: WriteFiles) -> None:
@@ -108,8 +111,7 @@ class RunCheckpointer:
         being written), the train ranks copy their shards into CPU memory and the controller
         writes its own small state; the shard files are then written in the background, and a
         background task writes ``COMPLETE`` (with the checksums of the files on disk) and renames
-        the directory into place once every rank's files are written (the files themselves are
-        written by the controller's ``write_files``). The last checkpoint of a
+        the directory into place once every rank's files are written. The last checkpoint of a
         run (the end, a stop) is waited for whole; a Hugging Face export (``export_every``, and
         the last checkpoint) blocks while it is gathered and written. The blocking time is logged
         and reported as ``timing/checkpoint_s`` with the next step's metrics.
