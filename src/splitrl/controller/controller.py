@@ -26,8 +26,9 @@ training then never overlap, and the chunks, samples and math are those of ``asy
 What this module keeps is the loop (``_train_pump``, ``_run_step``, ``_rollout_pump``); its parts
 live beside it: where each prompt is (:mod:`.prompt_schedule`), the checkpoint lifecycle
 (:mod:`.checkpointer`), the weight-sync path (:mod:`.weight_sync_path`), a step's metrics
-(:mod:`.step_metrics`), Ray start-up, signals and shutdown (:mod:`.cluster`), the checks before
-anything starts (:mod:`.preflight`); the workers it drives are :mod:`splitrl.workers`.
+(:mod:`.step_metrics`), Ray start-up, signals and shutdown (:mod:`.cluster`), starting the
+workers (:mod:`.launch`), the checks before anything starts (:mod:`.preflight`); the workers
+themselves are :mod:`splitrl.workers`.
 """
 
 from __future__ import annotations
