@@ -144,6 +144,9 @@ def _convert(src: Path, out: Path, header: dict) -> None:
         token_id = header.get(name)
         if token_id is not None and 0 <= token_id < len(tokenizer):
             setattr(tokenizer, name, tokenizer.convert_ids_to_tokens(token_id))
+    # the llama converter asks for WordPiece's space clean-up, which transformers ignores for a BPE
+    # tokenizer (with a warning at every load); off, decoding is the same and the warning goes
+    tokenizer.clean_up_tokenization_spaces = False
     # the GGUF loader marks the model as quantized, and save_pretrained refuses such a model; the
     # weights are already dequantized, so the marker is dropped
     model.hf_quantizer = None
