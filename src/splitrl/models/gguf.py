@@ -1,7 +1,7 @@
 """GGUF checkpoints in: a ``.gguf`` file becomes a Hugging Face directory, once, in a cache.
 
 ``model.pretrained_path`` (and ``splitrl eval`` / ``generate``'s PATH) may name a ``.gguf`` file of
-a family transformers reads (llama, qwen2, qwen3). transformers dequantizes it to fp32 on load
+a family transformers reads and splitrl builds (llama, qwen3). transformers dequantizes it to fp32 on load
 (``from_pretrained(dir, gguf_file=...)``, which needs the ``gguf`` package); the result and the
 file's tokenizer (its chat template included) are written as a plain safetensors directory under
 
@@ -26,8 +26,12 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 GGUF_SUFFIX = ".gguf"
-READABLE_FAMILIES = ("llama", "qwen2", "qwen3")
-_DONE = "CONVERTED"  # written last into a finished conversion; holds the source file's name
+# the GGUF architectures transformers converts whose family splitrl builds (models/config.py
+# SUPPORTED_FAMILIES); transformers reads qwen2 too, but splitrl could not train the result
+READABLE_FAMILIES = ("llama", "qwen3")
+_DONE = "CONVERTED"  # written last into a finished conversion: _FORMAT, then the source file's name
+# the version of what a conversion writes; a cached conversion of another version is redone
+_FORMAT = "splitrl-gguf 2"
 
 
 def is_gguf(path: str | os.PathLike | None) -> bool:
@@ -62,9 +66,24 @@ def _check_magic(path: Path) -> None:
         raise ValueError(f"{str(path)!r} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
 
 
-def _check_readable(path: Path) -> None:
-    """The file's metadata parses and names a family we can build (the reader parses the whole
-    header, vocabulary included: seconds, so only before a conversion).
+# the metadata a conversion reads beside the architecture: the special tokens by id (transformers'
+# GGUF tokenizer converter drops the EOS and padding tokens, see _convert) and the head size
+_SPECIAL_TOKEN_KEYS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+}
+
+
+def _read_header(path: Path) -> dict:
+    """The file's metadata that a conversion needs, after checking that it parses and names a
+    family we can build (the reader parses the whole header, vocabulary included, and every
+    tensor's extent: seconds, so only before a conversion).
+
+    Returns:
+        ``{"architecture": str, "key_length": int | None, "bos_token": int | None, ...}`` (the
+        special tokens as ids).
 
     Raises:
         ValueError: one line naming the file and what is wrong with it.
@@ -76,27 +95,58 @@ def _check_readable(path: Path) -> None:
             f"reading {str(path)!r} needs the gguf package: python3 -m pip install gguf"
         ) from None
     try:
-        field = GGUFReader(str(path)).fields.get("general.architecture")
-        arch = bytes(field.parts[field.data[0]]).decode() if field is not None else None
+        fields = GGUFReader(str(path)).fields
     except Exception as e:  # the reader raises many types on a damaged file
         raise ValueError(f"{str(path)!r} cannot be read as GGUF ({type(e).__name__}: {e}); is the file whole?") from None
+
+    def scalar(key: str):
+        field = fields.get(key)
+        if field is None or not field.data:
+            return None
+        value = field.parts[field.data[0]]
+        return bytes(value).decode() if field.types and field.types[0].name == "STRING" else int(value[0])
+
+    arch = scalar("general.architecture")
     if arch not in READABLE_FAMILIES:
         raise ValueError(
             f"{str(path)!r} holds a {arch!r} model; splitrl converts GGUF files of {', '.join(READABLE_FAMILIES)}"
         )
+    header = {"architecture": arch, "key_length": scalar(f"{arch}.attention.key_length")}
+    header.update({name: scalar(key) for name, key in _SPECIAL_TOKEN_KEYS.items()})
+    return header
 
 
-def _convert(src: Path, out: Path) -> None:
-    """Dequantize ``src`` to fp32 and write model + tokenizer to the empty directory ``out``."""
+def _convert(src: Path, out: Path, header: dict) -> None:
+    """Dequantize ``src`` to fp32 and write model + tokenizer to the empty directory ``out``.
+
+    Two things transformers' GGUF loader gets wrong are set right from ``header``
+    (:func:`_read_header`): the tokenizer's special tokens (its llama converter makes the BOS token
+    the EOS token too and sets no padding token, so a rollout would stop on the wrong token) and,
+    for qwen3, the head size (not read from the file, so Qwen3's default of 128 applied to every
+    file). The result is checked against its config before it is kept.
+    """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from splitrl.models.checkpoint import verify_pretrained
 
     kw = {"gguf_file": src.name}
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(src.parent), **kw)
-        model = AutoModelForCausalLM.from_pretrained(str(src.parent), dtype=torch.float32, **kw)
+        config = AutoConfig.from_pretrained(str(src.parent), **kw)
+        if header.get("key_length") and getattr(config, "head_dim", None) != header["key_length"]:
+            config.head_dim = header["key_length"]
+        model = AutoModelForCausalLM.from_pretrained(str(src.parent), config=config, dtype=torch.float32, **kw)
     except Exception as e:  # transformers raises ValueError/KeyError/... for what it cannot map
-        raise ValueError(f"transformers cannot load {str(src)!r} ({type(e).__name__}: {e})") from None
+        reason = " ".join(f"{type(e).__name__}: {e}".split())  # one line
+        raise ValueError(f"transformers cannot load {str(src)!r} ({reason})") from None
+    for name in _SPECIAL_TOKEN_KEYS:
+        token_id = header.get(name)
+        if token_id is not None and 0 <= token_id < len(tokenizer):
+            setattr(tokenizer, name, tokenizer.convert_ids_to_tokens(token_id))
+    # the llama converter asks for WordPiece's space clean-up, which transformers ignores for a BPE
+    # tokenizer (with a warning at every load); off, decoding is the same and the warning goes
+    tokenizer.clean_up_tokenization_spaces = False
     # the GGUF loader marks the model as quantized, and save_pretrained refuses such a model; the
     # weights are already dequantized, so the marker is dropped
     model.hf_quantizer = None
@@ -104,14 +154,24 @@ def _convert(src: Path, out: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
-    (out / _DONE).write_text(src.name + "\n")
+    try:
+        verify_pretrained(out, key="converted")
+    except ValueError as e:  # e.g. a config value transformers does not read from this file
+        raise ValueError(f"{str(src)!r} converts to an inconsistent model, so it is not kept ({e})") from None
+    (out / _DONE).write_text(f"{_FORMAT}\n{src.name}\n")
+
+
+def _finished(target: Path) -> bool:
+    """``target`` holds a whole conversion of the current format."""
+    done = target / _DONE
+    return done.is_file() and done.read_text().split("\n", 1)[0] == _FORMAT
 
 
 def gguf_model_dir(path: str | os.PathLike) -> Path:
     """The cached Hugging Face directory of the GGUF file ``path``, converting it on first use.
 
     Args:
-        path: a ``.gguf`` file of a llama, qwen2 or qwen3 model.
+        path: a ``.gguf`` file of a llama or qwen3 model.
 
     Returns:
         ``cache_root()/gguf/<sha256[:16]>``: ``config.json``, ``model.safetensors`` (fp32), the
@@ -125,13 +185,13 @@ def gguf_model_dir(path: str | os.PathLike) -> Path:
     src = Path(path).expanduser().absolute()
     _check_magic(src)
     target = cache_root() / "gguf" / _sha256(src)[:16]
-    if (target / _DONE).is_file():
+    if _finished(target):
         return target
-    _check_readable(src)
+    header = _read_header(src)
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f"{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting the same file
-        if (target / _DONE).is_file():
+        if _finished(target):
             return target
         tmp = target.parent / f"{target.name}.tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -139,7 +199,7 @@ def gguf_model_dir(path: str | os.PathLike) -> Path:
         tmp.mkdir()
         log.info("converting %s to a Hugging Face directory in %s (once per file)", src, target)
         try:
-            _convert(src, tmp)
+            _convert(src, tmp, header)
             tmp.rename(target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
