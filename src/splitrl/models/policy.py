@@ -381,6 +381,7 @@ class PolicyModel(nn.Module):
         with_entropy: bool = False,
         logprob_mask: torch.Tensor | None = None,
         one_sample_per_row: bool | None = None,
+        main_grad: bool = True,
     ) -> PolicyOutput:
         """Logprobs of the given tokens and, when D > 0, the per-depth MTP raw sums.
 
@@ -399,6 +400,9 @@ class PolicyModel(nn.Module):
             one_sample_per_row: the caller knows that every row holds one sample, right-padded
                 (True) or that rows are packed (False); None: read it from ``segment_ids`` (a
                 device-to-host sync on GPU).
+            main_grad: False runs the backbone and the main head without autograd (an MTP
+                warm-up step with detached heads, whose policy gradient would be dropped); the
+                MTP branch records its graph as usual.
 
         Returns:
             :class:`PolicyOutput`.
@@ -417,20 +421,23 @@ class PolicyModel(nn.Module):
         if D > 0 and mtp_loss_mask is None:
             raise ValueError("mtp_loss_mask [B, S] is required when the model has MTP heads (mtp_num_layers > 0)")
 
-        embeds, hidden0, mask, router_logits = self._backbone_hidden(input_ids, segment_ids, position_ids, one_sample_per_row)
-
-        weight = self.output_weight
-        H = hidden0.shape[-1]
-        same_next = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, :-1] >= 0)
-        need = same_next if logprob_mask is None else same_next & (logprob_mask[:, 1:] > 0)
-        lp, ent, _ = _logprobs_at(
-            need.reshape(-1),
-            hidden0[:, :-1].reshape(-1, H),
-            weight,
-            input_ids[:, 1:].reshape(-1),
-            temperature=temperature,
-            with_entropy=with_entropy,
-        )
+        grad = torch.is_grad_enabled()
+        with torch.set_grad_enabled(grad and main_grad):
+            embeds, hidden0, mask, router_logits = self._backbone_hidden(
+                input_ids, segment_ids, position_ids, one_sample_per_row
+            )
+            weight = self.output_weight
+            H = hidden0.shape[-1]
+            same_next = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, :-1] >= 0)
+            need = same_next if logprob_mask is None else same_next & (logprob_mask[:, 1:] > 0)
+            lp, ent, _ = _logprobs_at(
+                need.reshape(-1),
+                hidden0[:, :-1].reshape(-1, H),
+                weight,
+                input_ids[:, 1:].reshape(-1),
+                temperature=temperature,
+                with_entropy=with_entropy,
+            )
         logprobs = F.pad(lp.view(B, S - 1), (1, 0))
         entropy = F.pad(ent.view(B, S - 1), (1, 0))
         out = PolicyOutput(logprobs=logprobs, entropy=entropy)
@@ -444,7 +451,7 @@ class PolicyModel(nn.Module):
         detach = self.mtp_config.mtp_detach_heads
         distill = self.mtp_config.mtp_objective == "distill"
         position_embeddings = self.rotary_emb(hidden0, position_ids)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and self.mtp_trains):
+        with torch.set_grad_enabled(grad and self.mtp_trains):
             h_prev = hidden0.detach() if detach else hidden0
             emb_src = embeds.detach() if detach else embeds
             w_mtp = weight.detach() if detach else weight

@@ -281,6 +281,15 @@ class TrainWorker:
     def _forward_backward(self, mb: MicroBatch, st: _StepState) -> None:
         model = self.model
         D = model.num_mtp_depths
+        # an MTP warm-up step drops the policy's gradients at finish; with detached heads on one
+        # rank they need not be computed at all (the MTP gradients are the same, the backward
+        # through the backbone is skipped)
+        main_grad = not (
+            self.steps_finished < self.config.mtp_warmup_steps
+            and self.detached_heads
+            and st.side is None
+            and not self.distributed
+        )
         with self._autocast():
             out = model(
                 mb.input_ids,
@@ -292,6 +301,7 @@ class TrainWorker:
                 logprob_mask=mb.loss_mask,
                 # known on the host: no device-to-host sync to find out
                 one_sample_per_row=not mb.packed or len(mb.sample_mask) <= 1,
+                main_grad=main_grad,
             )
         error: Exception | None = None
         try:
