@@ -121,7 +121,7 @@ def test_non_utf8_input_names_the_file_and_line(tmp_path, capsys):
         load_config(cfg_file)
     data = tmp_path / "data.jsonl"
     data.write_bytes(b'{"problem": "1+1", "answer": "2"}\n\n{"problem": "caf\xe9", "answer": "3"}\n')
-    with pytest.raises(ValueError, match=r"data\.jsonl' line 3 is not UTF-8 \(byte 0xe9 at column 17\)"):
+    with pytest.raises(ValueError, match=r"data\.jsonl': 1 of its 2 rows .*line 3 \(row 1\): not UTF-8 \(byte 0xe9 at column 17"):
         make_task({"kind": "math_file", "path": str(data)})
     parquet = tmp_path / "data.parquet"
     parquet.write_bytes(b"PAR1" + b"\x00" * 64)  # a cut-off file
@@ -130,7 +130,7 @@ def test_non_utf8_input_names_the_file_and_line(tmp_path, capsys):
     err = _one_line_error(
         capsys, ["train", "task.kind=math_file", f"task.path={data}", f"output_dir={tmp_path / 'run'}", "backend=local"], 2
     )
-    assert "data.jsonl' line 3 is not UTF-8" in err and len(err.splitlines()) == 1
+    assert "line 3 (row 1): not UTF-8" in err and "task.skip_rows=[1]" in err and len(err.splitlines()) == 1
 
 
 def test_output_dir_filesystem_errors_are_one_line(tmp_path, capsys, monkeypatch):
