@@ -302,5 +302,5 @@ def test_a_missing_pretrained_path_says_it_does_not_exist(tmp_path):
     exists but is not a model; now a missing path says so."""
     with pytest.raises(ValueError, match=r"model.pretrained_path='.*nowhere' does not exist; check the path"):
         load_config(None, [f"model.pretrained_path={tmp_path / 'nowhere'}"])
-    with pytest.raises(ValueError, match=r"has no config.json \(not a Hugging Face model directory\)"):
+    with pytest.raises(ValueError, match=r"has no config.json \(not a Hugging Face model directory, nor a \.gguf file\)"):
         load_config(None, [f"model.pretrained_path={tmp_path}"])
