@@ -359,3 +359,86 @@ def test_an_abbreviated_flag_is_refused_not_taken_for_the_full_one(tmp_path, cap
     assert f"usage: splitrl {argv[0]}" in err
     if argv[0] == "eval":
         assert "did you mean --num-prompts?" in err
+
+
+def test_a_huge_sample_count_is_refused_before_anything_loads(tmp_path, capsys):
+    """Kind: a typo that runs on without a word (issue item 4): `splitrl generate -n 100000000`
+    printed nothing and grew from 0.3 to 1.9 GB in 60 s. Refused at once, with the limit and the
+    way out; nothing is read from stdin and no model is looked for."""
+    for argv, what in ((["generate", str(tmp_path / "nowhere"), "-n", "100000000"], "1 prompt(s) × --num-samples 100,000,000"),
+                       (["generate", str(tmp_path / "nowhere"), "-p", "a", "-p", "b", "-n", "600000"], "2 prompt(s) × --num-samples 600,000"),
+                       (["eval", str(tmp_path / "nowhere"), "-n", "100000", "--num-prompts", "20"], "20 prompt(s) × --num-samples 100,000")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert what in err and "more than the 1,000,000 one call draws; lower --num-samples" in err, err
+        assert "does not exist" not in err
+
+
+def test_generate_writes_each_result_as_it_finishes_and_holds_a_bounded_chunk(tmp_path, capsys, monkeypatch):
+    """Kind: memory that grows with the request and output only at the end (issue item 4). The
+    engine gets at most STREAM_CHUNK_SAMPLES samples at a time, every result is written (in
+    order) as soon as it and those before it are done, long before the last is generated, and the
+    texts are those of one request (generate_samples) when the call fits in one chunk."""
+    import splitrl.cli_eval as cli_eval
+    import splitrl.evaluation as evaluation
+    from splitrl.rollout import RolloutEngine
+
+    config, model, tok, step = _checkpoint(tmp_path)
+    prompts = ["desc 5,2,7=", "asc 0,4,1="]
+    one_request = generate_samples(model, tok, prompts, config.rollout.model_copy(update={"max_new_tokens": 5}),
+                                   num_samples=3, seed=3)
+    events = []
+    stream = RolloutEngine.generate_stream
+
+    def recording_stream(self, prompt_ids, seeds):
+        events.append(("request", len(prompt_ids)))
+        for item in stream(self, prompt_ids, seeds):
+            events.append(("sample", None))
+            yield item
+
+    real_write = cli_eval._write_out
+    monkeypatch.setattr(RolloutEngine, "generate_stream", recording_stream)
+    monkeypatch.setattr(cli_eval, "_write_out", lambda line: (events.append(("write", line)), real_write(line)))
+    monkeypatch.setattr(evaluation, "STREAM_CHUNK_SAMPLES", 2)
+    rc = main(["generate", str(step / "policy"), "-p", prompts[0], "-p", prompts[1], "-n", "3", "--seed", "3",
+               "--device", "cpu", "rollout.max_new_tokens=5"])
+    assert rc == 0
+    assert [n for kind, n in events if kind == "request"] == [2, 2, 2]  # 6 samples, 2 at a time
+    writes = [i for i, (kind, _) in enumerate(events) if kind == "write"]
+    samples = [i for i, (kind, _) in enumerate(events) if kind == "sample"]
+    assert len(writes) == 6 and writes[0] < samples[-1]  # the first result is out before the last sample
+    out = capsys.readouterr().out
+    assert out.splitlines()[:2] == ["### desc 5,2,7=", f"[0] {one_request[0][0]}"]
+    assert out.count("### ") == 2 and "[2] " in out
+    # chunks of 2 give the texts one request gives (each sample has its own seed)
+    monkeypatch.setattr(evaluation, "STREAM_CHUNK_SAMPLES", 4096)
+    assert main(["generate", str(step / "policy"), "-p", prompts[0], "-p", prompts[1], "-n", "3", "--seed", "3",
+                 "--device", "cpu", "--json", "rollout.max_new_tokens=5"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [x["responses"] for x in lines] == one_request
+
+
+def test_eval_greedy_alone_draws_one_sample_per_prompt(tmp_path, capsys):
+    """Kind: a flag that does more than it says (issue item 4): `splitrl eval --greedy` still drew
+    8 samples per prompt beside the greedy one. Alone it is now the only pass; with sampling asked
+    for (-n) both run, as before. --help says so."""
+    config, model, tok, step = _checkpoint(tmp_path)
+    out = tmp_path / "greedy.jsonl"
+    assert main(["eval", str(tmp_path / "run"), "--num-prompts", "3", "--greedy", "--device", "cpu", "--output", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "3 prompts × 1 greedy sample;" in err
+    head, *rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 3 and [r["prompt_index"] for r in rows] == [6, 7, 8]
+    assert head["metrics"]["eval/greedy/num_samples"] == 1.0
+    assert not any(k.startswith("eval/") and not k.startswith("eval/greedy/") for k in head["metrics"])
+    out.unlink()
+    assert main(["eval", str(tmp_path / "run"), "--num-prompts", "3", "--greedy", "-n", "2", "--device", "cpu",
+                 "--output", str(out)]) == 0
+    assert "3 prompts × 2 samples + 1 greedy sample;" in capsys.readouterr().err
+    head, *rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 3 * 2 + 3 and head["metrics"]["eval/num_samples"] == 2.0
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "one response per prompt. Alone, that is the only pass" in help_text
+    assert "``--greedy`` alone scores one greedy response (top_k=1) per prompt and nothing else" in help_text

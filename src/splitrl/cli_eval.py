@@ -18,6 +18,11 @@ are disjoint draws; a generator with a small space of problems can still repeat 
 drew is read from its own ``run_config.json`` beside the checkpoint, whatever ``--config`` says
 (a ``--config`` with another ``num_steps`` labelled training prompts held out); ``--config`` stands
 in for it only for a directory without one.
+
+Greedy. ``--greedy`` alone scores one greedy response (top_k=1) per prompt and nothing else,
+under ``eval/greedy/*``. With ``--num-samples``, ``--k``, ``--temperature``, ``--top-k`` or
+``--top-p`` the sampled responses (default 8 per prompt) are scored as well, ``eval/*``.
+At most 1,000,000 samples in all per call.
 """
 
 from __future__ import annotations
@@ -221,16 +226,54 @@ def _sampling(config, args: argparse.Namespace, policy_dir: Path):
         ) from None
 
 
+# eval's samples per prompt when --num-samples is not given (and sampling is asked for)
+EVAL_NUM_SAMPLES = 8
+
+
+def _eval_passes(args: argparse.Namespace) -> tuple[int, bool]:
+    """(sampled responses per prompt, whether a greedy pass runs) for ``splitrl eval``.
+
+    ``--greedy`` alone scores one greedy response per prompt and nothing else (it used to add
+    that pass beside 8 sampled ones). With ``--num-samples``, ``--k`` or a sampling flag
+    (``--temperature``, ``--top-k``, ``--top-p``) sampling is asked for too: the greedy pass
+    runs beside it (metrics ``eval/greedy/*``). Without ``--greedy``: ``EVAL_NUM_SAMPLES``
+    sampled responses unless ``--num-samples`` says otherwise.
+    """
+    sampling_asked = args.num_samples is not None or args.k is not None or any(
+        getattr(args, name, None) is not None for name in ("temperature", "top_k", "top_p")
+    )
+    if args.greedy and not sampling_asked:
+        return 0, True
+    return (args.num_samples if args.num_samples is not None else EVAL_NUM_SAMPLES), args.greedy
+
+
+def _check_sample_count(num_prompts: int, num_samples: int, flag: str) -> None:
+    """Refuse more than ``MAX_SAMPLES_PER_CALL`` samples (a typo such as ``-n 100000000`` ran on
+    without a word while its memory grew), before the model loads."""
+    from splitrl.evaluation import MAX_SAMPLES_PER_CALL
+
+    total = num_prompts * num_samples
+    if total > MAX_SAMPLES_PER_CALL:
+        raise ValueError(
+            f"{num_prompts:,} prompt(s) × --num-samples {num_samples:,} = {total:,} samples, more than the "
+            f"{MAX_SAMPLES_PER_CALL:,} one call draws; lower {flag}, or split the work over several calls "
+            "(--seed S draws other samples)"
+        )
+
+
 def run_eval(args: argparse.Namespace) -> int:
     from splitrl.evaluation import evaluate
     from splitrl.tasks import make_task
 
-    too_big = [k for k in args.k if k > args.num_samples]
+    num_samples, greedy = _eval_passes(args)
+    ks_asked = args.k if args.k is not None else [1]
+    too_big = [k for k in ks_asked if k > max(num_samples, 1)]
     if too_big:  # before the model loads: pass@k needs at least k samples per prompt
         raise ValueError(
-            f"--k {','.join(map(str, too_big))} exceeds --num-samples {args.num_samples}: pass@k needs k samples per "
+            f"--k {','.join(map(str, too_big))} exceeds --num-samples {num_samples}: pass@k needs k samples per "
             "prompt; raise --num-samples or lower --k"
         )
+    _check_sample_count(args.num_prompts, num_samples + int(greedy), "--num-samples or --num-prompts")
     out = _writable_output(args.output, args.overwrite) if args.output else None  # before minutes of sampling
     config, trained, policy_dir, model, tokenizer = load_policy_and_config(args)
     task = make_task(config.task)
@@ -241,20 +284,24 @@ def run_eval(args: argparse.Namespace) -> int:
     if stop <= start:
         raise ValueError(f"no prompts to evaluate: the task has {task.num_prompts}, starting at {start}")
     indices = list(range(start, stop))
-    print(f"splitrl eval: {policy_dir}; {len(indices)} prompts × {args.num_samples} samples; {why}", file=sys.stderr)
+    drawn = [f"{num_samples} samples"] * bool(num_samples) + ["1 greedy sample"] * greedy
+    print(f"splitrl eval: {policy_dir}; {len(indices)} prompts × {' + '.join(drawn)}; {why}", file=sys.stderr)
     device = _device(args.device)
-    ks = sorted(set(args.k) | {args.num_samples})
     common = dict(seed=args.seed, device=device, correct_threshold=args.correct_threshold,
                   reward_timeout_s=config.reward_timeout_s, progress=True)
     gen = _sampling(config, args, policy_dir)
-    result = evaluate(model, tokenizer, task, gen, indices, num_samples=args.num_samples, ks=ks, **common)
-    metrics = dict(result.metrics)
-    samples = list(result.samples)
-    if args.greedy:
-        greedy = evaluate(model, tokenizer, task, gen.model_copy(update={"top_k": 1}), indices, num_samples=1,
+    metrics: dict[str, float] = {}
+    samples = []
+    if num_samples:
+        ks = sorted(set(ks_asked) | {num_samples})
+        result = evaluate(model, tokenizer, task, gen, indices, num_samples=num_samples, ks=ks, **common)
+        metrics.update(result.metrics)
+        samples += result.samples
+    if greedy:
+        result = evaluate(model, tokenizer, task, gen.model_copy(update={"top_k": 1}), indices, num_samples=1,
                           ks=(1,), prefix="eval/greedy/", **common)
-        metrics.update(greedy.metrics)
-        samples += greedy.samples
+        metrics.update(result.metrics)
+        samples += result.samples
     for key, value in metrics.items():
         print(f"{key:32s} {value:.4f}")
     if out is not None:
@@ -267,7 +314,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from splitrl.evaluation import generate_samples
+    from splitrl.evaluation import stream_samples
 
     if args.greedy and args.num_samples > 1:  # checked before stdin is read and the model loaded
         raise ValueError(
@@ -277,6 +324,7 @@ def run_generate(args: argparse.Namespace) -> int:
     ignored = [f"--{n.replace('_', '-')}" for n in ("temperature", "top_k", "top_p") if getattr(args, n, None) is not None]
     if args.greedy and ignored:  # greedy takes the most likely token: these would change nothing
         raise ValueError(f"--greedy decodes the most likely token, so {', '.join(ignored)} would have no effect; drop one")
+    _check_sample_count(1, args.num_samples, "--num-samples")  # before stdin is read
     prompts = list(args.prompt or [])
     if not prompts:
         prompts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
@@ -285,34 +333,46 @@ def run_generate(args: argparse.Namespace) -> int:
     empty = [i + 1 for i, p in enumerate(prompts) if p == ""]
     if empty:  # checked before the model loads; the engine would refuse a prompt of no tokens
         raise ValueError(f"--prompt number {empty[0]} is empty; give each prompt some text")
+    n = 1 if args.greedy else args.num_samples
+    _check_sample_count(len(prompts), n, "--num-samples or the number of prompts")
     config, _, policy_dir, model, tokenizer = load_policy_and_config(args)
     gen = _sampling(config, args, policy_dir)
-    n = args.num_samples
     if args.greedy:
-        gen, n = gen.model_copy(update={"top_k": 1}), 1
-    texts = generate_samples(
-        model, tokenizer, prompts, gen, num_samples=n, seed=args.seed, device=_device(args.device), progress=True
-    )
-    if args.json:
-        for p, outs in zip(prompts, texts):
-            print(json.dumps({"prompt": p, "responses": outs}))
-    else:
-        for p, outs in zip(prompts, texts):
-            print(f"### {p}")
-            for j, t in enumerate(outs):
-                print(f"[{j}] {t}")
+        gen = gen.model_copy(update={"top_k": 1})
+    print(f"splitrl generate: {policy_dir}; {len(prompts)} prompts × {n} {'greedy ' * args.greedy}sample(s)",
+          file=sys.stderr)
+    # each response is written as soon as it and those before it are done (stdout is flushed), so
+    # a long call shows its results as it goes and holds only the samples being generated
+    responses: list[str] = []  # --json: the current prompt's, written with its last one
+    for i, j, text in stream_samples(model, tokenizer, prompts, gen, num_samples=n, seed=args.seed,
+                                     device=_device(args.device), progress=True):  # fmt: skip
+        if args.json:
+            responses.append(text)
+            if j == n - 1:
+                _write_out(json.dumps({"prompt": prompts[i], "responses": responses}))
+                responses = []
+        else:
+            _write_out((f"### {prompts[i]}\n" if j == 0 else "") + f"[{j}] {text}")
     return 0
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _write_out(line: str) -> None:
+    """A result line on stdout, flushed, without tearing the progress bar on stderr."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()
+
+
+def _common(p: argparse.ArgumentParser, num_samples_help: str, greedy_help: str) -> None:
     p.add_argument("path", help="run output dir, checkpoint dir (step_*), policy/ dir, Hugging Face model dir or .gguf file")
     p.add_argument("overrides", nargs="*", help="key.path=value changes to the run config, e.g. task.path=test.jsonl")
     p.add_argument("--config", action=OnlyOnce, help="run config to use instead of the run_config.json beside the checkpoint")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: %(default)s (a GPU if any)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], help="default: the run's rollout_dtype")
     p.add_argument("--seed", type=int, default=0, help="seed of the samples (sample j of prompt i: seed, i, j); default: %(default)s")
-    p.add_argument("--num-samples", "-n", type=_positive, default=1, help="samples per prompt; default: %(default)s")
-    p.add_argument("--greedy", action="store_true", help="also (eval) / instead (generate): greedy decoding, top_k=1")
+    p.add_argument("--num-samples", "-n", type=_positive, help=num_samples_help)
+    p.add_argument("--greedy", action="store_true", help=greedy_help)
     p.add_argument("--temperature", type=float, help="default: the run config's rollout.temperature")
     p.add_argument("--top-k", dest="top_k", type=int, help="default: the run config's rollout.top_k")
     p.add_argument("--top-p", dest="top_p", type=float, help="default: the run config's rollout.top_p")
@@ -322,7 +382,11 @@ def _common(p: argparse.ArgumentParser) -> None:
 def add_eval_commands(sub) -> None:
     """Register ``generate`` and ``eval`` on the ``splitrl`` sub-command parser."""
     g = sub.add_parser("generate", allow_abbrev=False, help="print samples of a checkpoint or HF model for given prompts")
-    _common(g)
+    _common(
+        g, "samples per prompt; default: 1 (at most 1,000,000 samples in all per call)",
+        "greedy decoding (top_k=1) instead of sampling: one response per prompt",
+    )
+    g.set_defaults(num_samples=1)
     g.add_argument("--prompt", "-p", action="append", help="prompt text (repeatable; default: lines of stdin)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(run=_guarded(run_generate))
@@ -333,10 +397,14 @@ def add_eval_commands(sub) -> None:
         description=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _common(e)
-    e.set_defaults(num_samples=8)
+    _common(
+        e, f"sampled responses per prompt; default: {EVAL_NUM_SAMPLES}, or none with --greedy alone",
+        "score greedy decoding (top_k=1): one response per prompt. Alone, that is the only pass (metrics "
+        "eval/greedy/*); with --num-samples, --k, --temperature, --top-k or --top-p it runs beside the sampled "
+        "responses",
+    )
     e.add_argument("--num-prompts", type=_positive, default=64, help="held-out prompts to score; default: %(default)s")
-    e.add_argument("--k", default=[1], type=_pass_at_ks, help="comma-separated k of pass@k, each <= --num-samples (n = --num-samples is always added)")
+    e.add_argument("--k", type=_pass_at_ks, help="comma-separated k of pass@k, each <= --num-samples (n = --num-samples is always added); default: 1")
     e.add_argument("--start-index", type=_non_negative, help="first prompt index (default: the first the run never drew)")
     e.add_argument("--correct-threshold", type=_threshold, default=1.0,
                    help="reward >= this counts as correct (0 < t <= 1: rewards lie in [0, 1])")

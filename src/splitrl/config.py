@@ -8,7 +8,10 @@ validated on load — unknown keys, impossible combinations and missing files ra
 from __future__ import annotations
 
 import copy
+import errno
 import logging
+import os
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -298,13 +301,21 @@ class RunConfig(BaseModel):
             and not gguf_file
             and not (Path(self.model.pretrained_path) / "config.json").is_file()
         ):
+            odd = path_problem(self.model.pretrained_path)  # a link that loops or points nowhere, a device
             missing = not Path(self.model.pretrained_path).exists()
             raise ValueError(
                 f"model.pretrained_path={self.model.pretrained_path!r} "
-                + ("does not exist" if missing else "has no config.json (not a Hugging Face model directory, nor a .gguf file)")
+                + (f"is {odd}" if odd else "does not exist" if missing
+                   else "has no config.json (not a Hugging Face model directory, nor a .gguf file)")
                 + "; check the path"
             )
         out = Path(self.output_dir)
+        kind = path_problem(out)
+        if kind is not None:  # mkdir said "File exists" for a link that loops or points nowhere
+            raise ValueError(
+                f"output_dir={self.output_dir!r} is {kind}; give a directory (it is created if needed)"
+                + (", or remove the link" if "symbolic link" in kind else "")
+            )
         if out.exists() and not out.is_dir():
             raise ValueError(f"output_dir={self.output_dir!r} is a file; give a directory (it is created if needed)")
         if any(p.exists() and not p.is_dir() for p in out.parents):
@@ -316,7 +327,11 @@ class RunConfig(BaseModel):
                 raise ValueError("device=cuda but no CUDA GPU is visible here; set device=auto or device=cpu")
         task_path = getattr(self.task, "path", None)
         if task_path is not None and not Path(task_path).exists():
-            raise ValueError(f"task.path={task_path!r} does not exist; point it at a JSONL / parquet file or a datasets directory")
+            odd = path_problem(task_path)  # a link that loops or points nowhere
+            raise ValueError(
+                f"task.path={task_path!r} {f'is {odd}' if odd else 'does not exist'}; "
+                "point it at a JSONL / parquet file or a datasets directory"
+            )
         return self
 
     @model_validator(mode="after")
@@ -509,6 +524,71 @@ def _load_yaml(text: str, source: str, column_offset: int = 0) -> Any:
         raise ValueError(f"{source}{where}: not valid YAML ({what})") from None
 
 
+def path_problem(path: str | Path) -> str | None:
+    """What ``path`` is when it is neither a regular file, a directory nor simply absent, for
+    messages: a symbolic link that loops or points nowhere (for the link itself or a folder on the
+    way to it), a pipe (FIFO), a character or block device, a socket. None otherwise."""
+    p = Path(path)
+    for part in [*reversed(p.parents), p]:
+        try:
+            os.stat(part)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return f"{'' if part == p else f'under {str(part)!r}, '}a symbolic link that loops (it leads back to itself)"
+            if e.errno == errno.ENOENT and part.is_symlink():
+                where = "" if part == p else f"under {str(part)!r}, "
+                return f"{where}a symbolic link to {os.readlink(part)!r}, which does not exist"
+            return None
+    mode = os.stat(p).st_mode
+    for test, kind in ((stat.S_ISFIFO, "a pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return None
+
+
+# A run config read from a pipe (``--config <(cat run.yaml)``) is read up to this size: a pipe that
+# never ends (``<(yes)``) must not fill the memory.
+MAX_PIPED_CONFIG_BYTES = 16 * 1024 * 1024
+
+
+def _read_config_file(p: Path) -> str:
+    """The text of a run config file, or of a pipe (process substitution, a named FIFO).
+
+    Raises:
+        ValueError: naming the path and what it is: a directory, absent, a link that loops or
+            points nowhere, a device or socket (not read: ``/dev/zero`` never ends), a pipe that
+            gave nothing (the command feeding it failed?) or too much, undecodable bytes.
+    """
+    what = f"config file {str(p)!r}"
+    if p.is_dir():
+        raise ValueError(f"{what} is a directory; give a YAML run config file (e.g. examples/cpu_demo.yaml)")
+    if p.is_file():
+        return read_utf8(p, what)
+    kind = path_problem(p)
+    if kind is None:
+        raise ValueError(f"{what} does not exist")
+    if "symbolic link" in kind:
+        raise ValueError(f"{what} is {kind}; point the link at a YAML run config file, or give the file itself")
+    if kind != "a pipe (FIFO)":
+        raise ValueError(f"{what} is {kind}, not a file; give a YAML run config file (e.g. examples/cpu_demo.yaml)")
+    try:  # a pipe: read what its writer sends (process substitution always has one)
+        with p.open("rb") as f:
+            raw = f.read(MAX_PIPED_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"{what} (a pipe): cannot read it ({e.strerror or e})") from None
+    if not raw:
+        raise ValueError(
+            f"{what} is a pipe that gave no data (did the command feeding it fail?); give a YAML run config file"
+        )
+    if len(raw) > MAX_PIPED_CONFIG_BYTES:
+        raise ValueError(
+            f"{what} is a pipe that gave more than {MAX_PIPED_CONFIG_BYTES // 2**20} MiB, too much for a run "
+            "config; give a YAML run config file"
+        )
+    return _decode_utf8(raw, what)
+
+
 def read_utf8(path: Path, what: str) -> str:
     """The text of ``path``; an undecodable byte or an unreadable file raises a ``ValueError``
     naming ``what`` (e.g. ``config file 'run.yaml'``) and the line of the byte."""
@@ -516,6 +596,10 @@ def read_utf8(path: Path, what: str) -> str:
         raw = path.read_bytes()
     except OSError as e:
         raise ValueError(f"{what}: cannot read it ({e.strerror or e})") from None
+    return _decode_utf8(raw, what)
+
+
+def _decode_utf8(raw: bytes, what: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -608,12 +692,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
-        if p.is_dir():
-            raise ValueError(f"config file {str(p)!r} is a directory; give a YAML run config file (e.g. examples/cpu_demo.yaml)")
-        if not p.is_file():
-            raise ValueError(f"config file {str(p)!r} does not exist")
         what = f"config file {str(p)!r}"
-        loaded = _load_yaml(read_utf8(p, what), what) or {}
+        loaded = _load_yaml(_read_config_file(p), what) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
         data = loaded

@@ -14,7 +14,7 @@ pass@k = 1 − C(n − c, k) / C(n, k), averaged over prompts; computed as the p
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,22 @@ class EvalResult:
     samples: list[EvalSample] = field(default_factory=list)
 
 
+# The most samples one ``splitrl generate`` / ``splitrl eval`` call draws (prompts × samples per
+# prompt): ``generate -n 100000000`` (a typo for 10?) would run for days; a larger job is several
+# calls (``--seed`` gives other samples).
+MAX_SAMPLES_PER_CALL = 1_000_000
+# How many samples :func:`stream_samples` hands the engine at once: the memory it holds is that of
+# this many samples, however many are asked for (a call of up to this many is one engine request).
+STREAM_CHUNK_SAMPLES = 4096
+
+
+def _cut_and_decode(r: Any, decode: Any, stop_strings: list[str]) -> str:
+    n = cut_at_stop_string(r.response_ids, decode, stop_strings)
+    if n is not None:  # the same cut the generation workers make
+        r.response_ids, r.logprobs, r.finish_reason = r.response_ids[:n], r.logprobs[:n], "stop"
+    return decode(r.response_ids)
+
+
 def _generate(engine: RolloutEngine, tokenizer: Any, prompt_ids: list[list[int]], seeds: list[int],
               stop_strings: Sequence[str], progress: bool = False) -> tuple[list[Any], list[str]]:
     from tqdm.auto import tqdm
@@ -78,11 +94,7 @@ def _generate(engine: RolloutEngine, tokenizer: Any, prompt_ids: list[list[int]]
             results[i] = r
             bar.update()
     decode = lambda ids: decode_response(tokenizer, ids)  # noqa: E731
-    for r in results:
-        n = cut_at_stop_string(r.response_ids, decode, list(stop_strings))
-        if n is not None:  # the same cut the generation workers make
-            r.response_ids, r.logprobs, r.finish_reason = r.response_ids[:n], r.logprobs[:n], "stop"
-    return results, [decode(r.response_ids) for r in results]
+    return results, [_cut_and_decode(r, decode, list(stop_strings)) for r in results]
 
 
 def make_engine(model: Any, tokenizer: Any, generation: GenerationConfig, device: str | None = None):
@@ -104,7 +116,40 @@ def generate_samples(
 ) -> list[list[str]]:
     """``num_samples`` responses to each prompt text (the chat template applied when the tokenizer
     has one). Sample j of prompt i uses the seed ``sample_seed(seed, i, j)``, so the output is
-    reproducible. ``progress``: a progress bar on stderr. Returns one list of texts per prompt."""
+    reproducible. ``progress``: a progress bar on stderr. Returns one list of texts per prompt
+    (all of them in memory: :func:`stream_samples` hands them over as they finish)."""
+    texts: list[list[str]] = [[] for _ in prompts]
+    for i, _, text in stream_samples(model, tokenizer, prompts, generation, num_samples=num_samples, seed=seed,
+                                     device=device, progress=progress):
+        texts[i].append(text)
+    return texts
+
+
+def stream_samples(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[str],
+    generation: GenerationConfig,
+    *,
+    num_samples: int = 1,
+    seed: int = 0,
+    device: str | None = None,
+    progress: bool = False,
+) -> Iterator[tuple[int, int, str]]:
+    """(prompt number i, sample number j, text) for ``num_samples`` responses to each prompt, in
+    prompt-major order, each as soon as it and every sample before it are done, so a caller can
+    write results while the rest are generated. The engine gets :data:`STREAM_CHUNK_SAMPLES`
+    samples at a time, so the memory held stays bounded however many are asked for. Seeds as in
+    :func:`generate_samples`.
+
+    Raises:
+        ValueError: (before anything is generated) ``num_samples`` < 1, or a prompt has
+            characters the tokenizer cannot spell.
+    """
+    from tqdm.auto import tqdm
+
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     ids = [encode_prompt(TaskPrompt(index=i, text=p, answer=""), tokenizer) for i, p in enumerate(prompts)]
     unk = getattr(tokenizer, "unk_token_id", None)
     for p, row in zip(prompts, ids):
@@ -119,10 +164,24 @@ def generate_samples(
                 "tokenizer.charset)"
             )
     engine = make_engine(model, tokenizer, generation, device)
-    flat = [ids[i] for i in range(len(prompts)) for _ in range(num_samples)]
-    seeds = [sample_seed(seed, i, j) for i in range(len(prompts)) for j in range(num_samples)]
-    _, texts = _generate(engine, tokenizer, flat, seeds, generation.stop_strings, progress)
-    return [texts[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
+    decode = lambda ids: decode_response(tokenizer, ids)  # noqa: E731
+    stop_strings = list(generation.stop_strings)
+    total = len(prompts) * num_samples
+    with tqdm(total=total, unit="sample", desc="generating", leave=False, file=sys.stderr,
+              disable=not progress) as bar:  # fmt: skip
+        for first in range(0, total, STREAM_CHUNK_SAMPLES):
+            owners = [divmod(k, num_samples) for k in range(first, min(first + STREAM_CHUNK_SAMPLES, total))]
+            finished: list[Any] = [None] * len(owners)
+            ready = 0  # samples of this chunk handed over, in order
+            for k, r in engine.generate_stream([ids[i] for i, _ in owners],
+                                               [sample_seed(seed, i, j) for i, j in owners]):  # fmt: skip
+                finished[k] = r
+                bar.update()
+                while ready < len(owners) and finished[ready] is not None:
+                    text = _cut_and_decode(finished[ready], decode, stop_strings)
+                    finished[ready] = None  # handed over: not kept
+                    yield (*owners[ready], text)
+                    ready += 1
 
 
 def sample_and_score(

@@ -121,7 +121,7 @@ def test_non_utf8_input_names_the_file_and_line(tmp_path, capsys):
         load_config(cfg_file)
     data = tmp_path / "data.jsonl"
     data.write_bytes(b'{"problem": "1+1", "answer": "2"}\n\n{"problem": "caf\xe9", "answer": "3"}\n')
-    with pytest.raises(ValueError, match=r"data\.jsonl' line 3 is not UTF-8 \(byte 0xe9 at column 17\)"):
+    with pytest.raises(ValueError, match=r"data\.jsonl': 1 of its 2 rows .*line 3 \(row 1\): not UTF-8 \(byte 0xe9 at column 17"):
         make_task({"kind": "math_file", "path": str(data)})
     parquet = tmp_path / "data.parquet"
     parquet.write_bytes(b"PAR1" + b"\x00" * 64)  # a cut-off file
@@ -130,7 +130,7 @@ def test_non_utf8_input_names_the_file_and_line(tmp_path, capsys):
     err = _one_line_error(
         capsys, ["train", "task.kind=math_file", f"task.path={data}", f"output_dir={tmp_path / 'run'}", "backend=local"], 2
     )
-    assert "data.jsonl' line 3 is not UTF-8" in err and len(err.splitlines()) == 1
+    assert "line 3 (row 1): not UTF-8" in err and "task.skip_rows=[1]" in err and len(err.splitlines()) == 1
 
 
 def test_output_dir_filesystem_errors_are_one_line(tmp_path, capsys, monkeypatch):
@@ -193,6 +193,66 @@ def test_a_config_path_naming_a_directory_says_so(tmp_path):
         load_config(str(tmp_path), [])
     with pytest.raises(ValueError, match=r"config file '.*nowhere.yaml' does not exist"):
         load_config(str(tmp_path / "nowhere.yaml"), [])
+
+
+def test_a_config_from_a_pipe_is_read_and_other_odd_paths_are_named(tmp_path):
+    """Kind: an error that names the wrong cause (issue "Nothing lost, nothing silent", item 7).
+    `--config <(cat f.yaml)` (a pipe, /dev/fd/63), a named FIFO or /dev/zero were reported as
+    "does not exist"; a pipe is now read, a device named; a pipe that gives nothing (the command
+    feeding it failed) is an error, not the demo config."""
+    import os
+    import threading
+
+    def through_a_pipe(text: bytes, path=None) -> str:
+        if path is None:
+            r, w = os.pipe()
+            path = f"/dev/fd/{r}"
+            writer = threading.Thread(target=lambda: (os.write(w, text), os.close(w)))
+        else:
+            def feed():
+                with open(path, "wb") as f:
+                    f.write(text)
+            writer, r = threading.Thread(target=feed), None
+        writer.start()
+        try:
+            return load_config(path, [])
+        finally:
+            writer.join(60)
+            if r is not None:
+                os.close(r)
+
+    assert through_a_pipe(b"num_steps: 3\nseed: 7\n").num_steps == 3  # process substitution
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert through_a_pipe(b"num_steps: 4\n", fifo).num_steps == 4  # a named FIFO
+    with pytest.raises(ValueError, match=r"config file '/dev/fd/\d+' is a pipe that gave no data \(did the command"):
+        through_a_pipe(b"")
+    with pytest.raises(ValueError, match=r"config file '/dev/zero' is a character device, not a file; give a YAML"):
+        load_config("/dev/zero", [])
+    loop = tmp_path / "loop.yaml"
+    loop.symlink_to(loop)
+    with pytest.raises(ValueError, match=r"loop.yaml' is a symbolic link that loops"):
+        load_config(str(loop), [])
+    (tmp_path / "dangling.yaml").symlink_to(tmp_path / "gone.yaml")
+    with pytest.raises(ValueError, match=r"dangling.yaml' is a symbolic link to '.*gone.yaml', which does not exist"):
+        load_config(str(tmp_path / "dangling.yaml"), [])
+
+
+def test_an_output_dir_that_is_a_link_loop_or_a_dangling_link_says_so(tmp_path, capsys):
+    """Kind: an error that names the wrong cause (item 7): a symlink loop as output_dir said
+    "cannot create it (File exists)" (mkdir's EEXIST), after the config had loaded."""
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    for out, why in [(loop, "is a symbolic link that loops"), (loop / "sub", f"is under {str(loop)!r}, a symbolic link that loops"),
+                     (tmp_path / "dangling", "is a symbolic link to '.*gone', which does not exist")]:
+        with pytest.raises(ValueError, match=rf"output_dir='{out}' {why}.*give a directory .*or remove the link"):
+            load_config(None, [f"output_dir={out}"])
+    err = _one_line_error(capsys, ["train", f"output_dir={loop}", "backend=local"], 2)
+    assert "symbolic link that loops" in err and "File exists" not in err
+    assert not (tmp_path / "gone").exists()
+    with pytest.raises(ValueError, match=r"output_dir='/dev/null' is a character device; give a directory"):
+        load_config(None, ["output_dir=/dev/null"])
 
 
 def test_a_yaml_boolean_is_not_taken_as_a_count_in_a_section():

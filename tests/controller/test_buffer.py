@@ -160,6 +160,10 @@ def test_versions_must_not_go_backwards_or_be_ahead_of_the_trainer():
 
 # ---- back-pressure and waiting ---------------------------------------------------------------
 
+# how long a wait that should succeed at once may take: generous, for a loaded machine (the
+# short timeouts below, 0 and 0.01 s, are waits that must time out, whatever the speed)
+WAIT_S = 60.0
+
 
 def test_put_blocks_when_full_and_resumes_after_select():
     async def scenario():
@@ -176,7 +180,7 @@ def test_put_blocks_when_full_and_resumes_after_select():
         assert buf.size == 2
 
         assert ids(buf.select(0, max_groups=1)) == ["g0"]
-        await asyncio.wait_for(blocked, timeout=1.0)
+        await asyncio.wait_for(blocked, timeout=WAIT_S)
         assert buf.size == 2
         return ids(buf.select(0, max_groups=5))
 
@@ -193,9 +197,9 @@ def test_eviction_frees_space_for_a_blocked_put():
         assert not blocked.done()
         # The train pump waits at version 1: waiting evicts the stale groups, which lets the
         # rollout pump deliver a fresh one.
-        ready = await buf.wait_ready(1, timeout=1.0, current_version=1)
+        ready = await buf.wait_ready(1, timeout=WAIT_S, current_version=1)
         assert ready
-        await asyncio.wait_for(blocked, timeout=1.0)
+        await asyncio.wait_for(blocked, timeout=WAIT_S)
         selected = buf.select(1, max_groups=5)
         return ids(selected), buf.last_select.num_evicted_groups, buf.num_evicted_groups
 
@@ -207,7 +211,7 @@ def test_wait_ready_times_out_and_wakes_on_put():
         buf = make_buffer(capacity=4)
         assert not await buf.wait_ready(1, timeout=0.01)
         assert not await buf.wait_ready(1, timeout=0)
-        waiter = asyncio.create_task(buf.wait_ready(2, timeout=1.0))
+        waiter = asyncio.create_task(buf.wait_ready(2, timeout=WAIT_S))
         await buf.put(make_group("a"))
         await asyncio.sleep(0)
         assert not waiter.done()
@@ -361,7 +365,7 @@ def test_train_pump_composes_exact_steps_from_a_streaming_buffer():
             sizes = []
             while not comp.is_full:
                 req = comp.next_chunk()
-                assert await buf.wait_ready(req.min_groups, timeout=5.0, current_version=version[0])
+                assert await buf.wait_ready(req.min_groups, timeout=WAIT_S, current_version=version[0])
                 groups = buf.select(version[0], req.max_groups, req.min_groups)
                 if groups:
                     comp.add_chunk(groups)
@@ -376,7 +380,7 @@ def test_train_pump_composes_exact_steps_from_a_streaming_buffer():
         version = [0]
         pump = asyncio.create_task(rollout_pump(buf, version))
         sizes = await train_pump(buf, version)
-        await asyncio.wait_for(pump, timeout=5.0)
+        await asyncio.wait_for(pump, timeout=WAIT_S)
         return sizes, buf.num_evicted_groups
 
     chunk_sizes, evicted = asyncio.run(scenario())

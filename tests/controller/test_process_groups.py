@@ -18,15 +18,21 @@ import os, signal, subprocess, sys, time
 from splitrl.controller.cluster import children_in_their_own_group as _children_in_their_own_group
 own = os.getpgrp()
 with _children_in_their_own_group():
-    inside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-outside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-time.sleep(0.5)
+    inside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+outside = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
 print(own, os.getpgrp(), os.getpgid(inside.pid), os.getpgid(outside.pid), inside.pid, outside.pid, flush=True)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the driver handles the stop; here: stay alive
 os.killpg(own, signal.SIGTERM)  # what `timeout` does to its group
-time.sleep(0.5)
+# no fixed sleep: wait until the control child has died of the signal (a loaded machine may take
+# seconds to schedule it); killpg signalled every member of the group at once, so by then a
+# child in the group would have been killed too
+try:
+    outside.wait(timeout=120)
+except subprocess.TimeoutExpired:
+    pass
 print(inside.poll(), outside.poll(), flush=True)
 inside.kill()
+outside.kill()
 """
     # a new session: the child is not the test runner's group leader and can move between groups
     res = subprocess.run(
@@ -34,7 +40,7 @@ inside.kill()
          # a handler (reset by exec, unlike SIG_IGN) keeps this wrapper alive through the group's signal
          f"signal.signal(signal.SIGTERM, lambda *a: None); "
          f"sys.exit(subprocess.run([sys.executable, '-c', {code!r}]).returncode)"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     first, second = res.stdout.splitlines()[-2:]

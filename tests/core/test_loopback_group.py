@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _wait import wait_until
 
 from splitrl.distributed.utils import init_loopback_process_group
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.dist
 
 
 def _rank(rank: int, port: int, queue) -> None:
-    init_loopback_process_group("gloo", rank, 2, port, timeout_s=60)
+    init_loopback_process_group("gloo", rank, 2, port, timeout_s=300)  # generous: spawned ranks start slowly on a loaded machine
     t = torch.full((1,), float(rank + 1))
     dist.all_reduce(t)
     if rank == 0:
@@ -39,7 +40,7 @@ def test_the_process_group_listens_on_loopback_only():
     queue = mp.get_context("spawn").SimpleQueue()
     ctx = mp.spawn(_rank, args=(port, queue), nprocs=2, join=False)
     total, listening = queue.get()
-    ctx.join(60)
+    wait_until(lambda: ctx.join(1), timeout_s=300, what="both ranks to exit")  # join raises if a rank failed
     assert total == 3.0  # the group works: 1 + 2
     assert any(p == port for _, p in listening), listening  # the store was seen
     exposed = [(ip, p) for ip, p in listening if not ipaddress.ip_address(ip).is_loopback]

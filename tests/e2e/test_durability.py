@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from _tiny import TINY_STEP
+from _wait import async_wait_until
 
 from splitrl.config import load_config
 from splitrl.controller import controller as C
@@ -27,7 +28,7 @@ AHEAD = [
     "buffer.max_staleness=2",
     "checkpoint_every=1",
     "num_steps=3",
-    "watchdog_timeout_s=20",
+    "watchdog_timeout_s=120",  # generous: only a lost prompt should ever reach it
 ]
 
 
@@ -43,10 +44,16 @@ def test_a_group_waiting_for_buffer_room_at_a_checkpoint_is_trained_exactly_once
     first_run = {"on": True, "finishes": 0}
     real_generate = generation.GenerationWorker.generate_groups
     real_train, real_finish = PolicyClient.train_chunk, PolicyClient.finish
+    controllers = []
+    real_deliver = C.SingleController._deliver
+
+    async def deliver(self, groups):
+        controllers.append(self)
+        return await real_deliver(self, groups)
 
     def generate(self, indices, group_size, on_group=None):
         if first_run["on"] and 1 in indices:
-            assert four_done.wait(60)
+            assert four_done.wait(300), "prompt 4 was never generated"
         out = real_generate(self, indices, group_size, on_group)
         generated.extend(indices)
         if 4 in indices:
@@ -63,14 +70,16 @@ def test_a_group_waiting_for_buffer_room_at_a_checkpoint_is_trained_exactly_once
         first_run["finishes"] += 1
         if first_run["on"] and first_run["finishes"] == 1:
             # step 1 ends only once prompt 1 is generated and waits for room; then Ctrl-C
-            while not one_done.is_set():
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.5)
+            await async_wait_until(
+                lambda: one_done.is_set() and controllers and 1 in controllers[-1].pending, timeout_s=300,
+                what="prompt 1's group waiting for buffer room",
+            )
             signal.raise_signal(signal.SIGINT)
             await asyncio.sleep(0.1)
         return await real_finish(self)
 
     monkeypatch.setattr(generation.GenerationWorker, "generate_groups", generate)
+    monkeypatch.setattr(C.SingleController, "_deliver", deliver)
     monkeypatch.setattr(PolicyClient, "train_chunk", train_chunk)
     monkeypatch.setattr(PolicyClient, "finish", finish)
     cfg = load_config(None, TINY + [f"output_dir={tmp_path}", *AHEAD])

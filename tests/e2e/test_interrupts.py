@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from _tiny import TINY_STEP
+from _wait import wait_until
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 RUN = TINY_STEP + ["backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false", "num_steps=1000"]
@@ -24,12 +25,17 @@ def _start(out: Path, *extra: str, code: str | None = None, **popen) -> subproce
     return subprocess.Popen(cmd, env=env, start_new_session=True, **popen)
 
 
-def _wait_for(pred, timeout: float, proc: subprocess.Popen) -> None:
-    t0 = time.monotonic()
-    while not pred():
-        assert proc.poll() is None, f"the run exited early with {proc.returncode}"
-        assert time.monotonic() - t0 < timeout, "timed out"
-        time.sleep(0.2)
+def _wait_for(pred, what: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
+    """Wait until ``pred()`` (generous: a loaded machine starts the run slowly); fail at once if
+    the run exits first."""
+
+    def done():
+        if pred():
+            return True
+        assert proc.poll() is None, f"the run exited with {proc.returncode} before {what}"
+        return False
+
+    wait_until(done, what=what, timeout_s=timeout_s, poll_s=0.2)
 
 
 def _steps_logged(out: Path) -> int:
@@ -50,10 +56,10 @@ def test_ctrl_c_through_a_dead_pipe_still_checkpoints(tmp_path):
     out = tmp_path / "run"
     proc = _start(out, "checkpoint_every=1000", "logging.progress_bar=true", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        _wait_for(lambda: _steps_logged(out) >= 1, 180, proc)
+        _wait_for(lambda: _steps_logged(out) >= 1, "the first step in metrics.jsonl", proc)
         proc.stdout.close()  # the reader (tee) is gone
         os.killpg(proc.pid, signal.SIGINT)
-        rc = proc.wait(timeout=120)
+        rc = proc.wait(timeout=300)  # the step and its checkpoint; generous for a loaded machine
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -69,9 +75,9 @@ def test_sigterm_stops_like_ctrl_c(tmp_path):
     log = open(tmp_path / "log", "w")
     proc = _start(out, "checkpoint_every=0", stdout=log, stderr=subprocess.STDOUT)
     try:
-        _wait_for(lambda: _steps_logged(out) >= 1, 180, proc)
+        _wait_for(lambda: _steps_logged(out) >= 1, "the first step in metrics.jsonl", proc)
         proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(timeout=120)
+        rc = proc.wait(timeout=300)  # the step and its checkpoint; generous for a loaded machine
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -87,30 +93,34 @@ from splitrl.controller.policy_client import PolicyClient
 _real = PolicyClient.finish
 async def _slow_finish(self):
     pathlib.Path({marker!r}).touch()
-    await asyncio.sleep(120)  # a long step
+    await asyncio.sleep(600)  # a long step: longer than any wait below
     return await _real(self)
 PolicyClient.finish = _slow_finish
 """
 
 
 def test_a_second_interrupt_exits_at_once(tmp_path):
-    """Kind: an interrupt that cannot be escalated. The first Ctrl-C waits for a 120 s step to
+    """Kind: an interrupt that cannot be escalated. The first Ctrl-C waits for a 600 s step to
     finish; the second one must end the process within seconds, with no checkpoint written."""
     out, marker = tmp_path / "run", tmp_path / "in_step"
     log = open(tmp_path / "log", "w")
     proc = _start(out, "checkpoint_every=0", code=SLOW_STEP.format(marker=str(marker)), stdout=log, stderr=subprocess.STDOUT)
     try:
-        _wait_for(marker.exists, 180, proc)
+        _wait_for(marker.exists, "the run inside its slow step", proc)
         os.killpg(proc.pid, signal.SIGINT)
-        time.sleep(2.0)  # beyond SIGNAL_ECHO_S: a real second signal, not the first one echoed
+        # the run has handled the first signal (not merely been sent it: on a loaded machine two
+        # signals sent before the run is scheduled arrive as one) ...
+        _wait_for(lambda: "SIGINT: finishing the current step" in (tmp_path / "log").read_text(),
+                  "the run's notice of the first SIGINT", proc)
+        time.sleep(1.0)  # ... and the second comes beyond SIGNAL_ECHO_S: a real second signal, not an echo
         assert proc.poll() is None  # the first one waits for the step
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
-        rc = proc.wait(timeout=20)
+        rc = proc.wait(timeout=90)  # well inside the 600 s step it must not wait for
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert rc == 130 and time.monotonic() - t0 < 20
+    assert rc == 130 and time.monotonic() - t0 < 90
     assert _checkpoints(out) == {}
     assert "SIGINT again: exiting now" in (tmp_path / "log").read_text()
 

@@ -82,7 +82,7 @@ def ray_head():
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180  # generous: `ray start` is slow on a loaded machine
         while True:
             if proc.poll() is not None:
                 pytest.fail(f"`ray start --head` exited with {proc.returncode}:\n{log_path.read_text()[-2000:]}")
@@ -91,7 +91,7 @@ def ray_head():
                 break
             except OSError:
                 if time.monotonic() > deadline:
-                    pytest.fail(f"the head's GCS did not listen on 127.0.0.1:{port} within 60 s")
+                    pytest.fail(f"the head's GCS did not listen on 127.0.0.1:{port} within 180 s")
                 time.sleep(0.25)
         yield port, Path(temp_dir)
     finally:

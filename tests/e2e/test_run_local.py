@@ -281,20 +281,28 @@ def test_a_failed_chunk_is_retried_and_the_run_goes_on(tmp_path, monkeypatch):
 
 
 def test_watchdog_reports_a_stall_instead_of_hanging(tmp_path, monkeypatch):
-    import time
+    import threading
 
     from splitrl.workers import generation
     from splitrl.controller.controller import StallError
 
+    release = threading.Event()
+    returned = []
+
     def hung(self, *a, **k):
-        time.sleep(30)
+        release.wait(600)
+        returned.append(True)
         raise AssertionError("unreachable")
 
     monkeypatch.setattr(generation.GenerationWorker, "generate_groups", hung)
-    t0 = time.perf_counter()
-    with pytest.raises(StallError, match="watchdog"):
-        train(_cfg(tmp_path, "num_steps=1", "watchdog_timeout_s=2"))
-    assert time.perf_counter() - t0 < 30
+    try:
+        with pytest.raises(StallError, match="watchdog"):
+            train(_cfg(tmp_path, "num_steps=1", "watchdog_timeout_s=2"))
+        # reported while the generation call still hung (no wall-clock bound: a loaded machine
+        # may take long to start the run; what counts is that the run did not wait for the call)
+        assert not returned
+    finally:
+        release.set()
 
 
 def test_two_generation_workers_with_a_small_buffer_generate_each_prompt_once(tmp_path, monkeypatch):
@@ -353,7 +361,7 @@ def test_groups_reach_training_before_their_generation_call_returns(tmp_path, mo
         def hand_over(group):
             on_group(group)
             if not waited:  # after the first group: hold generation until training has begun
-                waited.append(training_started.wait(30))
+                waited.append(training_started.wait(120))  # generous: a loaded machine trains late
 
         assert on_group is not None, "the local backend passes a per-group callback"
         return real_generate(self, indices, group_size, hand_over)

@@ -23,17 +23,30 @@ from splitrl.workers.train_actor import TrainActor
 
 TINY = TINY_STEP + ["backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false", "checkpoint_every=0"]
 NUM_STEPS = 3
+GROUPS_PER_STEP = 4  # TINY_STEP's, two generation calls of 2 prompts each
 
 
-def _record_calls(monkeypatch) -> dict[str, list[tuple[float, float]]]:
+def _record_calls(monkeypatch, hold_first_chunk: bool = False) -> dict[str, list]:
     """Wall-clock (start, end) of every generation call and every train call, taken inside the
-    workers (their threads), independently of the controller's own timing metrics."""
-    calls: dict[str, list[tuple[float, float]]] = {"generate": [], "train": []}
+    workers (their threads), independently of the controller's own timing metrics.
+
+    ``hold_first_chunk``: the run's first train call waits (up to 120 s) until the generation
+    call for the step's second half has started, and records in ``calls["held"]`` whether it
+    did. Under ``async`` that call runs while the first chunk trains, so the two overlap however
+    the threads are scheduled (on a loaded machine the chunk could otherwise train and return
+    before the call began); a controller that trained only between generation calls waits in
+    vain and overlaps nothing."""
+    calls: dict[str, list] = {"generate": [], "train": [], "held": []}
+    second_half_started = threading.Event()
     lock = threading.Lock()
 
     def timed(kind, fn):
         def wrapper(self, *args, **kwargs):
+            if kind == "generate" and args[0][0] % GROUPS_PER_STEP != 0:
+                second_half_started.set()
             t0 = time.perf_counter()
+            if kind == "train" and hold_first_chunk and not calls["held"]:
+                calls["held"].append(second_half_started.wait(120))
             try:
                 return fn(self, *args, **kwargs)
             finally:
@@ -61,8 +74,8 @@ def _final_policy(out: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _run(tmp_path, monkeypatch, name: str, *extra: str):
-    calls = _record_calls(monkeypatch)
+def _run(tmp_path, monkeypatch, name: str, *extra: str, hold_first_chunk: bool = False):
+    calls = _record_calls(monkeypatch, hold_first_chunk)
     cfg = load_config(None, TINY + [f"num_steps={NUM_STEPS}", f"output_dir={tmp_path / name}", *extra])
     res = train(cfg)
     monkeypatch.undo()
@@ -75,7 +88,8 @@ def test_sync_trains_what_async_at_staleness_zero_trains_and_never_overlaps(tmp_
     parameters (bitwise) as ``async`` at ``max_staleness: 0``; under ``sync`` no generation call
     overlaps a train call, while under ``async`` they do (so the overlap check can fail)."""
     sync_m, sync_calls, sync_w = _run(tmp_path, monkeypatch, "sync", "schedule=sync")
-    async_m, async_calls, async_w = _run(tmp_path, monkeypatch, "async", "schedule=async", "buffer.max_staleness=0")
+    async_m, async_calls, async_w = _run(tmp_path, monkeypatch, "async", "schedule=async", "buffer.max_staleness=0",
+                                         hold_first_chunk=True)
 
     compared = 0
     for step, (a, b) in enumerate(zip(sync_m, async_m), start=1):
@@ -97,6 +111,7 @@ def test_sync_trains_what_async_at_staleness_zero_trains_and_never_overlaps(tmp_
     assert _overlap_s(sync_calls["generate"], sync_calls["train"]) == 0.0
     assert all(m["timing/generation_during_train_s"] == 0.0 for m in sync_m)
     # streamed chunks: the second half of a step is generated while the first half trains
+    assert async_calls["held"] == [True]
     assert _overlap_s(async_calls["generate"], async_calls["train"]) > 0.0
     assert sum(m["timing/generation_during_train_s"] for m in async_m) > 0.0
 

@@ -7,10 +7,10 @@ id), and once end to end with the real wandb in offline mode, reading its run fi
 import json
 import struct
 import sys
-import time
 import types
 
 import pytest
+from _wait import wait_until
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from splitrl.logging import LoggingConfig, MetricsLogger
@@ -169,14 +169,13 @@ def test_real_wandb_offline_run_holds_the_metrics_and_config(tmp_path, monkeypat
 
     wandb.teardown()
     expected = [(1, 0.5, 0.1), (2, 0.25, 0.2), (3, 0.125, 0.3)]
-    deadline = time.monotonic() + 30.0
-    while True:
-        history, config = _read_offline_history(run_files[0])
-        rows = [(h["_step"], h["train/loss"], h["rollout/reward_mean"]) for h in history if "train/loss" in h]
-        if rows == expected or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert rows == expected, f"history records in {run_files[0]}: {history}"
+
+    def rows():
+        history, _ = _read_offline_history(run_files[0])
+        return [(h["_step"], h["train/loss"], h["rollout/reward_mean"]) for h in history if "train/loss" in h]
+
+    wait_until(lambda: rows() == expected, timeout_s=120, what=f"the history records {expected} in {run_files[0]}")
+    _, config = _read_offline_history(run_files[0])
     assert config["seed"] == 11 and config["model"] == {"mtp": {"mtp_num_layers": 2}}
 
 

@@ -82,10 +82,64 @@ def test_missing_file_column_or_type_raise_value_error(tmp_path):
     with pytest.raises(ValueError, match="unsupported file type '.csv'"):
         make_task(_config(_write_jsonl(tmp_path / "rows.csv")))
     partial = _write_jsonl(tmp_path / "partial.jsonl", ROWS[:2] + [{"question": "q"}])
-    with pytest.raises(ValueError, match="line 3 has no key 'solution'"):
+    with pytest.raises(ValueError, match=r"line 3 \(row 2\): 'solution' is missing"):
         make_task(_config(partial))
     with pytest.raises(ValueError, match="no rows"):
         make_task(_config(_write_jsonl(tmp_path / "empty.jsonl", [])))
+
+
+def test_every_bad_row_is_named_in_one_error_with_the_skip_rows_that_leaves_them_out(tmp_path):
+    """Kind: bad data trained on silently (issue "Nothing lost, nothing silent", item 5). A null
+    problem became the prompt "None", a number the prompt "17", an empty answer could never score;
+    other bad rows (no key, not JSON) were reported one at a time without the skip_rows fix."""
+    lines = [
+        json.dumps({"question": "1+1?", "solution": "2"}),  # row 0: fine
+        json.dumps({"question": None, "solution": "2"}),  # row 1
+        "",  # a blank line: no row
+        json.dumps({"question": "Half of one?", "solution": ""}),  # row 2
+        json.dumps({"question": 17, "solution": "17"}),  # row 3
+        json.dumps({"solution": "3"}),  # row 4
+        "{not json",  # row 5
+        json.dumps({"question": "ok", "solution": 3}),  # row 6: a number is a fine answer
+        json.dumps({"question": "  ", "solution": None}),  # row 7
+    ]
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError) as err:
+        make_task(_config(path))
+    message = str(err.value)
+    for named in [
+        "6 of its 8 rows cannot be trained on",
+        "line 2 (row 1): 'question' is null",
+        "line 4 (row 2): 'solution' is empty",
+        "line 5 (row 3): 'question' is 17 (a number, not text)",
+        "line 6 (row 4): 'question' is missing",
+        "line 7 (row 5): not valid JSON",
+        "line 9 (row 7): 'question' is empty, 'solution' is null",
+        "task.skip_rows=[1,2,3,4,5,7]",
+    ]:
+        assert named in message, (named, message)
+    assert "line 1 (" not in message and "row 6" not in message and len(message.splitlines()) == 1
+    # the fix it gives works: the good rows are served, nothing else
+    task = make_task(_config(path, skip_rows=[1, 2, 3, 4, 5, 7]))
+    assert [(p.text, p.answer) for p in map(task.get_prompt, range(task.num_prompts))] == [("1+1?", "2"), ("ok", "3")]
+    # rows already skipped are not reported again, and the fix keeps them
+    with pytest.raises(ValueError, match=r"5 of its 8 rows .*task\.skip_rows=\[1,2,3,4,5,6,7\]"):
+        make_task(_config(path, skip_rows=[6, 7]))
+
+
+def test_bad_rows_of_parquet_and_saved_datasets_are_named_too(tmp_path):
+    table = {"question": ["1+1?", None, "x", 17.5], "solution": ["2", "3", None, "4"]}
+    pq.write_table(pa.table({"question": [None if q is None else str(q) for q in table["question"]],
+                             "solution": table["solution"]}), tmp_path / "rows.parquet")
+    with pytest.raises(ValueError, match=r"2 of its 4 rows .*row 1: 'question' is null; row 2: 'solution' is null\. "
+                                         r".*task\.skip_rows=\[1,2\] \(rows count from 0 in file order\)"):
+        make_task(_config(tmp_path / "rows.parquet"))
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_dict({"question": [1, 2], "solution": ["a", "b"]}).save_to_disk(str(saved))
+    with pytest.raises(ValueError, match=r"2 of its 2 rows .*row 0: 'question' is 1 \(a number, not text\).*"
+                                         r"Every row is bad: check prompt_column / answer_column"):
+        make_task(_config(saved))
 
 
 @pytest.mark.parametrize(

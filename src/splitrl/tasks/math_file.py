@@ -14,6 +14,8 @@ reads as a wrong answer), so they are switched off here: the time limit is enfor
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -34,6 +36,9 @@ class MathFileTaskConfig(TaskOptions):
             another directory (scoring workers, Ray actors) read the same file.
         prompt_column: column (JSON key) holding the problem text.
         answer_column: column holding the reference answer (numbers are turned into strings).
+            Every row needs a non-empty problem text and a non-empty answer (text or a finite
+            number); the rows that lack one are all named in one error, which gives the
+            ``skip_rows`` that leaves them out.
         split: split to read when the directory holds a ``DatasetDict`` with several splits.
         prompt_template: text around the problem; ``{prompt}`` is replaced by it (other braces,
             e.g. ``\\boxed{}``, are kept as they are).
@@ -78,7 +83,11 @@ class MathFileTask(Task):
     Raises:
         ValueError: at construction, when the path does not exist, its type is not supported,
             a column is missing (the message lists the columns found), a directory holds several
-            splits and ``split`` is not set, the file has no rows, or ``skip_rows`` leaves none.
+            splits and ``split`` is not set, the file has no rows, or ``skip_rows`` leaves none;
+            and when rows not in ``skip_rows`` are bad (a JSON-lines line that is not UTF-8,
+            JSON or an object; a problem or answer missing, null, empty or not text — a number
+            is fine as an answer): every such row in one message, with its line and the
+            ``task.skip_rows`` that leaves them out.
     """
 
     def __init__(self, config: MathFileTaskConfig):
@@ -155,45 +164,119 @@ def _load_columns(config: MathFileTaskConfig) -> tuple[list[str], list[str], lis
                 f"{str(path)!r} has no column {column!r}; columns found: {sorted(found)}. "
                 "Set prompt_column / answer_column to the right names"
             )
-    prompts, answers = read(columns)
-    return [str(p) for p in prompts], [str(a) for a in answers], labels
+    (prompts, answers), unreadable = read(columns)
+    skip = set(config.skip_rows)
+    bad: list[tuple[int, str]] = []  # (row, what is wrong), every bad row of the file in one pass
+    texts, references = [], []
+    for row, (prompt, answer) in enumerate(zip(prompts, answers)):
+        problems = [unreadable[row]] if row in unreadable else [
+            p for p in (_bad_prompt(config.prompt_column, prompt), _bad_answer(config.answer_column, answer)) if p
+        ]
+        if problems and row not in skip:
+            bad.append((row, ", ".join(problems)))
+        ok = not problems
+        texts.append(prompt if ok else "")  # a skipped bad row is never served
+        references.append(str(answer) if ok else "")
+    if bad:
+        raise ValueError(_bad_rows_message(path, bad, len(prompts), labels, skip))
+    return texts, references, labels
 
 
-# Each reader returns (column names found, read(columns) -> one list per column, where each row
-# is in the file for messages, or None: "row N").
-_Reader = tuple[set[str], Callable[[list[str]], list[list]], list[str] | None]
+# A value a JSON-lines row lacks (a key present in other rows only).
+_MISSING = object()
+
+
+def _describe(value: object) -> str:
+    if value is _MISSING:
+        return "missing"
+    if value is None:
+        return "null"
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    kind = "a number" if _is_number(value) else type(value).__name__
+    return f"{shown} ({kind}, not text)"
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _bad_prompt(column: str, value: object) -> str | None:
+    """What is wrong with a problem text, or None. It must be a non-empty string: a number or a
+    null would be trained on as the text "17" or "None"."""
+    if isinstance(value, str):
+        return None if value.strip() else f"{column!r} is empty"
+    return f"{column!r} is {_describe(value)}"
+
+
+def _bad_answer(column: str, value: object) -> str | None:
+    """What is wrong with a reference answer, or None. A non-empty string or a finite number (made
+    a string); an empty or null answer can never score."""
+    if isinstance(value, str):
+        return None if value.strip() else f"{column!r} is empty"
+    if _is_number(value):
+        return None if math.isfinite(value) else f"{column!r} is {value!r}, not a number an answer can equal"
+    return f"{column!r} is {_describe(value)}".replace("not text", "not text or a number")
+
+
+_ROWS_SHOWN = 20
+_SKIP_ROWS_LISTED = 200
+
+
+def _bad_rows_message(path: Path, bad: list[tuple[int, str]], total: int, labels: list[str] | None,
+                      skip: set[int]) -> str:
+    def where(row: int) -> str:
+        return f"{labels[row]} (row {row})" if labels is not None else f"row {row}"
+
+    shown = "; ".join(f"{where(row)}: {what}" for row, what in bad[:_ROWS_SHOWN])
+    if len(bad) > _ROWS_SHOWN:
+        shown += f"; and {len(bad) - _ROWS_SHOWN} more"
+    message = f"{str(path)!r}: {len(bad)} of its {total} rows cannot be trained on: {shown}. "
+    if len(bad) == total:
+        message += "Every row is bad: check prompt_column / answer_column and the file. "
+    rows = sorted(skip | {row for row, _ in bad})
+    if len(rows) <= _SKIP_ROWS_LISTED:
+        counted = "rows count from 0 in file order" + (", blank lines not counted" if labels is not None else "")
+        return message + f"Fix these rows, or leave them out with task.skip_rows=[{','.join(map(str, rows))}] ({counted})"
+    return message + f"Fix these rows (task.skip_rows can leave rows out, but {len(rows)} are too many to list by hand)"
+
+
+# Each reader returns (column names found, read(columns), where each row is in the file for
+# messages, or None: "row N"). read returns one list of values per column and {row: why the row
+# could not be read at all} (a JSON-lines line that is not UTF-8, not JSON or not an object).
+_Reader = tuple[set[str], Callable[[list[str]], tuple[list[list], dict[int, str]]], list[str] | None]
 
 
 def _jsonl_reader(path: Path) -> _Reader:
-    rows = []
+    rows: list[tuple[int, dict]] = []
+    unreadable: dict[int, str] = {}
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise ValueError(
-                    f"{str(path)!r} line {number} is not UTF-8 (byte 0x{raw[exc.start]:02x} at column "
-                    f"{exc.start + 1}); save the file as UTF-8"
-                ) from None
+                unreadable[len(rows)] = (
+                    f"not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}: save the file as UTF-8)"
+                )
+                rows.append((number, {}))
+                continue
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{str(path)!r} line {number} is not valid JSON: {exc}") from exc
+                unreadable[len(rows)] = f"not valid JSON ({exc})"
+                row = {}
             if not isinstance(row, dict):
-                raise ValueError(f"{str(path)!r} line {number} is not a JSON object")
+                unreadable[len(rows)] = f"not a JSON object (a {type(row).__name__})"
+                row = {}
             rows.append((number, row))
     if not rows:
         raise ValueError(f"{str(path)!r} holds no rows")
     found = set().union(*(row.keys() for _, row in rows))
 
-    def read(columns: list[str]) -> list[list]:
-        for column in columns:
-            for number, row in rows:
-                if column not in row:
-                    raise ValueError(f"{str(path)!r} line {number} has no key {column!r}")
-        return [[row[column] for _, row in rows] for column in columns]
+    def read(columns: list[str]) -> tuple[list[list], dict[int, str]]:
+        return [[row.get(column, _MISSING) for _, row in rows] for column in columns], unreadable
 
     return found, read, [f"line {number}" for number, _ in rows]
 
@@ -210,7 +293,7 @@ def _parquet_reader(path: Path) -> _Reader:
             table = pq.read_table(path, columns=columns)
         except (OSError, pa.ArrowException) as exc:
             raise unreadable(exc) from None
-        return [table.column(column).to_pylist() for column in columns]
+        return [table.column(column).to_pylist() for column in columns], {}
 
     try:
         names = set(pq.read_schema(path).names)
@@ -237,4 +320,4 @@ def _saved_dataset_reader(path: Path, split: str | None) -> _Reader:
         loaded = loaded[split]
     elif split is not None:
         raise ValueError(f"{str(path)!r} holds one dataset without splits; remove `split`")
-    return set(loaded.column_names), lambda columns: [list(loaded[c]) for c in columns], None
+    return set(loaded.column_names), lambda columns: ([list(loaded[c]) for c in columns], {}), None
