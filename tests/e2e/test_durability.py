@@ -71,7 +71,7 @@ def test_a_group_waiting_for_buffer_room_at_a_checkpoint_is_trained_exactly_once
         if first_run["on"] and first_run["finishes"] == 1:
             # step 1 ends only once prompt 1 is generated and waits for room; then Ctrl-C
             await async_wait_until(
-                lambda: one_done.is_set() and controllers and 1 in controllers[-1].pending, timeout_s=300,
+                lambda: one_done.is_set() and controllers and 1 in controllers[-1].schedule.pending, timeout_s=300,
                 what="prompt 1's group waiting for buffer room",
             )
             signal.raise_signal(signal.SIGINT)
