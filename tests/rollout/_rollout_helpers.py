@@ -18,12 +18,23 @@ def make_model(
     attn: str = "sdpa",
     repeated: bool = False,
     seed: int = 0,
+    family: str = "qwen3",
     **backbone,
 ) -> PolicyModel:
-    """A random tiny Qwen3 policy; a large ``init`` makes its distributions peaky (entropy ~2.5 nats)."""
+    """A random tiny policy of ``family`` (Qwen3 by default); a large ``init`` makes its
+    distributions peaky (entropy ~2.5 nats). Biases (Qwen2's q/k/v), which transformers initializes
+    to zero, are drawn like the weights, so that a forward that dropped or misplaced one would differ."""
     cfg = dict(TINY_BACKBONE, vocab_size=vocab, initializer_range=init, **backbone)
     mtp = MTPConfig(mtp_num_layers=depths, mtp_use_repeated_layer=repeated)
-    return PolicyModel.from_config(ModelConfig(backbone=cfg, mtp=mtp, attn_implementation=attn, seed=seed)).eval()
+    model = PolicyModel.from_config(
+        ModelConfig(family=family, backbone=cfg, mtp=mtp, attn_implementation=attn, seed=seed)
+    ).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * init)
+    return model
 
 
 def random_prompts(n: int, vocab: int, lengths: tuple[int, int], seed: int = 0) -> list[list[int]]:

@@ -14,9 +14,9 @@ def model():
     return make_model(vocab=VOCAB, depths=2)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_logprobs_equal_teacher_forced_and_filters_hold(attn):
-    model = make_model(vocab=VOCAB, depths=1, attn=attn)
+@pytest.mark.parametrize("attn,family", [("sdpa", "qwen3"), ("eager", "qwen3"), ("sdpa", "llama"), ("sdpa", "qwen2")])
+def test_logprobs_equal_teacher_forced_and_filters_hold(attn, family):
+    model = make_model(vocab=VOCAB, depths=1, attn=attn, family=family)
     T, top_k, top_p = 0.7, 20, 0.9
     cfg = GenerationConfig(temperature=T, top_k=top_k, top_p=top_p, max_new_tokens=10, batch_size=3, stop_token_ids=[5])
     engine = RolloutEngine(model, cfg, "cpu")

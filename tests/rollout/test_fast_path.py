@@ -12,9 +12,20 @@ from splitrl.rollout import scheduler as scheduler_mod
 VOCAB = 64
 
 
+# the dense families of the registry, each through the same exactness test (qwen2: q/k/v biases)
+FAMILIES = ["qwen3", "llama", "qwen2"]
+_BY_FAMILY: dict = {}
+
+
+def _family_model(family):
+    if family not in _BY_FAMILY:
+        _BY_FAMILY[family] = make_model(vocab=VOCAB, depths=2, seed=3, family=family)
+    return _BY_FAMILY[family]
+
+
 @pytest.fixture(scope="module")
 def model():
-    return make_model(vocab=VOCAB, depths=2, seed=3)
+    return _family_model("qwen3")
 
 
 def _check_against_reference(model, cfg, prompts, seeds, results):
@@ -33,12 +44,15 @@ def _check_against_reference(model, cfg, prompts, seeds, results):
         torch.testing.assert_close(torch.tensor(res.logprobs), torch.tensor(logprobs), atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize(
     "speculative,temperature,top_k,top_p",
     [(False, 1.0, 0, 1.0), (False, 0.7, 10, 0.9), (True, 1.0, 0, 1.0), (True, 0.8, 12, 0.85)],
 )
-def test_tokens_and_logprobs_equal_the_step_by_step_reference(model, speculative, temperature, top_k, top_p):
-    """Ragged prompts, more prompts than slots (refills), stop tokens, filters; plain and speculative."""
+def test_tokens_and_logprobs_equal_the_step_by_step_reference(family, speculative, temperature, top_k, top_p):
+    """Ragged prompts, more prompts than slots (refills), stop tokens, filters; plain and speculative;
+    every dense family."""
+    model = _family_model(family)
     cfg = GenerationConfig(
         speculative=speculative,
         temperature=temperature,

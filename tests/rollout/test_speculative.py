@@ -25,10 +25,12 @@ def _spec_and_plain(model, **cfg):
 
 
 @pytest.mark.parametrize(
-    "depths,repeated,attn", [(2, False, "sdpa"), (3, False, "sdpa"), (2, True, "sdpa"), (2, False, "eager")]
+    "depths,repeated,attn,family",
+    [(2, False, "sdpa", "qwen3"), (3, False, "sdpa", "qwen3"), (2, True, "sdpa", "qwen3"), (2, False, "eager", "qwen3"),
+     (2, False, "sdpa", "llama"), (2, False, "sdpa", "qwen2")],
 )
-def test_greedy_speculative_equals_plain(depths, repeated, attn):
-    model = make_model(vocab=VOCAB, depths=depths, repeated=repeated, attn=attn)
+def test_greedy_speculative_equals_plain(depths, repeated, attn, family):
+    model = make_model(vocab=VOCAB, depths=depths, repeated=repeated, attn=attn, family=family)
     spec, plain = _spec_and_plain(model, top_k=1, max_new_tokens=14, batch_size=4, stop_token_ids=[17, 99])
     prompts = random_prompts(6, VOCAB, (1, 8), seed=5)
     seeds = list(range(6))
@@ -40,8 +42,9 @@ def test_greedy_speculative_equals_plain(depths, repeated, attn):
     assert stats.speculative_active and stats.drafted_tokens > 0  # random heads: acceptance may be 0 here
 
 
-def test_speculative_logprobs_equal_teacher_forced():
-    model = make_model(vocab=16, depths=2, hidden_size=32, intermediate_size=64)
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
+def test_speculative_logprobs_equal_teacher_forced(family):
+    model = make_model(vocab=16, depths=2, hidden_size=32, intermediate_size=64, family=family)
     T = 0.8
     engine = RolloutEngine(
         model, GenerationConfig(speculative=True, temperature=T, max_new_tokens=16, batch_size=5), "cpu"
@@ -305,13 +308,15 @@ def test_step_times_are_measured_without_changing_the_samples(monkeypatch):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
 
 
-def test_every_mtp_cache_entry_matches_teacher_forcing(monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_every_mtp_cache_entry_matches_teacher_forcing(monkeypatch, family):
     """Every entry the drafter writes as valid (prefill prefix, verify windows), at every depth (3
     here), holds depth k's teacher-forced output h^k at its position: the static MTP caches are
-    filled exactly as training computes the MTP branch. Refills (5 samples, 2 slots) included."""
+    filled exactly as training computes the MTP branch. Refills (5 samples, 2 slots) included; with
+    Qwen2, the MTP layers' q/k/v biases too."""
     from splitrl.rollout.forward import DecoderForward
 
-    model = make_model(vocab=16, depths=3, hidden_size=32, intermediate_size=64)
+    model = make_model(vocab=16, depths=3, hidden_size=32, intermediate_size=64, family=family)
     writes = []  # (seed, depth, position, output)
     context = {}
     original_prefill, original_step = MTPDrafter.prefill, MTPDrafter.step

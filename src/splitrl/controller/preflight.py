@@ -88,14 +88,14 @@ def model_hf_config(config: RunConfig) -> Any:
     Raises:
         ValueError: naming ``model.backbone`` / ``model.pretrained_path``.
     """
-    from splitrl.models.policy import _FAMILY_CONFIGS
+    from splitrl.models.families import get_family
 
     m = config.model
     if m.pretrained_path is not None:
         from transformers import AutoConfig
 
         from splitrl.models.checkpoint import verify_pretrained
-        from splitrl.models.config import SUPPORTED_FAMILIES
+        from splitrl.models.families import SUPPORTED_FAMILIES
         from splitrl.models.gguf import resolve_model_path
 
         path = resolve_model_path(m.pretrained_path)  # a .gguf file: its converted directory
@@ -109,10 +109,11 @@ def model_hf_config(config: RunConfig) -> Any:
             )
     else:
         key = "model.backbone"
-        cls = _FAMILY_CONFIGS[m.family]
+        family = get_family(m.family)
+        cls = family.config_class()
         # transformers keeps any keyword as an attribute: a misspelt key would be ignored silently
         known = set(cls().to_dict()) | set(inspect.signature(cls.__init__).parameters) | set(cls.attribute_map)
-        known.add("head_dim")  # not a Qwen3-MoE config argument, but its attention reads it when set
+        known.update(family.undeclared_config_keys)  # e.g. head_dim: read by the attention, not a config argument
         unknown = sorted(set(m.backbone) - known)
         if unknown:
             close = difflib.get_close_matches(unknown[0], sorted(known), n=1)

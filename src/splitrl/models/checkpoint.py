@@ -20,7 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from splitrl.models.config import SUPPORTED_FAMILIES, ModelCapabilities, MTPConfig
+from splitrl.models.config import ModelCapabilities, MTPConfig
+from splitrl.models.families import FAMILIES
 from splitrl.models.mtp import MTPBlock, mtp_checkpoint_names, mtp_state_from_checkpoint
 
 log = logging.getLogger(__name__)
@@ -214,7 +215,7 @@ def _meta_policy(hf_cfg, mtp: MTPConfig | None):
         cls = AutoModelForCausalLM._model_mapping[type(hf_cfg)]
     except KeyError:
         return None
-    if getattr(hf_cfg, "model_type", None) not in SUPPORTED_FAMILIES:
+    if getattr(hf_cfg, "model_type", None) not in FAMILIES:
         return None
     with torch.device("meta"):
         backbone = cls(hf_cfg)

@@ -7,8 +7,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from splitrl.config_types import UserPath
+from splitrl.models.families import SUPPORTED_FAMILIES, TINY_MOE, FamilyName, get_family
 
-SUPPORTED_FAMILIES = ("qwen3", "llama", "qwen3_moe")
+# SUPPORTED_FAMILIES and TINY_MOE live in the family registry; imported from here too
+__all__ = [
+    "SIZE_KEYS", "SUPPORTED_FAMILIES", "TINY_BACKBONE", "TINY_MOE", "ModelCapabilities", "ModelConfig", "MTPConfig",
+]
 
 
 class ModelCapabilities(BaseModel):
@@ -94,17 +98,19 @@ class ModelConfig(BaseModel):
     Attributes:
         pretrained_path: local directory written by ``save_pretrained`` (ours or stock Hugging
             Face); when set, ``family`` and ``backbone`` are ignored and read from the directory.
-        family: backbone family for random init: ``qwen3``, ``llama`` or ``qwen3_moe``
+        family: backbone family for random init, a ``model_type`` of
+            :data:`splitrl.models.families.FAMILIES`: ``qwen3``, ``llama``, ``qwen3_moe``
             (transformers' Qwen3-MoE; its router load-balancing loss enters the step with
-            ``router_aux_loss_coef`` of the backbone config, see :mod:`splitrl.models.moe`).
+            ``router_aux_loss_coef`` of the backbone config, see :mod:`splitrl.models.moe`) or
+            ``qwen2`` (Qwen2 / Qwen2.5: q/k/v biases, no q/k norms).
         backbone: keyword arguments of the family's transformers config (hidden_size,
             num_hidden_layers, ...). The default is a tiny model that trains in seconds on CPU;
             a dict given here replaces it, and the keys it lacks come from transformers' full-size
             defaults (``PolicyModel.from_config`` refuses a model that those make > 10x larger
             and over 100 M parameters, see ``policy.check_defaulted_size``: give every key of
             ``SIZE_KEYS``);
-            for ``qwen3_moe`` the MoE keys missing from it are taken from ``TINY_MOE`` (4 experts,
-            2 per token), not from transformers' defaults (128 experts).
+            the family's ``backbone_defaults`` fill the keys it lacks before transformers' defaults
+            do (``qwen3_moe``: ``TINY_MOE``, 4 experts, 2 per token, not 128).
         attn_implementation: ``sdpa`` (default) or ``eager``.
         seed: seed of the random init.
     """
@@ -112,7 +118,7 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     pretrained_path: UserPath | None = None
-    family: Literal["qwen3", "llama", "qwen3_moe"] = "qwen3"
+    family: FamilyName = "qwen3"
     backbone: dict[str, Any] = Field(default_factory=lambda: dict(TINY_BACKBONE))
     mtp: MTPConfig = Field(default_factory=MTPConfig)
     capabilities: ModelCapabilities = Field(default_factory=ModelCapabilities)
@@ -121,8 +127,8 @@ class ModelConfig(BaseModel):
 
     def backbone_kwargs(self) -> dict[str, Any]:
         """The keyword arguments the family's transformers config is built from: ``backbone``,
-        over ``TINY_MOE`` for ``qwen3_moe``."""
-        return {**TINY_MOE, **self.backbone} if self.family == "qwen3_moe" else dict(self.backbone)
+        over the family's ``backbone_defaults`` (``TINY_MOE`` for ``qwen3_moe``)."""
+        return {**get_family(self.family).backbone_defaults, **self.backbone}
 
 
 # the keys that set a backbone's size: a backbone dict without them gets transformers' full-size
@@ -140,13 +146,4 @@ TINY_BACKBONE: dict[str, Any] = {
     "max_position_embeddings": 512,
     "tie_word_embeddings": True,
     "rms_norm_eps": 1e-6,
-}
-
-# MoE keys of the tiny qwen3_moe preset (merged under ModelConfig.backbone when missing there)
-TINY_MOE: dict[str, Any] = {
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 64,
-    "norm_topk_prob": True,
-    "router_aux_loss_coef": 0.01,
 }

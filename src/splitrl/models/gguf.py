@@ -1,9 +1,10 @@
 """GGUF checkpoints in: a ``.gguf`` file becomes a Hugging Face directory, once, in a cache.
 
 ``model.pretrained_path`` (and ``splitrl eval`` / ``generate``'s PATH) may name a ``.gguf`` file of
-a family transformers reads and splitrl builds (llama, qwen3). transformers dequantizes it to fp32 on load
-(``from_pretrained(dir, gguf_file=...)``, which needs the ``gguf`` package); the result and the
-file's tokenizer (its chat template included) are written as a plain safetensors directory under
+a family transformers reads and splitrl builds (``READABLE_FAMILIES``, from the family registry:
+llama, qwen2, qwen3). transformers dequantizes it to fp32 on load (``from_pretrained(dir,
+gguf_file=...)``, which needs the ``gguf`` package); the result and the file's tokenizer (its chat
+template included) are written as a plain safetensors directory under
 
     $SPLITRL_CACHE_DIR/gguf/<first 16 hex digits of the file's SHA-256>/
 
@@ -23,12 +24,14 @@ import os
 import shutil
 from pathlib import Path
 
+from splitrl.models.families import GGUF_ARCHITECTURES
+
 log = logging.getLogger(__name__)
 
 GGUF_SUFFIX = ".gguf"
-# the GGUF architectures transformers converts whose family splitrl builds (models/config.py
-# SUPPORTED_FAMILIES); transformers reads qwen2 too, but splitrl could not train the result
-READABLE_FAMILIES = ("llama", "qwen3")
+# the GGUF architectures transformers converts whose family splitrl builds: those of the family
+# registry (splitrl.models.families) that name one
+READABLE_FAMILIES = GGUF_ARCHITECTURES
 _DONE = "CONVERTED"  # written last into a finished conversion: _FORMAT, then the source file's name
 # the version of what a conversion writes; a cached conversion of another version is redone
 _FORMAT = "splitrl-gguf 2"
@@ -171,7 +174,7 @@ def gguf_model_dir(path: str | os.PathLike) -> Path:
     """The cached Hugging Face directory of the GGUF file ``path``, converting it on first use.
 
     Args:
-        path: a ``.gguf`` file of a llama or qwen3 model.
+        path: a ``.gguf`` file of a llama, qwen2 or qwen3 model.
 
     Returns:
         ``cache_root()/gguf/<sha256[:16]>``: ``config.json``, ``model.safetensors`` (fp32), the

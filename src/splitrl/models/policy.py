@@ -17,26 +17,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen3Config, Qwen3MoeConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from splitrl.models.attention import packed_attention_mask
 from splitrl.models.checkpoint import _mtp_mismatch, read_mtp_tensors, save_pretrained, verify_pretrained
-from splitrl.models.config import (
-    SIZE_KEYS,
-    SUPPORTED_FAMILIES,
-    TINY_BACKBONE,
-    ModelCapabilities,
-    ModelConfig,
-    MTPConfig,
-)
+from splitrl.models.config import SIZE_KEYS, TINY_BACKBONE, ModelCapabilities, ModelConfig, MTPConfig
+from splitrl.models.families import Family, family_of, get_family
 from splitrl.models.gguf import resolve_model_path
 from splitrl.models.head import distill_kl, target_logprobs
 from splitrl.models.moe import router_statistics
 from splitrl.models.mtp import MTPBlock, mtp_state_from_checkpoint, warm_start_from_backbone
 
 log = logging.getLogger(__name__)
-
-_FAMILY_CONFIGS = {"qwen3": Qwen3Config, "llama": LlamaConfig, "qwen3_moe": Qwen3MoeConfig}
 
 # a backbone whose missing size keys (transformers' full-size defaults) make it more than
 # DEFAULTED_SIZE_FACTOR times the model those keys give in the tiny default, and larger than
@@ -207,7 +199,7 @@ class PolicyModel(nn.Module):
     """Causal LM backbone + D MTP depths.
 
     Args:
-        backbone: a transformers ``*ForCausalLM`` of a supported family (Qwen3, Llama).
+        backbone: a transformers ``*ForCausalLM`` of a family of :data:`splitrl.models.families.FAMILIES`.
         mtp: the MTP knobs; D = 0 builds no MTP module at all.
         capabilities: flags that travel unchanged to the microbatch builder.
 
@@ -222,12 +214,7 @@ class PolicyModel(nn.Module):
         capabilities: ModelCapabilities | None = None,
     ) -> None:
         super().__init__()
-        family = backbone.config.model_type
-        if family not in SUPPORTED_FAMILIES:
-            raise ValueError(
-                f"backbone family {family!r} is not supported; use one of {SUPPORTED_FAMILIES} "
-                "(their decoder layers and RMSNorm are reused by the MTP block)"
-            )
+        family_of(backbone.config)  # ValueError for a family splitrl does not build
         self.backbone = backbone
         self.mtp_config = mtp or MTPConfig()
         self.capabilities = capabilities or ModelCapabilities()
@@ -262,7 +249,7 @@ class PolicyModel(nn.Module):
                 capabilities=config.capabilities,
                 attn_implementation=config.attn_implementation,
             )
-        hf_cfg = _FAMILY_CONFIGS[config.family](**config.backbone_kwargs())
+        hf_cfg = get_family(config.family).config_class()(**config.backbone_kwargs())
         check_defaulted_size(config, hf_cfg)
         hf_cfg._attn_implementation = config.attn_implementation
         with torch.random.fork_rng(devices=[]):
@@ -286,12 +273,17 @@ class PolicyModel(nn.Module):
         return self.backbone.config
 
     @property
+    def family(self) -> Family:
+        """The backbone's entry in the family registry."""
+        return family_of(self.config)
+
+    @property
     def num_mtp_depths(self) -> int:
         return self.mtp_config.mtp_num_layers
 
     @property
     def is_moe(self) -> bool:
-        return getattr(self.config, "num_experts", 0) > 0 and self.config.model_type == "qwen3_moe"
+        return self.family.moe and (getattr(self.config, "num_experts", 0) or 0) > 0
 
     @property
     def moe_aux_loss_coef(self) -> float:

@@ -2,9 +2,11 @@
 
 Legend: B = rows, M = tokens per row, H = hidden size, V = vocabulary.
 
-The layers are those of the backbone (Qwen3 and Llama families): input RMSNorm, q/k/v projections
-(Qwen3: per-head q_norm / k_norm), rotary embedding from the backbone's ``rotary_emb``, attention,
-o_proj, residual, post-attention RMSNorm, MLP, residual. Only the attention differs from
+The layers are those of the backbone, of a family of the registry (:mod:`splitrl.models.families`,
+which says what its layers must be): input RMSNorm, q/k/v projections (with their biases where the
+layer has them, e.g. Qwen2), per-head q_norm / k_norm where the family has them (``qk_norm``:
+Qwen3), rotary embedding from the backbone's ``rotary_emb``, attention, o_proj, residual,
+post-attention RMSNorm, MLP, residual. Only the attention differs from
 transformers': keys and values go to a preallocated :class:`~splitrl.rollout.kv.StaticKVCache`, so
 a decode step has static shapes and can be captured in a CUDA graph. Every weight is read through
 the modules at call time, so an in-place weight update (``copy_``) is seen by captured graphs.
@@ -14,8 +16,9 @@ Fused projections. A decode step at small batch is bound by the number of kernel
 as one GEMM each. :func:`fuse_projections` moves the weights of those modules into one contiguous
 tensor per group and leaves each module's parameter as a view of it (``param.data`` is replaced,
 the ``Parameter`` object stays, so optimizers and ``state_dict`` see the same names and tensors): an
-in-place update of q_proj.weight is an update of the fused tensor. Each output element is the same
-dot product as in the separate GEMMs.
+in-place update of q_proj.weight is an update of the fused tensor; biases (Qwen2's q/k/v) are fused
+the same way, into one bias tensor. Each output element is the same dot product (plus the same bias)
+as in the separate GEMMs.
 
 Rotary table. The backbone's ``rotary_emb`` computes cos/sin from the positions with ~8 small ops
 (a matmul, a transpose, a cat, cos, sin, scalings, casts) at every call: in every decode forward,
@@ -108,7 +111,19 @@ def _fused_linear(owner: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def check_supported(model: PolicyModel) -> None:
-    """Raise ValueError for backbones whose layers this forward does not reproduce."""
+    """Raise ValueError for backbones whose layers this forward does not reproduce: a family outside
+    the registry, layers unlike its entry, sliding-window layers, a dynamic RoPE."""
+    family = model.family  # ValueError outside the registry
+    layers = list(model.backbone.model.layers)
+    if model.mtp is not None:
+        layers += [mtp_parts(model, k)[3] for k in range(1, model.num_mtp_depths + 1)]
+    for layer in layers:
+        attn = layer.self_attn
+        if hasattr(attn, "q_norm") != family.qk_norm or hasattr(attn, "k_norm") != family.qk_norm:
+            raise ValueError(
+                f"{type(attn).__name__} {'has' if hasattr(attn, 'q_norm') else 'lacks'} q_norm / k_norm, but the "
+                f"family registry says qk_norm={family.qk_norm} for {family.name!r} (splitrl.models.families)"
+            )
     cfg = model.config
     types = getattr(cfg, "layer_types", None) or ["full_attention"]
     if any(t != "full_attention" for t in types) or getattr(cfg, "use_sliding_window", False):
@@ -138,6 +153,7 @@ class DecoderForward:
         self.final_norm = model.backbone.model.norm
         self.k = Kernels(compiled, model.output_weight.device, model.output_weight.dtype)
         self.silu = model.config.hidden_act == "silu"
+        self.qk_norm = model.family.qk_norm  # per-head q/k RMSNorm before the rotary embedding
         fuse_projections(model)
         self.rope_table: torch.Tensor | None = None  # [M, 2, d]: cos, sin by position (see module doc)
         self._rope_key: tuple | None = None
@@ -238,7 +254,7 @@ class DecoderForward:
             x = self.k.rms_norm(h, norm.weight, norm.variance_epsilon)
         else:
             h, x = self.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)
-        qk_norm = hasattr(attn, "q_norm")  # Qwen3
+        qk_norm = self.qk_norm
         if hasattr(attn, _FUSED) and prefill_slots is None:
             # decode: split, norms, rotary and keys + values stacked (one cache write) in one function
             nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
@@ -272,7 +288,8 @@ class DecoderForward:
         post = layer.post_attention_layernorm
         h, x = self.k.add_rms_norm(attn.o_proj(o), h, post.weight, post.variance_epsilon)
         mlp = layer.mlp
-        if self.silu and hasattr(mlp, _FUSED):  # dense SwiGLU; MoE blocks route in their own forward
+        # dense SwiGLU (also the dense layers of an MoE family); MoE blocks route in their own forward
+        if self.silu and hasattr(mlp, _FUSED):
             gate, up = _fused_linear(mlp, x).chunk(2, dim=-1)
             return h, mlp.down_proj(self.k.silu_mul(gate, up))
         if self.silu and hasattr(mlp, "down_proj"):

@@ -2,8 +2,8 @@
 path, and the reference) and compiled into a few fused kernels on CUDA (fewer launches per decode
 step).
 
-Each forward function is the exact op sequence of the transformers module it replaces (Qwen3 /
-Llama RMSNorm in fp32, ``apply_rotary_pos_emb``, SiLU-gated MLP product). The sampler
+Each forward function is the exact op sequence of the transformers module it replaces (the RMSNorm
+in fp32 of the registry's families, ``apply_rotary_pos_emb``, SiLU-gated MLP product). The sampler
 (:func:`~splitrl.rollout.sampling.draw`) is integer hashing plus a few reductions: eagerly it is
 ~100 tiny kernels per decode step, which at batch 1 cost more than a decoder layer; compiled, a
 handful. Its integer part is exact either way. The decode steps' bookkeeping (a step's state
@@ -71,7 +71,7 @@ def qkv_norm_rope(qkv, nq: int, nk: int, d: int, q_weight, k_weight, eps: float,
 
 
 def qkv_rope(qkv, nq: int, nk: int, d: int, cos, sin):
-    """:func:`qkv_norm_rope` without the per-head norms (Llama)."""
+    """:func:`qkv_norm_rope` without the per-head norms (Llama, Qwen2)."""
     q, k, v = split_heads(qkv, nq, nk, d)
     q, k = qk_rope(q, k, cos, sin)
     return q, torch.stack((k, v))
