@@ -35,6 +35,7 @@ def test_tokenizer_larger_than_vocab_is_refused_in_preflight(tmp_path):
     [
         ("model.backbone.num_key_value_heads=3", r"model.backbone: num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
         ("model.family=llama", None),  # control: the demo backbone is fine for llama too
+        ("model.family=qwen2", None),  # and for qwen2 (head_dim: not a Qwen2Config key, read when set)
     ],
 )
 def test_head_counts_that_do_not_divide_are_refused_in_preflight(tmp_path, override, match):

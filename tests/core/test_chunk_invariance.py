@@ -70,6 +70,10 @@ CASES = [(*c, "ce") for c in CASES] + [
     (LossType.SEQUENCE_LEVEL, 2, False, False, True, "distill"),
 ]
 
+# every case on the default Qwen3 backbone; a run's default path (token-level, detached, packed)
+# on Qwen2 too, whose q/k/v biases the other families lack
+CASES = [(*c, "qwen3") for c in CASES] + [(LossType.TOKEN_LEVEL, 2, True, False, True, "ce", "qwen2")]
+
 CHUNKINGS = {
     "one_chunk": lambda b: [b],
     "four_equal": lambda b: partition(b, [4, 4, 4, 4]),
@@ -79,8 +83,8 @@ CHUNKINGS = {
 
 
 def _sync_reference(case, batches, mbs, pack):
-    loss_type, D, detach, repeated, _, objective = case
-    model = make_model(D=D, detach=detach, repeated=repeated, objective=objective)
+    loss_type, D, detach, repeated, _, objective, family = case
+    model = make_model(D=D, detach=detach, repeated=repeated, objective=objective, family=family)
     w = make_worker(model, lr=LR, mbs=16, pack=False, eps=ADAM_EPS)
     grads = capture_grads(w)
     loss = make_loss(loss_type)
@@ -88,16 +92,21 @@ def _sync_reference(case, batches, mbs, pack):
     return w, grads, metrics
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0].value}-D{c[1]}-{'det' if c[2] else 'att'}-{'rep' if c[3] else 'dist'}-{'pack' if c[4] else 'pad'}-{c[5]}")
+def _case_id(c) -> str:
+    fam = "" if c[6] == "qwen3" else f"-{c[6]}"  # the Qwen3 cases keep their ids
+    return f"{c[0].value}-D{c[1]}-{'det' if c[2] else 'att'}-{'rep' if c[3] else 'dist'}-{'pack' if c[4] else 'pad'}-{c[5]}{fam}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_split_equals_sync(case):
-    loss_type, D, detach, repeated, pack, objective = case
+    loss_type, D, detach, repeated, pack, objective, family = case
     batches = [make_batch(16, seed=s) for s in range(STEPS)]
     ref_w, ref_grads, ref_metrics = _sync_reference(case, batches, 16, False)
     ref_params, ref_opt = params(ref_w.model), optim_state(ref_w)
     if D > 0:
         assert any(k.startswith("mtp/mtp_") for k in ref_metrics[0])
     for name, chunker in CHUNKINGS.items():
-        model = make_model(D=D, detach=detach, repeated=repeated, objective=objective)
+        model = make_model(D=D, detach=detach, repeated=repeated, objective=objective, family=family)
         # microbatching differs from the reference too: by count, or by a token budget
         w = make_worker(model, lr=LR, mbs=3, max_tokens=40 if name == "1_7_3_5" else None, pack=pack, eps=ADAM_EPS)
         grads = capture_grads(w)

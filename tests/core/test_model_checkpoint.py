@@ -6,7 +6,15 @@ import pytest
 import torch
 from _utils import make_batch, make_loss, make_model, make_worker
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from splitrl.models import ModelConfig, MTPConfig, PolicyModel
 from splitrl.models.checkpoint import export_deepseek_v3
@@ -35,7 +43,8 @@ def _expected_mtp_names(keys, num_modules):
 
 
 @pytest.mark.parametrize(
-    "family,D,repeated", [("qwen3", 2, False), ("qwen3", 3, True), ("llama", 1, False), ("qwen3", 3, False)]
+    "family,D,repeated",
+    [("qwen3", 2, False), ("qwen3", 3, True), ("llama", 1, False), ("qwen3", 3, False), ("qwen2", 2, False)],
 )
 def test_save_load_round_trip_is_exact(tmp_path, family, D, repeated):
     model = make_model(D=D, repeated=repeated, family=family, seed=3)
@@ -56,6 +65,9 @@ def test_save_load_round_trip_is_exact(tmp_path, family, D, repeated):
             assert torch.equal(
                 st.get_tensor(f"mtp.layers.{i}.self_attn.q_proj.weight"), depth.layer.self_attn.q_proj.weight.detach()
             )
+            if model.family.qkv_bias:  # trained away from their zero init, stored per depth
+                bias = depth.layer.self_attn.k_proj.bias.detach()
+                assert bias.abs().max() > 0 and torch.equal(st.get_tensor(f"mtp.layers.{i}.self_attn.k_proj.bias"), bias)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["mtp_num_hidden_layers"] == num_modules
     loaded = PolicyModel.from_pretrained(str(tmp_path))
@@ -68,16 +80,24 @@ def test_save_load_round_trip_is_exact(tmp_path, family, D, repeated):
         assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
 def test_stock_hugging_face_directory_loads_through_from_pretrained(tmp_path, family):
     if family == "qwen3":
         cfg = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
         hf = Qwen3ForCausalLM(cfg)
-    else:
+    elif family == "llama":
         cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2)
         hf = LlamaForCausalLM(cfg)
+    else:  # Qwen2.5's shape: tied embeddings, q/k/v biases (drawn here: transformers starts them at 0)
+        cfg = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+        hf = Qwen2ForCausalLM(cfg)
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.5)
     hf.save_pretrained(tmp_path)  # a plain Hugging Face checkpoint, no MTP tensors
     model = PolicyModel.from_config(
         ModelConfig(pretrained_path=str(tmp_path), mtp=MTPConfig(mtp_num_layers=1))

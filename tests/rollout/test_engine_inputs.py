@@ -32,7 +32,7 @@ def _tokens(engine, prompts=PROMPTS, seeds=(7, 8)):
 @pytest.mark.parametrize(
     "family, backbone, billions",
     [("qwen3", {}, "12.05"), ("qwen3", {"vocab_size": 64}, "10.81"), ("llama", {"vocab_size": 64}, "6.48"),
-     ("qwen3_moe", {}, "0.89")],
+     ("qwen3_moe", {}, "0.89"), ("qwen2", {"vocab_size": 64}, "10.81")],
 )
 def test_a_backbone_that_transformers_defaults_make_huge_is_refused_before_it_is_built(family, backbone, billions):
     """Such a dict used to build transformers' full-size defaults (12 B parameters for {}) and the
