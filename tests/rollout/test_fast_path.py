@@ -203,12 +203,14 @@ def test_stream_yields_each_sample_when_it_finishes(model):
     assert engine.last_stats.generated_tokens == sum(len(r.response_ids) for r in full)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
 @pytest.mark.parametrize("speculative", [False, True])
-def test_weight_update_is_in_place_and_used(speculative):
+def test_weight_update_is_in_place_and_used(speculative, family):
     """After load_state_dict the engine samples exactly as a fresh engine on the new weights (MTP
-    heads included: same drafts, same acceptance counts), and no parameter storage moved (the
-    property captured CUDA graphs rely on)."""
-    old, new = make_model(vocab=VOCAB, depths=2, seed=4), make_model(vocab=VOCAB, depths=2, seed=5)
+    heads included: same drafts, same acceptance counts; Qwen2: the fused q/k/v biases too), and no
+    parameter storage moved (the property captured CUDA graphs rely on)."""
+    old = make_model(vocab=VOCAB, depths=2, seed=4, family=family)
+    new = make_model(vocab=VOCAB, depths=2, seed=5, family=family)
     cfg = GenerationConfig(speculative=speculative, max_new_tokens=10, batch_size=2, temperature=0.9)
     prompts, seeds = random_prompts(3, VOCAB, (2, 6), seed=24), [7, 8, 9]
     engine = RolloutEngine(old, cfg, "cpu")
@@ -218,7 +220,7 @@ def test_weight_update_is_in_place_and_used(speculative):
     engine.load_state_dict(new.state_dict(), version=1)
     assert pointers == {n: p.data_ptr() for n, p in engine.model.state_dict().items()}
     after = engine.generate(prompts, seeds)
-    fresh = RolloutEngine(make_model(vocab=VOCAB, depths=2, seed=5), cfg, "cpu").generate(prompts, seeds)
+    fresh = RolloutEngine(make_model(vocab=VOCAB, depths=2, seed=5, family=family), cfg, "cpu").generate(prompts, seeds)
     assert [r.response_ids for r in after] != [r.response_ids for r in before]
     for a, f in zip(after, fresh):
         assert a.response_ids == f.response_ids and a.policy_version == 1
@@ -226,14 +228,17 @@ def test_weight_update_is_in_place_and_used(speculative):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(f.logprobs), atol=1e-6, rtol=0)
 
 
-def test_fused_projections_keep_parameters_names_and_values():
-    """fuse_projections puts q/k/v and gate/up in one tensor each (MTP layers too) without changing
-    what the model is: same Parameter objects, names and values; a copy into a module's weight is a
-    copy into the fused tensor; a tensor moved off the fused storage is detected and fused again.
-    Guards against a rollout that reads a stale copy of a weight after a sync."""
+@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+def test_fused_projections_keep_parameters_names_and_values(family):
+    """fuse_projections puts q/k/v and gate/up in one tensor each (MTP layers too; Qwen2's q/k/v
+    biases in one bias tensor) without changing what the model is: same Parameter objects, names
+    and values; a copy into a module's weight or bias is a copy into the fused tensor; a tensor moved
+    off the fused storage is detected and fused again. Guards against a rollout that reads a stale
+    copy of a weight after a sync."""
     from splitrl.rollout.forward import _FUSED, fuse_projections, mtp_parts
 
-    model = make_model(vocab=VOCAB, depths=2, seed=6)
+    model = make_model(vocab=VOCAB, depths=2, seed=6, family=family)
+    biased = model.family.qkv_bias
     params = dict(model.named_parameters())
     values = {n: p.detach().clone() for n, p in params.items()}
     fuse_projections(model)
@@ -243,11 +248,17 @@ def test_fused_projections_keep_parameters_names_and_values():
     layers = [*model.backbone.model.layers, *(mtp_parts(model, k)[3] for k in (1, 2))]
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        w, _ = getattr(attn, _FUSED)
+        w, b = getattr(attn, _FUSED)
         torch.testing.assert_close(w, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
         with torch.no_grad():
             attn.k_proj.weight.add_(1.0)
         assert w[attn.q_proj.weight.shape[0] :][: attn.k_proj.weight.shape[0]].eq(attn.k_proj.weight).all()
+        assert (b is not None) == biased
+        if biased:
+            torch.testing.assert_close(b, torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]))
+            with torch.no_grad():
+                attn.k_proj.bias.add_(1.0)
+            assert b[attn.q_proj.bias.shape[0] :][: attn.k_proj.bias.shape[0]].eq(attn.k_proj.bias).all()
         gw, _ = getattr(mlp, _FUSED)
         assert gw.data_ptr() == mlp.gate_proj.weight.data_ptr()
     # a weight replaced by a new tensor (e.g. .to() of one module) is fused again, with its value
@@ -257,3 +268,9 @@ def test_fused_projections_keep_parameters_names_and_values():
     w, _ = getattr(attn, _FUSED)
     torch.testing.assert_close(w[-attn.v_proj.weight.shape[0] :], attn.v_proj.weight, atol=0, rtol=0)
     assert w.data_ptr() == attn.q_proj.weight.data_ptr()
+    if biased:  # so is a bias replaced alone (the weights still views of theirs)
+        attn.q_proj.bias.data = attn.q_proj.bias.detach().clone() * 3
+        fuse_projections(model)
+        _, b = getattr(attn, _FUSED)
+        torch.testing.assert_close(b[: attn.q_proj.bias.shape[0]], attn.q_proj.bias, atol=0, rtol=0)
+        assert b.data_ptr() == attn.q_proj.bias.data_ptr()
