@@ -344,6 +344,16 @@ def test_cpu_demo_runs_with_a_tiny_moe_backbone(tmp_path):
         assert math.isfinite(r["train/grad_norm"])
 
 
+def test_cpu_demo_runs_with_a_qwen2_backbone(tmp_path):
+    """`splitrl train model.family=qwen2`: the demo on transformers' Qwen2 (q/k/v biases, no q/k
+    norms), through the rollout engine's fused biased projections and the weight sync."""
+    res = train(_cfg(tmp_path, "num_steps=2", "model.family=qwen2"))
+    assert res.steps_done == 2
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    for r in rows:
+        assert math.isfinite(r["train/grad_norm"]) and "train/mtp/mtp_1_loss" in r
+
+
 def test_groups_reach_training_before_their_generation_call_returns(tmp_path, monkeypatch):
     """Continuous batching hands each group over when its last sample finishes (issue: rollouts
     at GPU speed, item 2): with one generation call for the whole step, the first chunk trains
