@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # unk, bos, eos (= pad)
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -57,9 +57,10 @@ def vocabulary() -> tuple[list[str], list[int], list[str]]:
 
 
 def reference_model(tied: bool = False, seed: int = 0, family: str = "llama"):
-    """The Hugging Face llama (or qwen3) the GGUF is written from; norms random too, so a norm
-    that loads wrong (or not at all) changes the logits."""
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
+    """The Hugging Face llama (or qwen3, qwen2) the GGUF is written from; norms and qwen2's q/k/v
+    biases random too, so a tensor that loads wrong (or not at all) changes the logits."""
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                             "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]  # fmt: skip
     cfg = config_cls(vocab_size=len(vocabulary()[0]), rms_norm_eps=RMS_EPS, tie_word_embeddings=tied,
                      bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=EOS_ID, **SHAPE)  # fmt: skip
     torch.manual_seed(seed)
@@ -138,6 +139,9 @@ def write_gguf(path: str | Path, model=None, *, arch: str | None = None, permute
         if cfg.model_type == "qwen3":
             put(f"blk.{i}.attn_q_norm.weight", f"{p}self_attn.q_norm.weight")
             put(f"blk.{i}.attn_k_norm.weight", f"{p}self_attn.k_norm.weight")
+        if cfg.model_type == "qwen2":  # q/k/v biases, in the NeoX rotary layout as the weights
+            for proj in ("q", "k", "v"):
+                put(f"blk.{i}.attn_{proj}.bias", f"{p}self_attn.{proj}_proj.bias")
     put("output_norm.weight", "model.norm.weight")
     if not cfg.tie_word_embeddings:
         put("output.weight", "lm_head.weight")

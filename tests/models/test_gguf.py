@@ -1,4 +1,4 @@
-""".gguf checkpoints in (splitrl.models.gguf): a tiny llama / qwen3 written here with the gguf
+""".gguf checkpoints in (splitrl.models.gguf): a tiny llama / qwen3 / qwen2 written here with the gguf
 package's own writer (tests/models/_tiny_gguf.py) converts once into a cached Hugging Face
 directory that computes exactly the model it was written from; damaged or foreign files are
 refused with one line naming the file."""
@@ -30,7 +30,7 @@ def _ids(vocab, seed=0):
     return torch.randint(0, vocab, (3, 17), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("family,tied", [("llama", False), ("llama", True), ("qwen3", True)])
+@pytest.mark.parametrize("family,tied", [("llama", False), ("llama", True), ("qwen3", True), ("qwen2", True)])
 def test_the_converted_directory_computes_the_model_the_file_was_written_from(tmp_path, cache, family, tied):
     ref = reference_model(tied=tied, family=family)
     path = write_gguf(tmp_path / "tiny.gguf", ref)
@@ -121,7 +121,7 @@ def _truncated(at):
 
 def _arch(arch):
     def make(tmp_path):
-        return write_gguf(tmp_path / "model.gguf", arch=arch), rf"holds a '{arch}' model; splitrl converts GGUF files of llama, qwen3"
+        return write_gguf(tmp_path / "model.gguf", arch=arch), rf"holds a '{arch}' model; splitrl converts GGUF files of llama, qwen2, qwen3"
 
     return make
 
@@ -132,8 +132,9 @@ def _missing(tmp_path):
 
 @pytest.mark.parametrize(
     "make",
-    [_not_gguf, _truncated(200), _truncated(-1000), _truncated(-1), _arch("gpt2"), _arch("falcon"), _arch("qwen2"), _missing],
-    ids=["bad-magic", "cut-in-header", "cut-in-tensors", "one-byte-short", "gpt2", "falcon", "qwen2", "missing"],
+    [_not_gguf, _truncated(200), _truncated(-1000), _truncated(-1), _arch("gpt2"), _arch("falcon"), _arch("qwen3_moe"),
+     _missing],
+    ids=["bad-magic", "cut-in-header", "cut-in-tensors", "one-byte-short", "gpt2", "falcon", "qwen3_moe", "missing"],
 )
 def test_an_unusable_file_is_refused_in_one_line_naming_it(tmp_path, cache, make):
     path, match = make(tmp_path)
