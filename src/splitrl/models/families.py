@@ -7,12 +7,13 @@ splitrl names a family.
 
 What a family must be for an entry to suffice: a transformers ``*ForCausalLM`` whose decoder
 layers are input RMSNorm → q/k/v projections (optionally biased) → optional per-head q/k RMSNorm
-→ rotary embedding (rotate-half) → attention → o_proj (no bias) → residual → post-attention
+→ rotary embedding (rotate-half) → attention → o_proj → residual → post-attention
 RMSNorm → MLP (SwiGLU, or a routed MoE block with its own forward) → residual, with RMSNorms of
 the ``weight · x̂`` convention and full attention in every layer. That is the op sequence the
 rollout engine reproduces (:mod:`splitrl.rollout.forward`) and the layer the MTP depths reuse
-(:mod:`splitrl.models.mtp`). A family that differs anywhere else (a ``(1 + weight)`` norm, a biased
-o_proj, sliding-window layers, ...) needs code there, not only an entry here.
+(:mod:`splitrl.models.mtp`). A family that differs anywhere else (a ``(1 + weight)`` norm, a
+norm after each sublayer (sandwich norms), sliding-window layers, ...) needs code there, not only an
+entry here.
 
 This module imports neither torch nor transformers (``splitrl.models.config`` reads it at import):
 a family names its transformers config class, resolved on use by :meth:`Family.config_class`.

@@ -66,9 +66,8 @@ def _fuse(owner: nn.Module, names: tuple[str, ...]) -> None:
         return  # mixed: keep them separate
     fused = getattr(owner, _FUSED, None)
     if fused is not None and _views_of(ws, fused[0]):
-        biases = [m.bias for m in mods] if all(has_bias) else None
-        if (fused[1] is None) if biases is None else (fused[1] is not None and _views_of(biases, fused[1])):
-            return  # weights and biases (Qwen2's q/k/v) still views of the fused tensors
+        if fused[1] is None or _views_of([m.bias for m in mods], fused[1]):
+            return  # weights and biases (Qwen2's q/k/v) are still views of the fused tensors
     with torch.no_grad():
         weight = torch.cat([w.detach() for w in ws], dim=0)
         bias = torch.cat([m.bias.detach() for m in mods], dim=0) if all(has_bias) else None
