@@ -94,7 +94,8 @@ def _sync_reference(case, batches, mbs, pack):
 
 def _case_id(c) -> str:
     fam = "" if c[6] == "qwen3" else f"-{c[6]}"  # the Qwen3 cases keep their ids
-    return f"{c[0].value}-D{c[1]}-{'det' if c[2] else 'att'}-{'rep' if c[3] else 'dist'}-{'pack' if c[4] else 'pad'}-{c[5]}{fam}"
+    kind = f"{'det' if c[2] else 'att'}-{'rep' if c[3] else 'dist'}-{'pack' if c[4] else 'pad'}"
+    return f"{c[0].value}-D{c[1]}-{kind}-{c[5]}{fam}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)

@@ -67,7 +67,8 @@ def test_save_load_round_trip_is_exact(tmp_path, family, D, repeated):
             )
             if model.family.qkv_bias:  # trained away from their zero init, stored per depth
                 bias = depth.layer.self_attn.k_proj.bias.detach()
-                assert bias.abs().max() > 0 and torch.equal(st.get_tensor(f"mtp.layers.{i}.self_attn.k_proj.bias"), bias)
+                stored = st.get_tensor(f"mtp.layers.{i}.self_attn.k_proj.bias")
+                assert bias.abs().max() > 0 and torch.equal(stored, bias)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["mtp_num_hidden_layers"] == num_modules
     loaded = PolicyModel.from_pretrained(str(tmp_path))

@@ -121,7 +121,8 @@ def _truncated(at):
 
 def _arch(arch):
     def make(tmp_path):
-        return write_gguf(tmp_path / "model.gguf", arch=arch), rf"holds a '{arch}' model; splitrl converts GGUF files of llama, qwen2, qwen3"
+        match = rf"holds a '{arch}' model; splitrl converts GGUF files of llama, qwen2, qwen3"
+        return write_gguf(tmp_path / "model.gguf", arch=arch), match
 
     return make
 

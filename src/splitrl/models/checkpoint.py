@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from splitrl.models.config import ModelCapabilities, MTPConfig
+from splitrl.models.config import MTPConfig
 from splitrl.models.families import FAMILIES
 from splitrl.models.mtp import MTPBlock, mtp_checkpoint_names, mtp_state_from_checkpoint
 
