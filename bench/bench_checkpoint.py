@@ -45,7 +45,9 @@ def _sync(device: str) -> None:
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--config", default="examples/cpu_demo.yaml", help="run config whose model and train settings to use")
+    ap.add_argument(
+        "--config", default="examples/cpu_demo.yaml", help="run config whose model and train settings to use"
+    )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--saves", type=int, default=3, help="checkpoints saved one after the other (>= 2)")
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory, removed)")
@@ -55,7 +57,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.dir:  # before the model is built: a bad path is a usage error, not a traceback after the setup
         taken = [n for n in [f"ck{i}" for i in range(args.saves)] + ["plain.pt"] if (Path(args.dir) / n).exists()]
         if taken:
-            ap.error(f"--dir {args.dir} already holds {taken}: the bench would overwrite them; give an empty or new directory")
+            ap.error(
+                f"--dir {args.dir} already holds {taken}: the bench would overwrite them; give an empty or new directory"
+            )
         try:
             Path(args.dir).mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -74,7 +78,10 @@ def main(argv: list[str] | None = None) -> dict:
     worker.optimizer.step()
     worker.optimizer.zero_grad(set_to_none=True)
     state_bytes = sum(t.numel() * t.element_size() for t in worker.model.state_dict().values()) + sum(
-        v.numel() * v.element_size() for st in worker.optimizer.state.values() for v in st.values() if torch.is_tensor(v)
+        v.numel() * v.element_size()
+        for st in worker.optimizer.state.values()
+        for v in st.values()
+        if torch.is_tensor(v)
     )
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench_ckpt_"))
     root.mkdir(parents=True, exist_ok=True)

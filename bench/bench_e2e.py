@@ -122,17 +122,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=2, help="steps of the untimed warm-up run (0: none)")
     p.add_argument("--repeats", type=int, default=1, help="runs per schedule, in alternating order")
     p.add_argument(
-        "--output-dir", default=None,
+        "--output-dir",
+        default=None,
         help="keep each run's metrics and logs here (their checkpoints are removed); default: a temporary "
         "directory, removed at the end",
     )
     p.add_argument(
-        "--stop-prob", type=float, default=0.0,
+        "--stop-prob",
+        type=float,
+        default=0.0,
         help="0 <= P < 1: stop responses with probability ~P per token (random-init models never sample EOS; "
         "see the docstring); 0: off",
     )
     p.add_argument(
-        "overrides", nargs="*",
+        "overrides",
+        nargs="*",
         help=f"key.path=value overrides applied to every run (not the keys the bench sets: {', '.join(BENCH_KEYS)})",
     )
     args = p.parse_args(argv)
@@ -146,10 +150,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for override in args.overrides:  # a key the bench sets for every run would be silently replaced
         key = override.split("=", 1)[0].strip()
         if key in BENCH_KEYS:
-            p.error(f"{override!r}: the bench sets {key} itself for every run, so this override would have no "
-                    f"effect; {BENCH_KEYS[key]}")
+            p.error(
+                f"{override!r}: the bench sets {key} itself for every run, so this override would have no "
+                f"effect; {BENCH_KEYS[key]}"
+            )
     if args.output_dir and (Path(args.output_dir).is_file() or any(q.is_file() for q in Path(args.output_dir).parents)):
-        p.error(f"--output-dir {args.output_dir}: is (or lies under) a file; give a directory (it is created if needed)")
+        p.error(
+            f"--output-dir {args.output_dir}: is (or lies under) a file; give a directory (it is created if needed)"
+        )
     unknown = [s for s in args.schedules.split(",") if s not in SCHEDULES]
     if unknown:
         p.error(f"--schedules: unknown {unknown}; choose from {list(SCHEDULES)}")
@@ -167,7 +175,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         own = list(base.rollout.stop_token_ids)
         args.stop_note = (
             f"--stop-prob {args.stop_prob}: rollout.stop_token_ids = the config's {_describe_ids(own)} + "
-            f"{_describe_ids(args.stop_ids[len(own):])} spelling no text (+ the tokenizer's EOS, id {_eos(base)})"
+            f"{_describe_ids(args.stop_ids[len(own) :])} spelling no text (+ the tokenizer's EOS, id {_eos(base)})"
         )
     for name in args.schedules.split(","):  # every run's config, before the first run starts
         try:
@@ -286,7 +294,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
             cfg = load_config(args.config, _overrides(args, names[0] if name == "warm-up" else name, steps, out))
             if i == 0:
                 dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-                where = torch.cuda.get_device_name() if dev == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
+                where = (
+                    torch.cuda.get_device_name()
+                    if dev == "cuda"
+                    else f"CPU ({platform.processor() or platform.machine()})"
+                )
                 print(
                     f"{where}, torch {torch.__version__}, backend {resolve_backend(cfg)}, placement "
                     f"{resolve_placement(cfg.placement, resolve_backend(cfg), dev, cfg.num_generation_workers, cfg.num_train_workers)}, "
@@ -303,8 +315,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
             res = train(cfg)
             if res.interrupted:  # Ctrl-C / SIGTERM: the user's stop, not a bench failure (no traceback)
                 sig = res.interrupt_signal or signal.SIGINT
-                print(f"{name}: stopped by {signal.Signals(sig).name} after {res.steps_done} of {steps} steps; "
-                      "the lines above are what was measured", file=sys.stderr, flush=True)
+                print(
+                    f"{name}: stopped by {signal.Signals(sig).name} after {res.steps_done} of {steps} steps; "
+                    "the lines above are what was measured",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 raise SystemExit(128 + sig)
             if res.steps_done != steps or len(res.metrics) != steps:
                 raise RuntimeError(f"{name}: the run stopped after {res.steps_done} of {steps} steps")

@@ -32,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
-from splitrl.workers.generation import load_tokenizer  # noqa: E402
 from splitrl.loss import ClippedPGLoss, GRPOLossConfig  # noqa: E402
 from splitrl.models import MTPConfig, PolicyModel  # noqa: E402
 from splitrl.models.gguf import resolve_model_path  # noqa: E402
@@ -43,9 +42,12 @@ from splitrl.tasks import encode_prompt, make_task  # noqa: E402
 from splitrl.tasks.tokenizer import TokenizerConfig  # noqa: E402
 from splitrl.train import TrainBatch, TrainConfig, TrainWorker  # noqa: E402
 from splitrl.train.config import MicrobatchConfig, OptimConfig  # noqa: E402
+from splitrl.workers.generation import load_tokenizer  # noqa: E402
 
 
-def own_samples(model_dir: str, n: int, temperature: float, max_new: int, device: str, seed: int) -> list[tuple[list[int], list[int]]]:
+def own_samples(
+    model_dir: str, n: int, temperature: float, max_new: int, device: str, seed: int
+) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, response ids) of the policy's own samples on the first n ASDiv training prompts."""
     tok = load_tokenizer(TokenizerConfig(kind="pretrained"), model_dir)
     task = make_task({"kind": "asdiv", "split": "train", "chat_template": True})
@@ -96,15 +98,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inits", default="random,last_layer,last_layer_embedding,last_layer_sum")
     ap.add_argument("--objectives", default="ce,distill")
     ap.add_argument("--mtp-lrs", default="3e-6,1e-4,1e-3")
-    ap.add_argument("--combos", default=None, help="only these init/objective/lr triples, e.g. random/ce/3e-6,last_layer/distill/1e-3")
+    ap.add_argument(
+        "--combos",
+        default=None,
+        help="only these init/objective/lr triples, e.g. random/ce/3e-6,last_layer/distill/1e-3",
+    )
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    print("command: python bench/bench_mtp_warmstart.py " + " ".join(sys.argv[1:] if argv is None else argv), flush=True)
+    print(
+        "command: python bench/bench_mtp_warmstart.py " + " ".join(sys.argv[1:] if argv is None else argv), flush=True
+    )
 
     model_dir = resolve_model_path(args.model)
     t0 = time.perf_counter()
-    samples = own_samples(model_dir, args.samples + args.heldout, args.temperature, args.max_new_tokens, args.device, args.seed)
+    samples = own_samples(
+        model_dir, args.samples + args.heldout, args.temperature, args.max_new_tokens, args.device, args.seed
+    )
     train, heldout = samples[: args.samples], samples[args.samples :]
     lengths = [len(r) for _, r in samples]
     print(f"{len(samples)} own samples at T={args.temperature} in {time.perf_counter() - t0:.1f}s; "
@@ -116,11 +126,15 @@ def main(argv: list[str] | None = None) -> int:
         combos = list(itertools.product(args.inits.split(","), args.objectives.split(","), args.mtp_lrs.split(",")))
     base = PolicyModel.from_pretrained(model_dir, mtp=MTPConfig(mtp_num_layers=0))
     rows = []
-    print(f"{'init':<22}{'objective':<10}{'mtp_lr':>8}  acceptance % at steps 0, {args.eval_every}, ...  (s)", flush=True)
+    print(
+        f"{'init':<22}{'objective':<10}{'mtp_lr':>8}  acceptance % at steps 0, {args.eval_every}, ...  (s)", flush=True
+    )
     for init, objective, lr in combos:
         t = time.perf_counter()
         torch.manual_seed(args.seed)
-        model = PolicyModel(copy.deepcopy(base.backbone), MTPConfig(mtp_num_layers=1, mtp_init=init, mtp_objective=objective))
+        model = PolicyModel(
+            copy.deepcopy(base.backbone), MTPConfig(mtp_num_layers=1, mtp_init=init, mtp_objective=objective)
+        )
         warm_start_from_backbone(model.mtp, model.backbone, init)
         model = model.to(args.device)
         cfg = TrainConfig(
@@ -140,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
             if step % args.eval_every == 0 or step == args.steps:
                 curve.append(heldout_acceptance(worker.model, heldout, args.device, args.temperature))
         secs = time.perf_counter() - t
-        print(f"{init:<22}{objective:<10}{lr:>8}  " + " ".join(f"{a:5.1f}" for a in curve) + f"  ({secs:.0f})", flush=True)
+        print(
+            f"{init:<22}{objective:<10}{lr:>8}  " + " ".join(f"{a:5.1f}" for a in curve) + f"  ({secs:.0f})", flush=True
+        )
         rows.append({"init": init, "objective": objective, "mtp_lr": float(lr), "acceptance": curve, "seconds": secs})
         del worker, model
         if args.device == "cuda":

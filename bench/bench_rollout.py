@@ -118,7 +118,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--speculative", action="store_true", help="also measure speculative decoding")
     p.add_argument(
-        "--train-mtp-steps", type=int, default=None,
+        "--train-mtp-steps",
+        type=int,
+        default=None,
         help="MTP warm-up steps before speculation (default 600 on cuda, 200 on cpu; 0: untrained heads)",
     )
     p.add_argument(
@@ -144,7 +146,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="HBM bandwidth for the roofline (TB/s); default 4.3 (the H200) on cuda, no roofline on cpu",
     )
     p.add_argument("--check", action="store_true", help="first check fp32 exactness on the device")
-    p.add_argument("--profile", default="", help="write a torch.profiler summary of plain (and speculative) decode here")
+    p.add_argument(
+        "--profile", default="", help="write a torch.profiler summary of plain (and speculative) decode here"
+    )
     p.add_argument(
         "--attention", action="store_true",
         help="also time one layer's decode attention (flash call vs our Triton kernel) per batch size (CUDA)",
@@ -480,7 +484,9 @@ def mtp_acceptance(data: _MTPWarmUp, rows: torch.Tensor) -> dict[int, tuple[floa
     return {k: (100 * a / m, 100 * r / m) for k, (a, r, m) in totals.items()}
 
 
-def describe_warm_up(args: argparse.Namespace, acceptance: dict[int, tuple[float, float]], samples: int, seconds: float) -> str:
+def describe_warm_up(
+    args: argparse.Namespace, acceptance: dict[int, tuple[float, float]], samples: int, seconds: float
+) -> str:
     """The warm-up's line of the output: what it trained on and the held-out acceptance reached."""
     steps = f"{args.train_mtp_steps} step{'s' if args.train_mtp_steps != 1 else ''}"
     capped = f" (capped from {args.mtp_samples}: at most 1 M cached tokens)" if samples < args.mtp_samples else ""
@@ -594,7 +600,11 @@ def time_attention(model: PolicyModel, args: argparse.Namespace) -> None:
                 for Q in sorted({1, 1 + args.mtp_depths}):
                     for name in kernels:
                         kv.DECODE_KERNEL = name
-                        pos = torch.full((batch, 1), L - 1, device=args.device) - (Q - 1) + torch.arange(Q, device=args.device)
+                        pos = (
+                            torch.full((batch, 1), L - 1, device=args.device)
+                            - (Q - 1)
+                            + torch.arange(Q, device=args.device)
+                        )
                         q = torch.randn(batch, Q, H, d, dtype=cache.k.dtype, device=args.device)
                         plan = cache.plan(pos, pos, pos, L, causal=True)
                         us = _graph_time(lambda: cache.attend(0, q, plan, d**-0.5))
@@ -834,8 +844,11 @@ def main(argv: list[str] | None = None) -> None:
             prompts = prompts_for(model, batch, args.prompt_len)
             tps = measure_hf(model, prompts, args.new_tokens, b == "hf-static", 1, args.device)
             _, roof = roofline(model, batch, context, bandwidth)
-            print(f"{b:>9} batch {batch:>4}: {tps:>9.0f} tok/s ({_percent(tps, roof).strip()} of roofline) "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            print(
+                f"{b:>9} batch {batch:>4}: {tps:>9.0f} tok/s ({_percent(tps, roof).strip()} of roofline) "
+                f"({time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

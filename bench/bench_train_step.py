@@ -49,11 +49,27 @@ from splitrl.train.microbatch import build_microbatches
 from splitrl.train.speed import compile_layers, set_activation_checkpointing
 
 PRESETS = {
-    "tiny": dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
-    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
-                       max_position_embeddings=4096),
+    "tiny": dict(
+        vocab_size=128,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-0.6b": dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    ),
 }
 PEAK_TFLOPS = {"cuda": 989.0}  # H200 dense bf16
 
@@ -150,8 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     tokens = batch.num_tokens
     peak_tf = PEAK_TFLOPS.get(dev)
     results: dict[str, float] = {}
-    print(f"{args.preset}; {precision} on {dev}; step = {args.samples} samples, {tokens} tokens "
-          f"(lengths {min(batch.lengths)}-{max(batch.lengths)}); microbatch budget {args.max_tokens} tokens", flush=True)
+    print(
+        f"{args.preset}; {precision} on {dev}; step = {args.samples} samples, {tokens} tokens "
+        f"(lengths {min(batch.lengths)}-{max(batch.lengths)}); microbatch budget {args.max_tokens} tokens",
+        flush=True,
+    )
 
     def report(name: str, t: float, lengths: list[int], D: int) -> float:
         tps = sum(lengths) / t
@@ -167,7 +186,9 @@ def main(argv: list[str] | None = None) -> None:
 
     hf = AutoModelForCausalLM.from_config(Qwen3Config(**cfg), dtype=torch.float32).to(dev)
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-6, fused=dev == "cuda")
-    padded = [mb.to(dev) for mb in build_microbatches(batch, MicrobatchConfig(max_tokens_per_microbatch=args.max_tokens))]
+    padded = [
+        mb.to(dev) for mb in build_microbatches(batch, MicrobatchConfig(max_tokens_per_microbatch=args.max_tokens))
+    ]
     Lmax = args.prompt + args.response
     full = torch.randint(0, cfg["vocab_size"], (max(1, tokens // Lmax), Lmax), device=dev)
 
@@ -180,8 +201,18 @@ def main(argv: list[str] | None = None) -> None:
         opt.zero_grad(set_to_none=True)
 
     hf_padded = [(mb.input_ids, torch.where(mb.segment_ids >= 0, mb.input_ids, -100)) for mb in padded]
-    h_pad = report("plain HF, padded rows (same as splitrl's)", time_it(lambda: hf_step(hf_padded), dev, args.repeats), batch.lengths, 0)
-    report(f"plain HF, full rows ({full.shape[0]} x {Lmax})", time_it(lambda: hf_step([(full, full)]), dev, args.repeats), [Lmax] * full.shape[0], 0)
+    h_pad = report(
+        "plain HF, padded rows (same as splitrl's)",
+        time_it(lambda: hf_step(hf_padded), dev, args.repeats),
+        batch.lengths,
+        0,
+    )
+    report(
+        f"plain HF, full rows ({full.shape[0]} x {Lmax})",
+        time_it(lambda: hf_step([(full, full)]), dev, args.repeats),
+        [Lmax] * full.shape[0],
+        0,
+    )
     hf = opt = padded = hf_padded = full = None
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -203,15 +234,30 @@ def main(argv: list[str] | None = None) -> None:
 
     for D in (0, args.mtp):
         model = PolicyModel.from_config(ModelConfig(backbone=cfg, mtp=MTPConfig(mtp_num_layers=D)))
-        worker = TrainWorker(model, TrainConfig(precision=precision, device=dev, optim=OptimConfig(lr=1e-6), speed=SpeedConfig(compile_layers=False)))
+        worker = TrainWorker(
+            model,
+            TrainConfig(
+                precision=precision, device=dev, optim=OptimConfig(lr=1e-6), speed=SpeedConfig(compile_layers=False)
+            ),
+        )
         tag = f"splitrl, {D} MTP"
         for pack in (False, True):
             set_layout(worker, pack, args.max_tokens)
-            report(f"{tag}, {'packed' if pack else 'padded'}, sync", time_it(lambda: worker.train(batch, loss), dev, args.repeats), batch.lengths, D)
+            report(
+                f"{tag}, {'packed' if pack else 'padded'}, sync",
+                time_it(lambda: worker.train(batch, loss), dev, args.repeats),
+                batch.lengths,
+                D,
+            )
         if dev == "cuda":
             try:  # the other packed-attention kernel, for the choice of the default
                 model.packed_attention = "varlen"
-                report(f"{tag}, packed, sync, varlen attention", time_it(lambda: worker.train(batch, loss), dev, args.repeats), batch.lengths, D)
+                report(
+                    f"{tag}, packed, sync, varlen attention",
+                    time_it(lambda: worker.train(batch, loss), dev, args.repeats),
+                    batch.lengths,
+                    D,
+                )
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"  varlen attention failed: {type(e).__name__}: {e}"[:1500], flush=True)
             model.packed_attention = "flex"
@@ -223,8 +269,11 @@ def main(argv: list[str] | None = None) -> None:
             med, ratio = time_interleaved(fns, dev, max(args.repeats, 2))
             for name, t in med.items():
                 report(name + " (interleaved)" if name.endswith("sync") else name, t, batch.lengths, D)
-            print("  split / sync (interleaved rounds, median over forward-reverse pairs): " + ", ".join(
-                f"{k} chunks {ratio[f'{tag}, packed, split {k} chunks']:.3f}" for k in (1, 4, 16)), flush=True)
+            print(
+                "  split / sync (interleaved rounds, median over forward-reverse pairs): "
+                + ", ".join(f"{k} chunks {ratio[f'{tag}, packed, split {k} chunks']:.3f}" for k in (1, 4, 16)),
+                flush=True,
+            )
             results[f"{tag}, split 16 / sync"] = ratio[f"{tag}, packed, split 16 chunks"]
         if D > 0 and dev == "cuda":
             for budget in args.memory_budgets:
@@ -239,9 +288,12 @@ def main(argv: list[str] | None = None) -> None:
                     worker.train(big, loss)
                     torch.cuda.synchronize()
                     t = time.perf_counter() - t
-                    print(f"  peak memory, packed, {D} MTP, {budget} tokens/microbatch, activation checkpointing "
-                          f"{'on ' if ckpt else 'off'}: {torch.cuda.max_memory_allocated() / 2**30:5.1f} GiB "
-                          f"({big.num_tokens / t:.0f} tokens/s)", flush=True)
+                    print(
+                        f"  peak memory, packed, {D} MTP, {budget} tokens/microbatch, activation checkpointing "
+                        f"{'on ' if ckpt else 'off'}: {torch.cuda.max_memory_allocated() / 2**30:5.1f} GiB "
+                        f"({big.num_tokens / t:.0f} tokens/s)",
+                        flush=True,
+                    )
                 set_activation_checkpointing(model, False)
         if D == args.mtp:
             summarize(results, h_pad, D)
@@ -250,7 +302,12 @@ def main(argv: list[str] | None = None) -> None:
                 compile_layers(model)
                 set_layout(worker, True, args.max_tokens)
                 if D == 0:
-                    c = report(f"{tag}, packed, sync, compiled layers", time_it(lambda: worker.train(batch, loss), dev, args.repeats, warmups=2), batch.lengths, D)
+                    c = report(
+                        f"{tag}, packed, sync, compiled layers",
+                        time_it(lambda: worker.train(batch, loss), dev, args.repeats, warmups=2),
+                        batch.lengths,
+                        D,
+                    )
                     line = f"; no MTP, splitrl packed compiled / plain HF padded: {c / h_pad:.3f}"
                 else:
                     cs = chunks_of(16)
@@ -259,7 +316,11 @@ def main(argv: list[str] | None = None) -> None:
                     c = report(f"{tag}, packed, sync, compiled layers", med["sync"], batch.lengths, D)
                     report(f"{tag}, packed, split 16 chunks, compiled layers", med["split 16"], batch.lengths, D)
                     line = f"; compiled split 16 / sync (interleaved rounds): {ratio['split 16']:.3f}"
-                print(f"  compiled / eager layers ({tag}, packed, sync): {c / results[f'{tag}, packed, sync']:.3f}" + line, flush=True)
+                print(
+                    f"  compiled / eager layers ({tag}, packed, sync): {c / results[f'{tag}, packed, sync']:.3f}"
+                    + line,
+                    flush=True,
+                )
             except Exception as e:  # noqa: BLE001 - report and keep the figures above
                 print(f"  compiled layers failed: {type(e).__name__}: {e}"[:2000])
         worker = model = None
@@ -271,7 +332,10 @@ def summarize(r: dict[str, float], h_pad: float, D: int) -> None:
     print("summary:")
     print(f"  no MTP, splitrl padded / plain HF padded: {r['splitrl, 0 MTP, padded, sync'] / h_pad:.3f}")
     print(f"  no MTP, splitrl packed / plain HF padded: {r['splitrl, 0 MTP, packed, sync'] / h_pad:.3f}")
-    print(f"  {D} MTP, split 16 chunks / sync (packed, interleaved rounds): {r[f'splitrl, {D} MTP, split 16 / sync']:.3f}", flush=True)
+    print(
+        f"  {D} MTP, split 16 chunks / sync (packed, interleaved rounds): {r[f'splitrl, {D} MTP, split 16 / sync']:.3f}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,16 @@ from splitrl.models import ModelConfig, MTPConfig, PolicyModel
 
 TINY = ModelConfig(
     family="qwen3",
-    backbone=dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+    backbone=dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    ),
     mtp=MTPConfig(mtp_num_layers=2),
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -65,7 +73,9 @@ def _models(model_cfg: ModelConfig, device: str, engine_dtype: torch.dtype):
     with torch.no_grad():  # weights unlike the engine's, so a missed tensor shows in the check
         for p in trainer.parameters():
             p.add_(0.01)
-    engine = RolloutEngine(PolicyModel.from_config(model_cfg).to(engine_dtype), GenerationConfig(max_new_tokens=4), device=device)
+    engine = RolloutEngine(
+        PolicyModel.from_config(model_cfg).to(engine_dtype), GenerationConfig(max_new_tokens=4), device=device
+    )
     return trainer, engine
 
 
@@ -111,7 +121,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", help="a run config whose model to use (default: a tiny model)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--engine-dtype", choices=DTYPES, default=None, help="default: the config's rollout_dtype (tiny: fp32)")
+    ap.add_argument(
+        "--engine-dtype", choices=DTYPES, default=None, help="default: the config's rollout_dtype (tiny: fp32)"
+    )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bucket-mb", type=int, default=DEFAULT_BUCKET_BYTES // 2**20)
     ap.add_argument("--group", action="store_true", help="also time the bucketed group path (gloo, CPU only)")

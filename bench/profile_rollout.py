@@ -37,7 +37,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_rollout as br  # noqa: E402
-
 from splitrl.rollout import GenerationConfig, RolloutEngine  # noqa: E402
 from splitrl.rollout.scheduler import Scheduler  # noqa: E402
 
@@ -52,11 +51,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument(
-        "--train-mtp-steps", type=int, default=None,
+        "--train-mtp-steps",
+        type=int,
+        default=None,
         help="MTP warm-up steps, as in the bench (default 600 on cuda, 200 on cpu)",
     )
-    p.add_argument("--mtp-samples", type=int, default=None, help="the warm-up's samples (default 2048 on cuda, 256 on cpu)")
-    p.add_argument("--mtp-objective", default="distill", choices=["distill", "ce"], help="the warm-up's loss, as in the bench")
+    p.add_argument(
+        "--mtp-samples", type=int, default=None, help="the warm-up's samples (default 2048 on cuda, 256 on cpu)"
+    )
+    p.add_argument(
+        "--mtp-objective", default="distill", choices=["distill", "ce"], help="the warm-up's loss, as in the bench"
+    )
     p.add_argument("--ragged", type=int, default=0, help="profile the bench's ragged call of this many samples instead")
     p.add_argument("--phases", action="store_true", help="also time the phases of one call (synchronized)")
     p.add_argument("--top", type=int, default=20, help="kernels listed per call")
@@ -208,7 +213,9 @@ def profile_call(model, args, label: str, cfg: GenerationConfig, prompts, seeds)
         br.sync(args.device)
         wall = time.perf_counter() - t0
         parts = ", ".join(f"{k} {v:.3f} s / {phases.calls[k]}" for k, v in phases.seconds.items())
-        out.append(f"  phases (synchronized call, {wall:.3f} s): {parts}; rest {wall - sum(phases.seconds.values()):.3f} s")
+        out.append(
+            f"  phases (synchronized call, {wall:.3f} s): {parts}; rest {wall - sum(phases.seconds.values()):.3f} s"
+        )
     print("\n".join(out), flush=True)
 
 
@@ -229,7 +236,9 @@ def main(argv: list[str] | None = None) -> None:
         stops = br.ragged_stop_ids(model, bargs)
         prompts = br.prompts_for(model, args.ragged, args.prompt_len, seed=8)
         seeds = list(range(20_000, 20_000 + args.ragged))
-        base = dict(temperature=1.0, max_new_tokens=bargs.ragged_max_new, stop_token_ids=stops, batch_size=bargs.ragged_batch)
+        base = dict(
+            temperature=1.0, max_new_tokens=bargs.ragged_max_new, stop_token_ids=stops, batch_size=bargs.ragged_batch
+        )
         for spec in (False, True):
             label = f"ragged {args.ragged} samples, {bargs.ragged_batch} slots, {'speculative' if spec else 'plain'}"
             profile_call(model, args, label, GenerationConfig(speculative=spec, **base), prompts, seeds)

@@ -42,13 +42,17 @@ def summarize(prof, title: str, wall_ms: float, out) -> None:
             syncs[n][0] += e["dur"] / 1e3
             syncs[n][1] += 1
     memcpy = [e for e in ev if e.get("cat") == "gpu_memcpy"]
-    dtoh = [e for e in memcpy if "DtoH" in e["name"] or "Device -> Pageable" in e["name"] or "Device -> Pinned" in e["name"]]
+    dtoh = [
+        e for e in memcpy if "DtoH" in e["name"] or "Device -> Pageable" in e["name"] or "Device -> Pinned" in e["name"]
+    ]
     casts = sum(v[0] for k, v in by.items() if "copy" in k.lower() or "cast" in k.lower())
     p = lambda *a: print(*a, file=out, flush=True)  # noqa: E731
     p(f"=== {title}")
-    p(f"wall {wall_ms:.1f} ms; kernel span {(t1 - t0) / 1e3:.1f} ms; kernel busy {busy:.1f} ms "
-      f"({100 * busy / wall_ms:.0f}% of wall); launches {len(kern)}; cast/copy kernels {casts:.1f} ms; "
-      f"DtoH copies {len(dtoh)}")
+    p(
+        f"wall {wall_ms:.1f} ms; kernel span {(t1 - t0) / 1e3:.1f} ms; kernel busy {busy:.1f} ms "
+        f"({100 * busy / wall_ms:.0f}% of wall); launches {len(kern)}; cast/copy kernels {casts:.1f} ms; "
+        f"DtoH copies {len(dtoh)}"
+    )
     for n, (d, c) in sorted(syncs.items(), key=lambda x: -x[1][0]):
         p(f"  host-side {n}: {c} calls, {d:.1f} ms")
     p("  top kernels (ms, count):")
@@ -111,7 +115,9 @@ def main():
             tag += f" compile={args.compile} ckpt={args.ckpt}"
         except ImportError:
             tag += " (main branch code)"
-        worker = TrainWorker(model, TrainConfig(precision="bf16", device="cuda", microbatch=mbcfg, optim=OptimConfig(lr=1e-6), **extra))
+        worker = TrainWorker(
+            model, TrainConfig(precision="bf16", device="cuda", microbatch=mbcfg, optim=OptimConfig(lr=1e-6), **extra)
+        )
         loss = ClippedPGLoss(GRPOLossConfig())
         torch.cuda.reset_peak_memory_stats()
         t = run_profiled(lambda: worker.train(batch, loss), tag, out)
@@ -133,8 +139,15 @@ def main():
 
         torch.cuda.reset_peak_memory_stats()
         t = run_profiled(step, tag, out)
-    print(f"RESULT {tag}: {batch.num_tokens / t:.0f} tokens/s, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", file=out, flush=True)
-    print(f"RESULT {tag}: {batch.num_tokens / t:.0f} tokens/s, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)
+    print(
+        f"RESULT {tag}: {batch.num_tokens / t:.0f} tokens/s, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB",
+        file=out,
+        flush=True,
+    )
+    print(
+        f"RESULT {tag}: {batch.num_tokens / t:.0f} tokens/s, peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -6,18 +6,22 @@ from pathlib import Path
 
 import pytest
 
-from splitrl.config import load_config
 from _bench import load_bench
-
+from splitrl.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _step(step_s, prompt_len, response_len, reward=0.5):
     return {
-        "timing/step_s": step_s, "rollout/prompt_length_mean": prompt_len, "rollout/response_length_mean": response_len,
-        "timing/exposed_wait_s": 0.1 * step_s, "timing/generation_during_train_s": 0.2 * step_s, "train/reward": reward,
-        "rollout/response_length_max": 2 * response_len, "rollout/truncation_rate": response_len / 100,
+        "timing/step_s": step_s,
+        "rollout/prompt_length_mean": prompt_len,
+        "rollout/response_length_mean": response_len,
+        "timing/exposed_wait_s": 0.1 * step_s,
+        "timing/generation_during_train_s": 0.2 * step_s,
+        "train/reward": reward,
+        "rollout/response_length_max": 2 * response_len,
+        "rollout/truncation_rate": response_len / 100,
     }
 
 
@@ -58,7 +62,10 @@ def test_bench_config_errors_are_usage_errors_before_any_run(capsys, tmp_path):
     missing = str(tmp_path / "nowhere.yaml")
     calls = [
         (lambda: load_bench("bench_e2e").parse_args(["--steps", "2", "num_step=3"]), "sync: invalid config"),
-        (lambda: load_bench("bench_e2e").parse_args(["--schedules", "async s=1", "rollout.top_k=1"]), "async s=1: invalid config"),
+        (
+            lambda: load_bench("bench_e2e").parse_args(["--schedules", "async s=1", "rollout.top_k=1"]),
+            "async s=1: invalid config",
+        ),
         (lambda: load_bench("bench_checkpoint").main(["--device", "cpu", "--config", missing]), "does not exist"),
         (lambda: load_bench("bench_weight_sync").main(["--device", "cpu", "--config", missing]), "does not exist"),
         (lambda: load_bench("bench_rollout").parse_args(["--batch-sizes", "1,0"]), "positive integers"),
@@ -92,7 +99,9 @@ def test_overrides_the_bench_replaces_are_usage_errors(capsys, tmp_path):
             load_bench("bench_e2e").parse_args(["--steps", "2", *argv])
         err = capsys.readouterr().err
         assert e.value.code == 2 and why in err and "Traceback" not in err, (argv, err)
-    assert load_bench("bench_e2e").parse_args(["--steps", "2", "buffer.capacity_groups=32"]).overrides == ["buffer.capacity_groups=32"]
+    assert load_bench("bench_e2e").parse_args(["--steps", "2", "buffer.capacity_groups=32"]).overrides == [
+        "buffer.capacity_groups=32"
+    ]
 
 
 DEMO = ROOT / "examples" / "cpu_demo.yaml"
@@ -140,7 +149,9 @@ def test_a_config_error_with_stop_prob_is_not_blamed_on_stop_prob(capsys):
     0.136: invalid config: ...`, as if the probability were wrong; the config error now names the
     schedule it was loaded for, as without --stop-prob."""
     with pytest.raises(SystemExit) as e:
-        load_bench("bench_e2e").parse_args(["--config", str(DEMO), "--stop-prob", "0.136", "--schedules", "async s=1", "backend=local"])
+        load_bench("bench_e2e").parse_args(
+            ["--config", str(DEMO), "--stop-prob", "0.136", "--schedules", "async s=1", "backend=local"]
+        )
     err = capsys.readouterr().err
     assert e.value.code == 2 and "async s=1: invalid config" in err and "dataplane.kind=inprocess" in err, err
     assert "--stop-prob 0.136:" not in err
@@ -151,9 +162,22 @@ def test_stop_prob_makes_response_lengths_ragged(capsys):
     EOS 1 id of 1000) runs almost every response to max_new_tokens=16 (expected mean 15.9); with
     --stop-prob 0.25 the lengths are about geometric, expected mean (1 - 0.75^16) / 0.25 = 3.96."""
     common = [
-        "--config", str(DEMO), "--steps", "2", "--warmup-steps", "0", "--schedules", "sync",
-        "backend=local", "dataplane.kind=inprocess", "model.backbone.vocab_size=1000", "rollout.max_new_tokens=16",
-        "groups_per_step=4", "group_size=4", "min_groups_per_chunk=2", "generation_groups_per_call=4",
+        "--config",
+        str(DEMO),
+        "--steps",
+        "2",
+        "--warmup-steps",
+        "0",
+        "--schedules",
+        "sync",
+        "backend=local",
+        "dataplane.kind=inprocess",
+        "model.backbone.vocab_size=1000",
+        "rollout.max_new_tokens=16",
+        "groups_per_step=4",
+        "group_size=4",
+        "min_groups_per_chunk=2",
+        "generation_groups_per_call=4",
     ]
     full = load_bench("bench_e2e").main(common)["sync"]
     ragged = load_bench("bench_e2e").main(common + ["--stop-prob", "0.25"])["sync"]
@@ -220,10 +244,26 @@ def test_a_run_stopped_by_a_signal_exits_with_its_code_not_a_traceback(capsys, m
     from splitrl.controller.controller import RunResult
 
     bench = load_bench("bench_e2e")
-    monkeypatch.setattr(bench, "train", lambda cfg: RunResult(
-        output_dir=str(cfg.output_dir), steps_done=1, stopped_early=True, interrupted=True, interrupt_signal=15))
+    monkeypatch.setattr(
+        bench,
+        "train",
+        lambda cfg: RunResult(
+            output_dir=str(cfg.output_dir), steps_done=1, stopped_early=True, interrupted=True, interrupt_signal=15
+        ),
+    )
     with pytest.raises(SystemExit) as e:
-        bench.main(["--steps", "2", "--warmup-steps", "0", "--schedules", "sync", "--output-dir", str(tmp_path),
-                    "backend=local"])
+        bench.main(
+            [
+                "--steps",
+                "2",
+                "--warmup-steps",
+                "0",
+                "--schedules",
+                "sync",
+                "--output-dir",
+                str(tmp_path),
+                "backend=local",
+            ]
+        )
     assert e.value.code == 143
     assert "sync: stopped by SIGTERM after 1 of 2 steps" in capsys.readouterr().err

@@ -1,8 +1,8 @@
 """bench/bench_rollout.py refuses bad flags up front (usage error, exit 2) instead of a traceback
 after minutes of setup (found by a new user: --init-range -1, --hbm-tb-s 0, --profile <dir>)."""
 
-
 import pytest
+
 from _bench import load_bench
 
 
@@ -16,7 +16,10 @@ from _bench import load_bench
         (["--temperature", "0"], "--temperature must be > 0 (for greedy decoding use --top-k 1), got 0.0"),
         # a new user's --prompt-len 100000000 ran out of memory after the model was built
         (["--prompt-len", "100000000"], "the KV cache of 32 rows x 100000064 tokens (--batch-sizes"),
-        (["--ragged", "4", "--ragged-batch", "100000000"], "the KV cache of 100000000 rows x 576 tokens (--ragged-batch"),
+        (
+            ["--ragged", "4", "--ragged-batch", "100000000"],
+            "the KV cache of 100000000 rows x 576 tokens (--ragged-batch",
+        ),
     ],
 )
 def test_bad_flags_are_usage_errors(argv, message, tmp_path, capsys):
@@ -28,7 +31,9 @@ def test_bad_flags_are_usage_errors(argv, message, tmp_path, capsys):
 
 
 def test_good_flags_parse(tmp_path):
-    args = load_bench("bench_rollout").parse_args(["--init-range", "0.5", "--hbm-tb-s", "3.35", "--profile", str(tmp_path / "p.txt")])
+    args = load_bench("bench_rollout").parse_args(
+        ["--init-range", "0.5", "--hbm-tb-s", "3.35", "--profile", str(tmp_path / "p.txt")]
+    )
     assert args.init_range == 0.5 and args.hbm_tb_s == 3.35
 
 
@@ -98,10 +103,15 @@ def test_the_mtp_warm_up_lifts_held_out_acceptance_and_leaves_the_backbone():
     [
         # a new user's 1-token responses crashed the warm-up (no depth had a target)
         (["--prompt-len", "1", "--new-tokens", "1", "--train-mtp-steps", "3"], "give no depth a token to predict"),
-        (["--prompt-len", "4", "--new-tokens", "4", "--train-mtp-steps", "0"], "MTP warm-up skipped (--train-mtp-steps 0)"),
+        (
+            ["--prompt-len", "4", "--new-tokens", "4", "--train-mtp-steps", "0"],
+            "MTP warm-up skipped (--train-mtp-steps 0)",
+        ),
         # more samples than the cached-token cap allows: said, not silently fewer
-        (["--prompt-len", "512", "--new-tokens", "512", "--train-mtp-steps", "1", "--mtp-samples", "2000"],
-         "on 1024 of the model's own samples (capped from 2000"),
+        (
+            ["--prompt-len", "512", "--new-tokens", "512", "--train-mtp-steps", "1", "--mtp-samples", "2000"],
+            "on 1024 of the model's own samples (capped from 2000",
+        ),
     ],
 )
 def test_the_warm_up_line_says_what_happened(extra, line, capsys, monkeypatch):

@@ -124,8 +124,9 @@ print("RESULT", rc, "heavy:" + ",".join(heavy))
 def test_config_errors_come_back_before_heavy_imports(override):
     """The bug this guards: validating a config imported torch, transformers and reasoning-gym
     first (10-25 s on 2 busy cores before a typo was reported)."""
-    res = subprocess.run([sys.executable, "-c", _NO_HEAVY_IMPORTS, "train", override],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-c", _NO_HEAVY_IMPORTS, "train", override], capture_output=True, text=True, timeout=120
+    )
     last = res.stdout.strip().splitlines()[-1]
     assert last == "RESULT 2 heavy:", (last, res.stderr[-2000:])
     assert "invalid config" in res.stderr
@@ -199,7 +200,10 @@ def test_a_key_of_several_forms_is_one_line_without_pydantic_tags(capsys):
     assert main(["train", "loss.tis_cap=0", "train.speed.activation_checkpointing=x", "--print-config"]) == 2
     err = capsys.readouterr().err
     assert "  loss.tis_cap: Input should be greater than 0, or 'auto'\n" in err
-    assert "  train.speed.activation_checkpointing: Input should be a valid boolean, unable to interpret input, or 'auto'\n" in err
+    assert (
+        "  train.speed.activation_checkpointing: Input should be a valid boolean, unable to interpret input, or 'auto'\n"
+        in err
+    )
     assert "constrained" not in err and "literal[" not in err
     assert main(["train", "train.optim.betas=[0.9]", "--print-config"]) == 2
     assert "  train.optim.betas.1: Field required" in capsys.readouterr().err
@@ -212,8 +216,13 @@ def test_a_misspelt_environment_setting_is_a_one_line_error(tmp_path):
 
     out = tmp_path / "run"
     env = dict(os.environ, SPLITRL_DECODE_ATTENTION="trition")
-    res = subprocess.run([sys.executable, "-m", "splitrl.cli", "train", "num_steps=1", f"output_dir={out}"],
-                         capture_output=True, text=True, timeout=300, env=env)
+    res = subprocess.run(
+        [sys.executable, "-m", "splitrl.cli", "train", "num_steps=1", f"output_dir={out}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert res.returncode == 2, res.stderr[-2000:]
     assert "SPLITRL_DECODE_ATTENTION='trition': use one of triton, flash" in res.stderr
     assert "Traceback" not in res.stderr and not out.exists()
@@ -222,7 +231,10 @@ def test_a_misspelt_environment_setting_is_a_one_line_error(tmp_path):
 def test_print_config_checks_the_model_keys(capsys):
     """`--print-config model.backbone.hiden_size=32` printed the typo with exit 0 (only a run caught it)."""
     assert main(["train", "--print-config", "model.backbone.hiden_size=32"]) == 2
-    assert "model.backbone.hiden_size is not a key of the qwen3 config (did you mean 'hidden_size'?)" in capsys.readouterr().err
+    assert (
+        "model.backbone.hiden_size is not a key of the qwen3 config (did you mean 'hidden_size'?)"
+        in capsys.readouterr().err
+    )
     assert main(["train", "--print-config", "model.backbone.hidden_size=32"]) == 0
     assert "hidden_size: 32" in capsys.readouterr().out
 
@@ -231,7 +243,10 @@ def test_a_number_yaml_reads_as_text_gets_a_hint(capsys, tmp_path):
     """A new user wrote `num_steps: 1e3`: PyYAML reads it as the string "1e3", and the error only
     said the string is not an integer. Now it says why and what to write."""
     assert main(["train", "num_steps=2e3", "--print-config"]) == 2
-    assert "num_steps: Input should be a valid integer, unable to parse string as an integer (YAML reads 2e3 as text, not a number: write 2000)" in capsys.readouterr().err
+    assert (
+        "num_steps: Input should be a valid integer, unable to parse string as an integer (YAML reads 2e3 as text, not a number: write 2000)"
+        in capsys.readouterr().err
+    )
     path = tmp_path / "run.yaml"
     path.write_text("num_steps: 1.5E+3x\n")  # not a number at all: no hint
     assert main(["train", "--config", str(path), "--print-config"]) == 2
@@ -244,7 +259,9 @@ def test_a_config_key_typed_as_a_flag_gets_the_key_value_form(capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", "--num-steps", "8"])
     assert e.value.code == 2
-    assert "unrecognized arguments: --num-steps; config keys are set as key=value: num_steps=8" in capsys.readouterr().err
+    assert (
+        "unrecognized arguments: --num-steps; config keys are set as key=value: num_steps=8" in capsys.readouterr().err
+    )
     with pytest.raises(SystemExit):
         main(["train", "--model.mtp.mtp-num-layers=2"])
     assert "model.mtp.mtp_num_layers=2" in capsys.readouterr().err

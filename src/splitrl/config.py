@@ -21,18 +21,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from splitrl._lazy import deferred_import_checks, import_checks_deferred
 from splitrl.config_help import explain_validation_error
 from splitrl.config_types import UserPath
-from splitrl.loss.advantages import AdvantageConfig
 from splitrl.controller.buffer import ReplayBufferConfig
 from splitrl.dataplane import DataPlaneConfig
 from splitrl.eval_config import EvalConfig
 from splitrl.logging import LoggingConfig
 from splitrl.loss import GRPOLossConfig
+from splitrl.loss.advantages import AdvantageConfig
 from splitrl.models import ModelConfig, MTPConfig
 from splitrl.rollout import GenerationConfig
 from splitrl.tasks import TaskConfig, default_task_config
 from splitrl.tasks.tokenizer import TokenizerConfig
 from splitrl.train import MicrobatchConfig, OptimConfig, TrainConfig
-
 
 # The characters of the demo task's prompts and answers ("desc 5,2,7=" -> "7,5,2"): a random-init
 # policy over 22 symbols hits a right character 1 time in 22.
@@ -281,7 +280,9 @@ class RunConfig(BaseModel):
         if self.backend == "local" and self.num_train_workers > 1:
             raise ValueError("backend=local runs one train worker; use backend=ray for num_train_workers > 1")
         if self.backend == "local" and self.dataplane.kind == "transferqueue":
-            raise ValueError("dataplane.kind=transferqueue needs backend=ray (TransferQueue runs on Ray); use dataplane.kind=inprocess")
+            raise ValueError(
+                "dataplane.kind=transferqueue needs backend=ray (TransferQueue runs on Ray); use dataplane.kind=inprocess"
+            )
         if self.placement == "colocated" and self.num_generation_workers != self.num_train_workers:
             raise ValueError(
                 f"placement=colocated puts one generation engine next to each train rank, but "
@@ -305,8 +306,13 @@ class RunConfig(BaseModel):
             missing = not Path(self.model.pretrained_path).exists()
             raise ValueError(
                 f"model.pretrained_path={self.model.pretrained_path!r} "
-                + (f"is {odd}" if odd else "does not exist" if missing
-                   else "has no config.json (not a Hugging Face model directory, nor a .gguf file)")
+                + (
+                    f"is {odd}"
+                    if odd
+                    else "does not exist"
+                    if missing
+                    else "has no config.json (not a Hugging Face model directory, nor a .gguf file)"
+                )
                 + "; check the path"
             )
         out = Path(self.output_dir)
@@ -403,7 +409,10 @@ class RunConfig(BaseModel):
                 "and no importance weight corrects them); remove loss.tis_cap (auto) to turn it on"
             )
         if cap is None:
-            return logging.INFO, "off-policy correction: none needed (buffer.max_staleness=0: every sample is on-policy)"
+            return (
+                logging.INFO,
+                "off-policy correction: none needed (buffer.max_staleness=0: every sample is on-policy)",
+            )
         return logging.INFO, (
             f"off-policy correction ON: truncated importance weights min(exp(prev - gen), {cap:g}) per token "
             f"(buffer.max_staleness={stale}; loss.tis_cap sets the cap, null turns it off)"
@@ -493,7 +502,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 continue
             if first is not key_node.start_mark:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice in one mapping (first at line {first.line + 1})",
+                    None,
+                    None,
+                    f"key {key!r} appears twice in one mapping (first at line {first.line + 1})",
                     key_node.start_mark,
                 )
         return super().construct_mapping(node, deep=deep)
@@ -540,8 +551,12 @@ def path_problem(path: str | Path) -> str | None:
                 return f"{where}a symbolic link to {os.readlink(part)!r}, which does not exist"
             return None
     mode = os.stat(p).st_mode
-    for test, kind in ((stat.S_ISFIFO, "a pipe (FIFO)"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+    for test, kind in (
+        (stat.S_ISFIFO, "a pipe (FIFO)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return kind
     return None
@@ -710,4 +725,3 @@ def _validate(data: dict[str, Any]) -> RunConfig:
         return RunConfig.model_validate(data)
     except ValidationError as e:
         raise ValueError(explain_validation_error(e, RunConfig)) from None
-

@@ -33,7 +33,9 @@ def test_run_level_default_reaches_a_component_before_its_own_check():
     assert optim.total_steps == 7
     assert optim.lr_factor(0) == pytest.approx(1.0)
     assert optim.lr_factor(7) == pytest.approx(0.1)  # the decay ends at the run's last step
-    assert load_config(None, ["train.optim.schedule=cosine", "train.optim.total_steps=50"]).train.optim.total_steps == 50
+    assert (
+        load_config(None, ["train.optim.schedule=cosine", "train.optim.total_steps=50"]).train.optim.total_steps == 50
+    )
     # the same through RunConfig directly (the programmatic path): the demo's num_steps
     assert RunConfig.model_validate({"train": {"optim": {"schedule": "cosine"}}}).train.optim.total_steps == 300
 
@@ -41,7 +43,10 @@ def test_run_level_default_reaches_a_component_before_its_own_check():
     # the run fills
     cfg = load_config(None, ["train.optim.schedule=cosine", "num_steps=9"])
     assert cfg.train.optim.total_steps == 9 and cfg.train.optim.lr == 5e-4  # the demo's lr kept
-    assert load_config(None, ["backend=local", "dataplane.transferqueue.num_storage_units=1"]).dataplane.kind == "inprocess"
+    assert (
+        load_config(None, ["backend=local", "dataplane.transferqueue.num_storage_units=1"]).dataplane.kind
+        == "inprocess"
+    )
 
     assert load_config(None, ["backend=local"]).dataplane.kind == "inprocess"
     with pytest.raises(ValueError, match="dataplane.kind=transferqueue needs backend=ray"):
@@ -58,7 +63,9 @@ def test_a_dotted_override_of_a_default_value_changes_nothing():
             continue
         key = next(k for k in type(section).model_fields if k != "kind")
         value = section.model_dump(mode="json")[key]
-        assert load_config(None, [f"{name}.{key}={yaml.safe_dump(value, default_flow_style=True).strip()}"]) == default, name
+        assert (
+            load_config(None, [f"{name}.{key}={yaml.safe_dump(value, default_flow_style=True).strip()}"]) == default
+        ), name
 
 
 # ------------------------------------------------------------- kind: section override merges
@@ -70,7 +77,11 @@ def test_whole_section_override_replaces_the_files_section():
     assert make_task(cfg.task).get_prompt(0).text  # a working task, not a hybrid
     # a whole mapping for a nested section replaces that section too
     cfg = load_config(GPU_EXAMPLE, ["device=cpu", "train.optim={lr: 1.0e-5}"])
-    assert (cfg.train.optim.lr, cfg.train.optim.warmup_steps, cfg.train.optim.weight_decay) == (1e-5, 0, 0.0)  # not the file's 2, 0.01
+    assert (cfg.train.optim.lr, cfg.train.optim.warmup_steps, cfg.train.optim.weight_decay) == (
+        1e-5,
+        0,
+        0.0,
+    )  # not the file's 2, 0.01
     assert cfg.train.precision == "bf16"  # the rest of the file's train section stays
     # dotted keys still set one key and keep the file's others
     cfg = load_config(GPU_EXAMPLE, ["device=cpu", "task.scoring=partial"])
@@ -83,7 +94,6 @@ def test_whole_section_override_replaces_the_files_section():
     assert cfg.task == ReverseDigitsTaskConfig(num_digits=5)
 
 
-
 def test_a_required_key_left_out_of_a_section_given_whole_says_why_and_what_to_do(tmp_path):
     """Kind: an error that did not say how to fix it (a new user's trial). `buffer: {max_staleness: 0}`
     in a file failed with `buffer.capacity_groups: Field required`, while `splitrl config` lists
@@ -91,8 +101,11 @@ def test_a_required_key_left_out_of_a_section_given_whole_says_why_and_what_to_d
     path = tmp_path / "run.yaml"
     path.write_text("buffer: {max_staleness: 0}\n")
     for source, overrides in ((path, []), (None, ["buffer={max_staleness: 0}"])):
-        with pytest.raises(ValueError, match=r"buffer.capacity_groups: Field required; a buffer section given whole .* "
-                           r"replaces the run's default buffer section, so give buffer.capacity_groups there too"):
+        with pytest.raises(
+            ValueError,
+            match=r"buffer.capacity_groups: Field required; a buffer section given whole .* "
+            r"replaces the run's default buffer section, so give buffer.capacity_groups there too",
+        ):
             load_config(source, overrides)
     # the dotted form keeps the run's other buffer keys
     assert load_config(None, ["buffer.max_staleness=0"]).buffer.capacity_groups == RunConfig().buffer.capacity_groups
@@ -121,14 +134,18 @@ def test_non_utf8_input_names_the_file_and_line(tmp_path, capsys):
         load_config(cfg_file)
     data = tmp_path / "data.jsonl"
     data.write_bytes(b'{"problem": "1+1", "answer": "2"}\n\n{"problem": "caf\xe9", "answer": "3"}\n')
-    with pytest.raises(ValueError, match=r"data\.jsonl': 1 of its 2 rows .*line 3 \(row 1\): not UTF-8 \(byte 0xe9 at column 17"):
+    with pytest.raises(
+        ValueError, match=r"data\.jsonl': 1 of its 2 rows .*line 3 \(row 1\): not UTF-8 \(byte 0xe9 at column 17"
+    ):
         make_task({"kind": "math_file", "path": str(data)})
     parquet = tmp_path / "data.parquet"
     parquet.write_bytes(b"PAR1" + b"\x00" * 64)  # a cut-off file
     with pytest.raises(ValueError, match=r"data\.parquet' cannot be read as parquet"):
         make_task({"kind": "math_file", "path": str(parquet)})
     err = _one_line_error(
-        capsys, ["train", "task.kind=math_file", f"task.path={data}", f"output_dir={tmp_path / 'run'}", "backend=local"], 2
+        capsys,
+        ["train", "task.kind=math_file", f"task.path={data}", f"output_dir={tmp_path / 'run'}", "backend=local"],
+        2,
     )
     assert "line 3 (row 1): not UTF-8" in err and "task.skip_rows=[1]" in err and len(err.splitlines()) == 1
 
@@ -209,9 +226,11 @@ def test_a_config_from_a_pipe_is_read_and_other_odd_paths_are_named(tmp_path):
             path = f"/dev/fd/{r}"
             writer = threading.Thread(target=lambda: (os.write(w, text), os.close(w)))
         else:
+
             def feed():
                 with open(path, "wb") as f:
                     f.write(text)
+
             writer, r = threading.Thread(target=feed), None
         writer.start()
         try:
@@ -244,8 +263,11 @@ def test_an_output_dir_that_is_a_link_loop_or_a_dangling_link_says_so(tmp_path, 
     loop = tmp_path / "loop"
     loop.symlink_to(loop)
     (tmp_path / "dangling").symlink_to(tmp_path / "gone")
-    for out, why in [(loop, "is a symbolic link that loops"), (loop / "sub", f"is under {str(loop)!r}, a symbolic link that loops"),
-                     (tmp_path / "dangling", "is a symbolic link to '.*gone', which does not exist")]:
+    for out, why in [
+        (loop, "is a symbolic link that loops"),
+        (loop / "sub", f"is under {str(loop)!r}, a symbolic link that loops"),
+        (tmp_path / "dangling", "is a symbolic link to '.*gone', which does not exist"),
+    ]:
         with pytest.raises(ValueError, match=rf"output_dir='{out}' {why}.*give a directory .*or remove the link"):
             load_config(None, [f"output_dir={out}"])
     err = _one_line_error(capsys, ["train", f"output_dir={loop}", "backend=local"], 2)
@@ -259,8 +281,13 @@ def test_a_yaml_boolean_is_not_taken_as_a_count_in_a_section():
     """Kind: input silently reinterpreted. The run-level check missed the sections:
     `buffer.max_staleness=true` ran at staleness 1, `model.mtp.mtp_num_layers=true` with one
     depth (a new user's trial)."""
-    for key in ("buffer.max_staleness", "model.mtp.mtp_num_layers", "rollout.max_new_tokens", "eval.eval_every",
-                "train.optim.total_steps"):
+    for key in (
+        "buffer.max_staleness",
+        "model.mtp.mtp_num_layers",
+        "rollout.max_new_tokens",
+        "eval.eval_every",
+        "train.optim.total_steps",
+    ):
         with pytest.raises(ValueError, match=rf"{key} must be an integer, got true \(a YAML boolean\)"):
             load_config(None, [f"{key}=true"])
     # a task section: the class its `kind` names is checked, in training and in evaluation
@@ -302,5 +329,7 @@ def test_a_missing_pretrained_path_says_it_does_not_exist(tmp_path):
     exists but is not a model; now a missing path says so."""
     with pytest.raises(ValueError, match=r"model.pretrained_path='.*nowhere' does not exist; check the path"):
         load_config(None, [f"model.pretrained_path={tmp_path / 'nowhere'}"])
-    with pytest.raises(ValueError, match=r"has no config.json \(not a Hugging Face model directory, nor a \.gguf file\)"):
+    with pytest.raises(
+        ValueError, match=r"has no config.json \(not a Hugging Face model directory, nor a \.gguf file\)"
+    ):
         load_config(None, [f"model.pretrained_path={tmp_path}"])

@@ -57,12 +57,17 @@ def test_split_on_too_few_gpus_names_the_numbers_and_the_ways_out():
 
 def test_split_with_unequal_counts_points_to_colocated_with_equal_ones():
     # the 2-GPU run: 2 train workers and the default 1 generation worker
-    with pytest.raises(ValueError, match=r"needs 3 GPUs .* has 2; use placement=colocated with num_generation_workers=2 \(needs 2\)"):
+    with pytest.raises(
+        ValueError, match=r"needs 3 GPUs .* has 2; use placement=colocated with num_generation_workers=2 \(needs 2\)"
+    ):
         check_cluster_gpus("split", 1, 2, {"GPU": 2.0})
 
 
 def test_colocated_on_too_few_gpus():
-    with pytest.raises(ValueError, match=r"placement=colocated needs 4 GPUs .* the Ray cluster has 2; lower num_train_workers and num_generation_workers to 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"placement=colocated needs 4 GPUs .* the Ray cluster has 2; lower num_train_workers and num_generation_workers to 2",
+    ):
         check_cluster_gpus("colocated", 4, 4, {"GPU": 2.0})
     with pytest.raises(ValueError, match="the Ray cluster has 0"):
         check_cluster_gpus("colocated", 1, 1, {"CPU": 8.0})  # no GPU key at all
@@ -105,7 +110,9 @@ def test_join_errors_are_immediate_and_say_what_is_wrong():
     with socket.socket() as s:  # a free port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(ValueError, match=rf"nothing accepts connections at 127.0.0.1:{port}.*ray start --head --port={port}"):
+    with pytest.raises(
+        ValueError, match=rf"nothing accepts connections at 127.0.0.1:{port}.*ray start --head --port={port}"
+    ):
         _check_reachable(f"127.0.0.1:{port}")
     _check_reachable("auto")  # left to Ray
     with pytest.raises(ValueError, match="expected host:port"):
@@ -134,9 +141,18 @@ def test_the_controller_checks_free_cpus_before_starting_anything(tmp_path, monk
     monkeypatch.setattr(launch, "CPU_WAIT_S", 0.0)
     monkeypatch.setattr(launch, "make_data_plane", lambda *a, **k: started.append("data plane"))
     monkeypatch.setattr(launch, "spawn", lambda *a, **k: started.append("worker"))
-    ctl = ctl_mod.SingleController(load_config(
-        None, ["backend=ray", "placement=split", "num_train_workers=5", "num_generation_workers=5", f"output_dir={tmp_path}"]
-    ))
+    ctl = ctl_mod.SingleController(
+        load_config(
+            None,
+            [
+                "backend=ray",
+                "placement=split",
+                "num_train_workers=5",
+                "num_generation_workers=5",
+                f"output_dir={tmp_path}",
+            ],
+        )
+    )
     with pytest.raises(ValueError, match=r"need 13 CPUs of the Ray cluster .* but 8 are free"):
         ctl._build()
     assert started == []

@@ -5,7 +5,6 @@ import json
 import logging
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from splitrl.config import demo_model_config, load_config
@@ -33,7 +32,10 @@ def test_tokenizer_larger_than_vocab_is_refused_in_preflight(tmp_path):
 @pytest.mark.parametrize(
     "override,match",
     [
-        ("model.backbone.num_key_value_heads=3", r"model.backbone: num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+        (
+            "model.backbone.num_key_value_heads=3",
+            r"model.backbone: num_attention_heads=4 is not a multiple of num_key_value_heads=3",
+        ),
         ("model.family=llama", None),  # control: the demo backbone is fine for llama too
         ("model.family=qwen2", None),  # and for qwen2 (head_dim: not a Qwen2Config key, read when set)
     ],
@@ -50,15 +52,23 @@ def test_head_counts_that_do_not_divide_are_refused_in_preflight(tmp_path, overr
 def test_misspelt_backbone_key_is_refused_in_preflight(tmp_path):
     """Kind: transformers keeps any keyword as an attribute, so a misspelt key was ignored and the
     model built with the default value."""
-    with pytest.raises(ValueError, match=r"model.backbone.num_hiden_layers is not a key of the qwen3 config \(did you mean 'num_hidden_layers'\?\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.backbone.num_hiden_layers is not a key of the qwen3 config \(did you mean 'num_hidden_layers'\?\)",
+    ):
         preflight(_cfg(tmp_path, "model.backbone.num_hiden_layers=3"))
 
 
 def test_backbone_transformers_rejects_is_named(tmp_path):
     """Kind: transformers' own config validation (llama: hidden_size / heads) surfaced as a
     non-ValueError traceback."""
-    cfg = _cfg(tmp_path, "model.family=llama", "model.backbone.num_attention_heads=3", "model.backbone.num_key_value_heads=1",
-               "model.backbone.head_dim=null")
+    cfg = _cfg(
+        tmp_path,
+        "model.family=llama",
+        "model.backbone.num_attention_heads=3",
+        "model.backbone.num_key_value_heads=1",
+        "model.backbone.head_dim=null",
+    )
     with pytest.raises(ValueError, match=r"model.backbone"):
         preflight(cfg)
 
@@ -92,7 +102,14 @@ def test_pretrained_tokenizer_directory_without_tokenizer_files_is_refused(tmp_p
     with pytest.raises(ValueError, match=r"^tokenizer.kind=pretrained needs a tokenizer directory.*set tokenizer.path"):
         preflight(_cfg(tmp_path, "tokenizer.kind=pretrained"))
     with pytest.raises(ValueError, match=r"tokenizer.path=.* has no tokenizer files"):
-        preflight(_cfg(tmp_path, f"model.pretrained_path={saved_model}", "tokenizer.kind=pretrained", f"tokenizer.path={tmp_path}"))
+        preflight(
+            _cfg(
+                tmp_path,
+                f"model.pretrained_path={saved_model}",
+                "tokenizer.kind=pretrained",
+                f"tokenizer.path={tmp_path}",
+            )
+        )
     # control: the same directory with the demo tokenizer saved into it
     from splitrl.config import DEMO_CHARSET
     from splitrl.tasks import build_char_tokenizer
@@ -152,7 +169,10 @@ def test_pretrained_directory_that_does_not_fit_the_model_knobs_is_refused_in_pr
 def test_generated_prompt_longer_than_context_is_refused_in_preflight(tmp_path):
     """Kind: prompt + max_new_tokens beyond max_position_embeddings, found at generation time and
     reported as 'prompt 0' of a batch."""
-    with pytest.raises(ValueError, match=r"prompt 0 of the task \(\d+ tokens.*rollout.max_new_tokens=250 exceed the model's max_position_embeddings=256"):
+    with pytest.raises(
+        ValueError,
+        match=r"prompt 0 of the task \(\d+ tokens.*rollout.max_new_tokens=250 exceed the model's max_position_embeddings=256",
+    ):
         preflight(_cfg(tmp_path, "rollout.max_new_tokens=250"))
     with pytest.raises(ValueError, match=r"no prompt fits: rollout.max_new_tokens=300 leaves no room"):
         preflight(_cfg(tmp_path, "rollout.max_new_tokens=300"))
@@ -161,11 +181,22 @@ def test_generated_prompt_longer_than_context_is_refused_in_preflight(tmp_path):
 def test_overlong_data_rows_are_left_out_counted_and_named(tmp_path, caplog):
     """Kind: one overlong row of a data file crashed the run at the step that reached it; it is
     left out in preflight (warned, counted, its line named) and every process serves the rest."""
-    rows = [("What is 1+1?", "2"), ("x" * 199 + "?", "0"), ("What is 2+3?", "5"), ("", None), ("y" * 300, "1"), ("What is 3+3?", "6")]
+    rows = [
+        ("What is 1+1?", "2"),
+        ("x" * 199 + "?", "0"),
+        ("What is 2+3?", "5"),
+        ("", None),
+        ("y" * 300, "1"),
+        ("What is 3+3?", "6"),
+    ]
     data = tmp_path / "data.jsonl"
     data.write_text("".join("\n" if a is None else json.dumps({"problem": p, "answer": a}) + "\n" for p, a in rows))
     cfg = _cfg(
-        tmp_path, "task.kind=math_file", f"task.path={data}", "tokenizer.charset=null", "model.backbone.vocab_size=100",
+        tmp_path,
+        "task.kind=math_file",
+        f"task.path={data}",
+        "tokenizer.charset=null",
+        "model.backbone.vocab_size=100",
         "rollout.max_new_tokens=56",  # 200 + 56 = 256 fits exactly; 300 + 56 does not
         "model.backbone.max_position_embeddings=256",
     )
@@ -173,14 +204,24 @@ def test_overlong_data_rows_are_left_out_counted_and_named(tmp_path, caplog):
         assert preflight(cfg) == 0
     assert cfg.task.skip_rows == [3]  # file order, blank line not counted: the "y" * 300 row
     warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
-    assert "1 of 5 rows left out" in warning and "line 5 (300 tokens)" in warning and "exceed the model's max_position_embeddings=256" in warning
+    assert (
+        "1 of 5 rows left out" in warning
+        and "line 5 (300 tokens)" in warning
+        and "exceed the model's max_position_embeddings=256" in warning
+    )
     task = make_task(cfg.task)  # what the generation workers build from the run's config
     assert task.num_prompts == 4
     assert [task.get_prompt(i).answer for i in range(4)] == ["2", "0", "5", "6"]
     assert preflight(cfg) == 0 and cfg.task.skip_rows == [3]  # a second preflight (resume) agrees
     # nothing fits: an error, not an empty task
-    cfg = _cfg(tmp_path, "task.kind=math_file", f"task.path={data}", "tokenizer.charset=null",
-               "model.backbone.vocab_size=100", "rollout.max_new_tokens=250")
+    cfg = _cfg(
+        tmp_path,
+        "task.kind=math_file",
+        f"task.path={data}",
+        "tokenizer.charset=null",
+        "model.backbone.vocab_size=100",
+        "rollout.max_new_tokens=250",
+    )
     with pytest.raises(ValueError, match=r"no row of task.path=.* fits"):
         preflight(cfg)
 
@@ -188,8 +229,8 @@ def test_overlong_data_rows_are_left_out_counted_and_named(tmp_path, caplog):
 def test_a_run_over_a_file_with_an_overlong_row_trains_every_other_row(tmp_path, monkeypatch):
     """Kind: the overlong row crashed the run when its step came ("prompt 0 ... exceeds"); the
     run now trains on the rows that fit, each of them, and none other."""
-    from splitrl.workers import generation
     from splitrl.controller.controller import train
+    from splitrl.workers import generation
 
     rows = [("1+1", "2"), ("y" * 300, "1"), ("2+3", "5"), ("3+3", "6")]
     data = tmp_path / "data.jsonl"
@@ -202,9 +243,20 @@ def test_a_run_over_a_file_with_an_overlong_row_trains_every_other_row(tmp_path,
         return real(self, indices, group_size, on_group)
 
     cfg = _cfg(
-        tmp_path, "task.kind=math_file", f"task.path={data}", "tokenizer.charset=null", "model.backbone.vocab_size=100",
-        "num_steps=3", "groups_per_step=2", "group_size=2", "min_groups_per_chunk=1", "generation_groups_per_call=1",
-        "rollout.max_new_tokens=4", "buffer.max_staleness=0", "logging.progress_bar=false", "reward_timeout_s=10",
+        tmp_path,
+        "task.kind=math_file",
+        f"task.path={data}",
+        "tokenizer.charset=null",
+        "model.backbone.vocab_size=100",
+        "num_steps=3",
+        "groups_per_step=2",
+        "group_size=2",
+        "min_groups_per_chunk=1",
+        "generation_groups_per_call=1",
+        "rollout.max_new_tokens=4",
+        "buffer.max_staleness=0",
+        "logging.progress_bar=false",
+        "reward_timeout_s=10",
     )
     monkeypatch.setattr(generation.GenerationWorker, "generate_groups", recording)
     res = train(cfg)

@@ -19,10 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from _tiny import TINY_STEP  # noqa: E402
 
 from splitrl.config import load_config  # noqa: E402
-from splitrl.workers.generation import GenerationWorker  # noqa: E402
 from splitrl.dataplane import InProcessDataPlane  # noqa: E402
 from splitrl.distributed.weight_sync import WeightSyncGroup, listen_socket, send_weights  # noqa: E402
 from splitrl.models import PolicyModel  # noqa: E402
+from splitrl.workers.generation import GenerationWorker  # noqa: E402
 
 BUCKET = 256 * 1024
 

@@ -33,7 +33,9 @@ def test_the_trainer_takes_the_rollout_temperature():
     [["rollout.temperature=0.6", "loss.temperature=1.0"], ["loss.temperature=0.6"]],
 )
 def test_a_second_different_temperature_is_refused_on_load(overrides):
-    with pytest.raises(ValueError, match=r"loss.temperature=.* differs from rollout.temperature=.*remove loss.temperature"):
+    with pytest.raises(
+        ValueError, match=r"loss.temperature=.* differs from rollout.temperature=.*remove loss.temperature"
+    ):
         load_config(None, overrides)
 
 
@@ -131,7 +133,11 @@ def test_health_warns_about_runs_that_learn_nothing(caplog):
         collapsed = health.check(3, dict(HEALTHY, **{"rollout/reward/zero_variance_group_fraction": 1.0}))
         empty = health.check(4, dict(HEALTHY, **{"train/empty_step": 1.0}))
         nonfinite = health.check(5, dict(HEALTHY, **{"train/nonfinite_grad": 1.0}))
-    assert len(timeouts) == 1 and "100% of the answer checks timed out" in timeouts[0] and "reward_timeout_s=5" in timeouts[0]
+    assert (
+        len(timeouts) == 1
+        and "100% of the answer checks timed out" in timeouts[0]
+        and "reward_timeout_s=5" in timeouts[0]
+    )
     assert len(collapsed) == 1 and "100% of the groups" in collapsed[0]
     assert len(empty) == 1 and "nothing to learn from" in empty[0]
     assert len(nonfinite) == 1 and "not finite" in nonfinite[0]

@@ -14,7 +14,10 @@ from splitrl.types import Group, SampleMeta
 
 def _groups() -> list[Group]:
     a = [SampleMeta("a0", 1.0, 5, 10), SampleMeta("a1", 0.0, 5, 20, truncated=True)]
-    b = [SampleMeta("b0", 0.5, 7, 30, reward_timed_out=True), SampleMeta("b1", 0.5, 7, 40, info={"reward_error": "boom"})]
+    b = [
+        SampleMeta("b0", 0.5, 7, 30, reward_timed_out=True),
+        SampleMeta("b1", 0.5, 7, 40, info={"reward_error": "boom"}),
+    ]
     groups = [Group("p0", 0, a, policy_version=2), Group("p1", 1, b, policy_version=1)]
     compute_group_advantages(groups, AdvantageConfig())  # as the train pump does before training
     return groups
@@ -23,16 +26,37 @@ def _groups() -> list[Group]:
 def _record(calls, speculative=True, gen=((0.0, 2.0), (3.0, 4.0)), train=((1.0, 3.5),)):
     buffer = SimpleNamespace(size=3, num_evicted_groups=2, num_evicted_samples=4)
     return step_metrics(
-        {"loss": 0.25, "timing/forward_s": 1.5}, _groups(), calls=calls, speculative=speculative, buffer=buffer,
-        version=3, gen_intervals=list(gen), train_intervals=list(train), wait_s=0.75, checkpoint_s=0.5,
-        step_s=5.0, sync_s=0.125,
+        {"loss": 0.25, "timing/forward_s": 1.5},
+        _groups(),
+        calls=calls,
+        speculative=speculative,
+        buffer=buffer,
+        version=3,
+        gen_intervals=list(gen),
+        train_intervals=list(train),
+        wait_s=0.75,
+        checkpoint_s=0.5,
+        step_s=5.0,
+        sync_s=0.125,
     )
 
 
 def test_the_record_of_a_step():
     calls = [
-        {"generated_tokens": 60, "generation_s": 2.0, "drafted_tokens": 40, "accepted_tokens": 30, "speculative_active": 1},
-        {"generated_tokens": 40, "generation_s": 3.0, "drafted_tokens": 10, "accepted_tokens": 0, "speculative_active": 0},
+        {
+            "generated_tokens": 60,
+            "generation_s": 2.0,
+            "drafted_tokens": 40,
+            "accepted_tokens": 30,
+            "speculative_active": 1,
+        },
+        {
+            "generated_tokens": 40,
+            "generation_s": 3.0,
+            "drafted_tokens": 10,
+            "accepted_tokens": 0,
+            "speculative_active": 0,
+        },
     ]
     m = _record(calls)
     assert m["train/loss"] == 0.25 and m["timing/forward_s"] == 1.5  # timing/ keys keep their name
@@ -54,8 +78,17 @@ def test_the_record_of_a_step():
 
 
 def test_a_step_without_generation_calls_has_the_same_keys_with_nan():
-    full = _record([{"generated_tokens": 1, "generation_s": 1.0, "drafted_tokens": 0, "accepted_tokens": 0,
-                     "speculative_active": 1}])
+    full = _record(
+        [
+            {
+                "generated_tokens": 1,
+                "generation_s": 1.0,
+                "drafted_tokens": 0,
+                "accepted_tokens": 0,
+                "speculative_active": 1,
+            }
+        ]
+    )
     empty = _record([], gen=())
     assert empty.keys() == full.keys()
     assert math.isnan(empty["rollout/tokens_per_s"]) and math.isnan(empty["rollout/speculative_active"])

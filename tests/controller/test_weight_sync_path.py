@@ -34,10 +34,10 @@ LAYOUT = WeightLayout(())
 def _controller(tmp_path, placement="split", backend="ray", trainer=None, gens=None):
     ctl = SingleController(load_config(None, [f"backend={backend}", f"output_dir={tmp_path}"]))
     ctl.placement = placement
-    ctl.train_actors = [trainer or _Fake(open_weight_sync=lambda *a: ("127.0.0.1", 1234), join_weight_sync=lambda *a: "gloo")]
-    ctl.gen_actors = gens or [
-        _Fake(weight_layout=lambda: LAYOUT, join_weight_sync=lambda *a: "gloo") for _ in range(2)
+    ctl.train_actors = [
+        trainer or _Fake(open_weight_sync=lambda *a: ("127.0.0.1", 1234), join_weight_sync=lambda *a: "gloo")
     ]
+    ctl.gen_actors = gens or [_Fake(weight_layout=lambda: LAYOUT, join_weight_sync=lambda *a: "gloo") for _ in range(2)]
     return ctl
 
 
@@ -52,7 +52,10 @@ def test_object_store_when_the_trainer_cannot_listen(tmp_path, caplog):
     trainer = _Fake(open_weight_sync=lambda *a: OSError("Cannot assign requested address"))
     ctl = _controller(tmp_path, trainer=trainer)
     assert asyncio.run(ctl._open_weight_sync()) == "object_store"
-    assert "could not be built (OSError: Cannot assign requested address); falling back to Ray's object store" in caplog.text
+    assert (
+        "could not be built (OSError: Cannot assign requested address); falling back to Ray's object store"
+        in caplog.text
+    )
 
 
 def test_object_store_when_a_worker_does_not_join_and_every_member_returned(tmp_path, caplog):
@@ -73,7 +76,9 @@ def test_a_model_mismatch_is_raised_not_fallen_back_from(tmp_path):
         asyncio.run(ctl._open_weight_sync())
 
 
-@pytest.mark.parametrize("placement, backend, want", [("colocated", "ray", "colocated"), ("colocated", "local", "in_process")])
+@pytest.mark.parametrize(
+    "placement, backend, want", [("colocated", "ray", "colocated"), ("colocated", "local", "in_process")]
+)
 def test_in_process_paths(tmp_path, placement, backend, want):
     ctl = _controller(tmp_path, placement=placement, backend=backend)
     assert asyncio.run(ctl._open_weight_sync()) == want

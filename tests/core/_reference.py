@@ -38,7 +38,9 @@ def per_sample_terms(model, batch, temperature=1.0):
             # depth k's own modules (one set for every depth when repeated), composed here by hand
             dm = model.mtp.depths[0 if model.mtp.repeated else k - 1]
             u = torch.cat([dm.pre_fc_norm_embedding(e[:, k : k + n]), dm.pre_fc_norm_hidden(h_prev[:, :n])], -1)
-            x = dm.layer(F.linear(u, dm.fc.weight), attention_mask=None, position_embeddings=pe, position_ids=pos[:, :n])
+            x = dm.layer(
+                F.linear(u, dm.fc.weight), attention_mask=None, position_embeddings=pe, position_ids=pos[:, :n]
+            )
             if isinstance(x, tuple):
                 x = x[0]
             h_k = dm.norm(x)
@@ -76,9 +78,19 @@ def mtp_raw_sum(terms, D):
 def mtp_metrics(terms, D):
     out = {}
     for k in range(D):
-        ce = sum(float((s["depths"][k][0] * s["depths"][k][2]).sum()) for s in terms if s["depths"][k] is not None and s["depths"][k][0].numel())
-        hit = sum(float((s["depths"][k][1] * s["depths"][k][2]).sum()) for s in terms if s["depths"][k] is not None and s["depths"][k][0].numel())
-        cnt = sum(float(s["depths"][k][2].sum()) for s in terms if s["depths"][k] is not None and s["depths"][k][0].numel())
+        ce = sum(
+            float((s["depths"][k][0] * s["depths"][k][2]).sum())
+            for s in terms
+            if s["depths"][k] is not None and s["depths"][k][0].numel()
+        )
+        hit = sum(
+            float((s["depths"][k][1] * s["depths"][k][2]).sum())
+            for s in terms
+            if s["depths"][k] is not None and s["depths"][k][0].numel()
+        )
+        cnt = sum(
+            float(s["depths"][k][2].sum()) for s in terms if s["depths"][k] is not None and s["depths"][k][0].numel()
+        )
         out[f"mtp/mtp_{k + 1}_loss"] = ce / cnt
         out[f"mtp/mtp_{k + 1}_acceptance_rate"] = 100 * hit / cnt
         out[f"mtp/mtp_{k + 1}_num_tokens"] = cnt

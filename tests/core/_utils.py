@@ -18,7 +18,9 @@ VOCAB = 128
 DEVICE = os.environ.get("SPLITRL_TEST_DEVICE", "cpu")
 
 
-def make_model(D=0, detach=True, repeated=False, lam=0.1, family="qwen3", seed=0, objective="ce", **backbone) -> PolicyModel:
+def make_model(
+    D=0, detach=True, repeated=False, lam=0.1, family="qwen3", seed=0, objective="ce", **backbone
+) -> PolicyModel:
     cfg = ModelConfig(
         family=family,
         seed=seed,
@@ -69,7 +71,16 @@ def make_loss(loss_type=LossType.TOKEN_LEVEL, **kw) -> ClippedPGLoss:
 
 
 def make_worker(
-    model, lr=1e-3, precision="fp32", mbs=3, max_tokens=None, pack=False, max_grad_norm=1.0, device=None, speed=None, **optim
+    model,
+    lr=1e-3,
+    precision="fp32",
+    mbs=3,
+    max_tokens=None,
+    pack=False,
+    max_grad_norm=1.0,
+    device=None,
+    speed=None,
+    **optim,
 ):
     """A train worker on ``device`` (default: ``SPLITRL_TEST_DEVICE``, else cpu); ``speed``: a
     :class:`SpeedConfig` (default: the defaults)."""
@@ -139,7 +150,7 @@ def optim_state(worker) -> dict:
 
 
 def assert_metrics_close(a: dict, b: dict, rtol=1e-5, atol=1e-9):
-    assert set(a) == set(b), (sorted(set(a) ^ set(b)))
+    assert set(a) == set(b), sorted(set(a) ^ set(b))
     for k in a:
         x, y = a[k], b[k]
         if x != x and y != y:  # both NaN
@@ -151,7 +162,9 @@ def assert_params_close(pa, pb, lr, rms=1e-3, worst=0.1):
     """Per tensor, in units of lr: RMS(Δ) ≤ ``rms``·lr and max|Δ| ≤ ``worst``·lr."""
     for n in pa:
         d = (pa[n] - pb[n]).abs()
-        assert d.pow(2).mean().sqrt().item() <= rms * lr, f"param {n}: RMS diff {d.pow(2).mean().sqrt().item()} > {rms}*lr"
+        assert d.pow(2).mean().sqrt().item() <= rms * lr, (
+            f"param {n}: RMS diff {d.pow(2).mean().sqrt().item()} > {rms}*lr"
+        )
         assert d.max().item() <= worst * lr, f"param {n}: max diff {d.max().item()} > {worst}*lr"
 
 

@@ -44,7 +44,9 @@ def _init_rank(rank, world, store):
     sys.path.insert(0, os.path.dirname(__file__))
     if DEVICE == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "nccl" if DEVICE == "cuda" else "gloo", init_method=f"file://{store}", rank=rank, world_size=world
+    )
 
 
 def _rank_main(rank, world, store, case, out):
@@ -91,7 +93,9 @@ def test_two_ranks_equal_one_process(tmp_path, case):
         pytest.skip("needs 2 GPUs")
     loss_type, D, detach, pack, moe = case
     out = tmp_path / "rank0.pt"
-    mp.start_processes(_rank_main, args=(2, str(tmp_path / "store"), case, str(out)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(
+        _rank_main, args=(2, str(tmp_path / "store"), case, str(out)), nprocs=2, join=True, start_method="spawn"
+    )
     res = torch.load(out, weights_only=False)
 
     ref = make_worker(_model(D, detach, moe), lr=LR, mbs=1 if moe else 16)
@@ -151,7 +155,11 @@ def test_a_failure_on_one_rank_makes_every_rank_raise_instead_of_hanging(tmp_pat
         pytest.skip("needs 2 GPUs")
     out = tmp_path / "res"
     mp.start_processes(
-        _rank_failure_main, args=(2, str(tmp_path / "store"), str(out), where), nprocs=2, join=True, start_method="spawn"
+        _rank_failure_main,
+        args=(2, str(tmp_path / "store"), str(out), where),
+        nprocs=2,
+        join=True,
+        start_method="spawn",
     )
     r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
     assert r0["raised"] == "RuntimeError" and r1["raised"] == error

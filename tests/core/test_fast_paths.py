@@ -15,8 +15,8 @@ from _utils import make_batch, make_loss, make_model, make_worker
 from torch.nn.attention.flex_attention import flex_attention
 from transformers.masking_utils import find_packed_sequence_indices
 
-from splitrl.models.head import target_logprobs
 from splitrl.models.attention import BLOCK, document_block_mask, document_ids, packed_attention_mask
+from splitrl.models.head import target_logprobs
 from splitrl.train import MicrobatchConfig, build_microbatches
 
 
@@ -131,7 +131,9 @@ def test_varlen_boundaries_are_the_sample_starts_and_the_row_end():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the packed attention kernels run on CUDA only")
-@pytest.mark.parametrize("backend,dtype", [("flex", torch.float32), ("flex", torch.bfloat16), ("varlen", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "backend,dtype", [("flex", torch.float32), ("flex", torch.bfloat16), ("varlen", torch.bfloat16)]
+)
 def test_packed_attention_kernels_match_the_dense_mask_on_cuda(backend, dtype):
     """Packed rows through flex / varlen against the dense block mask, on the same weights in the
     same dtype (bf16: the compute dtype of GPU training). fp32: tolerance 1e-4 (another summation
@@ -144,7 +146,9 @@ def test_packed_attention_kernels_match_the_dense_mask_on_cuda(backend, dtype):
     for kind in ("dense", backend):
         model = make_model(D=2).to("cuda", dtype)
         model.packed_attention = kind
-        out = model(mb.input_ids, mb.segment_ids, mb.position_ids, mtp_loss_mask=mb.mtp_loss_mask, one_sample_per_row=False)
+        out = model(
+            mb.input_ids, mb.segment_ids, mb.position_ids, mtp_loss_mask=mb.mtp_loss_mask, one_sample_per_row=False
+        )
         total = (out.logprobs.float() * mb.loss_mask).sum() - torch.stack(out.mtp_loss_sums).float().sum()
         total.backward()
         grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])

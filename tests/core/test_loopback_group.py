@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _wait import wait_until
 
+from _wait import wait_until
 from splitrl.distributed.utils import init_loopback_process_group
 
 psutil = pytest.importorskip("psutil")
@@ -19,7 +19,9 @@ pytestmark = pytest.mark.dist
 
 
 def _rank(rank: int, port: int, queue) -> None:
-    init_loopback_process_group("gloo", rank, 2, port, timeout_s=300)  # generous: spawned ranks start slowly on a loaded machine
+    init_loopback_process_group(
+        "gloo", rank, 2, port, timeout_s=300
+    )  # generous: spawned ranks start slowly on a loaded machine
     t = torch.full((1,), float(rank + 1))
     dist.all_reduce(t)
     if rank == 0:

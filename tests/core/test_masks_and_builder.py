@@ -67,9 +67,7 @@ def test_mtp_targets_never_cross_samples_and_skip_prompt_and_tail():
         mb = mbs[0]
         out = model(mb.input_ids, mb.segment_ids, mb.position_ids, mtp_loss_mask=mb.mtp_loss_mask)
         for k in range(1, D + 1):
-            expect = sum(
-                float(batch.token_mask[i][k + 1 :].sum() * batch.sample_mask[i]) for i in range(len(batch))
-            )
+            expect = sum(float(batch.token_mask[i][k + 1 :].sum() * batch.sample_mask[i]) for i in range(len(batch)))
             assert float(out.mtp_counts[k - 1]) == expect, (pack, k)
     # changing the *next* sample of a packed row does not change the first sample's MTP terms
     two = batch.select([0, 1])
@@ -77,8 +75,14 @@ def test_mtp_targets_never_cross_samples_and_skip_prompt_and_tail():
     two_b.input_ids[1] = torch.randint(0, 128, two_b.input_ids[1].shape, generator=torch.Generator().manual_seed(3))
     two.sample_mask[1] = two_b.sample_mask[1] = 0.0
     cfg = MicrobatchConfig(micro_batch_size=2, pack_sequences=True)
-    ra = [model(m.input_ids, m.segment_ids, m.position_ids, mtp_loss_mask=m.mtp_loss_mask) for m in build_microbatches(two, cfg)]
-    rb = [model(m.input_ids, m.segment_ids, m.position_ids, mtp_loss_mask=m.mtp_loss_mask) for m in build_microbatches(two_b, cfg)]
+    ra = [
+        model(m.input_ids, m.segment_ids, m.position_ids, mtp_loss_mask=m.mtp_loss_mask)
+        for m in build_microbatches(two, cfg)
+    ]
+    rb = [
+        model(m.input_ids, m.segment_ids, m.position_ids, mtp_loss_mask=m.mtp_loss_mask)
+        for m in build_microbatches(two_b, cfg)
+    ]
     for x, y in zip(ra[0].mtp_loss_sums, rb[0].mtp_loss_sums):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
 
@@ -152,8 +156,13 @@ def test_from_padded_handles_left_and_right_padding():
 
 def test_one_token_samples_are_accepted_and_contribute_nothing():
     batch = make_batch(6, seed=17)
-    one = TrainBatch([torch.tensor([5])], [torch.tensor([1.0])], torch.tensor([0.7]),
-                     generation_logprobs=[torch.tensor([-1.0])], prev_logprobs=[torch.tensor([-1.0])])
+    one = TrainBatch(
+        [torch.tensor([5])],
+        [torch.tensor([1.0])],
+        torch.tensor([0.7]),
+        generation_logprobs=[torch.tensor([-1.0])],
+        prev_logprobs=[torch.tensor([-1.0])],
+    )
     w_a = make_worker(make_model(D=2))
     w_b = make_worker(make_model(D=2))
     m_a = run_split(w_a, make_loss(), [[batch]])[0]

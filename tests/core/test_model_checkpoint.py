@@ -84,25 +84,44 @@ def test_save_load_round_trip_is_exact(tmp_path, family, D, repeated):
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
 def test_stock_hugging_face_directory_loads_through_from_pretrained(tmp_path, family):
     if family == "qwen3":
-        cfg = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
+        cfg = Qwen3Config(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            tie_word_embeddings=False,
+        )
         hf = Qwen3ForCausalLM(cfg)
     elif family == "llama":
-        cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2)
+        cfg = LlamaConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
         hf = LlamaForCausalLM(cfg)
     else:  # Qwen2.5's shape: tied embeddings, q/k/v biases (drawn here: transformers starts them at 0)
-        cfg = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+        cfg = Qwen2Config(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        )
         hf = Qwen2ForCausalLM(cfg)
         with torch.no_grad():
             for name, p in hf.named_parameters():
                 if name.endswith(".bias"):
                     p.normal_(0.0, 0.5)
     hf.save_pretrained(tmp_path)  # a plain Hugging Face checkpoint, no MTP tensors
-    model = PolicyModel.from_config(
-        ModelConfig(pretrained_path=str(tmp_path), mtp=MTPConfig(mtp_num_layers=1))
-    )
+    model = PolicyModel.from_config(ModelConfig(pretrained_path=str(tmp_path), mtp=MTPConfig(mtp_num_layers=1)))
     ids = torch.randint(0, 96, (2, 7))
     with torch.no_grad():
         ref = torch.log_softmax(hf(ids).logits.float(), -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -141,11 +160,18 @@ def test_deepseek_v3_export_layout_is_per_depth(tmp_path, repeated):
             for name in ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head", "embed_tokens"):
                 assert f"{pre}{name}.weight" in keys
             depth = model.mtp.depths[0 if repeated else k - 1]
-            for ds, ours in (("enorm", depth.pre_fc_norm_embedding), ("hnorm", depth.pre_fc_norm_hidden),
-                             ("eh_proj", depth.fc), ("shared_head.norm", depth.norm),
-                             ("self_attn.q_proj", depth.layer.self_attn.q_proj), ("mlp.down_proj", depth.layer.mlp.down_proj)):
+            for ds, ours in (
+                ("enorm", depth.pre_fc_norm_embedding),
+                ("hnorm", depth.pre_fc_norm_hidden),
+                ("eh_proj", depth.fc),
+                ("shared_head.norm", depth.norm),
+                ("self_attn.q_proj", depth.layer.self_attn.q_proj),
+                ("mlp.down_proj", depth.layer.mlp.down_proj),
+            ):
                 assert torch.equal(st.get_tensor(f"{pre}{ds}.weight"), ours.weight.detach()), (k, ds)
-        same = torch.equal(st.get_tensor(f"model.layers.{L}.eh_proj.weight"), st.get_tensor(f"model.layers.{L + 1}.eh_proj.weight"))
+        same = torch.equal(
+            st.get_tensor(f"model.layers.{L}.eh_proj.weight"), st.get_tensor(f"model.layers.{L + 1}.eh_proj.weight")
+        )
         assert same == repeated
 
 
@@ -188,8 +214,16 @@ def _stock_qwen3_dir(path, mtp_tensors, mtp_num_hidden_layers, seed=0):
     """A directory as another tool would write it: stock Qwen3 weights plus ``mtp.*`` tensors added
     to the same safetensors file, ``mtp_num_hidden_layers`` in config.json, no splitrl keys."""
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+    cfg = Qwen3Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
     hf = Qwen3ForCausalLM(cfg)
     hf.save_pretrained(path)
     from safetensors.torch import load_file, save_file
@@ -208,13 +242,18 @@ def _random_mtp(sd, layers, shared_extras):
     g = torch.Generator().manual_seed(7)
     H = sd["model.norm.weight"].shape[0]
     out = {}
-    extras = {"pre_fc_norm_embedding.weight": (H,), "pre_fc_norm_hidden.weight": (H,), "fc.weight": (H, 2 * H), "norm.weight": (H,)}
+    extras = {
+        "pre_fc_norm_embedding.weight": (H,),
+        "pre_fc_norm_hidden.weight": (H,),
+        "fc.weight": (H, 2 * H),
+        "norm.weight": (H,),
+    }
     if shared_extras:
         out.update({f"mtp.{n}": torch.randn(s, generator=g) for n, s in extras.items()})
     for i in range(layers):
         for k, v in sd.items():
             if k.startswith("model.layers.0."):
-                out[f"mtp.layers.{i}.{k[len('model.layers.0.'):]}"] = torch.randn(v.shape, generator=g)
+                out[f"mtp.layers.{i}.{k[len('model.layers.0.') :]}"] = torch.randn(v.shape, generator=g)
     return out
 
 
@@ -225,8 +264,12 @@ def test_qwen3_next_layout_directory_loads_and_saves_back_the_same_names(tmp_pat
     model = PolicyModel.from_pretrained(str(src))
     assert model.num_mtp_depths == 1 and len(model.mtp.depths) == 1
     d = model.mtp.depths[0]
-    for name, mod in (("fc", d.fc), ("pre_fc_norm_embedding", d.pre_fc_norm_embedding),
-                      ("pre_fc_norm_hidden", d.pre_fc_norm_hidden), ("norm", d.norm)):
+    for name, mod in (
+        ("fc", d.fc),
+        ("pre_fc_norm_embedding", d.pre_fc_norm_embedding),
+        ("pre_fc_norm_hidden", d.pre_fc_norm_hidden),
+        ("norm", d.norm),
+    ):
         assert torch.equal(mod.weight.detach(), stored[f"mtp.{name}.weight"]), name
     assert torch.equal(d.layer.mlp.up_proj.weight.detach(), stored["mtp.layers.0.mlp.up_proj.weight"])
     model.save_pretrained(tmp_path / "ours")

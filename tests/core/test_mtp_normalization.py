@@ -16,7 +16,6 @@ from _utils import assert_params_close, capture_grads, make_batch, make_model, m
 from splitrl.loss import ClippedPGLoss, GRPOLossConfig, LossType
 from splitrl.train import TrainBatch
 
-
 # (mtp_objective, T): the distillation term compares p̄ and q_k at the rollout temperature, so
 # it is checked at T != 1 (the loss and the reference both at T)
 OBJECTIVES = [("ce", 1.0), ("distill", 0.7)]
@@ -71,8 +70,7 @@ def test_mtp_metrics_are_token_weighted_over_the_step(chunks, objective, T):
     m = run_split(w, ClippedPGLoss(GRPOLossConfig(temperature=T)), [partition(batch, chunks)])[0]
     mtp_keys = sorted(k for k in m if k.startswith("mtp/"))
     assert mtp_keys == sorted(
-        ["mtp/grad_norm"]
-        + [f"mtp/mtp_{k}_{m}" for k in (1, 2) for m in ("loss", "acceptance_rate", "num_tokens")]
+        ["mtp/grad_norm"] + [f"mtp/mtp_{k}_{m}" for k in (1, 2) for m in ("loss", "acceptance_rate", "num_tokens")]
     )
     for k, v in ref.items():
         assert m[k] == pytest.approx(v, rel=1e-5), k
@@ -107,8 +105,10 @@ def _reference_adamw_step(model, lr, weight_decay, max_grad_norm):
     step (matrices decay, norms do not; warmup_steps=1 makes the first LR factor 1)."""
     ps = [p for p in model.parameters() if p.grad is not None]
     norm = float(torch.nn.utils.clip_grad_norm_(ps, max_grad_norm))
-    groups = [{"params": [p for p in ps if p.ndim >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in ps if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in ps if p.ndim < 2], "weight_decay": 0.0},
+    ]
     torch.optim.AdamW(groups, lr=lr).step()
     return norm
 
@@ -132,7 +132,10 @@ def test_sequence_level_attached_step_matches_an_independent_reference(repeated,
     model = make_model(D=D, lam=lam, repeated=repeated, detach=False, objective=objective)
     loss = ClippedPGLoss(GRPOLossConfig(loss_type=LossType.SEQUENCE_LEVEL))
     free = make_worker(
-        make_model(D=D, lam=lam, repeated=repeated, detach=False, objective=objective), mbs=3, pack=pack, max_grad_norm=None
+        make_model(D=D, lam=lam, repeated=repeated, detach=False, objective=objective),
+        mbs=3,
+        pack=pack,
+        max_grad_norm=None,
     )
     free_grads = capture_grads(free)
     run_split(free, loss, [partition(batch, chunks)])
@@ -152,7 +155,9 @@ def test_sequence_level_attached_step_matches_an_independent_reference(repeated,
     ref_model.zero_grad()
     ((main * batch.sample_mask.sum() + mtp_raw) / batch.sample_mask.sum()).backward(retain_graph=True)
     emb = "backbone.model.embed_tokens.weight"
-    assert float((free_grads[0][emb] - ref_model.get_parameter(emb).grad).abs().max()) > 1e-3 * float(ref[emb].abs().max())
+    assert float((free_grads[0][emb] - ref_model.get_parameter(emb).grad).abs().max()) > 1e-3 * float(
+        ref[emb].abs().max()
+    )
 
     ref_model.zero_grad()
     for n, p in ref_model.named_parameters():

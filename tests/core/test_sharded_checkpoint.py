@@ -31,10 +31,15 @@ def _assert_state_equal(a: dict, b: dict) -> None:
     assert set(a["optimizer"]["state"]) == set(b["optimizer"]["state"])
     for k, st in a["optimizer"]["state"].items():
         for n, v in st.items():
-            assert torch.equal(torch.as_tensor(v).cpu(), torch.as_tensor(b["optimizer"]["state"][k][n]).cpu()), f"optimizer {k}.{n} differs"
+            assert torch.equal(torch.as_tensor(v).cpu(), torch.as_tensor(b["optimizer"]["state"][k][n]).cpu()), (
+                f"optimizer {k}.{n} differs"
+            )
     for ga, gb in zip(a["optimizer"]["param_groups"], b["optimizer"]["param_groups"], strict=True):
         assert ga["lr"] == gb["lr"] and sorted(ga["params"]) == sorted(gb["params"])
-    assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"] and a["scheduler"]["_last_lr"] == b["scheduler"]["_last_lr"]
+    assert (
+        a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"]
+        and a["scheduler"]["_last_lr"] == b["scheduler"]["_last_lr"]
+    )
     assert (a["steps_finished"], a["updates_applied"]) == (b["steps_finished"], b["updates_applied"])
 
 
@@ -123,7 +128,9 @@ def _rank_main(rank, world, store, tmp):
     sys.path.insert(0, os.path.dirname(__file__))
     if DEVICE == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "nccl" if DEVICE == "cuda" else "gloo", init_method=f"file://{store}", rank=rank, world_size=world
+    )
     try:
         share = [list(range(0, 3)), list(range(3, 8))][rank]
         # 2 -> 1: two steps, save (async), one more step while the files are written
@@ -156,7 +163,9 @@ def test_checkpoint_reshards_two_ranks_to_one_and_one_to_two(tmp_path):
     one.save_checkpoint(str(tmp_path / "one"), blocking=True)
     one_full = one.state_dict()
 
-    mp.start_processes(_rank_main, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(
+        _rank_main, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True, start_method="spawn"
+    )
 
     # every rank wrote its own shard
     shards = sorted(p.name for p in (tmp_path / "two" / "trainer").glob("*.distcp"))

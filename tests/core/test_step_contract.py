@@ -45,7 +45,11 @@ def _assert_same(a, b):
 
 @pytest.mark.parametrize(
     "precision,loss_type,detach",
-    [("fp32", LossType.TOKEN_LEVEL, True), ("fp16", LossType.TOKEN_LEVEL, True), ("fp32", LossType.SEQUENCE_LEVEL, False)],
+    [
+        ("fp32", LossType.TOKEN_LEVEL, True),
+        ("fp16", LossType.TOKEN_LEVEL, True),
+        ("fp32", LossType.SEQUENCE_LEVEL, False),
+    ],
 )
 def test_abort_mid_step_restores_everything_and_next_step_is_fresh(precision, loss_type, detach):
     b0, b1 = make_batch(16, seed=0), make_batch(16, seed=1)

@@ -35,8 +35,8 @@ from _utils import DEVICE, make_batch, make_loss, make_model, make_worker  # noq
 from splitrl.distributed.utils import init_loopback_process_group  # noqa: E402
 from splitrl.distributed.weight_sync import (  # noqa: E402
     WeightLayout,
-    apply_staged,
     WeightSyncGroup,
+    apply_staged,
     listen_socket,
     receive_weights,
     send_weights,
@@ -106,7 +106,9 @@ def _train_rank(rank, setup, train_port, sync_port_q, layout_q, out):
             for _ in range(setup.gen):
                 sync_port_q.put(port)
             # TrainActor.join_weight_sync: device "cuda" when the trainer is on a GPU
-            group = WeightSyncGroup("127.0.0.1", port, 0, 1 + setup.gen, setup.device, listen_sock=sock, timeout_s=setup.wait_s)
+            group = WeightSyncGroup(
+                "127.0.0.1", port, 0, 1 + setup.gen, setup.device, listen_sock=sock, timeout_s=setup.wait_s
+            )
             assert group.backend == setup.backend
         if setup.sharded:
             obj = [layout]
@@ -169,9 +171,17 @@ def _gen_rank(rank, setup, sync_port_q, layout_q, out):
             engine.weights_updated(step + 1)
             # what the engine computes with: its model's state dict, not the receive buffers
             got.append({k: v.detach().cpu().clone() for k, v in engine.model.state_dict().items()})
-        torch.save({"got": got, "untouched": untouched, "version": engine.policy_version, "device": str(engine.device),
-                    "ptrs": {k: v.data_ptr() for k, v in own.items()},
-                    "ptrs_after": {k: v.data_ptr() for k, v in engine.weight_tensors().items()}}, out)
+        torch.save(
+            {
+                "got": got,
+                "untouched": untouched,
+                "version": engine.policy_version,
+                "device": str(engine.device),
+                "ptrs": {k: v.data_ptr() for k, v in own.items()},
+                "ptrs_after": {k: v.data_ptr() for k, v in engine.weight_tensors().items()},
+            },
+            out,
+        )
     finally:
         group.close()
 
@@ -196,8 +206,13 @@ def _spawn(setup, outs):
     ``setup.deadline_s`` (a collective that never completes) kills them all and fails."""
     ctx = mp.get_context("spawn")
     sync_port_q, layout_q = ctx.Queue(), ctx.Queue()
-    procs = mp.start_processes(_entry, args=(setup, _free_port(), sync_port_q, layout_q, outs), nprocs=setup.train + setup.gen,
-                               join=False, start_method="spawn")
+    procs = mp.start_processes(
+        _entry,
+        args=(setup, _free_port(), sync_port_q, layout_q, outs),
+        nprocs=setup.train + setup.gen,
+        join=False,
+        start_method="spawn",
+    )
     end = time.monotonic() + setup.deadline_s
     while not procs.join(timeout=5):
         if time.monotonic() > end:
@@ -206,7 +221,9 @@ def _spawn(setup, outs):
                     p.kill()
             for p in procs.processes:
                 p.join(10)
-            pytest.fail(f"the {setup.backend} weight sync did not finish within {setup.deadline_s} s (hung collective?)")
+            pytest.fail(
+                f"the {setup.backend} weight sync did not finish within {setup.deadline_s} s (hung collective?)"
+            )
 
 
 @pytest.mark.dist

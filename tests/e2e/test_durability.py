@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 from _tiny import TINY_STEP
-from _wait import async_wait_until
 
+from _wait import async_wait_until
 from splitrl.config import load_config
 from splitrl.controller import controller as C
-from splitrl.workers import generation
 from splitrl.controller.policy_client import PolicyClient
+from splitrl.workers import generation
 
 TINY = TINY_STEP + ["backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false"]
 
@@ -71,7 +71,8 @@ def test_a_group_waiting_for_buffer_room_at_a_checkpoint_is_trained_exactly_once
         if first_run["on"] and first_run["finishes"] == 1:
             # step 1 ends only once prompt 1 is generated and waits for room; then Ctrl-C
             await async_wait_until(
-                lambda: one_done.is_set() and controllers and 1 in controllers[-1].schedule.pending, timeout_s=300,
+                lambda: one_done.is_set() and controllers and 1 in controllers[-1].schedule.pending,
+                timeout_s=300,
                 what="prompt 1's group waiting for buffer room",
             )
             signal.raise_signal(signal.SIGINT)
@@ -131,8 +132,15 @@ def _stalled_controller(tmp_path, **state):
     c = C.SingleController(cfg)
     c.buffer = C.ReplayBuffer(cfg.buffer)
     defaults = dict(
-        step=2, version=2, synced_version=2, cursor=5, done_indices={0, 2, 3, 4}, in_flight=set(),
-        generating={}, pending={}, held={},
+        step=2,
+        version=2,
+        synced_version=2,
+        cursor=5,
+        done_indices={0, 2, 3, 4},
+        in_flight=set(),
+        generating={},
+        pending={},
+        held={},
     )
     for k, v in {**defaults, **state}.items():
         k = "done" if k == "done_indices" else k  # where each prompt is: the controller's PromptSchedule
@@ -149,7 +157,9 @@ def test_the_watchdog_names_a_lost_prompt_instead_of_blaming_a_worker(tmp_path):
     assert "hung" not in lost
     import time
 
-    hung = _stalled_controller(tmp_path, generating={5: time.perf_counter() - 30}, in_flight={5}, done_indices={0, 1, 2, 3, 4})
+    hung = _stalled_controller(
+        tmp_path, generating={5: time.perf_counter() - 30}, in_flight={5}, done_indices={0, 1, 2, 3, 4}
+    )
     report = hung._stall_report("2 groups")
     assert "[5]" in report and "hung or dead" in report and "lost" not in report
 
@@ -193,7 +203,9 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, 
     trainer.write_bytes(trainer.read_bytes()[: trainer.stat().st_size // 2])
     with caplog.at_level("WARNING"):
         assert C.preflight(_cfg(tmp_path, "num_steps=3")) == 1
-    assert "step_000002 is damaged (trainer/__0_0.distcp has" in caplog.text and "resuming from step_000001" in caplog.text
+    assert (
+        "step_000002 is damaged (trainer/__0_0.distcp has" in caplog.text and "resuming from step_000001" in caplog.text
+    )
     # the same damage in a checkpoint of an older splitrl (COMPLETE without checksums): it is
     # trusted until it fails to load, then skipped the same way
     (step2 / "COMPLETE").write_text('{"step": 2}')
@@ -221,8 +233,11 @@ def test_no_usable_checkpoint_refuses_to_start_over_on_top_of_the_run(tmp_path, 
     from splitrl.controller import run_checkpoint
 
     run_checkpoint._verified.clear()  # a new process: checksums not yet verified (the cache keys on COMPLETE)
-    with pytest.raises(ValueError, match=r"none can be resumed from: step_000001 \(damaged: controller.pt has 100 bytes.*"
-                                         r"step_000002 \(incomplete.*resume=false starts over"):
+    with pytest.raises(
+        ValueError,
+        match=r"none can be resumed from: step_000001 \(damaged: controller.pt has 100 bytes.*"
+        r"step_000002 \(incomplete.*resume=false starts over",
+    ):
         C.preflight(_cfg(tmp_path, "num_steps=3"))
     assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
     # a usable older checkpoint: resumed from, with a warning naming the newer unusable one
@@ -262,8 +277,10 @@ def test_a_full_disk_gives_one_clear_error_and_leaves_nothing_half_written(tmp_p
             with open(f, "wb") as fh:
                 fh.write(b"PK\x03\x04partial")
             if writer_error == "torch":
-                raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0\n"
-                                   "PytorchStreamWriter failed writing file data/0: file write failed")
+                raise RuntimeError(
+                    "[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0\n"
+                    "PytorchStreamWriter failed writing file data/0: file write failed"
+                )
             raise enospc(f)
         return real_save(obj, f, *a, **k)
 
@@ -329,7 +346,9 @@ def _train_until_it_stops(tmp_path, capsys) -> tuple[list[str], str]:
 
     old_term = signal.getsignal(signal.SIGTERM)
     try:
-        rc = cli.main(["train", *TINY, f"output_dir={tmp_path}", "buffer.max_staleness=0", "num_steps=3", "checkpoint_every=1"])
+        rc = cli.main(
+            ["train", *TINY, f"output_dir={tmp_path}", "buffer.max_staleness=0", "num_steps=3", "checkpoint_every=1"]
+        )
     finally:
         signal.signal(signal.SIGTERM, old_term)
     err = capsys.readouterr().err
@@ -399,7 +418,9 @@ def test_resume_with_another_groups_per_step_or_tokenizer_is_refused_before_anyt
     assert C.preflight(_cfg(tmp_path, "num_steps=2", "groups_per_step=2", "resume=false")) == 0
     # Kind: silent corruption. The same characters in another order (the model's vocab_size
     # still fits) resumed with every id meaning another character (a new user's trial)
-    with pytest.raises(ValueError, match=r"another tokenizer config.*tokenizer.charset: checkpoint ' ,0123456789=acdes'"):
+    with pytest.raises(
+        ValueError, match=r"another tokenizer config.*tokenizer.charset: checkpoint ' ,0123456789=acdes'"
+    ):
         C.preflight(_cfg(tmp_path, "num_steps=2", "tokenizer.charset='0123456789 ,=acdes'"))
     assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from _tiny import TINY_STEP
+
 from _wait import wait_until
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -20,7 +21,11 @@ RUN = TINY_STEP + ["backend=local", "dataplane.kind=inprocess", "logging.tensorb
 def _start(out: Path, *extra: str, code: str | None = None, **popen) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     args = [*RUN, f"output_dir={out}", *extra]
-    cmd = [sys.executable, "-c", (code or "") + f"\nimport sys\nfrom splitrl.cli import main\nsys.exit(main({['train', *args]!r}))"]
+    cmd = [
+        sys.executable,
+        "-c",
+        (code or "") + f"\nimport sys\nfrom splitrl.cli import main\nsys.exit(main({['train', *args]!r}))",
+    ]
     # a session of its own: killpg then reaches the run and its children, as a terminal's Ctrl-C does
     return subprocess.Popen(cmd, env=env, start_new_session=True, **popen)
 
@@ -47,14 +52,18 @@ def _checkpoints(out: Path) -> dict[str, int]:
     root = out / "checkpoints"
     if not root.is_dir():
         return {}
-    return {p.name: json.loads((p / "COMPLETE").read_text())["step"] for p in root.iterdir() if (p / "COMPLETE").exists()}
+    return {
+        p.name: json.loads((p / "COMPLETE").read_text())["step"] for p in root.iterdir() if (p / "COMPLETE").exists()
+    }
 
 
 def test_ctrl_c_through_a_dead_pipe_still_checkpoints(tmp_path):
     """Kind: a dead console stops the final checkpoint. ``splitrl train 2>&1 | tee log`` + Ctrl-C:
     the terminal interrupts tee too, so every later write of the run fails with EPIPE."""
     out = tmp_path / "run"
-    proc = _start(out, "checkpoint_every=1000", "logging.progress_bar=true", stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = _start(
+        out, "checkpoint_every=1000", "logging.progress_bar=true", stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     try:
         _wait_for(lambda: _steps_logged(out) >= 1, "the first step in metrics.jsonl", proc)
         proc.stdout.close()  # the reader (tee) is gone
@@ -104,14 +113,19 @@ def test_a_second_interrupt_exits_at_once(tmp_path):
     finish; the second one must end the process within seconds, with no checkpoint written."""
     out, marker = tmp_path / "run", tmp_path / "in_step"
     log = open(tmp_path / "log", "w")
-    proc = _start(out, "checkpoint_every=0", code=SLOW_STEP.format(marker=str(marker)), stdout=log, stderr=subprocess.STDOUT)
+    proc = _start(
+        out, "checkpoint_every=0", code=SLOW_STEP.format(marker=str(marker)), stdout=log, stderr=subprocess.STDOUT
+    )
     try:
         _wait_for(marker.exists, "the run inside its slow step", proc)
         os.killpg(proc.pid, signal.SIGINT)
         # the run has handled the first signal (not merely been sent it: on a loaded machine two
         # signals sent before the run is scheduled arrive as one) ...
-        _wait_for(lambda: "SIGINT: finishing the current step" in (tmp_path / "log").read_text(),
-                  "the run's notice of the first SIGINT", proc)
+        _wait_for(
+            lambda: "SIGINT: finishing the current step" in (tmp_path / "log").read_text(),
+            "the run's notice of the first SIGINT",
+            proc,
+        )
         time.sleep(1.0)  # ... and the second comes beyond SIGNAL_ECHO_S: a real second signal, not an echo
         assert proc.poll() is None  # the first one waits for the step
         t0 = time.monotonic()
@@ -125,8 +139,6 @@ def test_a_second_interrupt_exits_at_once(tmp_path):
     assert "SIGINT again: exiting now" in (tmp_path / "log").read_text()
 
 
-
-
 def test_one_signal_delivered_twice_still_checkpoints():
     """Kind: one signal counted twice. `timeout -s INT` (and a terminal's Ctrl-C) can deliver the
     same SIGINT twice within milliseconds; the run took the echo for a second Ctrl-C and exited
@@ -138,7 +150,11 @@ def test_one_signal_delivered_twice_still_checkpoints():
     from splitrl.controller import controller as ctl
 
     stub = types.SimpleNamespace(
-        _interrupted=False, _interrupt_signal=None, _interrupted_at=0.0, _stop=threading.Event(), _wake_pumps=lambda: None
+        _interrupted=False,
+        _interrupt_signal=None,
+        _interrupted_at=0.0,
+        _stop=threading.Event(),
+        _wake_pumps=lambda: None,
     )
     exits = []
     orig_exit = ctl.os._exit

@@ -34,7 +34,9 @@ class _Probe(SingleController):
 def _run(tmp_path, overrides):
     import asyncio
 
-    cfg = load_config(None, TINY_STEP + ["backend=ray", "num_steps=2", "checkpoint_every=0", f"output_dir={tmp_path}", *overrides])
+    cfg = load_config(
+        None, TINY_STEP + ["backend=ray", "num_steps=2", "checkpoint_every=0", f"output_dir={tmp_path}", *overrides]
+    )
     ctl = _Probe(cfg)
     res = asyncio.run(ctl.run())
     assert res.steps_done == 2
@@ -47,7 +49,9 @@ def _check_engines_equal_trainer(cfg, ctl, res):
     initial = PolicyModel.from_config(cfg.model).state_dict()
     # two steps moved the MTP heads and the backbone: equality below is not two initial copies
     assert not torch.equal(want["mtp.depths.0.fc.weight"], initial["mtp.depths.0.fc.weight"])
-    assert not torch.equal(want["backbone.model.layers.0.mlp.up_proj.weight"], initial["backbone.model.layers.0.mlp.up_proj.weight"])
+    assert not torch.equal(
+        want["backbone.model.layers.0.mlp.up_proj.weight"], initial["backbone.model.layers.0.mlp.up_proj.weight"]
+    )
     assert len(ctl.gen_weights) == cfg.num_generation_workers
     for got, version in ctl.gen_weights:
         assert version == 2

@@ -25,10 +25,23 @@ def test_run_logs_every_metric_and_artifacts(tmp_path):
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for key in (
-        "train/loss", "train/grad_norm", "train/lr", "train/mtp/mtp_1_loss", "train/mtp/mtp_1_acceptance_rate",
-        "train/mtp/grad_norm", "train/reward", "train/mtp/mtp_1_num_tokens", "rollout/response_length_mean",
-        "rollout/truncation_rate", "buffer/staleness_mean", "buffer/evicted_groups_total", "timing/generation_s",
-        "timing/train_s", "timing/weight_sync_s", "timing/exposed_wait_s", "train/entropy",
+        "train/loss",
+        "train/grad_norm",
+        "train/lr",
+        "train/mtp/mtp_1_loss",
+        "train/mtp/mtp_1_acceptance_rate",
+        "train/mtp/grad_norm",
+        "train/reward",
+        "train/mtp/mtp_1_num_tokens",
+        "rollout/response_length_mean",
+        "rollout/truncation_rate",
+        "buffer/staleness_mean",
+        "buffer/evicted_groups_total",
+        "timing/generation_s",
+        "timing/train_s",
+        "timing/weight_sync_s",
+        "timing/exposed_wait_s",
+        "train/entropy",
     ):
         assert key in rows[-1], key
     # the logged numbers are the workers' numbers
@@ -243,7 +256,9 @@ def test_preflight_catches_data_tokenizer_and_resume_mismatches(tmp_path):
     out = tmp_path / "run"
     train(_cfg(out, "num_steps=1"))
     # the message names what differs (a new user's trial: it did not)
-    with pytest.raises(ValueError, match=r"different model config .*model\.backbone\.hidden_size: checkpoint \d+, this run 64"):
+    with pytest.raises(
+        ValueError, match=r"different model config .*model\.backbone\.hidden_size: checkpoint \d+, this run 64"
+    ):
         preflight(_cfg(out, "num_steps=2", "model.backbone.hidden_size=64"))
     assert preflight(_cfg(out, "num_steps=2")) == 1
     assert train(_cfg(out, "num_steps=1")).steps_done == 1  # finished: nothing to do, no workers
@@ -283,8 +298,8 @@ def test_a_failed_chunk_is_retried_and_the_run_goes_on(tmp_path, monkeypatch):
 def test_watchdog_reports_a_stall_instead_of_hanging(tmp_path, monkeypatch):
     import threading
 
-    from splitrl.workers import generation
     from splitrl.controller.controller import StallError
+    from splitrl.workers import generation
 
     release = threading.Event()
     returned = []
@@ -360,8 +375,8 @@ def test_groups_reach_training_before_their_generation_call_returns(tmp_path, mo
     while that call is still generating. Without streaming the worker below waits in vain."""
     import threading
 
-    from splitrl.workers import generation
     from splitrl.controller.policy_client import PolicyClient
+    from splitrl.workers import generation
 
     training_started = threading.Event()
     waited: list[bool] = []
@@ -383,8 +398,14 @@ def test_groups_reach_training_before_their_generation_call_returns(tmp_path, mo
     monkeypatch.setattr(generation.GenerationWorker, "generate_groups", generate)
     monkeypatch.setattr(PolicyClient, "train_chunk", train_chunk)
     res = train(
-        _cfg(tmp_path, "num_steps=1", "groups_per_step=4", "generation_groups_per_call=4", "min_groups_per_chunk=1",
-             "buffer.max_staleness=0")
+        _cfg(
+            tmp_path,
+            "num_steps=1",
+            "groups_per_step=4",
+            "generation_groups_per_call=4",
+            "min_groups_per_chunk=1",
+            "buffer.max_staleness=0",
+        )
     )
     assert res.steps_done == 1 and waited == [True]
 
@@ -465,7 +486,10 @@ def test_a_foreign_metrics_file_is_refused_by_the_preflight(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"loss": 1.0}\n{"loss": 0.5}\n')
-    with pytest.raises(ValueError, match=r"metrics.jsonl:1 has no integer 'step' field.*move it out of .* or give this run another output_dir"):
+    with pytest.raises(
+        ValueError,
+        match=r"metrics.jsonl:1 has no integer 'step' field.*move it out of .* or give this run another output_dir",
+    ):
         preflight(_cfg(out, "num_steps=1"))
     assert (out / "metrics.jsonl").read_text() == '{"loss": 1.0}\n{"loss": 0.5}\n'
     assert preflight(_cfg(out, "num_steps=1", "resume=false")) == 0  # a start-over sets it aside
@@ -503,7 +527,9 @@ def test_a_resume_with_a_new_learning_rate_trains_with_it(tmp_path):
     optim = load(None, [f"output_dir={out}", "num_steps=4", "train.optim.lr=1e-4", *TINY_STEP]).train.optim
     old = load(None, [f"output_dir={out}", "num_steps=2", *TINY_STEP]).train.optim
     assert lrs[1] == pytest.approx(old.lr * old.lr_factor(1), rel=1e-12)
-    assert lrs[2] == pytest.approx(1e-4 * optim.lr_factor(2), rel=1e-12) and lrs[3] == pytest.approx(1e-4 * optim.lr_factor(3), rel=1e-12)
+    assert lrs[2] == pytest.approx(1e-4 * optim.lr_factor(2), rel=1e-12) and lrs[3] == pytest.approx(
+        1e-4 * optim.lr_factor(3), rel=1e-12
+    )
 
 
 def test_a_fresh_start_over_an_earlier_record_sets_it_aside(tmp_path):

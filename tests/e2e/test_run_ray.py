@@ -10,8 +10,8 @@ from _tiny import TINY_STEP
 
 from splitrl.config import load_config
 from splitrl.controller.controller import train
-from splitrl.workers.generation import GenerationWorker
 from splitrl.logging import read_metrics
+from splitrl.workers.generation import GenerationWorker
 
 pytestmark = pytest.mark.ray
 
@@ -60,15 +60,32 @@ def test_three_steps_on_ray_and_transferqueue_with_groups_streamed_into_training
     monkeypatch.setattr(PolicyClient, "train_chunk", train_chunk)
     cfg = load_config(
         None,
-        TINY_STEP + ["backend=ray", "placement=split", "dataplane.kind=transferqueue", "num_steps=3", "checkpoint_every=0",
-                     "generation_groups_per_call=4", "min_groups_per_chunk=1", "buffer.max_staleness=1",
-                     f"output_dir={tmp_path}"],
+        TINY_STEP
+        + [
+            "backend=ray",
+            "placement=split",
+            "dataplane.kind=transferqueue",
+            "num_steps=3",
+            "checkpoint_every=0",
+            "generation_groups_per_call=4",
+            "min_groups_per_chunk=1",
+            "buffer.max_staleness=1",
+            f"output_dir={tmp_path}",
+        ],
     )
     res = train(cfg)
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
-    for key in ("train/loss", "train/grad_norm", "train/mtp/mtp_1_loss", "train/mtp/mtp_1_acceptance_rate",
-                "train/mtp/grad_norm", "train/reward", "timing/generation_s", "timing/weight_sync_s"):
+    for key in (
+        "train/loss",
+        "train/grad_norm",
+        "train/mtp/mtp_1_loss",
+        "train/mtp/mtp_1_acceptance_rate",
+        "train/mtp/grad_norm",
+        "train/reward",
+        "timing/generation_s",
+        "timing/weight_sync_s",
+    ):
         assert key in rows[-1], key
     for r, m in zip(rows, res.metrics):
         # what the logger wrote is what the train workers computed and the policy client returned
@@ -92,10 +109,18 @@ def test_two_train_workers_equal_one_and_resume_a_sharded_checkpoint_with_two_or
 
     base = TINY_STEP + ["backend=ray", "buffer.max_staleness=0", "checkpoint_every=1", "num_steps=2"]
     full = train(load_config(None, base + ["num_train_workers=2", f"output_dir={tmp_path / 'full'}"])).metrics
-    one = train(load_config(None, base + ["num_train_workers=1", "checkpoint_every=0", "num_steps=1",
-                                          f"output_dir={tmp_path / 'one'}"])).metrics
-    keys = ("train/loss", "train/grad_norm", "train/mtp/mtp_1_loss", "train/mtp/mtp_1_acceptance_rate",
-            "train/mtp/grad_norm")
+    one = train(
+        load_config(
+            None, base + ["num_train_workers=1", "checkpoint_every=0", "num_steps=1", f"output_dir={tmp_path / 'one'}"]
+        )
+    ).metrics
+    keys = (
+        "train/loss",
+        "train/grad_norm",
+        "train/mtp/mtp_1_loss",
+        "train/mtp/mtp_1_acceptance_rate",
+        "train/mtp/grad_norm",
+    )
     assert one[0]["train/num_valid_tokens"] == full[0]["train/num_valid_tokens"]
     for k in keys:
         assert full[0][k] == pytest.approx(one[0][k], rel=1e-5), k

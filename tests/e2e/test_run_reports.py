@@ -33,7 +33,9 @@ def test_on_policy_run_at_temperature_0p6_reports_consistent_metrics(tmp_path, c
     )
     with caplog.at_level(logging.INFO, logger="splitrl"):
         res = train(cfg)
-    assert any("off-policy correction" in r.getMessage() and "max_staleness=0" in r.getMessage() for r in caplog.records)
+    assert any(
+        "off-policy correction" in r.getMessage() and "max_staleness=0" in r.getMessage() for r in caplog.records
+    )
 
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert len(rows) == 2

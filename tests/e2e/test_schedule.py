@@ -88,8 +88,9 @@ def test_sync_trains_what_async_at_staleness_zero_trains_and_never_overlaps(tmp_
     parameters (bitwise) as ``async`` at ``max_staleness: 0``; under ``sync`` no generation call
     overlaps a train call, while under ``async`` they do (so the overlap check can fail)."""
     sync_m, sync_calls, sync_w = _run(tmp_path, monkeypatch, "sync", "schedule=sync")
-    async_m, async_calls, async_w = _run(tmp_path, monkeypatch, "async", "schedule=async", "buffer.max_staleness=0",
-                                         hold_first_chunk=True)
+    async_m, async_calls, async_w = _run(
+        tmp_path, monkeypatch, "async", "schedule=async", "buffer.max_staleness=0", hold_first_chunk=True
+    )
 
     compared = 0
     for step, (a, b) in enumerate(zip(sync_m, async_m), start=1):
@@ -250,7 +251,6 @@ def test_arrival_bookkeeping_never_takes_another_steps_group():
     Kinds: a chunk taken from the next step, the step's end computed wrongly, ``taken`` not kept
     (the end-to-end test cannot see these: at max_staleness 0 no later group exists mid-step)."""
     import asyncio
-    from types import SimpleNamespace
 
     from splitrl.controller.controller import SingleController
     from splitrl.controller.prompt_schedule import PromptSchedule
@@ -272,7 +272,9 @@ def test_arrival_bookkeeping_never_takes_another_steps_group():
         return Group(f"p{i}", i, [], 0)
 
     ctl = SingleController.__new__(SingleController)
-    ctl.config = load_config(None, ["schedule=async", "buffer.max_staleness=0", "groups_per_step=4", "chunk_order=arrival"])
+    ctl.config = load_config(
+        None, ["schedule=async", "buffer.max_staleness=0", "groups_per_step=4", "chunk_order=arrival"]
+    )
     ctl.schedule = sched = PromptSchedule(4, ctl.config.num_steps, 0, "arrival")  # where the bookkeeping lives
     ctl.step, ctl.version, ctl.wait_s = 0, 0, 0.0
     sched.held = {5: group(5), 2: group(2)}  # 5: of step 1

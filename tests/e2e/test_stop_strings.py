@@ -18,8 +18,8 @@ def test_cut_after_the_token_that_completes_the_stop_string():
 
 def test_generation_worker_ends_responses_at_stop_strings():
     from splitrl.config import load_config
-    from splitrl.workers.generation import GenerationWorker
     from splitrl.dataplane import InProcessDataPlane
+    from splitrl.workers.generation import GenerationWorker
 
     cfg = load_config(None, ["rollout.max_new_tokens=8", "rollout.stop_strings=[',']"])
     dp = InProcessDataPlane()
@@ -45,8 +45,8 @@ def test_generation_worker_hands_each_group_over_when_its_last_sample_ends():
     import pytest
 
     from splitrl.config import load_config
-    from splitrl.workers.generation import GenerationWorker
     from splitrl.dataplane import InProcessDataPlane
+    from splitrl.workers.generation import GenerationWorker
 
     cfg = load_config(None, ["rollout.max_new_tokens=6", "rollout.batch_size=4"])
     dp = InProcessDataPlane()

@@ -10,9 +10,9 @@ import sys
 import types
 
 import pytest
-from _wait import wait_until
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from _wait import wait_until
 from splitrl.logging import LoggingConfig, MetricsLogger
 from splitrl.logging.wandb_logger import RUN_ID_FILE, WandbConfig
 
@@ -54,7 +54,9 @@ def fake_wandb(monkeypatch):
 
 
 def test_adapter_logs_each_step_the_config_and_resumes_the_same_run(tmp_path, fake_wandb):
-    cfg = LoggingConfig(tensorboard=False, wandb=WandbConfig(project="p", name="demo", mode="offline", tags=["a"]), **QUIET)
+    cfg = LoggingConfig(
+        tensorboard=False, wandb=WandbConfig(project="p", name="demo", mode="offline", tags=["a"]), **QUIET
+    )
     log = MetricsLogger(tmp_path, 4, start_step=1, config=cfg)
     log.log(1, {"train/loss": 0.5, "rollout/reward_mean": 0.25, "train/skipped_step": True})
     log.log(2, {"train/loss": float("nan"), "rollout/reward_mean": 0.75})
@@ -104,7 +106,7 @@ def test_tensorboard_gets_the_resolved_config_as_text(tmp_path):
     events = acc.Tensors("config/text_summary")
     text = events[0].tensor_proto.string_val[0].decode()
     assert text == "```yaml\nseed: 7\nrollout:\n  max_new_tokens: 8\n```"
-    assert text[len("```yaml\n"):-3] == (tmp_path / "config.yaml").read_text()
+    assert text[len("```yaml\n") : -3] == (tmp_path / "config.yaml").read_text()
 
 
 def _wandb_records(data: bytes):
@@ -143,7 +145,9 @@ def _read_offline_history(run_file):
         rec.ParseFromString(data)
         kind = rec.WhichOneof("record_type")
         if kind == "history":
-            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in rec.history.item})
+            history.append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in rec.history.item}
+            )
         elif kind == "config":
             for item in rec.config.update:
                 config[item.key] = json.loads(item.value_json)
@@ -195,6 +199,7 @@ def test_online_mode_without_an_api_key_is_refused_before_any_worker_starts():
         def login(**kwargs):
             calls.append(kwargs)
             return configured
+
         return types.SimpleNamespace(login=login)
 
     online = WandbConfig(project="p")

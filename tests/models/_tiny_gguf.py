@@ -131,7 +131,9 @@ def write_gguf(path: str | Path, model=None, *, arch: str | None = None, permute
         p = f"model.layers.{i}."
         for heads, proj in ((cfg.num_attention_heads, "q"), (cfg.num_key_value_heads, "k")):
             t = sd[f"{p}self_attn.{proj}_proj.weight"]
-            w.add_tensor(f"blk.{i}.attn_{proj}.weight", np.ascontiguousarray(llama_cpp_permute(t, heads) if permute else t))
+            w.add_tensor(
+                f"blk.{i}.attn_{proj}.weight", np.ascontiguousarray(llama_cpp_permute(t, heads) if permute else t)
+            )
         for g, h in (("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"), ("ffn_gate", "mlp.gate_proj"),
                      ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"), ("attn_norm", "input_layernorm"),
                      ("ffn_norm", "post_attention_layernorm")):  # fmt: skip

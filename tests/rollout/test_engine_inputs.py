@@ -31,8 +31,13 @@ def _tokens(engine, prompts=PROMPTS, seeds=(7, 8)):
 # --------------------------------------------------------------------------- model config
 @pytest.mark.parametrize(
     "family, backbone, billions",
-    [("qwen3", {}, "12.05"), ("qwen3", {"vocab_size": 64}, "10.81"), ("llama", {"vocab_size": 64}, "6.48"),
-     ("qwen3_moe", {}, "0.89"), ("qwen2", {"vocab_size": 64}, "10.81")],
+    [
+        ("qwen3", {}, "12.05"),
+        ("qwen3", {"vocab_size": 64}, "10.81"),
+        ("llama", {"vocab_size": 64}, "6.48"),
+        ("qwen3_moe", {}, "0.89"),
+        ("qwen2", {"vocab_size": 64}, "10.81"),
+    ],
 )
 def test_a_backbone_that_transformers_defaults_make_huge_is_refused_before_it_is_built(family, backbone, billions):
     """Such a dict used to build transformers' full-size defaults (12 B parameters for {}) and the
@@ -48,7 +53,9 @@ def test_a_backbone_that_stays_small_with_some_defaults_still_builds():
     no_ffn = {k: v for k, v in TINY_BACKBONE.items() if k != "intermediate_size"}
     model = PolicyModel.from_config(ModelConfig(backbone=no_ffn))
     assert model.config.intermediate_size == 22016 and model.config.hidden_size == TINY_BACKBONE["hidden_size"]
-    shape = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8)
+    shape = dict(
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8
+    )
     check_defaulted_size(ModelConfig(backbone=shape), Qwen3Config(**shape))  # 0.6 B: 1.4x the vocab-128 model
     sized = PolicyModel.from_config(ModelConfig(backbone={k: TINY_BACKBONE[k] for k in SIZE_KEYS}))
     assert sized.config.hidden_size == TINY_BACKBONE["hidden_size"]
@@ -64,7 +71,10 @@ def test_preflight_refuses_the_huge_default_and_names_the_small_ones_it_lets_thr
     no_ffn = {k: TINY_BACKBONE[k] for k in (*SIZE_KEYS, "num_key_value_heads") if k != "intermediate_size"}
     with caplog.at_level("WARNING"):
         assert model_hf_config(load_config(None, [f"model.backbone={no_ffn}"])).intermediate_size == 22016
-    assert "model.backbone lacks intermediate_size: transformers' qwen3 defaults are used (intermediate_size=22016)" in caplog.text
+    assert (
+        "model.backbone lacks intermediate_size: transformers' qwen3 defaults are used (intermediate_size=22016)"
+        in caplog.text
+    )
 
 
 # --------------------------------------------------------------------------- generation config

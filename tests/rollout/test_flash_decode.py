@@ -6,8 +6,8 @@ forward per token)."""
 import pytest
 import torch
 
-from splitrl.rollout import kv as kv_mod
 from splitrl.rollout import decode_attention as decode_mod
+from splitrl.rollout import kv as kv_mod
 from splitrl.rollout.kv import StaticKVCache
 
 needs_flash = pytest.mark.skipif(
@@ -488,7 +488,9 @@ def test_the_per_query_kernel_reads_what_the_masked_path_reads(monkeypatch, dtyp
     monkeypatch.setattr(kv_mod, "DECODE_KERNEL", "triton")
     torch.manual_seed(0)
     Mx, L = 200, 160
-    kern = StaticKVCache(1, S, HK, Mx, D_HEAD, dtype, "cuda", flash=False, position_major=position_major, query_kernel=True)
+    kern = StaticKVCache(
+        1, S, HK, Mx, D_HEAD, dtype, "cuda", flash=False, position_major=position_major, query_kernel=True
+    )
     masked = StaticKVCache(1, S, HK, Mx, D_HEAD, dtype, "cuda", flash=False, position_major=position_major)
     kern.kv.normal_()
     masked.kv.copy_(kern.kv)

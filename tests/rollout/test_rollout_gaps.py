@@ -65,7 +65,9 @@ def test_long_prompts_read_past_the_first_length_bucket(monkeypatch, speculative
     Guards the step's length bucket (a step reading 64 entries emitted other tokens)."""
     V = 32
     model = make_model(vocab=V, depths=2, hidden_size=32, intermediate_size=64, seed=1)
-    cfg = GenerationConfig(speculative=speculative, temperature=0.9, max_new_tokens=30, stop_token_ids=[0], batch_size=2)
+    cfg = GenerationConfig(
+        speculative=speculative, temperature=0.9, max_new_tokens=30, stop_token_ids=[0], batch_size=2
+    )
     prompts = random_prompts(3, V, (50, 120), seed=5)
     seeds = [0, 1, 2]
     assert max(len(p) for p in prompts) > 100
@@ -159,7 +161,9 @@ def test_drafts_accepted_at_every_depth_give_the_plain_tokens_and_exact_counts(m
     wrong = {(s, i) for s in seeds for i in range(max_new + depths) if (5 * s + i * i) % 7 < 2}
 
     monkeypatch.setattr(MTPDrafter, "_draw", scripted_draw(ref, wrong, V))
-    spec = RolloutEngine(model, GenerationConfig(speculative=True, top_k=1, max_new_tokens=max_new, batch_size=3), "cpu")
+    spec = RolloutEngine(
+        model, GenerationConfig(speculative=True, top_k=1, max_new_tokens=max_new, batch_size=3), "cpu"
+    )
     spec.speculative_switch_off = False
     results = spec.generate(prompts, seeds)
     reached, accepted, by_a = [0] * depths, [0] * depths, [0] * (depths + 1)
@@ -186,7 +190,9 @@ def test_reached_per_depth_counts_the_verifies_that_drafted_that_deep():
     rates are accepted_k / reached_k)."""
     V = 8  # a small vocabulary and peaky distributions: random heads accept at depths 1 and 2
     model = make_model(vocab=V, depths=3, hidden_size=32, intermediate_size=64, init=1.0)
-    cfg = GenerationConfig(speculative=True, temperature=0.5, top_k=2, max_new_tokens=30, batch_size=4, stop_token_ids=[1])
+    cfg = GenerationConfig(
+        speculative=True, temperature=0.5, top_k=2, max_new_tokens=30, batch_size=4, stop_token_ids=[1]
+    )
     engine = RolloutEngine(model, cfg, "cpu")
     engine.speculative_switch_off = False
     results = engine.generate(random_prompts(8, V, (1, 8), seed=13), list(range(8)))

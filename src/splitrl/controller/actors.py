@@ -146,7 +146,12 @@ class ActorPart:
 
 
 def spawn(
-    cls: type, *args: Any, backend: Backend, ray_options: dict | None = None, remote_options: dict | None = None, **kwargs: Any
+    cls: type,
+    *args: Any,
+    backend: Backend,
+    ray_options: dict | None = None,
+    remote_options: dict | None = None,
+    **kwargs: Any,
 ):
     """Start ``cls(*args, **kwargs)`` as an actor of ``backend`` (the options apply to Ray only)."""
     if backend == "ray":

@@ -140,7 +140,11 @@ class RunCheckpointer:
         log.info(
             "checkpoint step %d: training blocked %.2fs (waiting for the previous checkpoint %.2fs, trainer shards "
             "staged in %.2fs%s)%s",
-            step, blocked, waited, staged_s, ", policy/ exported" if export else "",
+            step,
+            blocked,
+            waited,
+            staged_s,
+            ", policy/ exported" if export else "",
             "" if final else "; its files are being written in the background",
         )
         completion = asyncio.create_task(self._complete(step, tmp, path, t0))
@@ -184,7 +188,10 @@ class RunCheckpointer:
         done, _ = await asyncio.wait([task], timeout=timeout)
         if not done:
             task.cancel()
-            log.error("the checkpoint being written in the background did not finish within %.0fs; it is left incomplete", timeout)
+            log.error(
+                "the checkpoint being written in the background did not finish within %.0fs; it is left incomplete",
+                timeout,
+            )
             return
         task.result()
 
@@ -220,7 +227,9 @@ class RunCheckpointer:
             + "Free space (or fix the cause) and rerun the same command to resume."
         )
 
-    async def write(self, step: int, tmp: Path, *, export: bool, blocking: bool, version: int, expected_tokens: int) -> float:
+    async def write(
+        self, step: int, tmp: Path, *, export: bool, blocking: bool, version: int, expected_tokens: int
+    ) -> float:
         """Write a checkpoint's files into ``tmp`` (all but ``COMPLETE``): the trainer's shards
         (started here, finished in the background unless ``blocking``), ``policy/`` when
         ``export``, ``controller.pt`` and ``run_config.json``. Returns the seconds the trainer
@@ -244,7 +253,9 @@ class RunCheckpointer:
         staged_s = await self.policy.save_checkpoint(str(tmp), blocking)
         if export:
             await self.policy.save_pretrained(str(tmp / "policy"))
-            write_inference_files(tmp / "policy", self.tokenizer, self.config.rollout, self.config.model.pretrained_path)
+            write_inference_files(
+                tmp / "policy", self.tokenizer, self.config.rollout, self.config.model.pretrained_path
+            )
         torch.save(
             {
                 "step": step,

@@ -48,9 +48,16 @@ import torch
 from splitrl.config import RunConfig
 from splitrl.controller.buffer import ReplayBuffer, StepComposer
 from splitrl.controller.checkpointer import RunCheckpointer
-from splitrl.controller.cluster import SIGNAL_ECHO_S, STOP_SIGNALS  # noqa: F401 - re-exported
-from splitrl.controller.cluster import flush_console, install_stop_signals, remove_stop_signals, resolve_backend
-from splitrl.controller.cluster import shutdown, start_cluster
+from splitrl.controller.cluster import (  # noqa: F401 - re-exported
+    SIGNAL_ECHO_S,
+    STOP_SIGNALS,
+    flush_console,
+    install_stop_signals,
+    remove_stop_signals,
+    resolve_backend,
+    shutdown,
+    start_cluster,
+)
 from splitrl.controller.health import RunHealth
 from splitrl.controller.launch import launch_workers
 from splitrl.controller.policy_client import PolicyClient
@@ -254,7 +261,11 @@ class SingleController:
                     if replay:
                         groups, replay = replay[: req.max_groups], replay[req.max_groups :]
                     else:
-                        n = min(req.max_groups, cfg.min_groups_per_chunk) if cfg.buffer.max_staleness == 0 else req.max_groups
+                        n = (
+                            min(req.max_groups, cfg.min_groups_per_chunk)
+                            if cfg.buffer.max_staleness == 0
+                            else req.max_groups
+                        )
                         groups = await self._wait_groups(n)
                         received.extend(groups)
                     compute_group_advantages(groups, cfg.advantage)
@@ -274,18 +285,31 @@ class SingleController:
                 try:
                     await self._policy_call(self.policy.abort(), "abort_train_step")
                 except Exception as abort_error:  # noqa: BLE001
-                    raise StepFailed(f"step {step + 1} failed ({type(e).__name__}: {e}) and abort failed too") from abort_error
+                    raise StepFailed(
+                        f"step {step + 1} failed ({type(e).__name__}: {e}) and abort failed too"
+                    ) from abort_error
                 attempt += 1
                 if cfg.on_chunk_failure == "stop" or attempt > cfg.max_step_retries:
-                    raise StepFailed(f"step {step + 1} failed after {attempt} attempt(s): {type(e).__name__}: {e}") from e
-                log.warning("step %d failed (%s: %s); retrying (%d/%d)", step + 1, type(e).__name__, e, attempt, cfg.max_step_retries)
+                    raise StepFailed(
+                        f"step {step + 1} failed after {attempt} attempt(s): {type(e).__name__}: {e}"
+                    ) from e
+                log.warning(
+                    "step %d failed (%s: %s); retrying (%d/%d)",
+                    step + 1,
+                    type(e).__name__,
+                    e,
+                    attempt,
+                    cfg.max_step_retries,
+                )
 
     async def _wait_groups(self, n: int) -> list[Group]:
         """The next chunk's groups (at most ``n``), as the schedule's strategy takes them."""
         cfg = self.config
         t0 = time.perf_counter()
         if self.schedule.strategy == "staleness":
-            ok = await self.buffer.wait_ready(min(n, cfg.min_groups_per_chunk), timeout=cfg.watchdog_timeout_s, current_version=self.version)
+            ok = await self.buffer.wait_ready(
+                min(n, cfg.min_groups_per_chunk), timeout=cfg.watchdog_timeout_s, current_version=self.version
+            )
             if not ok:
                 raise StallError(self._stall_report(f"{n} groups"))
             groups = self.buffer.select(self.version, max_groups=n, min_groups=min(n, cfg.min_groups_per_chunk))
@@ -311,7 +335,9 @@ class SingleController:
         while sched.num_held(want) < need:
             ok = await self.buffer.wait_ready(1, timeout=cfg.watchdog_timeout_s, current_version=self.version)
             if not ok:
-                raise StallError(self._stall_report("rollouts for prompts " + str([i for i in want if i not in sched.held])))
+                raise StallError(
+                    self._stall_report("rollouts for prompts " + str([i for i in want if i not in sched.held]))
+                )
             sched.hold(self.buffer.select(self.version, max_groups=max(1, self.buffer.size), min_groups=1))
 
     async def _sync_weights(self) -> float:
@@ -321,7 +347,9 @@ class SingleController:
         if self.sync_path is None:
             self.sync_path = await self._open_weight_sync()
             t0 = time.perf_counter()  # the group's set-up is start-up time, not a sync
-        await push_weights(self.sync_path, self.version, self.policy, self.train_actors, self.gen_actors, self._policy_call)
+        await push_weights(
+            self.sync_path, self.version, self.policy, self.train_actors, self.gen_actors, self._policy_call
+        )
         self.synced_version = self.version
         self._wake_pumps()
         return time.perf_counter() - t0
@@ -329,9 +357,13 @@ class SingleController:
     async def _open_weight_sync(self) -> str:
         """Choose how weights reach the generation engines, and say which (see
         :func:`~splitrl.controller.weight_sync_path.open_weight_sync`)."""
-        return await open_weight_sync(self.config, self.backend, self.placement, self.device, self.train_actors, self.gen_actors)
+        return await open_weight_sync(
+            self.config, self.backend, self.placement, self.device, self.train_actors, self.gen_actors
+        )
 
-    def _step_metrics(self, train: dict[str, float], groups: list[Group], step_s: float, sync_s: float) -> dict[str, float]:
+    def _step_metrics(
+        self, train: dict[str, float], groups: list[Group], step_s: float, sync_s: float
+    ) -> dict[str, float]:
         """The step's record; what the pumps recorded since the last step starts afresh."""
         calls, self.rollout_acc = self.rollout_acc, []
         gen_intervals, self.gen_intervals = self.gen_intervals, []
@@ -483,7 +515,10 @@ class SingleController:
         log.info(
             "start-up: workers ready and weights synced in %.1fs; generating the first rollouts (step %d: %d prompts "
             "x %d samples), then training",
-            time.perf_counter() - t_ready, start + 1, cfg.groups_per_step, cfg.group_size,
+            time.perf_counter() - t_ready,
+            start + 1,
+            cfg.groups_per_step,
+            cfg.group_size,
         )
         if not cfg.resume or start == 0:
             # once the workers are up (a failed start leaves the earlier run in place), before the
@@ -492,9 +527,18 @@ class SingleController:
             # another tool's steps) is set aside too: the logger dropped its lines (a new user's trial)
             dest, moved = set_aside_earlier_run(self.out)
             if dest is not None:
-                why = "resume=false: starting over" if not cfg.resume else "no checkpoint to resume from: starting at step 1"
-                log.warning("%s in %s; the earlier run's %s moved to %s (delete it to free the space)",
-                            why, self.out, ", ".join(moved), dest)
+                why = (
+                    "resume=false: starting over"
+                    if not cfg.resume
+                    else "no checkpoint to resume from: starting at step 1"
+                )
+                log.warning(
+                    "%s in %s; the earlier run's %s moved to %s (delete it to free the space)",
+                    why,
+                    self.out,
+                    ", ".join(moved),
+                    dest,
+                )
         self.logger = MetricsLogger(self.out, cfg.num_steps, start_step=start + 1, config=cfg.logging)
         self.logger.save_config(cfg)
         return start
@@ -578,7 +622,9 @@ class SingleController:
             log.error("%s again: exiting now without a checkpoint (rerun to resume from the last one)", name)
             flush_console()
             os._exit(128 + int(sig))
-        log.warning("%s: finishing the current step, saving a checkpoint and stopping (send it again to exit at once)", name)
+        log.warning(
+            "%s: finishing the current step, saving a checkpoint and stopping (send it again to exit at once)", name
+        )
         self._interrupted = True
         self._interrupted_at = time.monotonic()
         self._interrupt_signal = int(sig)

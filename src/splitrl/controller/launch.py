@@ -14,7 +14,12 @@ from splitrl.config import RunConfig
 from splitrl.controller.actors import spawn
 from splitrl.controller.cluster import free_port, wait_for_free_cpus
 from splitrl.controller.placement import (
-    bundle_options, check_cluster_gpus, gpus_needed, make_placement_group, resolve_placement, spawn_colocated,
+    bundle_options,
+    check_cluster_gpus,
+    gpus_needed,
+    make_placement_group,
+    resolve_placement,
+    spawn_colocated,
 )  # fmt: skip
 from splitrl.dataplane import DataPlaneConfig, make_data_plane
 from splitrl.workers.generation import GenerationWorker

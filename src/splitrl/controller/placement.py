@@ -25,7 +25,9 @@ Placement = Literal["colocated", "split"]
 PLACEMENT_GROUP_TIMEOUT_S = 120.0
 
 
-def resolve_placement(placement: str, backend: str, device: str, num_generation_workers: int, num_train_workers: int) -> Placement:
+def resolve_placement(
+    placement: str, backend: str, device: str, num_generation_workers: int, num_train_workers: int
+) -> Placement:
     """The placement a run uses (``auto`` resolved; see ``RunConfig.placement``).
 
     Args:
@@ -46,7 +48,9 @@ def gpus_needed(placement: Placement, num_generation_workers: int, num_train_wor
     return num_train_workers if placement == "colocated" else num_generation_workers + num_train_workers
 
 
-def check_cluster_gpus(placement: Placement, num_generation_workers: int, num_train_workers: int, resources: Mapping[str, float]) -> None:
+def check_cluster_gpus(
+    placement: Placement, num_generation_workers: int, num_train_workers: int, resources: Mapping[str, float]
+) -> None:
     """Check a CUDA run's placement against the GPUs the Ray cluster has, before any worker starts.
 
     Args:
@@ -69,7 +73,11 @@ def check_cluster_gpus(placement: Placement, num_generation_workers: int, num_tr
         )
         fix = "lower num_generation_workers / num_train_workers"
         if num_train_workers <= have:
-            same = "" if num_generation_workers == num_train_workers else f" with num_generation_workers={num_train_workers}"
+            same = (
+                ""
+                if num_generation_workers == num_train_workers
+                else f" with num_generation_workers={num_train_workers}"
+            )
             fix = f"use placement=colocated{same} (needs {num_train_workers}), or " + fix
     raise ValueError(
         f"placement={placement} needs {what}, but the Ray cluster has {have}; {fix}, or join a cluster with "

@@ -65,7 +65,9 @@ class PolicyClient:
         ref = outs[0]
         for r, o in enumerate(outs[1:], start=1):
             if set(o) != set(ref):
-                raise RuntimeError(f"train workers 0 and {r} returned different metric names: {sorted(set(o) ^ set(ref))}")
+                raise RuntimeError(
+                    f"train workers 0 and {r} returned different metric names: {sorted(set(o) ^ set(ref))}"
+                )
             for k, v in ref.items():
                 if k.startswith("timing/"):
                     continue

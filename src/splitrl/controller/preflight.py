@@ -65,8 +65,13 @@ def check_output_dir(output_dir: str) -> None:
         ) from None
     from splitrl.logging.logger import CONFIG_FILE, METRICS_FILE, PLOT_FILE, TENSORBOARD_DIR
 
-    for path, is_dir in [(checkpoint_root(out), True), (out / TENSORBOARD_DIR, True), (out / METRICS_FILE, False),
-                         (out / PLOT_FILE, False), (out / CONFIG_FILE, False)]:
+    for path, is_dir in [
+        (checkpoint_root(out), True),
+        (out / TENSORBOARD_DIR, True),
+        (out / METRICS_FILE, False),
+        (out / PLOT_FILE, False),
+        (out / CONFIG_FILE, False),
+    ]:
         if path.exists() and path.is_dir() != is_dir:
             raise ValueError(
                 f"output_dir={output_dir!r}: {path} is a {'directory' if path.is_dir() else 'file'}, but the run writes "
@@ -129,7 +134,10 @@ def model_hf_config(config: RunConfig) -> Any:
         if missing:  # allowed (the model stays near the size given), but not what the file says
             log.warning(
                 "%s lacks %s: transformers' %s defaults are used (%s); give them to silence this",
-                key, ", ".join(missing), m.family, ", ".join(f"{k}={getattr(hf_cfg, k)}" for k in missing),
+                key,
+                ", ".join(missing),
+                m.family,
+                ", ".join(f"{k}={getattr(hf_cfg, k)}" for k in missing),
             )
     heads = getattr(hf_cfg, "num_attention_heads", None)
     kv = getattr(hf_cfg, "num_key_value_heads", None) or heads
@@ -397,7 +405,10 @@ def check_charset_covers_prompts(task: Any, tok: Any) -> None:
     n = task.num_prompts or 64
     for i in range(min(64, n)):
         p = task.get_prompt(i)
-        if unk in encode_prompt(p, tok, task.config.chat_template) or unk in tok(p.answer, add_special_tokens=False)["input_ids"]:
+        if (
+            unk in encode_prompt(p, tok, task.config.chat_template)
+            or unk in tok(p.answer, add_special_tokens=False)["input_ids"]
+        ):
             missing = sorted(set(p.text + p.answer) - set(tok.convert_ids_to_tokens(range(len(tok)))))
             raise ValueError(
                 f"the character tokenizer cannot spell prompt {i} of the task ({p.text!r}): characters "
@@ -425,8 +436,12 @@ def resume_checkpoint(config: RunConfig) -> Path | None:
         )
     newer = [name for name, _ in bad if ckpt is not None and name > ckpt.name]
     if newer:
-        log.warning("resuming from %s; newer checkpoint(s) %s cannot be used (%s)", ckpt.name, ", ".join(newer),
-                    "; ".join(why for name, why in bad if name in newer))
+        log.warning(
+            "resuming from %s; newer checkpoint(s) %s cannot be used (%s)",
+            ckpt.name,
+            ", ".join(newer),
+            "; ".join(why for name, why in bad if name in newer),
+        )
     return ckpt
 
 
@@ -491,7 +506,6 @@ _RESUME_MAY_CHANGE = frozenset({
     "torch_threads", "watchdog_timeout_s", "reward_timeout_s", "max_step_retries", "on_chunk_failure",
     "tokenizer.path", "rollout.batch_size", "train.microbatch", "train.speed", "train.fsdp_reshard_after_forward",
 })  # fmt: skip
-
 
 
 def _shown_differences(saved: dict, now: dict, prefix: str, most: int = 5) -> str:

@@ -57,7 +57,9 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     root = checkpoint_root(output_dir)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(TMP_SUFFIX) and (p / COMPLETE).exists())
+    return sorted(
+        p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(TMP_SUFFIX) and (p / COMPLETE).exists()
+    )
 
 
 def unusable_checkpoints(output_dir: str | Path) -> list[tuple[str, str]]:
@@ -292,7 +294,11 @@ def set_aside_earlier_run(output_dir: str | Path) -> tuple[Path | None, list[str
     out = Path(output_dir)
     root = checkpoint_root(out)
     ours = (COMPLETE, CONTROLLER_STATE, RUN_CONFIG)
-    ckpts = sorted(p for p in root.glob("step_*") if p.is_dir() and any((p / f).exists() for f in ours)) if root.is_dir() else []
+    ckpts = (
+        sorted(p for p in root.glob("step_*") if p.is_dir() and any((p / f).exists() for f in ours))
+        if root.is_dir()
+        else []
+    )
     files = [out / name for name in RUN_RECORD if (out / name).exists()]
     if not ckpts and not files:
         return None, []

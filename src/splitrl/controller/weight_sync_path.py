@@ -39,7 +39,9 @@ async def open_weight_sync(
         log.info("weight sync: in-process copy on %s, staged beside generation", device)
         return "in_process"
     if placement == "colocated":
-        log.info("weight sync: on-device copy inside each colocated worker (%d), staged beside generation", len(gen_actors))
+        log.info(
+            "weight sync: on-device copy inside each colocated worker (%d), staged beside generation", len(gen_actors)
+        )
         return "colocated"
     from splitrl.distributed.weight_sync import DEFAULT_BUCKET_BYTES
 
@@ -56,7 +58,9 @@ async def open_weight_sync(
         results: list = [e]
     else:
         world = 1 + len(gen_actors)
-        calls = [t.call("join_weight_sync", host, port, world, layout, DEFAULT_BUCKET_BYTES, timeout) for t in train_actors]
+        calls = [
+            t.call("join_weight_sync", host, port, world, layout, DEFAULT_BUCKET_BYTES, timeout) for t in train_actors
+        ]
         calls += [
             g.call("join_weight_sync", host, port, i + 1, world, layout, DEFAULT_BUCKET_BYTES, timeout)
             for i, g in enumerate(gen_actors)
@@ -67,19 +71,28 @@ async def open_weight_sync(
     if not errors:
         log.info(
             "weight sync: train rank 0 -> %d generation worker(s) over a torch.distributed %s group (%s:%d), "
-            "%.0f MB in %d MB buckets", len(gen_actors), results[0], host, port, layout.nbytes / 2**20,
+            "%.0f MB in %d MB buckets",
+            len(gen_actors),
+            results[0],
+            host,
+            port,
+            layout.nbytes / 2**20,
             DEFAULT_BUCKET_BYTES // 2**20,
         )
         return "group"
     e = errors[0]
     log.warning(
         "weight sync: the torch.distributed group could not be built (%s: %s); falling back to Ray's object "
-        "store: the full weights go through CPU at every sync (slow for large models)", type(e).__name__, e,
+        "store: the full weights go through CPU at every sync (slow for large models)",
+        type(e).__name__,
+        e,
     )
     return "object_store"
 
 
-async def push_weights(path: str, version: int, policy: Any, train_actors: list, gen_actors: list, bounded: Bounded) -> None:
+async def push_weights(
+    path: str, version: int, policy: Any, train_actors: list, gen_actors: list, bounded: Bounded
+) -> None:
     """Bring the generation engines to the trainer's weights as ``version`` along ``path`` (see
     :func:`open_weight_sync`); ``bounded(coro, what)`` awaits a call under the watchdog."""
     from splitrl.distributed.weight_sync import DEFAULT_BUCKET_BYTES
@@ -87,9 +100,7 @@ async def push_weights(path: str, version: int, policy: Any, train_actors: list,
     if path == "in_process":
         # on the train actor's thread: staged beside generation, taken at each engine's next call
         gens = [a.obj for a in gen_actors]
-        await bounded(
-            train_actors[0].call("stage_weights_into", gens, version, DEFAULT_BUCKET_BYTES), "weight sync"
-        )
+        await bounded(train_actors[0].call("stage_weights_into", gens, version, DEFAULT_BUCKET_BYTES), "weight sync")
     elif path == "colocated":
         # in the train parts' thread: staged beside generation, taken at each engine's next call
         stage = [a.submit_host("sync_weights", version, DEFAULT_BUCKET_BYTES) for a in train_actors]

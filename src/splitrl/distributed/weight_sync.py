@@ -138,7 +138,9 @@ class WeightLayout:
         a = {n for s in self.slots for n in s.names}
         b = {n for names, _ in sender for n in names}
         missing, unexpected = sorted(a - b), sorted(b - a)
-        hint = " (the MTP tensors must be synced too)" if any(k.startswith("mtp.") for k in missing + unexpected) else ""
+        hint = (
+            " (the MTP tensors must be synced too)" if any(k.startswith("mtp.") for k in missing + unexpected) else ""
+        )
         if missing or unexpected:
             raise ValueError(
                 f"weight sync: the trainer's tensors do not match the generation engine's: {len(missing)} missing on "
@@ -184,13 +186,17 @@ def _broadcast(pg, buf: torch.Tensor) -> None:
     pg.broadcast([buf], opts).wait()
 
 
-def _views(buf: torch.Tensor, layout: WeightLayout, bucket: list[tuple[int, int]]) -> Iterator[tuple[TensorSlot, torch.Tensor]]:
+def _views(
+    buf: torch.Tensor, layout: WeightLayout, bucket: list[tuple[int, int]]
+) -> Iterator[tuple[TensorSlot, torch.Tensor]]:
     for i, off in bucket:
         s = layout.slots[i]
         yield s, buf[off : off + s.nbytes].view(s.torch_dtype).view(s.shape)
 
 
-def send_weights(group: "WeightSyncGroup | None", layout: WeightLayout, source: torch.nn.Module, bucket_bytes: int) -> int:
+def send_weights(
+    group: "WeightSyncGroup | None", layout: WeightLayout, source: torch.nn.Module, bucket_bytes: int
+) -> int:
     """Train side of a sync: walk ``source``'s tensors in layout order, gather each (FSDP2: a
     collective of the train ranks, so every train rank calls this; ``group`` is None on ranks
     other than 0, which only take part in the gathers), pack them into buckets in the layout's
@@ -226,7 +232,9 @@ def receive_weights(group: "WeightSyncGroup", layout: WeightLayout, staging: tor
             _broadcast(group.pg, staging[start : start + layout.bucket_nbytes(bucket)])
 
 
-def apply_staged(layout: WeightLayout, staging: torch.Tensor, target: dict[str, torch.Tensor], bucket_bytes: int) -> None:
+def apply_staged(
+    layout: WeightLayout, staging: torch.Tensor, target: dict[str, torch.Tensor], bucket_bytes: int
+) -> None:
     """Generation side, second half: copy the weights staged by :func:`receive_weights` in place
     into ``target`` (the engine's ``state_dict(keep_vars=True)``, whose layout ``layout`` is)."""
     with torch.no_grad():

@@ -172,7 +172,9 @@ def _flex(query, key, value, block_mask: BlockMask, scale: float | None):
             log.warning(
                 "the flex attention compiler has no kernel for %s with head dim %d (%s); packed rows run the "
                 "eager flex reference (same result, slower); bf16 compute (train.precision: bf16) has one",
-                query.dtype, query.shape[-1], str(err).strip().splitlines()[0][:200],
+                query.dtype,
+                query.shape[-1],
+                str(err).strip().splitlines()[0][:200],
             )
     return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
@@ -192,9 +194,13 @@ def flex_or_sdpa_attention(
     A ``BlockMask`` runs the compiled flex kernel; any other mask goes to the stock SDPA function.
     """
     if not isinstance(attention_mask, BlockMask):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if dropout:
-        raise ValueError("attention dropout is not supported with packed rows on the flex path; set attention_dropout=0")
+        raise ValueError(
+            "attention dropout is not supported with packed rows on the flex path; set attention_dropout=0"
+        )
     varlen = getattr(attention_mask, "splitrl_varlen", None)
     # the flash varlen kernel exists for fp16 / bf16 only: other dtypes take the flex path (the
     # varlen mask is a BlockMask too)

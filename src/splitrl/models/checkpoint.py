@@ -80,8 +80,21 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 _SAFETENSORS_ITEMSIZE = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
 }
 
 
@@ -120,7 +133,9 @@ def safetensors_header(file: Path) -> dict[str, dict]:
         except (TypeError, KeyError, ValueError):
             raise ValueError(f"{file} has a corrupt safetensors header (entry {name!r}: {entry!r})") from None
         if entry["dtype"] in _SAFETENSORS_ITEMSIZE and stop - start != nbytes:
-            raise ValueError(f"{file} has a corrupt safetensors header ({name!r} holds {stop - start} bytes, its shape needs {nbytes})")
+            raise ValueError(
+                f"{file} has a corrupt safetensors header ({name!r} holds {stop - start} bytes, its shape needs {nbytes})"
+            )
         end = max(end, stop)
     if 8 + n + end > size:
         raise ValueError(
@@ -129,7 +144,9 @@ def safetensors_header(file: Path) -> dict[str, dict]:
     return header
 
 
-def verify_pretrained(path: str | os.PathLike, key: str = "model.pretrained_path", mtp: MTPConfig | None = None) -> None:
+def verify_pretrained(
+    path: str | os.PathLike, key: str = "model.pretrained_path", mtp: MTPConfig | None = None
+) -> None:
     """Check a Hugging Face model directory without loading its weights: ``config.json`` parses,
     every weight file is there and whole, and the backbone's tensors are all stored with the
     shapes the config gives. Cheap (file headers and a meta-device model), so it runs in preflight
@@ -222,7 +239,9 @@ def _meta_policy(hf_cfg, mtp: MTPConfig | None):
         block = None
         if mtp is not None and mtp.mtp_num_layers > 0:
             inner = backbone.model
-            block = MTPBlock(hf_cfg, mtp.mtp_num_layers, mtp.mtp_use_repeated_layer, type(inner.layers[0]), type(inner.norm))
+            block = MTPBlock(
+                hf_cfg, mtp.mtp_num_layers, mtp.mtp_use_repeated_layer, type(inner.layers[0]), type(inner.norm)
+            )
     return SimpleNamespace(backbone=backbone, mtp=block)
 
 

@@ -94,13 +94,13 @@ def _read_header(path: Path) -> dict:
     try:
         from gguf import GGUFReader
     except ImportError:
-        raise ValueError(
-            f"reading {str(path)!r} needs the gguf package: python3 -m pip install gguf"
-        ) from None
+        raise ValueError(f"reading {str(path)!r} needs the gguf package: python3 -m pip install gguf") from None
     try:
         fields = GGUFReader(str(path)).fields
     except Exception as e:  # the reader raises many types on a damaged file
-        raise ValueError(f"{str(path)!r} cannot be read as GGUF ({type(e).__name__}: {e}); is the file whole?") from None
+        raise ValueError(
+            f"{str(path)!r} cannot be read as GGUF ({type(e).__name__}: {e}); is the file whole?"
+        ) from None
 
     def scalar(key: str):
         field = fields.get(key)

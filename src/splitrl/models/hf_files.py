@@ -43,7 +43,9 @@ def model_eos_token_ids(model_path: str | os.PathLike | None) -> list[int]:
     return [int(e) for e in eos] if isinstance(eos, list) else [int(eos)]
 
 
-def rollout_stop_token_ids(generation: GenerationConfig, tokenizer: Any, model_path: str | os.PathLike | None = None) -> list[int]:
+def rollout_stop_token_ids(
+    generation: GenerationConfig, tokenizer: Any, model_path: str | os.PathLike | None = None
+) -> list[int]:
     """The tokens that end a rollout: ``generation.stop_token_ids``, the tokenizer's EOS, then
     the ``eos_token_id`` of ``model_path``'s ``generation_config.json`` (a pretrained model's own
     stop tokens). Order kept, no duplicates."""
@@ -86,7 +88,10 @@ def hf_generation_config(generation: GenerationConfig, tokenizer: Any, model_pat
 
 
 def write_inference_files(
-    policy_dir: str | os.PathLike, tokenizer: Any, generation: GenerationConfig, model_path: str | os.PathLike | None = None
+    policy_dir: str | os.PathLike,
+    tokenizer: Any,
+    generation: GenerationConfig,
+    model_path: str | os.PathLike | None = None,
 ) -> None:
     """Write the tokenizer and ``generation_config.json`` into ``policy_dir`` (created if needed),
     beside the weights ``save_pretrained`` wrote (see the module docstring). ``model_path``: the

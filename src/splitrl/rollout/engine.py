@@ -85,9 +85,13 @@ def _rollout_device(device: str | torch.device | None, model: PolicyModel) -> to
             raise ValueError(f"device {device!r} is not a torch device ({e}); use 'cpu', 'cuda' or 'cuda:N'") from None
     if dev.type not in ("cpu", "cuda"):
         where = "the model is on" if device is None else "got device"
-        raise ValueError(f"the rollout engine decodes on cpu or cuda; {where} {dev}: move the model or pass device='cpu'")
+        raise ValueError(
+            f"the rollout engine decodes on cpu or cuda; {where} {dev}: move the model or pass device='cpu'"
+        )
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {dev} asked for, but torch sees no CUDA GPU (torch.cuda.is_available() is False); use device='cpu'")
+        raise ValueError(
+            f"device {dev} asked for, but torch sees no CUDA GPU (torch.cuda.is_available() is False); use device='cpu'"
+        )
     return dev
 
 
@@ -125,7 +129,6 @@ def _token_ids(prompt, i: int) -> list[int]:
     if all(type(t) is int for t in prompt):
         return list(prompt)
     return [_as_int(t, f"prompt {i}'s token {j}", "an int token id") for j, t in enumerate(prompt)]
-
 
 
 class RolloutEngine:

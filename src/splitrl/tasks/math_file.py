@@ -70,10 +70,7 @@ class MathFileTaskConfig(TaskOptions):
     @classmethod
     def _has_slot(cls, template: str) -> str:
         if _PROMPT_SLOT not in template:
-            raise ValueError(
-                f"prompt_template must contain {_PROMPT_SLOT!r} where the problem goes, got "
-                f"{template!r}"
-            )
+            raise ValueError(f"prompt_template must contain {_PROMPT_SLOT!r} where the problem goes, got {template!r}")
         return template
 
 
@@ -169,9 +166,13 @@ def _load_columns(config: MathFileTaskConfig) -> tuple[list[str], list[str], lis
     bad: list[tuple[int, str]] = []  # (row, what is wrong), every bad row of the file in one pass
     texts, references = [], []
     for row, (prompt, answer) in enumerate(zip(prompts, answers)):
-        problems = [unreadable[row]] if row in unreadable else [
-            p for p in (_bad_prompt(config.prompt_column, prompt), _bad_answer(config.answer_column, answer)) if p
-        ]
+        problems = (
+            [unreadable[row]]
+            if row in unreadable
+            else [
+                p for p in (_bad_prompt(config.prompt_column, prompt), _bad_answer(config.answer_column, answer)) if p
+            ]
+        )
         if problems and row not in skip:
             bad.append((row, ", ".join(problems)))
         ok = not problems
@@ -223,8 +224,9 @@ _ROWS_SHOWN = 20
 _SKIP_ROWS_LISTED = 200
 
 
-def _bad_rows_message(path: Path, bad: list[tuple[int, str]], total: int, labels: list[str] | None,
-                      skip: set[int]) -> str:
+def _bad_rows_message(
+    path: Path, bad: list[tuple[int, str]], total: int, labels: list[str] | None, skip: set[int]
+) -> str:
     def where(row: int) -> str:
         return f"{labels[row]} (row {row})" if labels is not None else f"row {row}"
 
@@ -237,7 +239,9 @@ def _bad_rows_message(path: Path, bad: list[tuple[int, str]], total: int, labels
     rows = sorted(skip | {row for row, _ in bad})
     if len(rows) <= _SKIP_ROWS_LISTED:
         counted = "rows count from 0 in file order" + (", blank lines not counted" if labels is not None else "")
-        return message + f"Fix these rows, or leave them out with task.skip_rows=[{','.join(map(str, rows))}] ({counted})"
+        return (
+            message + f"Fix these rows, or leave them out with task.skip_rows=[{','.join(map(str, rows))}] ({counted})"
+        )
     return message + f"Fix these rows (task.skip_rows can leave rows out, but {len(rows)} are too many to list by hand)"
 
 
@@ -308,9 +312,7 @@ def _saved_dataset_reader(path: Path, split: str | None) -> _Reader:
     try:
         loaded = datasets.load_from_disk(str(path))
     except FileNotFoundError as exc:
-        raise ValueError(
-            f"{str(path)!r} is a directory but not one written by datasets' save_to_disk: {exc}"
-        ) from exc
+        raise ValueError(f"{str(path)!r} is a directory but not one written by datasets' save_to_disk: {exc}") from exc
     if isinstance(loaded, datasets.DatasetDict):
         splits = sorted(loaded)
         if split is None and len(splits) == 1:

@@ -19,9 +19,7 @@ UNK_TOKEN = "<unk>"
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
 # Every printable ASCII character plus newline: digits, letters, punctuation (which holds
 # ``> , = + - *``) and space.
-CHARACTERS = (
-    string.digits + string.ascii_lowercase + string.ascii_uppercase + string.punctuation + " \n"
-)
+CHARACTERS = string.digits + string.ascii_lowercase + string.ascii_uppercase + string.punctuation + " \n"
 
 
 def build_char_tokenizer(charset: str | None = None) -> PreTrainedTokenizerFast:

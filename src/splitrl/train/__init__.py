@@ -21,4 +21,13 @@ __getattr__ = lazy_getattr(
     },
 )
 
-__all__ = ["MicroBatch", "MicrobatchConfig", "OptimConfig", "SpeedConfig", "TrainBatch", "TrainConfig", "TrainWorker", "build_microbatches"]
+__all__ = [
+    "MicroBatch",
+    "MicrobatchConfig",
+    "OptimConfig",
+    "SpeedConfig",
+    "TrainBatch",
+    "TrainConfig",
+    "TrainWorker",
+    "build_microbatches",
+]

@@ -36,7 +36,9 @@ import torch.distributed as dist
 from splitrl.distributed import utils as du
 
 # one process without a process group is a supported case here (no_dist=True), not a mistake
-warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized", category=UserWarning)
+warnings.filterwarnings(
+    "ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized", category=UserWarning
+)
 
 SHARDS_DIR = "trainer"
 TRAINER_STATE = "trainer_state.pt"
@@ -222,7 +224,9 @@ class ShardedCheckpointer:
         if self._stager is None:
             self._stager = _KeptStager(pin=next(self.model.parameters()).is_cuda)
         with _plain_errors():
-            self._future = dcp.async_save(self._state(), checkpoint_id=str(directory / SHARDS_DIR), async_stager=self._stager, **kwargs)
+            self._future = dcp.async_save(
+                self._state(), checkpoint_id=str(directory / SHARDS_DIR), async_stager=self._stager, **kwargs
+            )
         if blocking:
             self.wait()
         return time.perf_counter() - t0

@@ -128,7 +128,9 @@ def empty_microbatch(batch: TrainBatch, capabilities: ModelCapabilities) -> Micr
 
 def _packed(config: MicrobatchConfig, capabilities: ModelCapabilities) -> bool:
     # a model that slices context-parallel inputs itself takes packed, unsharded rows (DESIGN §3)
-    return (config.pack_sequences or capabilities.slices_context_parallel_inputs) and not capabilities.owns_sequence_packing
+    return (
+        config.pack_sequences or capabilities.slices_context_parallel_inputs
+    ) and not capabilities.owns_sequence_packing
 
 
 def build_ready_microbatches(

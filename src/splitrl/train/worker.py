@@ -86,7 +86,9 @@ class TrainWorker:
                 "train: set model.mtp.mtp_num_layers >= 1 and mtp_loss_scaling_factor > 0, or mtp_warmup_steps=0"
             )
         if cfg.device == "auto":
-            self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            self.device = (
+                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            )
         else:
             self.device = torch.device(cfg.device)
         if cfg.precision != "fp32" and any(p.dtype != torch.float32 for p in model.parameters()):
@@ -102,9 +104,7 @@ class TrainWorker:
             apply_fsdp2(self.model, cfg.precision, cfg.fsdp_reshard_after_forward)
         self.main_params = [(n, p) for n, p in self.model.main_named_parameters() if p.requires_grad]
         self.mtp_params = [(n, p) for n, p in self.model.mtp_named_parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(
-            self.main_params, self.mtp_params, cfg.optim, fused=self.device.type == "cuda"
-        )
+        self.optimizer = build_optimizer(self.main_params, self.mtp_params, cfg.optim, fused=self.device.type == "cuda")
         # this run's AdamW settings per group, put back over a checkpoint's (_apply_configured_optim)
         self._configured_optim = [
             {k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in self.optimizer.param_groups
@@ -162,8 +162,7 @@ class TrainWorker:
         """
         if self._step is not None:
             raise RuntimeError(
-                "begin_train_step() called while a step is open; call finish_train_step() or "
-                "abort_train_step() first"
+                "begin_train_step() called while a step is open; call finish_train_step() or abort_train_step() first"
             )
         loss_type = LossType(loss_fn.loss_type)
         if expected_num_tokens is not None and expected_num_tokens <= 0:
@@ -439,7 +438,9 @@ class TrainWorker:
                 sep,
                 st.moe_sums,
                 st.mtp_sums.reshape(-1),
-                torch.stack([st.metric_sums[k] for k in sum_names]) if sum_names else torch.zeros(0, dtype=torch.float64),
+                torch.stack([st.metric_sums[k] for k in sum_names])
+                if sum_names
+                else torch.zeros(0, dtype=torch.float64),
             ]
         )
         du.all_reduce(sums, "sum")
@@ -543,7 +544,9 @@ class TrainWorker:
         self._step = None
         return metrics
 
-    def train(self, batch: TrainBatch, loss_fn: PolicyLoss, *, expected_num_tokens: int | None = None) -> dict[str, float]:
+    def train(
+        self, batch: TrainBatch, loss_fn: PolicyLoss, *, expected_num_tokens: int | None = None
+    ) -> dict[str, float]:
         """The synchronous step: begin → train_microbatch(batch) → finish (aborts on error)."""
         self.begin_train_step(loss_fn, expected_num_tokens=expected_num_tokens)
         try:
@@ -576,7 +579,13 @@ class TrainWorker:
         if self._step is not None:
             raise RuntimeError("load_state_dict() during an open step; finish or abort it first")
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=opts)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=opts,
+        )
         self._load_extra_state(state)
 
     # ------------------------------------------------------------------------------ sharded checkpoints

@@ -105,14 +105,18 @@ class GenerationWorker:
         """Weight sync from the trainer (MTP tensors included), through Ray's object store or
         in-process; returns the new version."""
         ref = next(self.engine.model.parameters())
-        self.engine.load_state_dict({k: v.to(device=ref.device, dtype=ref.dtype) for k, v in state_dict.items()}, version)
+        self.engine.load_state_dict(
+            {k: v.to(device=ref.device, dtype=ref.dtype) for k, v in state_dict.items()}, version
+        )
         return version
 
     def weights(self) -> tuple[dict[str, torch.Tensor], int]:
         """CPU copies of the engine's weights (MTP included) and their policy version: what
         generation samples with (for checks and debugging; a sync never needs it)."""
         self._apply_staged_weights()
-        return {k: v.detach().cpu().clone() for k, v in self.engine.model.state_dict().items()}, self.engine.policy_version
+        return {
+            k: v.detach().cpu().clone() for k, v in self.engine.model.state_dict().items()
+        }, self.engine.policy_version
 
     def weight_layout(self):
         """The :class:`~splitrl.distributed.weight_sync.WeightLayout` a sync into this engine carries."""
@@ -120,7 +124,9 @@ class GenerationWorker:
 
         return WeightLayout.of(self.engine.weight_tensors())
 
-    def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, layout, bucket_bytes: int, timeout_s: float) -> str:
+    def join_weight_sync(
+        self, host: str, port: int, rank: int, world_size: int, layout, bucket_bytes: int, timeout_s: float
+    ) -> str:
         """Join the weight-sync group as ``rank`` (>= 1; rank 0 is train rank 0); blocks until
         every member joins. Allocates the staging buffer (one more copy of the engine's weights,
         in its dtype, on its device). Returns the backend (``nccl`` / ``gloo``).
@@ -131,7 +137,9 @@ class GenerationWorker:
         from splitrl.distributed.weight_sync import WeightSyncGroup
 
         if self.weight_layout() != layout:
-            raise ValueError("weight sync: this generation worker's model differs from the others'; every worker builds the same model config")
+            raise ValueError(
+                "weight sync: this generation worker's model differs from the others'; every worker builds the same model config"
+            )
         device = self._ensure_staging(bucket_bytes)
         self._sync_group = WeightSyncGroup(host, port, rank, world_size, device.type, timeout_s=timeout_s)
         # the receive runs on a stream of its own: the generation kernels queued meanwhile on
@@ -145,7 +153,9 @@ class GenerationWorker:
         device = next(self.engine.model.parameters()).device
         if self._staging is None:
             self._sync_layout, self._sync_bucket_bytes = self.weight_layout(), bucket_bytes
-            self._staging = torch.empty(self._sync_layout.staging_nbytes(bucket_bytes), dtype=torch.uint8, device=device)
+            self._staging = torch.empty(
+                self._sync_layout.staging_nbytes(bucket_bytes), dtype=torch.uint8, device=device
+            )
         return device
 
     def stage_weights(self, source: torch.nn.Module, version: int, bucket_bytes: int) -> int:
@@ -286,16 +296,18 @@ class GenerationWorker:
             yield g, group
         gen_s = time.perf_counter() - t0 - score_s
         stats = results[0].stats if results else None
-        metrics.update({
-            "generated_tokens": float(sum(len(r.response_ids) for r in results)),
-            "generation_s": gen_s,
-            "scoring_s": score_s,
-            "reward_timeouts": float(timeouts),
-            "reward_errors": float(errors),
-            "drafted_tokens": float(sum(r.drafted_tokens for r in results)),
-            "accepted_tokens": float(sum(r.accepted_tokens for r in results)),
-            "speculative_active": float(stats.speculative_active) if stats else 0.0,
-        })
+        metrics.update(
+            {
+                "generated_tokens": float(sum(len(r.response_ids) for r in results)),
+                "generation_s": gen_s,
+                "scoring_s": score_s,
+                "reward_timeouts": float(timeouts),
+                "reward_errors": float(errors),
+                "drafted_tokens": float(sum(r.drafted_tokens for r in results)),
+                "accepted_tokens": float(sum(r.accepted_tokens for r in results)),
+                "speculative_active": float(stats.speculative_active) if stats else 0.0,
+            }
+        )
         if stats is not None and stats.speculative_active:
             for k, (a, r) in enumerate(zip(stats.accepted_per_depth, stats.reached_per_depth), start=1):
                 metrics[f"accepted_depth_{k}"] = float(a)
@@ -342,8 +354,15 @@ class GenerationWorker:
         errors = sum(r.error is not None and not r.timed_out for r in rewards)
         return group, timeouts, errors
 
-    def evaluate(self, task_config, prompt_indices: list[int], num_samples: int, seed: int,
-                 correct_threshold: float, greedy: bool) -> dict[str, tuple]:
+    def evaluate(
+        self,
+        task_config,
+        prompt_indices: list[int],
+        num_samples: int,
+        seed: int,
+        correct_threshold: float,
+        greedy: bool,
+    ) -> dict[str, tuple]:
         """Held-out evaluation with the current weights (DESIGN §5 rollouts, same engine rules).
 
         Args:
@@ -375,8 +394,18 @@ class GenerationWorker:
         if greedy:
             runs["greedy"] = (self.generation.model_copy(update={"top_k": 1}), 1)
         return {
-            name: sample_and_score(model, self.tokenizer, task, gen, prompt_indices, num_samples=n, seed=seed,
-                                   device=device, correct_threshold=correct_threshold, scorer=scorer)
+            name: sample_and_score(
+                model,
+                self.tokenizer,
+                task,
+                gen,
+                prompt_indices,
+                num_samples=n,
+                seed=seed,
+                device=device,
+                correct_threshold=correct_threshold,
+                scorer=scorer,
+            )
             for name, (gen, n) in runs.items()
         }
 

@@ -65,7 +65,9 @@ class TrainActor:
         self.reference: PolicyModel | None = None
         if loss_config.kl_coef > 0:
             # the frozen initial policy, for KL to the reference (DESIGN §5)
-            self.reference = PolicyModel.from_config(model_config.model_copy(update={"mtp": model_config.mtp.model_copy(update={"mtp_num_layers": 0})}))
+            self.reference = PolicyModel.from_config(
+                model_config.model_copy(update={"mtp": model_config.mtp.model_copy(update={"mtp_num_layers": 0})})
+            )
             self.reference.requires_grad_(False).eval()
         self.worker = TrainWorker(model, train_config)
         if self.reference is not None:
@@ -163,7 +165,9 @@ class TrainActor:
         self._sync_sock, port = listen_socket(host)
         return host, port
 
-    def join_weight_sync(self, host: str, port: int, world_size: int, layout, bucket_bytes: int, timeout_s: float) -> str:
+    def join_weight_sync(
+        self, host: str, port: int, world_size: int, layout, bucket_bytes: int, timeout_s: float
+    ) -> str:
         """Every rank: remember the layout (each takes part in the FSDP2 gathers of a sync);
         rank 0 also builds the weight-sync group as its rank 0 (blocks until the generation
         workers join). Returns the group's backend (``nccl`` / ``gloo``; ``none`` on other ranks)."""
