@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from splitrl.compile_lock import serialized
+from splitrl.rollout.sampling import draw, draw_with_logprobs  # noqa: F401 - read through globals() below
 
 log = logging.getLogger(__name__)
 
