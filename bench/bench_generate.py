@@ -11,8 +11,12 @@ trains on). For each batch size it prints tokens/s of
   so what is timed is speculation itself), with its acceptance rate;
 
 and the ratios to ``hf`` and ``plain``. Tokens counted are the generated ones (stop tokens
-included). Each setting is timed ``--repeats`` times after one untimed warm-up call and the best
-is kept. Run from the repository root, e.g.
+included). Each setting gets one untimed warm-up call, then the settings are timed in turns,
+``--repeats`` rounds (the order reversed every other round, so that a change of the machine's
+load hits every setting alike), and each keeps its best round; the per-round times are printed
+too. The torch thread count and the load average are printed with the figures: on a shared CPU
+they move them more than anything else (bench/RESULTS.md, CPU generation). Run from the
+repository root, e.g.
 
     python bench/bench_generate.py --model runs/smollm2_asdiv --device cuda --batch-sizes 1,32,128
     python bench/bench_generate.py --model SmolLM2-135M-Instruct.Q4_1.gguf --device cpu --batch-sizes 1,8 --new-tokens 64
@@ -23,6 +27,7 @@ Results are recorded in bench/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -37,16 +42,32 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _best(fn, repeats: int, device: str) -> tuple[float, object]:
-    fn()  # warm-up: compilation, graph capture, allocator
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        _sync(device)
-        t = time.perf_counter()
-        out = fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - t)
-    return best, out
+def _timed(fn, device: str) -> tuple[float, object]:
+    _sync(device)
+    t = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - t, out
+
+
+def _interleaved(fns: dict[str, object], repeats: int, device: str) -> dict[str, tuple[list[float], object]]:
+    """Each of ``fns`` once untimed (warm-up: compilation, graph capture, allocator), then
+    ``repeats`` rounds of one timed call each, the order reversed every other round. Returns
+    name -> (seconds of each round, output of the last call)."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    outs: dict[str, object] = {}
+    names = list(fns)
+    for r in range(repeats):
+        for k in names if r % 2 == 0 else names[::-1]:
+            t, outs[k] = _timed(fns[k], device)
+            times[k].append(t)
+    return {k: (times[k], outs[k]) for k in fns}
+
+
+def _load() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", default="1,32,128")
     ap.add_argument("--new-tokens", type=int, default=192)
     ap.add_argument("--temperature", type=float, default=0.7, help="0: greedy")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds (best kept)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--no-speculative", action="store_true")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU")
@@ -97,18 +118,16 @@ def main(argv: list[str] | None = None) -> int:
         hf = AutoModelForCausalLM.from_pretrained(str(policy_dir), dtype=dtype).to(args.device).eval()
     print(f"model {policy_dir} ({sum(p.numel() for p in model.backbone.parameters()) / 1e6:.1f} M parameters, "
           f"{model.num_mtp_depths} MTP depth(s)), {args.device} {dtype}, T={args.temperature}, "
-          f"≤ {args.new_tokens} new tokens", flush=True)  # fmt: skip
+          f"≤ {args.new_tokens} new tokens, {torch.get_num_threads()} torch thread(s) of {os.cpu_count()} CPUs, "
+          f"{_load()}", flush=True)  # fmt: skip
     print(f"{'batch':>5} {'hf tok/s':>9} {'plain':>9} {'spec':>9} {'accept %':>8} {'plain/hf':>8} {'spec/plain':>10}")
     for b in (int(x) for x in args.batch_sizes.split(",")):
         prompts = [encode_prompt(task.get_prompt(i), tok, True) for i in range(b)]
         seeds = list(range(b))
-        row = {}
-        t, res = _best(lambda: plain.generate(prompts, seeds), args.repeats, args.device)
-        row["plain"] = sum(len(r.response_ids) for r in res) / t
+        row: dict[str, float] = {}
+        fns = {"plain": lambda: plain.generate(prompts, seeds)}
         if spec is not None:
-            t, res = _best(lambda: spec.generate(prompts, seeds), args.repeats, args.device)
-            row["spec"] = sum(len(r.response_ids) for r in res) / t
-            row["accept"] = spec.last_stats.acceptance_rate
+            fns["spec"] = lambda: spec.generate(prompts, seeds)
         if hf is not None:
             tok.padding_side = "left"
             if tok.pad_token_id is None:
@@ -121,17 +140,27 @@ def main(argv: list[str] | None = None) -> int:
                 with torch.no_grad():
                     return hf.generate(**enc, **kw)
 
-            t, out = _best(run_hf, args.repeats, args.device)
-            new = out[:, enc["input_ids"].shape[1]:]
-            stop = torch.tensor(gen.stop_token_ids, device=new.device)
-            # tokens up to and including the first stop token (HF pads after it)
-            ended = torch.isin(new, stop).int().cumsum(1)
-            counted = ((ended == 0) | ((ended == 1) & torch.isin(new, stop))).sum()
-            row["hf"] = float(counted) / t
-        fmt = lambda k: f"{row[k]:9.0f}" if k in row else f"{'-':>9}"  # noqa: E731
+            fns["hf"] = run_hf
+        timed = _interleaved(fns, args.repeats, args.device)
+        rounds = {}
+        for k, (ts, out) in timed.items():
+            if k == "hf":
+                new = out[:, enc["input_ids"].shape[1]:]
+                stop = torch.tensor(gen.stop_token_ids, device=new.device)
+                # tokens up to and including the first stop token (HF pads after it)
+                ended = torch.isin(new, stop).int().cumsum(1)
+                n = float(((ended == 0) | ((ended == 1) & torch.isin(new, stop))).sum())
+            else:
+                n = sum(len(r.response_ids) for r in out)
+            row[k] = n / min(ts)
+            rounds[k] = ", ".join(f"{n / t:.1f}" for t in ts)
+        if spec is not None:
+            row["accept"] = spec.last_stats.acceptance_rate
+        fmt = lambda k: f"{row[k]:9.1f}" if k in row else f"{'-':>9}"  # noqa: E731
         ratio = lambda a, c: f"{row[a] / row[c]:.2f}x" if a in row and c in row else "-"  # noqa: E731
         acc = f"{row['accept']:8.1f}" if "accept" in row else f"{'-':>8}"
         print(f"{b:5d} {fmt('hf')} {fmt('plain')} {fmt('spec')} {acc} {ratio('plain', 'hf'):>8} {ratio('spec', 'plain'):>10}", flush=True)
+        print(f"      tok/s of each round: " + "; ".join(f"{k} {v}" for k, v in rounds.items()) + f"; {_load()}", flush=True)
     return 0
 
 
