@@ -166,9 +166,13 @@ def test_cli_eval_and_generate_on_a_checkpoint(tmp_path, capsys):
     assert json.loads(out.read_text().splitlines()[0])["first_index"] == 6
     capsys.readouterr()
 
-    rc = main(["generate", str(step / "policy"), "-p", "desc 5,2,7=", "-p", "asc 0,4,1=", "-n", "2", "--seed", "3",
-               "--device", "cpu", "--json", "rollout.max_new_tokens=5"])
-    assert rc == 0
+    threads = torch.get_num_threads()
+    try:  # --threads sets torch's intra-op threads; the samples do not depend on them
+        rc = main(["generate", str(step / "policy"), "-p", "desc 5,2,7=", "-p", "asc 0,4,1=", "-n", "2", "--seed", "3",
+                   "--device", "cpu", "--json", "--threads", "1", "rollout.max_new_tokens=5"])
+        assert rc == 0 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     want = generate_samples(model, tok, ["desc 5,2,7=", "asc 0,4,1="],
                             config.rollout.model_copy(update={"max_new_tokens": 5}), num_samples=2, seed=3)
