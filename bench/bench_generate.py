@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         ratio = lambda a, c: f"{row[a] / row[c]:.2f}x" if a in row and c in row else "-"  # noqa: E731
         acc = f"{row['accept']:8.1f}" if "accept" in row else f"{'-':>8}"
         print(f"{b:5d} {fmt('hf')} {fmt('plain')} {fmt('spec')} {acc} {ratio('plain', 'hf'):>8} {ratio('spec', 'plain'):>10}", flush=True)
-        print(f"      tok/s of each round: " + "; ".join(f"{k} {v}" for k, v in rounds.items()) + f"; {_load()}", flush=True)
+        each = "; ".join(f"{k} {v}" for k, v in rounds.items())
+        print(f"      tok/s of each round: {each}; {_load()}", flush=True)
     return 0
 
 

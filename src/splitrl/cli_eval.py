@@ -372,8 +372,9 @@ def _common(p: argparse.ArgumentParser, num_samples_help: str, greedy_help: str)
     p.add_argument("--config", action=OnlyOnce, help="run config to use instead of the run_config.json beside the checkpoint")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: %(default)s (a GPU if any)")
     p.add_argument("--dtype", choices=["fp32", "bf16"], help="default: the run's rollout_dtype")
-    p.add_argument("--threads", type=_positive, help="torch intra-op threads on the CPU (default: torch's, one a core); "
-                   "on cores other jobs share, 1 can be several times faster (bench/RESULTS.md, CPU generation)")
+    p.add_argument("--threads", type=_positive,
+                   help="torch intra-op threads on the CPU (default: torch's, one a core); on cores other jobs "
+                   "share, 1 can be several times faster (bench/RESULTS.md, CPU generation)")
     p.add_argument("--seed", type=int, default=0, help="seed of the samples (sample j of prompt i: seed, i, j); default: %(default)s")
     p.add_argument("--num-samples", "-n", type=_positive, help=num_samples_help)
     p.add_argument("--greedy", action="store_true", help=greedy_help)
