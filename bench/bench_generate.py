@@ -87,12 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     from splitrl.cli_eval import resolve_policy_dir
-    from splitrl.workers.generation import load_tokenizer
     from splitrl.models import PolicyModel
     from splitrl.models.hf_files import rollout_stop_token_ids
     from splitrl.rollout import GenerationConfig, RolloutEngine
     from splitrl.tasks import encode_prompt, make_task
     from splitrl.tasks.tokenizer import TokenizerConfig
+    from splitrl.workers.generation import load_tokenizer
 
     policy_dir, _ = resolve_policy_dir(args.model)
     tok = load_tokenizer(TokenizerConfig(kind="pretrained"), str(policy_dir))
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         rounds = {}
         for k, (ts, out) in timed.items():
             if k == "hf":
-                new = out[:, enc["input_ids"].shape[1]:]
+                new = out[:, enc["input_ids"].shape[1] :]
                 stop = torch.tensor(gen.stop_token_ids, device=new.device)
                 # tokens up to and including the first stop token (HF pads after it)
                 ended = torch.isin(new, stop).int().cumsum(1)
@@ -159,7 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         fmt = lambda k: f"{row[k]:9.1f}" if k in row else f"{'-':>9}"  # noqa: E731
         ratio = lambda a, c: f"{row[a] / row[c]:.2f}x" if a in row and c in row else "-"  # noqa: E731
         acc = f"{row['accept']:8.1f}" if "accept" in row else f"{'-':>8}"
-        print(f"{b:5d} {fmt('hf')} {fmt('plain')} {fmt('spec')} {acc} {ratio('plain', 'hf'):>8} {ratio('spec', 'plain'):>10}", flush=True)
+        print(
+            f"{b:5d} {fmt('hf')} {fmt('plain')} {fmt('spec')} {acc} {ratio('plain', 'hf'):>8} {ratio('spec', 'plain'):>10}",
+            flush=True,
+        )
         each = "; ".join(f"{k} {v}" for k, v in rounds.items())
         print(f"      tok/s of each round: {each}; {_load()}", flush=True)
     return 0

@@ -17,12 +17,12 @@ import yaml
 from splitrl.cli import main
 from splitrl.cli_eval import heldout_start, resolve_policy_dir
 from splitrl.config import load_config
-from splitrl.workers.generation import GenerationWorker
 from splitrl.dataplane import InProcessDataPlane
 from splitrl.evaluation import evaluate, generate_samples, pass_at_k
 from splitrl.models import PolicyModel
 from splitrl.models.hf_files import write_inference_files
 from splitrl.tasks import build_char_tokenizer, make_task
+from splitrl.workers.generation import GenerationWorker
 
 RUN = ["num_steps=3", "groups_per_step=2", "min_groups_per_chunk=1", "rollout.max_new_tokens=6", "seed=5"]
 
@@ -63,16 +63,33 @@ def test_eval_samples_are_the_training_rollouts_and_metrics_recompute(tmp_path):
     config, model, tok = _setup(tmp_path)
     task = make_task(config.task)
     indices, n = [7, 8, 9], 4
-    worker = GenerationWorker(config.model, config.rollout, config.task, config.tokenizer, InProcessDataPlane(),
-                              run_seed=config.seed, device="cpu")
+    worker = GenerationWorker(
+        config.model,
+        config.rollout,
+        config.task,
+        config.tokenizer,
+        InProcessDataPlane(),
+        run_seed=config.seed,
+        device="cpu",
+    )
     try:
         worker.load_weights(model.state_dict(), version=0)
         groups, _ = worker.generate_groups(indices, n)
     finally:
         worker.close()
     threshold = 0.3  # partial_chars rewards: some random samples pass it, so pass@k is not trivially 0
-    res = evaluate(model, tok, task, config.rollout, indices, num_samples=n, ks=(1, 2, 4), seed=config.seed,
-                   device="cpu", correct_threshold=threshold)
+    res = evaluate(
+        model,
+        tok,
+        task,
+        config.rollout,
+        indices,
+        num_samples=n,
+        ks=(1, 2, 4),
+        seed=config.seed,
+        device="cpu",
+        correct_threshold=threshold,
+    )
     assert [s.response for s in res.samples] == [s.info["response"] for g in groups for s in g.samples]
     assert [s.reward for s in res.samples] == [s.reward for g in groups for s in g.samples]
     assert [s.response_len for s in res.samples] == [s.response_len for g in groups for s in g.samples]
@@ -146,8 +163,24 @@ def test_cli_eval_and_generate_on_a_checkpoint(tmp_path, capsys):
     config, model, tok, step = _checkpoint(tmp_path)
     assert resolve_policy_dir(tmp_path / "run") == (step / "policy", step / "run_config.json")
     out = tmp_path / "eval.jsonl"
-    rc = main(["eval", str(tmp_path / "run"), "--num-prompts", "3", "-n", "2", "--k", "1,2", "--seed", "4",
-               "--device", "cpu", "--output", str(out)])
+    rc = main(
+        [
+            "eval",
+            str(tmp_path / "run"),
+            "--num-prompts",
+            "3",
+            "-n",
+            "2",
+            "--k",
+            "1,2",
+            "--seed",
+            "4",
+            "--device",
+            "cpu",
+            "--output",
+            str(out),
+        ]
+    )
     assert rc == 0
     head, *rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert head["first_index"] == 6 and len(rows) == 6
@@ -161,21 +194,64 @@ def test_cli_eval_and_generate_on_a_checkpoint(tmp_path, capsys):
     short = tmp_path / "short.yaml"
     short.write_text(yaml.safe_dump({**config.model_dump(mode="json"), "num_steps": 1}))
     out.unlink()
-    assert main(["eval", str(tmp_path / "run"), "--config", str(short), "--num-prompts", "1", "-n", "1", "--k", "1",
-                 "--device", "cpu", "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(tmp_path / "run"),
+                "--config",
+                str(short),
+                "--num-prompts",
+                "1",
+                "-n",
+                "1",
+                "--k",
+                "1",
+                "--device",
+                "cpu",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert json.loads(out.read_text().splitlines()[0])["first_index"] == 6
     capsys.readouterr()
 
     threads = torch.get_num_threads()
     try:  # --threads sets torch's intra-op threads; the samples do not depend on them
-        rc = main(["generate", str(step / "policy"), "-p", "desc 5,2,7=", "-p", "asc 0,4,1=", "-n", "2", "--seed", "3",
-                   "--device", "cpu", "--json", "--threads", "1", "rollout.max_new_tokens=5"])
+        rc = main(
+            [
+                "generate",
+                str(step / "policy"),
+                "-p",
+                "desc 5,2,7=",
+                "-p",
+                "asc 0,4,1=",
+                "-n",
+                "2",
+                "--seed",
+                "3",
+                "--device",
+                "cpu",
+                "--json",
+                "--threads",
+                "1",
+                "rollout.max_new_tokens=5",
+            ]
+        )
         assert rc == 0 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    want = generate_samples(model, tok, ["desc 5,2,7=", "asc 0,4,1="],
-                            config.rollout.model_copy(update={"max_new_tokens": 5}), num_samples=2, seed=3)
+    want = generate_samples(
+        model,
+        tok,
+        ["desc 5,2,7=", "asc 0,4,1="],
+        config.rollout.model_copy(update={"max_new_tokens": 5}),
+        num_samples=2,
+        seed=3,
+    )
     assert [x["responses"] for x in lines] == want
     assert all(len(r) <= 5 for x in want for r in x)
 
@@ -195,8 +271,14 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     # `generate --greedy -n 3` printed one response per prompt without a word (a new user's trial)
     assert main(["generate", str(tmp_path / "nowhere"), "-p", "x", "--greedy", "-n", "3"]) == 2
     assert "--greedy gives one response per prompt" in capsys.readouterr().err
-    assert main(["generate", str(tmp_path / "nowhere"), "-p", "x", "--greedy", "--temperature", "0.5", "--top-k", "5"]) == 2
-    assert "--greedy decodes the most likely token, so --temperature, --top-k would have no effect" in capsys.readouterr().err
+    assert (
+        main(["generate", str(tmp_path / "nowhere"), "-p", "x", "--greedy", "--temperature", "0.5", "--top-k", "5"])
+        == 2
+    )
+    assert (
+        "--greedy decodes the most likely token, so --temperature, --top-k would have no effect"
+        in capsys.readouterr().err
+    )
     # `-p ""` was refused only after the model loaded, with a hint (BOS) a CLI user cannot act on
     assert main(["generate", str(tmp_path / "nowhere"), "-p", "x", "-p", ""]) == 2
     assert "--prompt number 2 is empty" in capsys.readouterr().err
@@ -239,7 +321,6 @@ def test_progress_bar_path_returns_the_same_samples_in_order(tmp_path, capsys, m
     """The CLI's progress bar collects samples as they finish (streamed, out of order): each lands
     at its own index, so the texts equal those of the plain call."""
     from splitrl.evaluation import generate_samples
-
     from splitrl.rollout import RolloutEngine
 
     config, model, tok = _setup(tmp_path)
@@ -288,12 +369,17 @@ def test_a_damaged_newest_export_falls_back_to_an_older_intact_one(tmp_path, cap
     weights = step5 / "policy" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     assert resolve_policy_dir(tmp_path / "run") == (step3 / "policy", step3 / "run_config.json")
-    assert "using step_000003: the newer export(s) are damaged (step_000005: policy/model.safetensors has 1000 bytes" in capsys.readouterr().err
+    assert (
+        "using step_000003: the newer export(s) are damaged (step_000005: policy/model.safetensors has 1000 bytes"
+        in capsys.readouterr().err
+    )
     w3 = step3 / "policy" / "model.safetensors"
     data = bytearray(w3.read_bytes())
     data[-1] ^= 1  # same size, other content
     w3.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match=r"every Hugging Face export of this run is damaged: step_000005: .*; step_000003: .*SHA-256"):
+    with pytest.raises(
+        ValueError, match=r"every Hugging Face export of this run is damaged: step_000005: .*; step_000003: .*SHA-256"
+    ):
         resolve_policy_dir(tmp_path / "run")
 
 
@@ -304,8 +390,12 @@ def test_eval_count_flags_and_output_path_are_checked_before_sampling(tmp_path, 
     cannot be written) raised a raw traceback after the whole evaluation had run."""
     import splitrl.cli_eval as cli_eval
 
-    for argv in (["eval", "x", "--num-samples", "0"], ["eval", "x", "--num-prompts", "-2"],
-                 ["eval", "x", "--start-index", "-1"], ["generate", "x", "-p", "a", "-n", "0"]):
+    for argv in (
+        ["eval", "x", "--num-samples", "0"],
+        ["eval", "x", "--num-prompts", "-2"],
+        ["eval", "x", "--start-index", "-1"],
+        ["generate", "x", "-p", "a", "-n", "0"],
+    ):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2 and "expected an integer >=" in capsys.readouterr().err
@@ -327,7 +417,10 @@ def test_eval_count_flags_and_output_path_are_checked_before_sampling(tmp_path, 
 
 def test_config_given_twice_is_refused(capsys):
     """A second --config replaced the first without a word (the first file's settings were lost)."""
-    for argv in (["train", "--config", "a.yaml", "--config", "b.yaml"], ["eval", "x", "--config", "a", "--config", "b"]):
+    for argv in (
+        ["train", "--config", "a.yaml", "--config", "b.yaml"],
+        ["eval", "x", "--config", "a", "--config", "b"],
+    ):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2 and "--config given twice" in capsys.readouterr().err
@@ -350,7 +443,11 @@ def test_correct_threshold_outside_the_reward_range_is_refused(capsys):
 
 @pytest.mark.parametrize(
     "argv",
-    [["generate", "RUN", "-p", "x", "--temperatur", "0.5"], ["eval", "RUN", "--num-prompt", "3"], ["train", "--conf", "x.yaml"]],
+    [
+        ["generate", "RUN", "-p", "x", "--temperatur", "0.5"],
+        ["eval", "RUN", "--num-prompt", "3"],
+        ["train", "--conf", "x.yaml"],
+    ],
 )
 def test_an_abbreviated_flag_is_refused_not_taken_for_the_full_one(tmp_path, capsys, argv):
     """argparse took `--temperatur 0.5` as --temperature (a typo ran silently, a new user's trial)."""
@@ -369,9 +466,17 @@ def test_a_huge_sample_count_is_refused_before_anything_loads(tmp_path, capsys):
     """Kind: a typo that runs on without a word (issue item 4): `splitrl generate -n 100000000`
     printed nothing and grew from 0.3 to 1.9 GB in 60 s. Refused at once, with the limit and the
     way out; nothing is read from stdin and no model is looked for."""
-    for argv, what in ((["generate", str(tmp_path / "nowhere"), "-n", "100000000"], "1 prompt(s) × --num-samples 100,000,000"),
-                       (["generate", str(tmp_path / "nowhere"), "-p", "a", "-p", "b", "-n", "600000"], "2 prompt(s) × --num-samples 600,000"),
-                       (["eval", str(tmp_path / "nowhere"), "-n", "100000", "--num-prompts", "20"], "20 prompt(s) × --num-samples 100,000")):
+    for argv, what in (
+        (["generate", str(tmp_path / "nowhere"), "-n", "100000000"], "1 prompt(s) × --num-samples 100,000,000"),
+        (
+            ["generate", str(tmp_path / "nowhere"), "-p", "a", "-p", "b", "-n", "600000"],
+            "2 prompt(s) × --num-samples 600,000",
+        ),
+        (
+            ["eval", str(tmp_path / "nowhere"), "-n", "100000", "--num-prompts", "20"],
+            "20 prompt(s) × --num-samples 100,000",
+        ),
+    ):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert what in err and "more than the 1,000,000 one call draws; lower --num-samples" in err, err
@@ -389,8 +494,9 @@ def test_generate_writes_each_result_as_it_finishes_and_holds_a_bounded_chunk(tm
 
     config, model, tok, step = _checkpoint(tmp_path)
     prompts = ["desc 5,2,7=", "asc 0,4,1="]
-    one_request = generate_samples(model, tok, prompts, config.rollout.model_copy(update={"max_new_tokens": 5}),
-                                   num_samples=3, seed=3)
+    one_request = generate_samples(
+        model, tok, prompts, config.rollout.model_copy(update={"max_new_tokens": 5}), num_samples=3, seed=3
+    )
     events = []
     stream = RolloutEngine.generate_stream
 
@@ -404,8 +510,23 @@ def test_generate_writes_each_result_as_it_finishes_and_holds_a_bounded_chunk(tm
     monkeypatch.setattr(RolloutEngine, "generate_stream", recording_stream)
     monkeypatch.setattr(cli_eval, "_write_out", lambda line: (events.append(("write", line)), real_write(line)))
     monkeypatch.setattr(evaluation, "STREAM_CHUNK_SAMPLES", 2)
-    rc = main(["generate", str(step / "policy"), "-p", prompts[0], "-p", prompts[1], "-n", "3", "--seed", "3",
-               "--device", "cpu", "rollout.max_new_tokens=5"])
+    rc = main(
+        [
+            "generate",
+            str(step / "policy"),
+            "-p",
+            prompts[0],
+            "-p",
+            prompts[1],
+            "-n",
+            "3",
+            "--seed",
+            "3",
+            "--device",
+            "cpu",
+            "rollout.max_new_tokens=5",
+        ]
+    )
     assert rc == 0
     assert [n for kind, n in events if kind == "request"] == [2, 2, 2]  # 6 samples, 2 at a time
     writes = [i for i, (kind, _) in enumerate(events) if kind == "write"]
@@ -416,8 +537,27 @@ def test_generate_writes_each_result_as_it_finishes_and_holds_a_bounded_chunk(tm
     assert out.count("### ") == 2 and "[2] " in out
     # chunks of 2 give the texts one request gives (each sample has its own seed)
     monkeypatch.setattr(evaluation, "STREAM_CHUNK_SAMPLES", 4096)
-    assert main(["generate", str(step / "policy"), "-p", prompts[0], "-p", prompts[1], "-n", "3", "--seed", "3",
-                 "--device", "cpu", "--json", "rollout.max_new_tokens=5"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                str(step / "policy"),
+                "-p",
+                prompts[0],
+                "-p",
+                prompts[1],
+                "-n",
+                "3",
+                "--seed",
+                "3",
+                "--device",
+                "cpu",
+                "--json",
+                "rollout.max_new_tokens=5",
+            ]
+        )
+        == 0
+    )
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [x["responses"] for x in lines] == one_request
 
@@ -428,7 +568,10 @@ def test_eval_greedy_alone_draws_one_sample_per_prompt(tmp_path, capsys):
     for (-n) both run, as before. --help says so."""
     config, model, tok, step = _checkpoint(tmp_path)
     out = tmp_path / "greedy.jsonl"
-    assert main(["eval", str(tmp_path / "run"), "--num-prompts", "3", "--greedy", "--device", "cpu", "--output", str(out)]) == 0
+    assert (
+        main(["eval", str(tmp_path / "run"), "--num-prompts", "3", "--greedy", "--device", "cpu", "--output", str(out)])
+        == 0
+    )
     err = capsys.readouterr().err
     assert "3 prompts × 1 greedy sample;" in err
     head, *rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -436,8 +579,24 @@ def test_eval_greedy_alone_draws_one_sample_per_prompt(tmp_path, capsys):
     assert head["metrics"]["eval/greedy/num_samples"] == 1.0
     assert not any(k.startswith("eval/") and not k.startswith("eval/greedy/") for k in head["metrics"])
     out.unlink()
-    assert main(["eval", str(tmp_path / "run"), "--num-prompts", "3", "--greedy", "-n", "2", "--device", "cpu",
-                 "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(tmp_path / "run"),
+                "--num-prompts",
+                "3",
+                "--greedy",
+                "-n",
+                "2",
+                "--device",
+                "cpu",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "3 prompts × 2 samples + 1 greedy sample;" in capsys.readouterr().err
     head, *rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 3 * 2 + 3 and head["metrics"]["eval/num_samples"] == 2.0

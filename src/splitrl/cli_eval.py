@@ -34,7 +34,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from splitrl.controller.run_checkpoint import COMPLETE, RUN_CONFIG, complete_checkpoints  # stdlib only: no torch at start
+from splitrl.controller.run_checkpoint import (  # stdlib only: no torch at start
+    COMPLETE,
+    RUN_CONFIG,
+    complete_checkpoints,
+)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -98,10 +102,16 @@ def _newest_intact_export(exported: list[Path]) -> Path:
         why[c.name] = damage(c, under="policy/")
         if why[c.name] is None:
             if len(why) > 1:
-                print(f"splitrl: using {c.name}: the newer export(s) are damaged ("
-                      + "; ".join(f"{n}: {w}" for n, w in why.items() if w) + ")", file=sys.stderr)
+                print(
+                    f"splitrl: using {c.name}: the newer export(s) are damaged ("
+                    + "; ".join(f"{n}: {w}" for n, w in why.items() if w)
+                    + ")",
+                    file=sys.stderr,
+                )
             return c
-    raise ValueError("every Hugging Face export of this run is damaged: " + "; ".join(f"{n}: {w}" for n, w in why.items()))
+    raise ValueError(
+        "every Hugging Face export of this run is damaged: " + "; ".join(f"{n}: {w}" for n, w in why.items())
+    )
 
 
 def _hf_generation_overrides(policy_dir: Path) -> list[str]:
@@ -193,18 +203,24 @@ def heldout_start(num_task_prompts: int | None, config, trained, start_index: in
     if start_index is not None:
         if trained_task is not None and config.task == trained_task and start_index < drawn:
             # training's own eval refuses this overlap; here it may be meant (a score on seen prompts)
-            return start_index, (f"WARNING: prompts from index {start_index} (--start-index) include prompts the run "
-                                 f"trained on (0..{drawn - 1}); use --start-index >= {drawn} for held-out scores")
+            return start_index, (
+                f"WARNING: prompts from index {start_index} (--start-index) include prompts the run "
+                f"trained on (0..{drawn - 1}); use --start-index >= {drawn} for held-out scores"
+            )
         return start_index, f"prompts from index {start_index} (--start-index)"
     if trained_task is None:
-        return 0, ("no run config: prompts from index 0, which may include training prompts "
-                   "(set --start-index, or pass the run's --config)")
+        return 0, (
+            "no run config: prompts from index 0, which may include training prompts "
+            "(set --start-index, or pass the run's --config)"
+        )
     if config.task != trained_task:
         return 0, "a task config the run did not train on: prompts from index 0"
     if num_task_prompts is None or drawn < num_task_prompts:
         return drawn, f"held out: prompt indices from {drawn} (the run drew 0..{drawn - 1})"
-    return 0, (f"WARNING: the run drew all {num_task_prompts} prompts of this task, so these scores are on "
-               "training prompts; evaluate a separate file (task.path=... or task.split=test)")
+    return 0, (
+        f"WARNING: the run drew all {num_task_prompts} prompts of this task, so these scores are on "
+        "training prompts; evaluate a separate file (task.path=... or task.split=test)"
+    )
 
 
 def _sampling(config, args: argparse.Namespace, policy_dir: Path):
@@ -212,7 +228,9 @@ def _sampling(config, args: argparse.Namespace, policy_dir: Path):
 
     gen = config.rollout
     # the directory's own stop tokens (end-of-turn of a chat model, those a run saved)
-    update: dict[str, Any] = {"stop_token_ids": list(dict.fromkeys(gen.stop_token_ids + model_eos_token_ids(policy_dir)))}
+    update: dict[str, Any] = {
+        "stop_token_ids": list(dict.fromkeys(gen.stop_token_ids + model_eos_token_ids(policy_dir)))
+    }
     for name in ("temperature", "top_k", "top_p", "max_new_tokens"):
         value = getattr(args, name, None)
         if value is not None:
@@ -241,8 +259,10 @@ def _eval_passes(args: argparse.Namespace) -> tuple[int, bool]:
     runs beside it (metrics ``eval/greedy/*``). Without ``--greedy``: ``EVAL_NUM_SAMPLES``
     sampled responses unless ``--num-samples`` says otherwise.
     """
-    sampling_asked = args.num_samples is not None or args.k is not None or any(
-        getattr(args, name, None) is not None for name in ("temperature", "top_k", "top_p")
+    sampling_asked = (
+        args.num_samples is not None
+        or args.k is not None
+        or any(getattr(args, name, None) is not None for name in ("temperature", "top_k", "top_p"))
     )
     if args.greedy and not sampling_asked:
         return 0, True
@@ -289,8 +309,13 @@ def run_eval(args: argparse.Namespace) -> int:
     drawn = [f"{num_samples} samples"] * bool(num_samples) + ["1 greedy sample"] * greedy
     print(f"splitrl eval: {policy_dir}; {len(indices)} prompts × {' + '.join(drawn)}; {why}", file=sys.stderr)
     device = _device(args.device)
-    common = dict(seed=args.seed, device=device, correct_threshold=args.correct_threshold,
-                  reward_timeout_s=config.reward_timeout_s, progress=True)
+    common = dict(
+        seed=args.seed,
+        device=device,
+        correct_threshold=args.correct_threshold,
+        reward_timeout_s=config.reward_timeout_s,
+        progress=True,
+    )
     gen = _sampling(config, args, policy_dir)
     metrics: dict[str, float] = {}
     samples = []
@@ -300,8 +325,17 @@ def run_eval(args: argparse.Namespace) -> int:
         metrics.update(result.metrics)
         samples += result.samples
     if greedy:
-        result = evaluate(model, tokenizer, task, gen.model_copy(update={"top_k": 1}), indices, num_samples=1,
-                          ks=(1,), prefix="eval/greedy/", **common)
+        result = evaluate(
+            model,
+            tokenizer,
+            task,
+            gen.model_copy(update={"top_k": 1}),
+            indices,
+            num_samples=1,
+            ks=(1,),
+            prefix="eval/greedy/",
+            **common,
+        )
         metrics.update(result.metrics)
         samples += result.samples
     for key, value in metrics.items():
@@ -323,9 +357,13 @@ def run_generate(args: argparse.Namespace) -> int:
             f"--greedy gives one response per prompt (greedy decoding is deterministic), not "
             f"--num-samples {args.num_samples}; drop one of the two flags"
         )
-    ignored = [f"--{n.replace('_', '-')}" for n in ("temperature", "top_k", "top_p") if getattr(args, n, None) is not None]
+    ignored = [
+        f"--{n.replace('_', '-')}" for n in ("temperature", "top_k", "top_p") if getattr(args, n, None) is not None
+    ]
     if args.greedy and ignored:  # greedy takes the most likely token: these would change nothing
-        raise ValueError(f"--greedy decodes the most likely token, so {', '.join(ignored)} would have no effect; drop one")
+        raise ValueError(
+            f"--greedy decodes the most likely token, so {', '.join(ignored)} would have no effect; drop one"
+        )
     _check_sample_count(1, args.num_samples, "--num-samples")  # before stdin is read
     prompts = list(args.prompt or [])
     if not prompts:
@@ -341,8 +379,10 @@ def run_generate(args: argparse.Namespace) -> int:
     gen = _sampling(config, args, policy_dir)
     if args.greedy:
         gen = gen.model_copy(update={"top_k": 1})
-    print(f"splitrl generate: {policy_dir}; {len(prompts)} prompts × {n} {'greedy ' * args.greedy}sample(s)",
-          file=sys.stderr)
+    print(
+        f"splitrl generate: {policy_dir}; {len(prompts)} prompts × {n} {'greedy ' * args.greedy}sample(s)",
+        file=sys.stderr,
+    )
     # each response is written as soon as it and those before it are done (stdout is flushed), so
     # a long call shows its results as it goes and holds only the samples being generated
     responses: list[str] = []  # --json: the current prompt's, written with its last one
@@ -367,28 +407,47 @@ def _write_out(line: str) -> None:
 
 
 def _common(p: argparse.ArgumentParser, num_samples_help: str, greedy_help: str) -> None:
-    p.add_argument("path", help="run output dir, checkpoint dir (step_*), policy/ dir, Hugging Face model dir or .gguf file")
+    p.add_argument(
+        "path", help="run output dir, checkpoint dir (step_*), policy/ dir, Hugging Face model dir or .gguf file"
+    )
     p.add_argument("overrides", nargs="*", help="key.path=value changes to the run config, e.g. task.path=test.jsonl")
-    p.add_argument("--config", action=OnlyOnce, help="run config to use instead of the run_config.json beside the checkpoint")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: %(default)s (a GPU if any)")
+    p.add_argument(
+        "--config", action=OnlyOnce, help="run config to use instead of the run_config.json beside the checkpoint"
+    )
+    p.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: %(default)s (a GPU if any)"
+    )
     p.add_argument("--dtype", choices=["fp32", "bf16"], help="default: the run's rollout_dtype")
-    p.add_argument("--threads", type=_positive,
-                   help="torch intra-op threads on the CPU (default: torch's, one a core); on cores other jobs "
-                   "share, 1 can be several times faster (bench/RESULTS.md, CPU generation)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the samples (sample j of prompt i: seed, i, j); default: %(default)s")
+    p.add_argument(
+        "--threads",
+        type=_positive,
+        help="torch intra-op threads on the CPU (default: torch's, one a core); on cores other jobs "
+        "share, 1 can be several times faster (bench/RESULTS.md, CPU generation)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the samples (sample j of prompt i: seed, i, j); default: %(default)s",
+    )
     p.add_argument("--num-samples", "-n", type=_positive, help=num_samples_help)
     p.add_argument("--greedy", action="store_true", help=greedy_help)
     p.add_argument("--temperature", type=float, help="default: the run config's rollout.temperature")
     p.add_argument("--top-k", dest="top_k", type=int, help="default: the run config's rollout.top_k")
     p.add_argument("--top-p", dest="top_p", type=float, help="default: the run config's rollout.top_p")
-    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, help="default: the run config's rollout.max_new_tokens")
+    p.add_argument(
+        "--max-new-tokens", dest="max_new_tokens", type=int, help="default: the run config's rollout.max_new_tokens"
+    )
 
 
 def add_eval_commands(sub) -> None:
     """Register ``generate`` and ``eval`` on the ``splitrl`` sub-command parser."""
-    g = sub.add_parser("generate", allow_abbrev=False, help="print samples of a checkpoint or HF model for given prompts")
+    g = sub.add_parser(
+        "generate", allow_abbrev=False, help="print samples of a checkpoint or HF model for given prompts"
+    )
     _common(
-        g, "samples per prompt; default: 1 (at most 1,000,000 samples in all per call)",
+        g,
+        "samples per prompt; default: 1 (at most 1,000,000 samples in all per call)",
         "greedy decoding (top_k=1) instead of sampling: one response per prompt",
     )
     g.set_defaults(num_samples=1)
@@ -403,18 +462,31 @@ def add_eval_commands(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _common(
-        e, f"sampled responses per prompt; default: {EVAL_NUM_SAMPLES}, or none with --greedy alone",
+        e,
+        f"sampled responses per prompt; default: {EVAL_NUM_SAMPLES}, or none with --greedy alone",
         "score greedy decoding (top_k=1): one response per prompt. Alone, that is the only pass (metrics "
         "eval/greedy/*); with --num-samples, --k, --temperature, --top-k or --top-p it runs beside the sampled "
         "responses",
     )
     e.add_argument("--num-prompts", type=_positive, default=64, help="held-out prompts to score; default: %(default)s")
-    e.add_argument("--k", type=_pass_at_ks, help="comma-separated k of pass@k, each <= --num-samples (n = --num-samples is always added); default: 1")
-    e.add_argument("--start-index", type=_non_negative, help="first prompt index (default: the first the run never drew)")
-    e.add_argument("--correct-threshold", type=_threshold, default=1.0,
-                   help="reward >= this counts as correct (0 < t <= 1: rewards lie in [0, 1])")
-    e.add_argument("--output", help="JSONL file: a metrics line, then one line per sample (a new file; missing "
-                   "folders are created)")
+    e.add_argument(
+        "--k",
+        type=_pass_at_ks,
+        help="comma-separated k of pass@k, each <= --num-samples (n = --num-samples is always added); default: 1",
+    )
+    e.add_argument(
+        "--start-index", type=_non_negative, help="first prompt index (default: the first the run never drew)"
+    )
+    e.add_argument(
+        "--correct-threshold",
+        type=_threshold,
+        default=1.0,
+        help="reward >= this counts as correct (0 < t <= 1: rewards lie in [0, 1])",
+    )
+    e.add_argument(
+        "--output",
+        help="JSONL file: a metrics line, then one line per sample (a new file; missing folders are created)",
+    )
     e.add_argument("--overwrite", action="store_true", help="let --output replace an existing file")
     e.set_defaults(run=_guarded(run_eval))
 
@@ -481,7 +553,9 @@ def _pass_at_ks(text: str) -> list[int]:
     try:
         ks = [int(k) for k in text.split(",") if k.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 1,4,8, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated positive integers such as 1,4,8, got {text!r}"
+        ) from None
     if not ks or min(ks) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 1,4,8, got {text!r}")
     return ks
@@ -492,7 +566,9 @@ class OnlyOnce(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         if getattr(namespace, self.dest, None) is not None:
-            parser.error(f"{option_string} given twice; pass one file (put the other's settings in it, or as key=value)")
+            parser.error(
+                f"{option_string} given twice; pass one file (put the other's settings in it, or as key=value)"
+            )
         setattr(namespace, self.dest, values)
 
 
