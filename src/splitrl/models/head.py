@@ -152,6 +152,20 @@ class _ChunkedHead(torch.autograd.Function):
         return dh, (dw.to(w_dtype) if need_w else None), None, None, None, None, None
 
 
+def _head_settings(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, temperature: float, chunk_size: int | None):
+    """(device type, compute dtype, chunk size) of a chunked head call: logits in the autocast dtype
+    when autocast is on, else in the inputs' promoted dtype; 4096 positions a chunk on CUDA, 2048
+    elsewhere unless given. Raises ValueError for ``temperature`` <= 0."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 to define logprobs, got {temperature}")
+    dev = hidden_NH.device.type
+    if torch.is_autocast_enabled(dev):
+        compute_dtype = torch.get_autocast_dtype(dev)
+    else:
+        compute_dtype = torch.promote_types(hidden_NH.dtype, weight_VH.dtype)
+    return dev, compute_dtype, chunk_size or (4096 if dev == "cuda" else 2048)
+
+
 def target_logprobs(
     hidden_NH: torch.Tensor,
     weight_VH: torch.Tensor,
@@ -180,15 +194,7 @@ def target_logprobs(
     Raises:
         ValueError: ``temperature`` <= 0.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 to define logprobs, got {temperature}")
-    dev = hidden_NH.device.type
-    if torch.is_autocast_enabled(dev):
-        compute_dtype = torch.get_autocast_dtype(dev)
-    else:
-        compute_dtype = torch.promote_types(hidden_NH.dtype, weight_VH.dtype)
-    if chunk_size is None:
-        chunk_size = 4096 if dev == "cuda" else 2048
+    dev, compute_dtype, chunk_size = _head_settings(hidden_NH, weight_VH, temperature, chunk_size)
     with torch.autocast(dev, enabled=False):
         return _ChunkedHead.apply(
             hidden_NH, weight_VH, targets_N, float(temperature), with_entropy, chunk_size, compute_dtype
@@ -273,15 +279,7 @@ def distill_kl(
     Raises:
         ValueError: ``temperature`` <= 0.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    dev = student_NH.device.type
-    if torch.is_autocast_enabled(dev):
-        compute_dtype = torch.get_autocast_dtype(dev)
-    else:
-        compute_dtype = torch.promote_types(student_NH.dtype, weight_VH.dtype)
-    if chunk_size is None:
-        chunk_size = 4096 if dev == "cuda" else 2048
+    dev, compute_dtype, chunk_size = _head_settings(student_NH, weight_VH, temperature, chunk_size)
     with torch.autocast(dev, enabled=False):
         return _ChunkedDistill.apply(
             student_NH, teacher_NH, weight_VH, targets_N, float(temperature), chunk_size, compute_dtype
