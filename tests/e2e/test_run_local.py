@@ -64,11 +64,18 @@ def test_max_staleness_zero_is_on_policy(tmp_path):
         assert m["buffer/evicted_groups_total"] == 0.0
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize(
+    "rollout",
+    [[], ["rollout.speculative=true", "rollout.deterministic=true"]],
+    ids=["plain", "speculative-deterministic"],
+)
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, rollout):
     """max_staleness 0: a run stopped after a checkpoint and resumed logs the same per-step metrics
-    as an uninterrupted run. Tolerance: exact equality (same data, same chunking, same kernels)."""
-    train(_cfg(tmp_path / "full", "num_steps=4", "buffer.max_staleness=0", "checkpoint_every=2"))
-    part = _cfg(tmp_path / "part", "num_steps=4", "buffer.max_staleness=0", "checkpoint_every=2")
+    as an uninterrupted run. Tolerance: exact equality (same data, same chunking, same kernels).
+    With speculative rollouts ``rollout.deterministic`` keeps the speculation decision off the
+    clock, so the logprobs, and every metric that reads them, are equal too."""
+    train(_cfg(tmp_path / "full", "num_steps=4", "buffer.max_staleness=0", "checkpoint_every=2", *rollout))
+    part = _cfg(tmp_path / "part", "num_steps=4", "buffer.max_staleness=0", "checkpoint_every=2", *rollout)
     first = train(part.model_copy(update={"num_steps": 2}))
     assert first.steps_done == 2
     second = train(part)  # resumes from step 2
