@@ -181,7 +181,7 @@ class RolloutEngine:
             if D == 0:
                 raise ValueError(
                     "speculative=True needs a model with MTP heads (mtp.mtp_num_layers > 0); "
-                    "add MTP heads to the model or set speculative=False"
+                    "add MTP heads to the model or set speculative=False (rollout.speculative=false in a run)"
                 )
             n = config.num_draft_tokens or D
             if n > D:
