@@ -510,23 +510,9 @@ def test_generate_writes_each_result_as_it_finishes_and_holds_a_bounded_chunk(tm
     monkeypatch.setattr(RolloutEngine, "generate_stream", recording_stream)
     monkeypatch.setattr(cli_eval, "_write_out", lambda line: (events.append(("write", line)), real_write(line)))
     monkeypatch.setattr(evaluation, "STREAM_CHUNK_SAMPLES", 2)
-    rc = main(
-        [
-            "generate",
-            str(step / "policy"),
-            "-p",
-            prompts[0],
-            "-p",
-            prompts[1],
-            "-n",
-            "3",
-            "--seed",
-            "3",
-            "--device",
-            "cpu",
-            "rollout.max_new_tokens=5",
-        ]
-    )
+    argv = ["generate", str(step / "policy"), "-p", prompts[0], "-p", prompts[1], "-n", "3", "--seed", "3"]
+    argv += ["--device", "cpu", "rollout.max_new_tokens=5"]
+    rc = main(argv)
     assert rc == 0
     assert [n for kind, n in events if kind == "request"] == [2, 2, 2]  # 6 samples, 2 at a time
     writes = [i for i, (kind, _) in enumerate(events) if kind == "write"]
@@ -537,27 +523,7 @@ def test_generate_writes_each_result_as_it_finishes_and_holds_a_bounded_chunk(tm
     assert out.count("### ") == 2 and "[2] " in out
     # chunks of 2 give the texts one request gives (each sample has its own seed)
     monkeypatch.setattr(evaluation, "STREAM_CHUNK_SAMPLES", 4096)
-    assert (
-        main(
-            [
-                "generate",
-                str(step / "policy"),
-                "-p",
-                prompts[0],
-                "-p",
-                prompts[1],
-                "-n",
-                "3",
-                "--seed",
-                "3",
-                "--device",
-                "cpu",
-                "--json",
-                "rollout.max_new_tokens=5",
-            ]
-        )
-        == 0
-    )
+    assert main(argv[:-1] + ["--json", "rollout.max_new_tokens=5"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [x["responses"] for x in lines] == one_request
 

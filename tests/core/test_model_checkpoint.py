@@ -81,38 +81,34 @@ def test_save_load_round_trip_is_exact(tmp_path, family, D, repeated):
         assert torch.equal(x, y)
 
 
+# the tiny shape of the stock Hugging Face directories these tests write
+_STOCK_SHAPE = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen2"])
 def test_stock_hugging_face_directory_loads_through_from_pretrained(tmp_path, family):
     if family == "qwen3":
         cfg = Qwen3Config(
-            vocab_size=96,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+            **_STOCK_SHAPE,
             head_dim=8,
             tie_word_embeddings=False,
         )
         hf = Qwen3ForCausalLM(cfg)
     elif family == "llama":
         cfg = LlamaConfig(
-            vocab_size=96,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+            **_STOCK_SHAPE,
         )
         hf = LlamaForCausalLM(cfg)
     else:  # Qwen2.5's shape: tied embeddings, q/k/v biases (drawn here: transformers starts them at 0)
         cfg = Qwen2Config(
-            vocab_size=96,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
+            **_STOCK_SHAPE,
             tie_word_embeddings=True,
         )
         hf = Qwen2ForCausalLM(cfg)
@@ -215,12 +211,7 @@ def _stock_qwen3_dir(path, mtp_tensors, mtp_num_hidden_layers, seed=0):
     to the same safetensors file, ``mtp_num_hidden_layers`` in config.json, no splitrl keys."""
     torch.manual_seed(seed)
     cfg = Qwen3Config(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **_STOCK_SHAPE,
         head_dim=8,
         tie_word_embeddings=True,
     )
