@@ -244,7 +244,7 @@ def _overrides(args: argparse.Namespace, name: str, steps: int, out) -> list[str
 def figures(config: RunConfig, runs: list[list[dict[str, float]]]) -> dict[str, float]:
     """Steady-state throughput of a schedule's runs (steps 2..N of each, pooled) by the formulas
     of the module docstring; ``runs`` holds each run's per-step metrics."""
-    per_step = config.groups_per_step * config.group_size
+    per_step = config.schedule.groups_per_step * config.schedule.group_size
     steady = [m for metrics in runs for m in metrics[1:]]
     wall = sum(m["timing/step_s"] for m in steady)
     gen = sum(m["rollout/response_length_mean"] * per_step for m in steady)
@@ -293,18 +293,21 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
             steps = args.warmup_steps if name == "warm-up" else args.steps
             cfg = load_config(args.config, _overrides(args, names[0] if name == "warm-up" else name, steps, out))
             if i == 0:
-                dev = cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+                cl, sc = cfg.cluster, cfg.schedule
+                dev = cl.device if cl.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
                 where = (
                     torch.cuda.get_device_name()
                     if dev == "cuda"
                     else f"CPU ({platform.processor() or platform.machine()})"
                 )
+                placement = resolve_placement(
+                    cl.placement, resolve_backend(cfg), dev, cl.num_generation_workers, cl.num_train_workers
+                )
                 print(
-                    f"{where}, torch {torch.__version__}, backend {resolve_backend(cfg)}, placement "
-                    f"{resolve_placement(cfg.placement, resolve_backend(cfg), dev, cfg.num_generation_workers, cfg.num_train_workers)}, "
-                    f"{cfg.num_generation_workers} generation "
-                    f"+ {cfg.num_train_workers} train worker(s); a step = {cfg.groups_per_step} prompts x {cfg.group_size} "
-                    f"samples, <= {cfg.rollout.max_new_tokens} new tokens, chunks of {cfg.min_groups_per_chunk} groups; "
+                    f"{where}, torch {torch.__version__}, backend {resolve_backend(cfg)}, placement {placement}, "
+                    f"{cl.num_generation_workers} generation + {cl.num_train_workers} train worker(s); a step = "
+                    f"{sc.groups_per_step} prompts x {sc.group_size} samples, <= {cfg.rollout.max_new_tokens} new "
+                    f"tokens, chunks of {sc.min_groups_per_chunk} groups; "
                     f"{args.steps} steps per run, figures over steps 2-{args.steps}; run order {order}; "
                     f"runs under {root}; load average {_load()} at the start",
                     flush=True,

@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
             cfg = load_config(args.config)
         except ValueError as e:  # a config error is one message, not a traceback
             ap.error(str(e))
-        model_cfg, dtype = cfg.model, cfg.rollout_dtype
+        model_cfg, dtype = cfg.model, cfg.cluster.rollout_dtype
     engine_dtype = DTYPES[args.engine_dtype or dtype]
     trainer, engine = _models(model_cfg, args.device, engine_dtype)
     own = engine.weight_tensors()

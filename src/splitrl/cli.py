@@ -16,7 +16,7 @@ from splitrl.logging.console import guard_console
 
 
 def _flag_hint(extra: list[str], argv: list[str]) -> str:
-    """"; config keys are set as key=value: num_steps=8" for a config key typed as a flag in
+    """"; config keys are set as key=value: schedule.num_steps=8" for a config key typed as a flag in
     ``extra`` (``--num-steps 8``: a new user's trial; the value is looked up in ``argv``, where
     argparse took it as an override), else ""."""
     from splitrl.config import RunConfig
@@ -99,7 +99,7 @@ def _main(argv: list[str] | None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     t.add_argument("--config", action=OnlyOnce, help="YAML run config (see examples/)")
-    t.add_argument("overrides", nargs="*", help="key.path=value, e.g. num_steps=50 model.mtp.mtp_num_layers=2")
+    t.add_argument("overrides", nargs="*", help="key.path=value, e.g. schedule.num_steps=50 model.mtp.mtp_num_layers=2")
     t.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     # overrides may stand before or after --config: argparse leaves the later ones unparsed
     c = sub.add_parser("config", allow_abbrev=False, help="print every config key with its type, default and meaning")

@@ -2,7 +2,7 @@
 
 PATH may be a run's output directory (its newest checkpoint with a Hugging Face export is used),
 a checkpoint directory (``checkpoints/step_*`` holding ``policy/``, which is written at the end of
-a run, at a stop and every ``export_every`` steps, and ``run_config.json``), a ``policy/`` directory,
+a run, at a stop and every ``checkpoint.export_every`` steps, and ``run_config.json``), a ``policy/`` directory,
 any local Hugging Face model directory, or a ``.gguf`` file (converted once into a cached
 directory, :mod:`splitrl.models.gguf`). The run config next to a checkpoint supplies the task,
 the sampling rules and the tokenizer; ``--config FILE`` replaces it, and ``key.path=value``
@@ -11,12 +11,12 @@ config (a plain HF directory) the tokenizer and ``generation_config.json`` of th
 used.
 
 Held-out prompts. ``splitrl eval`` scores prompt indices the training run never drew: a run of
-``num_steps`` × ``groups_per_step`` prompts drew indices 0 … N−1, so evaluation starts at N (or at
-``--start-index``). A task with fewer than N prompts (a data file) was drawn in full: evaluate a
+``schedule.num_steps`` × ``schedule.groups_per_step`` prompts drew indices 0 … N−1, so evaluation
+starts at N (or at ``--start-index``). A task with fewer than N prompts (a data file) was drawn in full: evaluate a
 separate file (``task.path=...`` or ``task.split=test``), which then starts at 0. Disjoint indices
 are disjoint draws; a generator with a small space of problems can still repeat one. What the run
 drew is read from its own ``run_config.json`` beside the checkpoint, whatever ``--config`` says
-(a ``--config`` with another ``num_steps`` labelled training prompts held out); ``--config`` stands
+(a ``--config`` with another ``schedule.num_steps`` labelled training prompts held out); ``--config`` stands
 in for it only for a directory without one.
 
 Greedy. ``--greedy`` alone scores one greedy response (top_k=1) per prompt and nothing else,
@@ -63,7 +63,8 @@ def resolve_policy_dir(path: str | Path) -> tuple[Path, Path | None]:
         if not exported:
             raise ValueError(
                 f"no checkpoint in {p / 'checkpoints'} holds a Hugging Face export (policy/) yet: a run exports at "
-                "its end, at a stop (Ctrl-C) and every export_every steps; wait for one, or set export_every"
+                "its end, at a stop (Ctrl-C) and every checkpoint.export_every steps; wait for one, or set "
+                "checkpoint.export_every"
             )
         p = _newest_intact_export(exported)
     if (p / "policy" / "config.json").is_file():
@@ -73,7 +74,7 @@ def resolve_policy_dir(path: str | Path) -> tuple[Path, Path | None]:
         others = sorted(c.name for c in p.parent.glob("step_*") if (c / "policy" / "config.json").is_file())
         raise ValueError(
             f"checkpoint {p} holds the trainer state only, no Hugging Face export (policy/): exports are written "
-            "at the end of a run, at a stop and every export_every steps. "
+            "at the end of a run, at a stop and every checkpoint.export_every steps. "
             + (f"Checkpoints with one: {', '.join(others)}" if others else "No checkpoint of this run has one yet")
         )
     if (p / "config.json").is_file():
@@ -149,7 +150,7 @@ def load_policy_and_config(args: argparse.Namespace):
             try:
                 trained = load_config(known)
                 break
-            except ValueError:  # e.g. a GPU run's device=cuda read on a CPU machine
+            except ValueError:  # e.g. a GPU run's cluster.device=cuda read on a CPU machine
                 continue
     has_tokenizer = any((policy_dir / f).is_file() for f in _TOKENIZER_FILES)
     if not has_tokenizer and source is None and not any(o.startswith("tokenizer") for o in args.overrides):
@@ -173,7 +174,7 @@ def load_policy_and_config(args: argparse.Namespace):
 
         tokenizer = load_tokenizer(config.tokenizer, config.model.pretrained_path)
     model = PolicyModel.from_pretrained(str(policy_dir))
-    if args.dtype == "bf16" or (args.dtype is None and config.rollout_dtype == "bf16"):
+    if args.dtype == "bf16" or (args.dtype is None and config.cluster.rollout_dtype == "bf16"):
         model = model.to(torch.bfloat16)
     return config, trained, policy_dir, model, tokenizer
 
@@ -195,11 +196,11 @@ def heldout_start(num_task_prompts: int | None, config, trained, start_index: in
         num_task_prompts: prompts of the evaluated task (None: unbounded).
         config: the evaluation's run config (its ``task`` is evaluated).
         trained: the run config the model was trained with (None: unknown); what it drew is
-            ``trained.num_steps * trained.groups_per_step`` prompts of ``trained.task``.
+            ``trained.schedule.num_steps * trained.schedule.groups_per_step`` prompts of ``trained.task``.
         start_index: ``--start-index`` (None: from what the run drew).
     """
     trained_task = trained.task if trained is not None else None
-    drawn = trained.num_steps * trained.groups_per_step if trained is not None else 0
+    drawn = trained.schedule.num_steps * trained.schedule.groups_per_step if trained is not None else 0
     if start_index is not None:
         if trained_task is not None and config.task == trained_task and start_index < drawn:
             # training's own eval refuses this overlap; here it may be meant (a score on seen prompts)
@@ -313,7 +314,7 @@ def run_eval(args: argparse.Namespace) -> int:
         seed=args.seed,
         device=device,
         correct_threshold=args.correct_threshold,
-        reward_timeout_s=config.reward_timeout_s,
+        reward_timeout_s=config.reward.timeout_s,
         progress=True,
     )
     gen = _sampling(config, args, policy_dir)
@@ -417,7 +418,7 @@ def _common(p: argparse.ArgumentParser, num_samples_help: str, greedy_help: str)
     p.add_argument(
         "--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: %(default)s (a GPU if any)"
     )
-    p.add_argument("--dtype", choices=["fp32", "bf16"], help="default: the run's rollout_dtype")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], help="default: the run's cluster.rollout_dtype")
     p.add_argument(
         "--threads",
         type=_positive,

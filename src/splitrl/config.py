@@ -1,72 +1,47 @@
 """The run configuration: one typed object made of the components' own configs.
 
-A run is a YAML file (or nothing: the embedded CPU demo) plus ``key.path=value`` overrides. It is
-validated on load — unknown keys, impossible combinations and missing files raise a
-``ValueError`` that names the key, before anything starts.
+A run is a YAML file (or a named preset, :mod:`splitrl.presets`) plus ``key.path=value``
+overrides. It is validated on load — unknown keys, impossible combinations
+(:mod:`splitrl.config_checks`) and missing files raise a ``ValueError`` that names the key, before
+anything starts.
+
+Layout: ``seed`` and ``output_dir`` at the top; the controller's sections ``schedule``,
+``cluster``, ``checkpoint``, ``faults``, ``reward`` (:mod:`splitrl.controller.config`); the
+components' sections (``model``, ``tokenizer``, ``task``, ``rollout``, ``loss``, ``train``,
+``advantage``, ``buffer``, ``dataplane``, ``logging``, ``eval``). The flat keys of earlier
+releases (``num_steps``, ``backend`` ...: :data:`MOVED_KEYS`) are still read, with a warning that
+names the new key.
 """
 
 from __future__ import annotations
 
 import copy
-import errno
 import logging
-import os
-import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from splitrl._lazy import deferred_import_checks, import_checks_deferred
+from splitrl._lazy import deferred_import_checks
+from splitrl.config_checks import check_run_config
 from splitrl.config_help import explain_validation_error
-from splitrl.config_types import UserPath
+from splitrl.config_types import UserPath, path_problem  # noqa: F401 - path_problem re-exported
 from splitrl.controller.buffer import ReplayBufferConfig
+from splitrl.controller.config import CheckpointConfig, ClusterConfig, FaultsConfig, RewardConfig, ScheduleConfig
 from splitrl.dataplane import DataPlaneConfig
 from splitrl.eval_config import EvalConfig
 from splitrl.logging import LoggingConfig
 from splitrl.loss import GRPOLossConfig
 from splitrl.loss.advantages import AdvantageConfig
-from splitrl.models import ModelConfig, MTPConfig
+from splitrl.models import ModelConfig
+from splitrl.presets import preset_path
 from splitrl.rollout import GenerationConfig
 from splitrl.tasks import TaskConfig, default_task_config
 from splitrl.tasks.tokenizer import TokenizerConfig
-from splitrl.train import MicrobatchConfig, OptimConfig, TrainConfig
+from splitrl.train import TrainConfig
 
-# The characters of the demo task's prompts and answers ("desc 5,2,7=" -> "7,5,2"): a random-init
-# policy over 22 symbols hits a right character 1 time in 22.
-DEMO_CHARSET = " ,0123456789=acdes"
-
-
-def demo_task_config():
-    """The CPU demo's task: reasoning-gym ``number_sorting`` (3 numbers 0-9, compact prompts) with
-    per-character partial credit, which a random-init policy gets signal from from the first step
-    (strict match scores ~0 for hundreds of steps)."""
-    return default_task_config().model_copy(update={"scoring": "partial_chars"})
-
-
-def demo_model_config() -> ModelConfig:
-    """The CPU demo's policy: a 2-layer Qwen3 (hidden 128) with one MTP depth, random init.
-
-    A size that learns a compact reasoning-gym task by RL alone, from scratch, on 2 CPU cores.
-    """
-    return ModelConfig(
-        family="qwen3",
-        backbone={
-            "vocab_size": 4 + len(DEMO_CHARSET),  # the demo's character tokenizer
-            "hidden_size": 128,
-            "intermediate_size": 256,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 32,
-            "max_position_embeddings": 256,
-            "tie_word_embeddings": True,
-            "rms_norm_eps": 1e-6,
-        },
-        mtp=MTPConfig(mtp_num_layers=1, mtp_loss_scaling_factor=0.3),
-    )
-
+log = logging.getLogger(__name__)
 
 # the truncated importance-sampling cap a run uses when max_staleness > 0 and loss.tis_cap is
 # left at "auto" (the value decoupled-PPO / TIS setups commonly use)
@@ -95,116 +70,78 @@ class RunLossConfig(GRPOLossConfig):
     tis_cap: Annotated[float, Field(gt=0.0)] | Literal["auto"] | None = "auto"
 
 
+# The flat top-level keys of earlier releases -> their key now. Still read (in a file, a saved run
+# config and as overrides) with a warning; giving one together with its new key is an error.
+# ``schedule`` is both: a plain value there is the old key (async / sync), a mapping the section.
+MOVED_KEYS: dict[str, str] = {
+    "schedule": "schedule.mode",
+    "num_steps": "schedule.num_steps",
+    "groups_per_step": "schedule.groups_per_step",
+    "group_size": "schedule.group_size",
+    "min_groups_per_chunk": "schedule.min_groups_per_chunk",
+    "generation_groups_per_call": "schedule.generation_groups_per_call",
+    "chunk_order": "schedule.chunk_order",
+    "backend": "cluster.backend",
+    "placement": "cluster.placement",
+    "num_generation_workers": "cluster.num_generation_workers",
+    "num_train_workers": "cluster.num_train_workers",
+    "device": "cluster.device",
+    "ray_address": "cluster.ray_address",
+    "torch_threads": "cluster.torch_threads",
+    "rollout_dtype": "cluster.rollout_dtype",
+    "checkpoint_every": "checkpoint.every",
+    "export_every": "checkpoint.export_every",
+    "resume": "checkpoint.resume",
+    "on_chunk_failure": "faults.on_chunk_failure",
+    "max_step_retries": "faults.max_step_retries",
+    "watchdog_timeout_s": "faults.watchdog_timeout_s",
+    "reward_timeout_s": "reward.timeout_s",
+    "mask_truncated": "reward.mask_truncated",
+}
+
+
 class RunConfig(BaseModel):
     """Everything a ``splitrl train`` run needs.
 
-    Attributes (run level; the rest are the components' configs):
+    The defaults are those of a run on a real model (``model.pretrained_path`` and its
+    tokenizer); the CPU demo's values are the preset ``cpu_demo`` (:mod:`splitrl.presets`).
+
+    Attributes (run level; the rest are the controller's and the components' configs):
         seed: seed of the run's sampling (each sample's seed derives from it, the prompt index and
             the sample index). The random init of the model has its own ``model.seed``.
         output_dir: metrics, TensorBoard, checkpoints, the resolved config and the plot.
-        num_steps: optimizer steps of the run.
-        groups_per_step / group_size: a step is ``groups_per_step`` prompts × ``group_size``
-            samples (DESIGN §5).
-        min_groups_per_chunk: the train pump streams chunks of at least this many complete groups.
-        generation_groups_per_call: prompts per generation request.
-        num_generation_workers / num_train_workers: actors (train workers are data-parallel ranks).
-        backend: ``ray`` (actors on a Ray cluster, local one by default), ``local`` (objects in
-            this process, threads), or ``auto`` (ray when importable).
-        checkpoint_every: steps between checkpoints (0: only at the end).
-        export_every: steps between Hugging Face exports (``policy/`` in the checkpoint, usable
-            by ``splitrl eval`` / ``generate`` and plain transformers); 0 (default): only in the
-            last checkpoint of the run (the end, or a stop). A multiple of ``checkpoint_every``:
-            exports ride on checkpoints. A checkpoint without one holds the sharded trainer state
-            only, which keeps it fast (the export gathers the full model on one rank and blocks).
-        resume: continue from the latest checkpoint in ``output_dir`` when there is one.
-        on_chunk_failure: ``retry`` the step (up to ``max_step_retries`` times) or ``stop``.
-        max_step_retries: retries of a failed step with ``on_chunk_failure: retry``.
-        watchdog_timeout_s: report a stall (and stop) when no step finishes for this long.
-        reward_timeout_s: time limit of one answer check.
-        mask_truncated: samples cut at the length limit get ``sample_mask = 0``.
-        device: ``auto`` (CUDA when present), ``cpu`` or ``cuda``.
-        rollout_dtype: dtype of the generation copy of the model.
-        torch_threads: intra-op threads per actor (None: torch's default); on a 2-core machine 1
-            lets generation and training use a core each.
-        placement: where the workers run (:mod:`splitrl.controller.placement`). ``colocated``:
-            each GPU hosts one train rank and one generation engine in one process
-            (``num_generation_workers == num_train_workers``); weights are handed over on the
-            device (a staging copy the engine takes at its next call). ``split``: every train rank and every generation worker has a GPU of its own
-            (G + T GPUs); weights go from train rank 0 to the engines over NCCL in buckets,
-            received beside generation into a staging copy (one more copy of the weights per
-            engine) and switched in between two generation calls.
-            ``auto`` (default): ``colocated`` with ``backend=ray`` on CUDA when the two counts
-            are equal, otherwise ``split``; ``backend=local`` runs everything in this process
-            (colocated). With ``backend=ray`` the GPUs Ray sees are checked before any worker
-            starts. On CPU the placement only decides which workers share a process (the CPU
-            ``split`` sync uses gloo).
-        ray_address: join this existing Ray cluster (``auto``, ``host:port``, ``ray://...``;
-            ``RAY_ADDRESS`` works too). None starts a local cluster that listens on 127.0.0.1 only.
-        schedule: ``async`` (default): generation and training overlap — rollouts of a step are
-            streamed into training in chunks as they finish, and with ``buffer.max_staleness > 0``
-            generation runs ahead on older weights. ``sync``: a plain GRPO loop — generate the
-            whole step with the current weights, then train it, then sync the weights; nothing is
-            generated while training. ``buffer.max_staleness`` then defaults to 0, and another
-            value is refused. It trains on the same samples with the same math as ``async`` at
-            ``max_staleness: 0`` (the baseline that ``bench/bench_e2e.py`` measures the
-            asynchronous speed-up against).
-        chunk_order: at ``buffer.max_staleness: 0``, the order a step's chunks take its groups in:
-            ``prompt`` (default; bitwise reproducible) or ``arrival`` (as they finish; more
-            overlap, equal to ``prompt`` up to float rounding). With ``prompt`` a chunk waits for
-            the group of its lowest untrained prompt index, and a resumed run reproduces the
-            uninterrupted one. With ``arrival`` training starts as soon as any
-            ``min_groups_per_chunk`` of the step's own groups are done (more overlap with
-            generation when response lengths vary): the same groups, samples and math (the split
-            step equals the synchronous step for any chunking, DESIGN §1) summed in another
-            order, so not bitwise reproducible run to run. No effect with ``max_staleness > 0``
-            (chunks then are by arrival anyway) or ``schedule: sync`` (the whole step is there
-            before it trains).
+        schedule: steps, what a step is made of, sync or async
+            (:class:`~splitrl.controller.config.ScheduleConfig`).
+        cluster: backend, placement, worker counts, device
+            (:class:`~splitrl.controller.config.ClusterConfig`).
+        checkpoint: how often to checkpoint and export, resume
+            (:class:`~splitrl.controller.config.CheckpointConfig`).
+        faults: retries of a failed step, the stall watchdog
+            (:class:`~splitrl.controller.config.FaultsConfig`).
+        reward: the answer check's time limit, masking of truncated samples
+            (:class:`~splitrl.controller.config.RewardConfig`).
+        tokenizer: the run's default is the model's own (``kind: pretrained``).
+        buffer: the run's default holds 64 groups, samples up to 1 policy version old.
         eval: held-out evaluation during training (:class:`~splitrl.eval_config.EvalConfig`).
     """
 
     model_config = ConfigDict(extra="forbid")
 
     seed: int = 0
-    output_dir: UserPath = "runs/demo"
-    num_steps: int = Field(300, ge=1)
-    groups_per_step: int = Field(16, ge=1)
-    group_size: int = Field(8, ge=1)
-    min_groups_per_chunk: int = Field(4, ge=1)
-    generation_groups_per_call: int = Field(4, ge=1)
-    num_generation_workers: int = Field(1, ge=1)
-    num_train_workers: int = Field(1, ge=1)
-    backend: Literal["auto", "ray", "local"] = "auto"
-    checkpoint_every: int = Field(50, ge=0)
-    export_every: int = Field(0, ge=0)
-    resume: bool = True
-    on_chunk_failure: Literal["retry", "stop"] = "stop"
-    max_step_retries: int = Field(1, ge=0)
-    watchdog_timeout_s: float = Field(600.0, gt=0)
-    reward_timeout_s: float = Field(5.0, gt=0)
-    mask_truncated: bool = False
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    rollout_dtype: Literal["fp32", "bf16"] = "fp32"
-    torch_threads: int | None = Field(1, ge=1)
-    ray_address: str | None = None
-    schedule: Literal["async", "sync"] = "async"
-    chunk_order: Literal["prompt", "arrival"] = "prompt"
-    placement: Literal["auto", "colocated", "split"] = "auto"
+    output_dir: UserPath = "runs/splitrl"
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
 
-    # defaults: the CPU demo (without an entropy bonus, or with std division at a high learning
-    # rate, the tiny policy collapsed to one constant output)
-    model: ModelConfig = Field(default_factory=demo_model_config)
-    tokenizer: TokenizerConfig = Field(default_factory=lambda: TokenizerConfig(charset=DEMO_CHARSET))
-    task: TaskConfig = Field(default_factory=demo_task_config)
-    rollout: GenerationConfig = Field(default_factory=lambda: GenerationConfig(max_new_tokens=8, batch_size=256))
-    loss: RunLossConfig = Field(default_factory=lambda: RunLossConfig(entropy_coef=0.02))
-    train: TrainConfig = Field(
-        default_factory=lambda: TrainConfig(
-            # short samples: padded rows beat one long packed row (attention is quadratic in it)
-            microbatch=MicrobatchConfig(micro_batch_size=128),
-            optim=OptimConfig(lr=5e-4, max_grad_norm=1.0),
-        )
-    )
-    advantage: AdvantageConfig = Field(default_factory=lambda: AdvantageConfig(normalize_std=False))
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = Field(default_factory=lambda: TokenizerConfig(kind="pretrained"))
+    task: TaskConfig = Field(default_factory=default_task_config)
+    rollout: GenerationConfig = Field(default_factory=GenerationConfig)
+    loss: RunLossConfig = Field(default_factory=RunLossConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     buffer: ReplayBufferConfig = Field(default_factory=lambda: ReplayBufferConfig(capacity_groups=64, max_staleness=1))
     dataplane: DataPlaneConfig = Field(default_factory=DataPlaneConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
@@ -213,174 +150,32 @@ class RunConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _run_level_defaults(cls, data: Any) -> Any:
-        """Fill the component fields whose default is a run-level value *before* the components
-        validate: a component's own check cannot see the run (``OptimConfig`` refuses cosine
-        without ``total_steps``), so filling them afterwards comes too late.
+        """Read the old flat keys (:data:`MOVED_KEYS`), then fill the component fields whose
+        default is a run-level value *before* the components validate: a component's own check
+        cannot see the run (``OptimConfig`` refuses cosine without ``total_steps``), so filling
+        them afterwards comes too late.
 
-        - ``train.optim.total_steps`` (cosine schedule) defaults to ``num_steps``;
-        - ``dataplane.kind`` defaults to ``inprocess`` with ``backend=local`` (the only one it runs);
-        - ``buffer.max_staleness`` defaults to 0 with ``schedule=sync`` (the only value it runs).
+        - ``train.optim.total_steps`` (cosine schedule) defaults to ``schedule.num_steps``;
+        - ``dataplane.kind`` defaults to ``inprocess`` with ``cluster.backend=local`` (the only
+          one it runs);
+        - ``buffer.max_staleness`` defaults to 0 with ``schedule.mode=sync`` (the only value it runs).
         """
         if not isinstance(data, dict):
             return data
-        data = dict(data)
+        data = upgrade_layout(data, "RunConfig")
         _refuse_boolean_counts(cls, data)
         optim = _section(data, ("train", "optim"))
         if optim is not None and optim.get("schedule") == "cosine" and optim.get("total_steps") is None:
-            optim["total_steps"] = data.get("num_steps", cls.model_fields["num_steps"].default)
-        if data.get("backend") == "local":
+            optim["total_steps"] = _given(data, "schedule", "num_steps", ScheduleConfig().num_steps)
+        if _given(data, "cluster", "backend") == "local":
             _set_unless_given(data, "dataplane", "kind", "inprocess")
-        if data.get("schedule") == "sync":
+        if _given(data, "schedule", "mode") == "sync":
             _set_unless_given(data, "buffer", "max_staleness", 0)
         return data
 
     @model_validator(mode="after")
     def _check(self) -> "RunConfig":
-        mtp = self.model.mtp
-        if self.min_groups_per_chunk > self.groups_per_step:
-            raise ValueError(
-                f"min_groups_per_chunk={self.min_groups_per_chunk} > groups_per_step={self.groups_per_step}; "
-                "a chunk cannot be larger than its step"
-            )
-        if self.buffer.capacity_groups < self.min_groups_per_chunk:
-            raise ValueError(
-                f"buffer.capacity_groups={self.buffer.capacity_groups} < min_groups_per_chunk="
-                f"{self.min_groups_per_chunk}: the train pump would wait forever; raise the capacity"
-            )
-        if self.train.mtp_warmup_steps and (mtp.mtp_num_layers == 0 or mtp.mtp_loss_scaling_factor == 0):
-            raise ValueError(
-                f"train.mtp_warmup_steps={self.train.mtp_warmup_steps} trains only the MTP heads: set "
-                "model.mtp.mtp_num_layers >= 1 and model.mtp.mtp_loss_scaling_factor > 0, or train.mtp_warmup_steps=0"
-            )
-        if self.rollout.speculative and mtp.mtp_num_layers == 0:
-            raise ValueError("rollout.speculative=true needs MTP heads: set model.mtp.mtp_num_layers >= 1")
-        if self.schedule == "sync" and self.buffer.max_staleness != 0:
-            raise ValueError(
-                f"schedule=sync generates every step with the weights it trains (staleness 0), but "
-                f"buffer.max_staleness={self.buffer.max_staleness}; set buffer.max_staleness=0, or "
-                "schedule=async to let generation run ahead"
-            )
-        if self.export_every and not self.checkpoint_every:
-            raise ValueError(
-                f"export_every={self.export_every} needs intermediate checkpoints, but checkpoint_every=0 writes "
-                "only the last one (which always has the export); set checkpoint_every (export_every must be a "
-                "multiple of it), or export_every=0"
-            )
-        if self.ray_address and self.backend == "local":
-            raise ValueError(
-                f"ray_address={self.ray_address!r} joins a Ray cluster, but backend=local runs without Ray; "
-                "set backend=ray (or auto), or drop ray_address"
-            )
-        if self.export_every and self.export_every % self.checkpoint_every:
-            raise ValueError(
-                f"export_every={self.export_every} is not a multiple of checkpoint_every={self.checkpoint_every}: "
-                "the Hugging Face export is written into a checkpoint, so it can only happen at checkpoint steps; "
-                "set export_every to a multiple of checkpoint_every, or export_every=0 (only at the end)"
-            )
-        if self.backend == "local" and self.num_train_workers > 1:
-            raise ValueError("backend=local runs one train worker; use backend=ray for num_train_workers > 1")
-        if self.backend == "local" and self.dataplane.kind == "transferqueue":
-            raise ValueError(
-                "dataplane.kind=transferqueue needs backend=ray (TransferQueue runs on Ray); use dataplane.kind=inprocess"
-            )
-        if self.placement == "colocated" and self.num_generation_workers != self.num_train_workers:
-            raise ValueError(
-                f"placement=colocated puts one generation engine next to each train rank, but "
-                f"num_generation_workers={self.num_generation_workers} != num_train_workers={self.num_train_workers}; "
-                "make them equal, or use placement=split (a GPU per worker)"
-            )
-        if self.placement == "split" and self.backend == "local":
-            raise ValueError(
-                "placement=split gives every worker a process (and a GPU) of its own, but backend=local runs "
-                "them all in this process; use backend=ray, or placement=auto"
-            )
-        gguf_file = str(self.model.pretrained_path or "").lower().endswith(".gguf")
-        if gguf_file and not Path(self.model.pretrained_path).is_file():
-            raise ValueError(f"model.pretrained_path={self.model.pretrained_path!r}: no such GGUF file; check the path")
-        if (
-            self.model.pretrained_path is not None
-            and not gguf_file
-            and not (Path(self.model.pretrained_path) / "config.json").is_file()
-        ):
-            odd = path_problem(self.model.pretrained_path)  # a link that loops or points nowhere, a device
-            missing = not Path(self.model.pretrained_path).exists()
-            raise ValueError(
-                f"model.pretrained_path={self.model.pretrained_path!r} "
-                + (
-                    f"is {odd}"
-                    if odd
-                    else "does not exist"
-                    if missing
-                    else "has no config.json (not a Hugging Face model directory, nor a .gguf file)"
-                )
-                + "; check the path"
-            )
-        out = Path(self.output_dir)
-        kind = path_problem(out)
-        if kind is not None:  # mkdir said "File exists" for a link that loops or points nowhere
-            raise ValueError(
-                f"output_dir={self.output_dir!r} is {kind}; give a directory (it is created if needed)"
-                + (", or remove the link" if "symbolic link" in kind else "")
-            )
-        if out.exists() and not out.is_dir():
-            raise ValueError(f"output_dir={self.output_dir!r} is a file; give a directory (it is created if needed)")
-        if any(p.exists() and not p.is_dir() for p in out.parents):
-            raise ValueError(f"output_dir={self.output_dir!r} lies under a file; give a directory path")
-        if (self.device == "cuda" or self.train.device == "cuda") and not import_checks_deferred():
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ValueError("device=cuda but no CUDA GPU is visible here; set device=auto or device=cpu")
-        task_path = getattr(self.task, "path", None)
-        if task_path is not None and not Path(task_path).exists():
-            odd = path_problem(task_path)  # a link that loops or points nowhere
-            raise ValueError(
-                f"task.path={task_path!r} {f'is {odd}' if odd else 'does not exist'}; "
-                "point it at a JSONL / parquet file or a datasets directory"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _check_semantics(self) -> "RunConfig":
-        """Settings that would train on something other than what the user meant, or on nothing."""
-        if self.loss.temperature is not None and self.loss.temperature != self.rollout.temperature:
-            raise ValueError(
-                f"loss.temperature={self.loss.temperature} differs from rollout.temperature="
-                f"{self.rollout.temperature}: the trainer would score the tokens at another temperature "
-                "than they were sampled at. The temperature is set once, by rollout.temperature; remove "
-                "loss.temperature (the trainer takes the rollout's)"
-            )
-        need = self.advantage.min_group_size()
-        if self.group_size < need:
-            raise ValueError(
-                f"group_size={self.group_size}: advantage.estimator={self.advantage.estimator} takes each "
-                f"sample's baseline from its group, so a group needs at least {need} samples (with 1 every "
-                f"advantage is 0 and nothing is learned); set group_size >= {need}"
-            )
-        D = self.model.mtp.mtp_num_layers
-        n_draft = self.rollout.num_draft_tokens
-        if n_draft is not None and not self.rollout.speculative:
-            raise ValueError(
-                f"rollout.num_draft_tokens={n_draft} is set but rollout.speculative=false: only speculative "
-                "decoding drafts tokens, so it would have no effect; set rollout.speculative=true, or remove "
-                "rollout.num_draft_tokens"
-            )
-        if self.rollout.speculative and n_draft is not None and n_draft > D:
-            raise ValueError(
-                f"rollout.num_draft_tokens={n_draft} > model.mtp.mtp_num_layers={D}: depth k drafts the "
-                f"k-th token, so at most {D} can be drafted; set rollout.num_draft_tokens <= {D} (or null: all)"
-            )
-        if self.train.device != "auto" and self.train.device != self.device:
-            raise ValueError(
-                f"train.device={self.train.device} differs from device={self.device}: a run places every "
-                "worker on its device, so train.device would be ignored; set device instead and remove train.device"
-            )
-        if self.rollout.top_k == 1:
-            raise ValueError(
-                "rollout.top_k=1 samples the same response for every sample of a group: every group has "
-                "zero reward variance, every advantage is 0 and nothing is learned; use top_k=0 (off) or >= 2 "
-                "(for greedy samples from `splitrl generate` / `splitrl eval`, pass --greedy)"
-            )
+        check_run_config(self)
         return self
 
     def tis_cap(self) -> float | None:
@@ -417,6 +212,84 @@ class RunConfig(BaseModel):
             f"off-policy correction ON: truncated importance weights min(exp(prev - gen), {cap:g}) per token "
             f"(buffer.max_staleness={stale}; loss.tis_cap sets the cap, null turns it off)"
         )
+
+
+def _given(data: dict[str, Any], section: str, key: str, default: Any = None) -> Any:
+    """The value of ``section.key`` in raw config data (a mapping or a built config object),
+    or ``default`` where it is not given."""
+    node = data.get(section)
+    if isinstance(node, BaseModel):
+        return getattr(node, key, default)
+    if isinstance(node, dict) and node.get(key) is not None:
+        return node[key]
+    return default
+
+
+def _is_old_key(key: str, value: Any) -> bool:
+    """Whether top-level ``key: value`` is a flat key of earlier releases (:data:`MOVED_KEYS`);
+    ``schedule`` holding a mapping (or nothing) is the section of that name."""
+    return key in MOVED_KEYS and not (key == "schedule" and (value is None or isinstance(value, (dict, BaseModel))))
+
+
+def _warn_moved(source: str, moved: list[str]) -> None:
+    """One warning for the old keys of one source, each with its new key."""
+    if not moved:
+        return
+    if len(moved) <= 3:
+        what = "; ".join(f"{k} is deprecated: use {MOVED_KEYS[k]}" for k in moved)
+    else:  # a whole config of the old layout (a saved run config): one line, not 23 sentences
+        what = "deprecated flat keys, read as their new keys: " + ", ".join(f"{k} -> {MOVED_KEYS[k]}" for k in moved)
+    log.warning("%s: %s (the old keys are still read in this release)", source, what)
+
+
+def upgrade_layout(data: dict[str, Any], source: str, warn: bool = True) -> dict[str, Any]:
+    """``data`` (a run config's top level) with the flat keys of earlier releases moved to their
+    sections (:data:`MOVED_KEYS`; ``num_steps: 10`` -> ``schedule: {num_steps: 10}``), and a
+    warning naming each one and its new key. ``data`` itself is not changed.
+
+    Args:
+        source: what ``data`` came from, for the messages (``config file 'run.yaml'``).
+        warn: log the warning (False: a saved run config, which the run itself wrote).
+
+    Raises:
+        ValueError: an old key and its new key are both given.
+    """
+    moved = [k for k, v in data.items() if _is_old_key(k, v)]
+    if not moved:
+        return data
+    out = {k: v for k, v in data.items() if k not in moved}
+    for old in moved:
+        section, key = MOVED_KEYS[old].split(".")
+        node = out.get(section)
+        if isinstance(node, BaseModel):  # a built section: what was set in it, as data
+            node = node.model_dump(exclude_unset=True)
+        elif not isinstance(node, dict):
+            node = {}
+        if key in node:
+            raise ValueError(
+                f"{source}: {old} and {section}.{key} are both given; {old} is the old name of {section}.{key} "
+                f"(deprecated): keep {section}.{key} only"
+            )
+        out[section] = {**node, key: data[old]}
+    if warn:
+        _warn_moved(source, moved)
+    return out
+
+
+def _merge_onto(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """``top`` (a config file) over ``base`` (a preset), key by key: a mapping merges into the
+    preset's mapping, except one whose ``kind`` differs (another config class: it replaces the
+    preset's); anything else replaces; an empty section line (None) keeps the preset's."""
+    out = dict(base)
+    for k, v in top.items():
+        b = out.get(k)
+        if isinstance(b, dict) and v is None:
+            continue
+        if isinstance(b, dict) and isinstance(v, dict) and v.get("kind", b.get("kind")) == b.get("kind"):
+            out[k] = _merge_onto(b, v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
 
 
 def _config_classes(annotation: Any, kind: Any) -> list[type[BaseModel]]:
@@ -464,9 +337,9 @@ def _section(data: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any] | No
 
 
 def _default_section(section: str) -> dict[str, Any] | None:
-    """The run's default for a top-level section as raw data (the demo model, not a bare
-    ``ModelConfig``), holding only the keys that default sets: a key left to the component's
-    own default stays absent, so a run-level default can still fill it."""
+    """The run's default for a top-level section as raw data (``tokenizer`` of kind
+    ``pretrained``, not a bare ``TokenizerConfig``), holding only the keys that default sets: a
+    key left to the component's own default stays absent, so a run-level default can still fill it."""
     field = RunConfig.model_fields.get(section)
     value = None if field is None else field.get_default(call_default_factory=True)
     if not isinstance(value, BaseModel):
@@ -533,33 +406,6 @@ def _load_yaml(text: str, source: str, column_offset: int = 0) -> Any:
         if context and start is not None and start is not mark:
             what += f"; {context} at {at(start)}"
         raise ValueError(f"{source}{where}: not valid YAML ({what})") from None
-
-
-def path_problem(path: str | Path) -> str | None:
-    """What ``path`` is when it is neither a regular file, a directory nor simply absent, for
-    messages: a symbolic link that loops or points nowhere (for the link itself or a folder on the
-    way to it), a pipe (FIFO), a character or block device, a socket. None otherwise."""
-    p = Path(path)
-    for part in [*reversed(p.parents), p]:
-        try:
-            os.stat(part)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                return f"{'' if part == p else f'under {str(part)!r}, '}a symbolic link that loops (it leads back to itself)"
-            if e.errno == errno.ENOENT and part.is_symlink():
-                where = "" if part == p else f"under {str(part)!r}, "
-                return f"{where}a symbolic link to {os.readlink(part)!r}, which does not exist"
-            return None
-    mode = os.stat(p).st_mode
-    for test, kind in (
-        (stat.S_ISFIFO, "a pipe (FIFO)"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return kind
-    return None
 
 
 # A run config read from a pipe (``--config <(cat run.yaml)``) is read up to this size: a pipe that
@@ -629,7 +475,14 @@ _Override = tuple[list[str], Any, str]
 
 
 def _parse_overrides(overrides: list[str]) -> list[_Override]:
+    """Parse ``key.path=value`` overrides; an old flat key (``num_steps=10``) is read as its new
+    one (``schedule.num_steps``), with a warning.
+
+    Raises:
+        ValueError: a malformed override, or an old key and its new key both given.
+    """
     out = []
+    moved: list[str] = []
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} must look like key.path=value")
@@ -637,7 +490,25 @@ def _parse_overrides(overrides: list[str]) -> list[_Override]:
         keys = [k.strip() for k in key.strip().split(".")]
         if not all(keys):
             raise ValueError(f"override {item!r}: empty key in {key!r}; write key.path=value")
-        out.append((keys, _load_yaml(raw, f"override {item!r}", column_offset=len(key) + 1), item))
+        value = _load_yaml(raw, f"override {item!r}", column_offset=len(key) + 1)
+        if len(keys) == 1 and _is_old_key(keys[0], value):
+            moved.append(keys[0])
+            keys = MOVED_KEYS[keys[0]].split(".")
+        out.append((keys, value, item))
+    for old in dict.fromkeys(moved):
+        section, key = MOVED_KEYS[old].split(".")
+        both = [
+            item
+            for keys, value, item in out
+            if item.split("=", 1)[0].strip() != old
+            and (keys == [section, key] or (keys == [section] and isinstance(value, dict) and key in value))
+        ]
+        if both:
+            raise ValueError(
+                f"overrides: {old} and {section}.{key} are both given ({both[0]!r}); {old} is the old name of "
+                f"{section}.{key} (deprecated): keep {section}.{key} only"
+            )
+    _warn_moved("overrides", list(dict.fromkeys(moved)))
     return out
 
 
@@ -690,19 +561,47 @@ def _apply_overrides(data: dict[str, Any], overrides: list[_Override]) -> dict[s
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+_NOT_GIVEN: Any = object()
+
+
+def _take_preset(data: dict[str, Any], overrides: list[_Override], default: str | None) -> str | None:
+    """The preset a run starts from: a ``preset=NAME`` override (the last one), else the file's
+    ``preset:``, else ``default``; ``null`` means none. The ``preset`` entries are removed from
+    ``data`` and ``overrides`` (a loading instruction, not a key of the run config)."""
+    name = data.pop("preset", _NOT_GIVEN)
+    for keys, value, item in list(overrides):
+        if keys[0] != "preset":
+            continue
+        if len(keys) > 1:
+            raise ValueError(f"override {item!r}: preset takes a name, e.g. preset=cpu_demo")
+        name = value
+        overrides.remove((keys, value, item))
+    return default if name is _NOT_GIVEN else name
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, *, preset: str | None = None
+) -> RunConfig:
     """Load and validate a run config.
 
+    Layers, each over the one before: a preset (:mod:`splitrl.presets`, named by ``preset: NAME``
+    in the file, a ``preset=NAME`` override, or the ``preset`` argument), then the file, whose
+    mappings merge into the preset's key by key (see :func:`_merge_onto`), then the overrides.
+    Without a preset, a section the file gives replaces the run's default section (its keys left
+    out take their class defaults). Old flat keys are read with a warning (:data:`MOVED_KEYS`).
+
     Args:
-        path: a YAML file (None: the embedded default).
+        path: a YAML file (None: no file).
         overrides: ``key.path=value`` strings, applied in order; values are parsed as YAML
             (``3``, ``true``, ``[1,2]``); a mapping value replaces the whole section (see
             :func:`_apply_overrides`).
+        preset: the preset to start from when neither the file nor the overrides name one
+            (``splitrl train`` without ``--config`` passes ``cpu_demo``); None: the run's defaults.
 
     Raises:
         ValueError: a missing or unreadable file, YAML or UTF-8 errors (naming the file or the
-            override and the line), a malformed override, or any validation error (unknown key,
-            wrong type, impossible combination), naming the key.
+            override and the line), a malformed override, an unknown preset, or any validation
+            error (unknown key, wrong type, impossible combination), naming the key.
     """
     data: dict[str, Any] = {}
     if path is not None:
@@ -711,11 +610,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         loaded = _load_yaml(_read_config_file(p), what) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
-        data = loaded
+        data = upgrade_layout(loaded, what)
+    parsed = _parse_overrides(overrides or [])
+    data = dict(data)
+    name = _take_preset(data, parsed, preset)
+    if name is not None:
+        file = preset_path(name)
+        base = _load_yaml(read_utf8(file, f"preset {name!r}"), f"preset {name!r} ({file})")
+        data = _merge_onto(base, data)
     # keys, types and combinations first, without importing task libraries or torch: a typo is
     # reported in a fraction of a second; the second pass adds the checks that import them
     with deferred_import_checks():
-        data = _apply_overrides(data, _parse_overrides(overrides or []))
+        data = _apply_overrides(data, parsed)
         _validate(data)
     return _validate(data)
 

@@ -347,7 +347,7 @@ TRAIN_EPILOG = f"""\
 examples:
   splitrl train                                   the embedded CPU demo
   splitrl train --config examples/cpu_demo.yaml   the same, spelled out (+ held-out eval)
-  splitrl train num_steps=50 model.mtp.mtp_num_layers=2 buffer.max_staleness=0
+  splitrl train schedule.num_steps=50 model.mtp.mtp_num_layers=2 buffer.max_staleness=0
   splitrl train --config run.yaml --print-config  the resolved config, without running
 
 run configs to start from: {_examples_dir()}

@@ -1,6 +1,6 @@
 """Held-out evaluation during training: its config and which prompts it uses (no torch import).
 
-A run draws prompt indices 0 … N−1 of its task (N = ``num_steps × groups_per_step``; prompt i
+A run draws prompt indices 0 … N−1 of its task (N = ``schedule.num_steps × schedule.groups_per_step``; prompt i
 belongs to step ⌊i / groups_per_step⌋). Evaluation uses prompts training never samples: by
 default indices N, N+1, … of the same task, or a separate task (``eval.task``, e.g. a test file),
 from index 0. A task with a finite number of prompts that training draws in full has no unused
@@ -93,8 +93,8 @@ def heldout_indices(config: EvalConfig, num_task_prompts: int | None, drawn: int
         where = "the training task" if not separate else "eval.task"
         raise ValueError(
             f"no held-out prompts: {where} has {num_task_prompts} prompts and evaluation would start at index "
-            f"{start} (training draws num_steps x groups_per_step = {drawn} prompts). Give a separate test set "
-            "as eval.task (e.g. {kind: math_file, path: test.jsonl}), or lower num_steps"
+            f"{start} (training draws schedule.num_steps x schedule.groups_per_step = {drawn} prompts). Give a "
+            "separate test set as eval.task (e.g. {kind: math_file, path: test.jsonl}), or lower schedule.num_steps"
         )
     return list(range(start, stop))
 
@@ -111,4 +111,4 @@ def plan_eval(run_config) -> list[int]:
 
     ecfg = run_config.eval
     task = make_task(ecfg.task if ecfg.task is not None else run_config.task)
-    return heldout_indices(ecfg, task.num_prompts, run_config.num_steps * run_config.groups_per_step)
+    return heldout_indices(ecfg, task.num_prompts, run_config.schedule.num_steps * run_config.schedule.groups_per_step)

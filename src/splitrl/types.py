@@ -31,7 +31,7 @@ class SampleMeta:
         truncated: True when generation hit the length limit before EOS / a stop string.
         policy_version: version of the weights that generated the sample.
         sample_mask: 1.0 if the sample counts in training, 0.0 if filtered (e.g. truncated and
-            ``mask_truncated`` is on).
+            ``reward.mask_truncated`` is on).
         reward_timed_out: True when the answer check hit its time limit (reward is then 0).
         info: free-form extras (task metadata, response text, rollout acceptance counts ...).
     """

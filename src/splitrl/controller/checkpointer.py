@@ -112,7 +112,7 @@ class RunCheckpointer:
         writes its own small state; the shard files are then written in the background, and a
         background task writes ``COMPLETE`` (with the checksums of the files on disk) and renames
         the directory into place once every rank's files are written. The last checkpoint of a
-        run (the end, a stop) is waited for whole; a Hugging Face export (``export_every``, and
+        run (the end, a stop) is waited for whole; a Hugging Face export (``checkpoint.export_every``, and
         the last checkpoint) blocks while it is gathered and written. The blocking time is logged
         and reported as ``timing/checkpoint_s`` with the next step's metrics.
 
@@ -125,8 +125,8 @@ class RunCheckpointer:
         t0 = time.perf_counter()
         await self.finish_pending()
         waited = time.perf_counter() - t0
-        final = step >= cfg.num_steps or self._stop.is_set()
-        export = final or bool(cfg.export_every and step % cfg.export_every == 0)
+        final = step >= cfg.schedule.num_steps or self._stop.is_set()
+        export = final or bool(cfg.checkpoint.export_every and step % cfg.checkpoint.export_every == 0)
         path = step_dir(self.out, step)
         tmp = path.with_name(path.name + TMP_SUFFIX)
         try:
@@ -326,6 +326,6 @@ class RunCheckpointer:
         if touched is not None:
             raise RuntimeError(
                 f"checkpoint {touched} failed to load part-way and no older checkpoint loads; the run cannot "
-                "resume. Use resume=false to start over in this output_dir, or a new output_dir"
+                "resume. Use checkpoint.resume=false to start over in this output_dir, or a new output_dir"
             )
         return None

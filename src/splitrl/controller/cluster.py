@@ -34,8 +34,8 @@ def free_port() -> int:
 
 
 def resolve_backend(config: RunConfig) -> str:
-    if config.backend != "auto":
-        return config.backend
+    if config.cluster.backend != "auto":
+        return config.cluster.backend
     try:
         import ray  # noqa: F401
 
@@ -45,12 +45,12 @@ def resolve_backend(config: RunConfig) -> str:
 
 
 def ray_address(config: RunConfig) -> str | None:
-    """The cluster a run joins (``ray_address``, else ``RAY_ADDRESS``), or None: its own."""
-    return config.ray_address or os.environ.get("RAY_ADDRESS")
+    """The cluster a run joins (``cluster.ray_address``, else ``RAY_ADDRESS``), or None: its own."""
+    return config.cluster.ray_address or os.environ.get("RAY_ADDRESS")
 
 
 def start_cluster(config: RunConfig, backend: str) -> None:
-    """Start a local Ray cluster, or join the one named by ``ray_address`` / ``RAY_ADDRESS``.
+    """Start a local Ray cluster, or join the one named by ``cluster.ray_address`` / ``RAY_ADDRESS``.
 
     A local cluster listens on loopback only (every Ray server, worker and agent, and
     TransferQueue's sockets, bind the node address, here 127.0.0.1) and runs no dashboard:
@@ -97,7 +97,7 @@ def start_cluster(config: RunConfig, backend: str) -> None:
         return
     # transferqueue's controller and storage units ask for a CPU each: give Ray logical
     # CPUs beyond the physical ones (they may exceed the cores), or it waits forever
-    need = config.num_generation_workers + config.num_train_workers + 4
+    need = config.cluster.num_generation_workers + config.cluster.num_train_workers + 4
     log.info("start-up: starting a local Ray cluster")
     with children_ignore_sigint(), children_in_their_own_group(), loopback_only_ray():
         ray.init(num_cpus=max(8, need), include_dashboard=False, log_to_driver=True, runtime_env=runtime_env)
@@ -112,7 +112,7 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     try:
         port_n = int(port)
     except ValueError:
-        raise ValueError(f"ray_address={address!r}: expected host:port, auto or ray://host:port") from None
+        raise ValueError(f"cluster.ray_address={address!r}: expected host:port, auto or ray://host:port") from None
     try:
         socket.create_connection((host.strip("[]"), port_n), timeout=timeout_s).close()
     except OSError as e:

@@ -16,7 +16,7 @@ weights of the step's start, in prompt order and fixed chunk sizes: the run is d
 resumed run reproduces the uninterrupted one. With ``max_staleness > 0`` generation runs ahead and
 timing decides which groups land in which step.
 
-``schedule: sync`` is the plain GRPO loop, kept as the baseline the asynchronous schedule is
+``schedule.mode: sync`` is the plain GRPO loop, kept as the baseline the asynchronous schedule is
 measured against (``bench/bench_e2e.py``): it runs at ``max_staleness: 0`` (the config enforces
 it), so generation of step s waits for the weights of version s, and the train pump additionally
 waits until every group of the step is generated before it trains the first chunk. Generation and
@@ -76,7 +76,7 @@ log = logging.getLogger(__name__)
 
 
 class StallError(RuntimeError):
-    """Nothing progressed for ``watchdog_timeout_s``; the message says what was waited on."""
+    """Nothing progressed for ``faults.watchdog_timeout_s``; the message says what was waited on."""
 
 
 class StepFailed(RuntimeError):
@@ -109,7 +109,7 @@ class SingleController:
         self.config = config
         self.out = Path(config.output_dir)
         self.backend = resolve_backend(config)
-        self.device = config.device
+        self.device = config.cluster.device
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self._stop = asyncio.Event()
@@ -127,7 +127,8 @@ class SingleController:
         self.rollout_acc: list[dict] = []
         self.wait_s = 0.0
         # fp16 loss scaling: the step's expected valid tokens, then the last step's
-        self.expected_tokens = max(1, config.groups_per_step * config.group_size * config.rollout.max_new_tokens // 2)
+        sc = config.schedule
+        self.expected_tokens = max(1, sc.groups_per_step * sc.group_size * config.rollout.max_new_tokens // 2)
         self.history: list[dict[str, float]] = []
         self.stopped_early = False
         # what a checkpoint holds is written by _write_checkpoint (looked up at each call)
@@ -136,8 +137,8 @@ class SingleController:
             lambda step, tmp, export, blocking: self._write_checkpoint(step, tmp, export=export, blocking=blocking),
         )  # fmt: skip
         buf = config.buffer
-        strategy = strategy_of(buf.max_staleness, config.chunk_order, config.schedule)
-        self.schedule = PromptSchedule(config.groups_per_step, config.num_steps, buf.max_staleness, strategy)
+        strategy = strategy_of(buf.max_staleness, sc.chunk_order, sc.mode)
+        self.schedule = PromptSchedule(sc.groups_per_step, sc.num_steps, buf.max_staleness, strategy)
 
     # ============================================= run: start up, run the pumps, wind down
     async def run(self) -> RunResult:
@@ -145,16 +146,17 @@ class SingleController:
         done_before = preflight(cfg)
         self.eval_indices = plan_eval(cfg) if cfg.eval.enabled else []  # raises before anything starts
         log.log(*cfg.off_policy_summary())
-        self.health = RunHealth(cfg.reward_timeout_s, loss_scaling=cfg.train.precision == "fp16")
-        if done_before > cfg.num_steps:
+        self.health = RunHealth(cfg.reward.timeout_s, loss_scaling=cfg.train.precision == "fp16")
+        if done_before > cfg.schedule.num_steps:
             # the user asked for fewer steps than were made: say so, or it reads as a success
             log.warning(
-                "%s already holds a run of %d steps, more than num_steps=%d; nothing to do (raise num_steps to "
-                "continue it, or set resume=false to start over: the earlier run is set aside, not deleted)",
-                self.out, done_before, cfg.num_steps,
+                "%s already holds a run of %d steps, more than schedule.num_steps=%d; nothing to do (raise "
+                "schedule.num_steps to continue it, or set checkpoint.resume=false to start over: the earlier run "
+                "is set aside, not deleted)",
+                self.out, done_before, cfg.schedule.num_steps,
             )  # fmt: skip
             return RunResult(str(self.out), done_before)
-        if done_before == cfg.num_steps:
+        if done_before == cfg.schedule.num_steps:
             log.info("%s already holds a finished run (%d steps); nothing to do", self.out, done_before)
             return RunResult(str(self.out), done_before)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -188,7 +190,7 @@ class SingleController:
             # a run that failed after a checkpoint started in the background: its staged state
             # is consistent, so finish it (a hung trainer gets a bounded wait)
             try:
-                await self.checkpointer.finish_pending(timeout=min(120.0, cfg.watchdog_timeout_s))
+                await self.checkpointer.finish_pending(timeout=min(120.0, cfg.faults.watchdog_timeout_s))
             except CheckpointError as e:
                 log.error("%s", e)
             remove_stop_signals(loop)
@@ -208,7 +210,7 @@ class SingleController:
         """The RL loop: train step k on the groups the schedule gives it, sync the weights to the
         generation engines (the rollout pumps wake up), evaluate when due, log, checkpoint."""
         cfg = self.config
-        for step in range(start_step, cfg.num_steps):
+        for step in range(start_step, cfg.schedule.num_steps):
             self.step = step
             t0 = time.perf_counter()
             train_metrics, groups = await self._run_step(step)
@@ -216,7 +218,7 @@ class SingleController:
             sync_s = await self._sync_weights()
             # held-out evaluation with the weights just synced, queued on the generation workers
             # before the rollout pumps resume: training waits for the evaluation only
-            eval_metrics = await self._evaluate() if cfg.eval.due(step + 1, cfg.num_steps) else {}
+            eval_metrics = await self._evaluate() if cfg.eval.due(step + 1, cfg.schedule.num_steps) else {}
             self.data_plane.delete([s.sample_id for g in groups for s in g.samples])
             if train_metrics.get("num_valid_tokens", 0) > 0:
                 self.expected_tokens = int(train_metrics["num_valid_tokens"])
@@ -226,26 +228,26 @@ class SingleController:
             self.health.check(step + 1, metrics)
             self.history.append(metrics)
             done = step + 1
-            due = (cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.num_steps
+            due = (cfg.checkpoint.every and done % cfg.checkpoint.every == 0) or done == cfg.schedule.num_steps
             # a stop (Ctrl-C, SIGTERM) always leaves a checkpoint of the last finished step,
-            # checkpoint_every=0 (only at the end) included
+            # checkpoint.every=0 (only at the end) included
             if due or self._stop.is_set():
                 await self.checkpointer.save(done)
             if self._stop.is_set():
-                self.stopped_early = done < cfg.num_steps
+                self.stopped_early = done < cfg.schedule.num_steps
                 return
 
     async def _run_step(self, step: int) -> tuple[dict[str, float], list[Group]]:
-        """One optimizer step, streamed in chunks; retried per ``on_chunk_failure``."""
+        """One optimizer step, streamed in chunks; retried per ``faults.on_chunk_failure``."""
         cfg = self.config
-        composer = StepComposer(cfg.groups_per_step, cfg.min_groups_per_chunk)
+        composer = StepComposer(cfg.schedule.groups_per_step, cfg.schedule.min_groups_per_chunk)
         received: list[Group] = []
         attempt = 0
         while True:
             composer.start_step()
             train_intervals = []
             try:
-                if cfg.schedule == "sync":
+                if cfg.schedule.mode == "sync":
                     # the plain loop: the whole step is generated before any of it trains (the
                     # chunks below are then those of async at max_staleness 0, already held)
                     t = time.perf_counter()
@@ -262,7 +264,7 @@ class SingleController:
                         groups, replay = replay[: req.max_groups], replay[req.max_groups :]
                     else:
                         n = (
-                            min(req.max_groups, cfg.min_groups_per_chunk)
+                            min(req.max_groups, cfg.schedule.min_groups_per_chunk)
                             if cfg.buffer.max_staleness == 0
                             else req.max_groups
                         )
@@ -289,7 +291,7 @@ class SingleController:
                         f"step {step + 1} failed ({type(e).__name__}: {e}) and abort failed too"
                     ) from abort_error
                 attempt += 1
-                if cfg.on_chunk_failure == "stop" or attempt > cfg.max_step_retries:
+                if cfg.faults.on_chunk_failure == "stop" or attempt > cfg.faults.max_step_retries:
                     raise StepFailed(
                         f"step {step + 1} failed after {attempt} attempt(s): {type(e).__name__}: {e}"
                     ) from e
@@ -299,7 +301,7 @@ class SingleController:
                     type(e).__name__,
                     e,
                     attempt,
-                    cfg.max_step_retries,
+                    cfg.faults.max_step_retries,
                 )
 
     async def _wait_groups(self, n: int) -> list[Group]:
@@ -308,14 +310,17 @@ class SingleController:
         t0 = time.perf_counter()
         if self.schedule.strategy == "staleness":
             ok = await self.buffer.wait_ready(
-                min(n, cfg.min_groups_per_chunk), timeout=cfg.watchdog_timeout_s, current_version=self.version
+                min(n, cfg.schedule.min_groups_per_chunk),
+                timeout=cfg.faults.watchdog_timeout_s,
+                current_version=self.version,
             )
             if not ok:
                 raise StallError(self._stall_report(f"{n} groups"))
-            groups = self.buffer.select(self.version, max_groups=n, min_groups=min(n, cfg.min_groups_per_chunk))
+            min_groups = min(n, cfg.schedule.min_groups_per_chunk)
+            groups = self.buffer.select(self.version, max_groups=n, min_groups=min_groups)
         else:
             # max_staleness 0: the step's own prompts, in prompt order (deterministic) or in the
-            # order their groups arrive (chunk_order=arrival)
+            # order their groups arrive (schedule.chunk_order=arrival)
             await self._hold(*self.schedule.wanted(n, self.step))
             groups = self.schedule.take(n, self.step)
         self.wait_s += time.perf_counter() - t0
@@ -327,13 +332,13 @@ class SingleController:
         before their turn are moved from the buffer to the schedule's ``held``, in arrival order).
 
         Raises:
-            StallError: no group arrived for ``watchdog_timeout_s``; says where the prompts are.
+            StallError: no group arrived for ``faults.watchdog_timeout_s``; says where the prompts are.
         """
         cfg = self.config
         sched = self.schedule
         need = len(want) if at_least is None else at_least
         while sched.num_held(want) < need:
-            ok = await self.buffer.wait_ready(1, timeout=cfg.watchdog_timeout_s, current_version=self.version)
+            ok = await self.buffer.wait_ready(1, timeout=cfg.faults.watchdog_timeout_s, current_version=self.version)
             if not ok:
                 raise StallError(
                     self._stall_report("rollouts for prompts " + str([i for i in want if i not in sched.held]))
@@ -407,12 +412,12 @@ class SingleController:
             if self._stop.is_set() and sched.step_of(nxt) > self.step:
                 return  # stopping: only the open step's prompts are still needed
             # generate for step s only with weights the sampler will accept (no wasted work);
-            # past the last step, wait: an eviction may hand a prompt back. schedule=sync runs at
+            # past the last step, wait: an eviction may hand a prompt back. schedule.mode=sync runs at
             # max_staleness 0: step s + 1 waits for the weights its step s trained
             if not sched.may_generate(nxt, self.synced_version):
                 await self._wake.wait()
                 continue
-            indices = sched.claim(cfg.generation_groups_per_call)
+            indices = sched.claim(cfg.schedule.generation_groups_per_call)
             if not indices:
                 await asyncio.sleep(0.01)
                 continue
@@ -436,29 +441,29 @@ class SingleController:
     async def _generate(self, actor, indices: list[int], streamed: dict) -> tuple[list[Group], dict]:
         """One generation call for ``indices``: its groups not yet delivered and its metrics.
 
-        Under ``schedule: async`` each group is handed over as soon as its last sample finishes
+        Under ``schedule.mode: async`` each group is handed over as soon as its last sample finishes
         (the train pump's chunks stream from them): an in-process worker calls ``on_group`` on its
         thread (the delivery's future lands in ``streamed``), a Ray worker yields the group from a
-        streaming call. ``schedule: sync`` takes them with the call: the step trains only once
+        streaming call. ``schedule.mode: sync`` takes them with the call: the step trains only once
         every generation call of it returned.
         """
         cfg = self.config
         on_group = None
-        if getattr(actor, "in_process", False) and cfg.schedule == "async":
+        if getattr(actor, "in_process", False) and cfg.schedule.mode == "async":
             loop = asyncio.get_running_loop()
 
             def on_group(group: Group) -> None:  # on the worker's thread
                 streamed[group.prompt_index] = asyncio.run_coroutine_threadsafe(self._deliver([group]), loop)
 
-        if cfg.schedule == "async" and hasattr(actor, "stream"):
+        if cfg.schedule.mode == "async" and hasattr(actor, "stream"):
             groups, metrics = [], {}
-            async for item in actor.stream("generate_groups_stream", indices, cfg.group_size):
+            async for item in actor.stream("generate_groups_stream", indices, cfg.schedule.group_size):
                 if isinstance(item, Group):
                     await self._deliver([item])  # back-pressure holds this loop, not the worker
                 else:
                     metrics = item
             return groups, metrics
-        return await actor.call("generate_groups", indices, cfg.group_size, on_group)
+        return await actor.call("generate_groups", indices, cfg.schedule.group_size, on_group)
 
     async def _deliver(self, groups: list[Group]) -> None:
         """Put generated groups into the buffer, waiting for room (back-pressure). Until a group
@@ -517,10 +522,10 @@ class SingleController:
             "x %d samples), then training",
             time.perf_counter() - t_ready,
             start + 1,
-            cfg.groups_per_step,
-            cfg.group_size,
+            cfg.schedule.groups_per_step,
+            cfg.schedule.group_size,
         )
-        if not cfg.resume or start == 0:
+        if not cfg.checkpoint.resume or start == 0:
             # once the workers are up (a failed start leaves the earlier run in place), before the
             # logger, which would start a fresh metrics.jsonl over the earlier one. With no checkpoint
             # to resume from, an earlier record (a run that stopped before its first checkpoint, or
@@ -528,8 +533,8 @@ class SingleController:
             dest, moved = set_aside_earlier_run(self.out)
             if dest is not None:
                 why = (
-                    "resume=false: starting over"
-                    if not cfg.resume
+                    "checkpoint.resume=false: starting over"
+                    if not cfg.checkpoint.resume
                     else "no checkpoint to resume from: starting at step 1"
                 )
                 log.warning(
@@ -539,7 +544,7 @@ class SingleController:
                     ", ".join(moved),
                     dest,
                 )
-        self.logger = MetricsLogger(self.out, cfg.num_steps, start_step=start + 1, config=cfg.logging)
+        self.logger = MetricsLogger(self.out, cfg.schedule.num_steps, start_step=start + 1, config=cfg.logging)
         self.logger.save_config(cfg)
         return start
 
@@ -565,7 +570,7 @@ class SingleController:
         Raises:
             RuntimeError: see :meth:`RunCheckpointer.load_newest`.
         """
-        if not self.config.resume:
+        if not self.config.checkpoint.resume:
             return 0
         restored = await self.checkpointer.restore()
         if restored is None:
@@ -590,10 +595,11 @@ class SingleController:
     # ==================================================== watchdog, stop signals, shutdown
     async def _policy_call(self, coro, what: str):
         try:
-            return await asyncio.wait_for(coro, timeout=self.config.watchdog_timeout_s)
+            return await asyncio.wait_for(coro, timeout=self.config.faults.watchdog_timeout_s)
         except asyncio.TimeoutError:
             raise StallError(
-                f"watchdog: {what} did not return within {self.config.watchdog_timeout_s:.0f}s at step {self.step}; "
+                f"watchdog: {what} did not return within {self.config.faults.watchdog_timeout_s:.0f}s at step "
+                f"{self.step}; "
                 "a train worker is hung (e.g. inside a collective). Restart the run: it resumes from the last checkpoint."
             ) from None
 
@@ -602,7 +608,7 @@ class SingleController:
         cfg = self.config
         sched = self.schedule
         head = (
-            f"watchdog: waited {cfg.watchdog_timeout_s:.0f}s for {what} at step {self.step + 1} "
+            f"watchdog: waited {cfg.faults.watchdog_timeout_s:.0f}s for {what} at step {self.step + 1} "
             f"(policy version {self.version}, synced {self.synced_version}); buffer holds {self.buffer.size} groups, "
             f"{len(sched.pending)} generated groups wait for buffer room, {len(sched.generating)} prompts are being generated."
         )

@@ -73,9 +73,9 @@ class RunHealth:
         if timeouts + errors < REWARD_FAILURE_SHARE:
             return None
         return (
-            f"step {step}: {100 * timeouts:.0f}% of the answer checks timed out (limit reward_timeout_s="
+            f"step {step}: {100 * timeouts:.0f}% of the answer checks timed out (limit reward.timeout_s="
             f"{self.reward_timeout_s:g}) and {100 * errors:.0f}% crashed; they score 0 whatever the answer, so "
-            "the rewards are mostly noise. Raise reward_timeout_s or fix the task's checker"
+            "the rewards are mostly noise. Raise reward.timeout_s or fix the task's checker"
         )
 
     def _no_signal(self, step: int, m: Mapping[str, float]) -> str | None:
@@ -94,7 +94,7 @@ class RunHealth:
             return None
         return (
             f"step {step} had nothing to learn from (every sample filtered, sample_mask = 0; e.g. "
-            "mask_truncated with every response cut at rollout.max_new_tokens): no update was made"
+            "reward.mask_truncated with every response cut at rollout.max_new_tokens): no update was made"
         )
 
     def _nonfinite_grad(self, step: int, m: Mapping[str, float]) -> str | None:

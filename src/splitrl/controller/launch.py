@@ -53,9 +53,9 @@ def launch_workers(cfg: RunConfig, backend: str, device: str) -> Workers:
     Raises:
         ValueError: the cluster has too few free CPUs or GPUs for the run.
     """
-    G, T = cfg.num_generation_workers, cfg.num_train_workers
+    G, T = cfg.cluster.num_generation_workers, cfg.cluster.num_train_workers
     gpu = device == "cuda"
-    placement = resolve_placement(cfg.placement, backend, device, G, T)
+    placement = resolve_placement(cfg.cluster.placement, backend, device, G, T)
     placement_group = None
     if backend == "ray":
         import ray
@@ -81,12 +81,12 @@ def launch_workers(cfg: RunConfig, backend: str, device: str) -> Workers:
 
     def train_part(r: int) -> tuple[tuple, dict]:
         args = (cfg.model, train_cfg, cfg.trainer_loss_config(), data_plane)  # temperature, tis_cap resolved
-        return args, dict(rank=r, world_size=T, master_port=port, torch_threads=cfg.torch_threads)
+        return args, dict(rank=r, world_size=T, master_port=port, torch_threads=cfg.cluster.torch_threads)
 
     gen_part = (
         (cfg.model, cfg.rollout, cfg.task, cfg.tokenizer, data_plane),
-        dict(run_seed=cfg.seed, reward_timeout_s=cfg.reward_timeout_s, mask_truncated=cfg.mask_truncated,
-             device=device, dtype=cfg.rollout_dtype, torch_threads=cfg.torch_threads),
+        dict(run_seed=cfg.seed, reward_timeout_s=cfg.reward.timeout_s, mask_truncated=cfg.reward.mask_truncated,
+             device=device, dtype=cfg.cluster.rollout_dtype, torch_threads=cfg.cluster.torch_threads),
     )
     pg = placement_group
     if backend == "ray" and placement == "colocated":

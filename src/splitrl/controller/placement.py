@@ -1,4 +1,4 @@
-"""Where the workers run (config ``placement``) — DESIGN §4, issue 9.
+"""Where the workers run (config ``cluster.placement``) — DESIGN §4, issue 9.
 
 - ``colocated``: train rank r and generation engine r share one process (one Ray actor, a
   :class:`ColocatedWorker`) and its GPU. The controller drives the two halves through two
@@ -28,7 +28,7 @@ PLACEMENT_GROUP_TIMEOUT_S = 120.0
 def resolve_placement(
     placement: str, backend: str, device: str, num_generation_workers: int, num_train_workers: int
 ) -> Placement:
-    """The placement a run uses (``auto`` resolved; see ``RunConfig.placement``).
+    """The placement a run uses (``auto`` resolved; see ``ClusterConfig.placement``).
 
     Args:
         placement: the config's value (``auto``, ``colocated``, ``split``).
@@ -76,12 +76,12 @@ def check_cluster_gpus(
             same = (
                 ""
                 if num_generation_workers == num_train_workers
-                else f" with num_generation_workers={num_train_workers}"
+                else f" with cluster.num_generation_workers={num_train_workers}"
             )
-            fix = f"use placement=colocated{same} (needs {num_train_workers}), or " + fix
+            fix = f"use cluster.placement=colocated{same} (needs {num_train_workers}), or " + fix
     raise ValueError(
-        f"placement={placement} needs {what}, but the Ray cluster has {have}; {fix}, or join a cluster with "
-        "more GPUs (ray_address=...)"
+        f"cluster.placement={placement} needs {what}, but the Ray cluster has {have}; {fix}, or join a cluster with "
+        "more GPUs (cluster.ray_address=...)"
     )
 
 
@@ -117,7 +117,7 @@ def bundle_options(pg, index: int | None) -> dict[str, Any]:
 
 
 class ColocatedWorker:
-    """A train rank and a generation worker in one process (``placement: colocated``).
+    """A train rank and a generation worker in one process (``cluster.placement: colocated``).
 
     Args:
         train: ``(args, kwargs)`` of :class:`~splitrl.workers.train_actor.TrainActor`.

@@ -1,13 +1,13 @@
 """The preflight (DESIGN §4): every check that needs more than the config's own fields, run
 before any worker starts.
 
-The config validates its own fields and their combinations on load (:mod:`splitrl.config`);
+The config validates its own fields and their combinations on load (:mod:`splitrl.config_checks`);
 what needs the model's config, the tokenizer, the task, the output directory or a checkpoint on
 disk is checked here. Each check raises a ``ValueError`` that names the config key to change, so
 that a run with a bad model, tokenizer, prompt set, output directory or resume stops in seconds
 with one message instead of inside a worker's traceback after the cluster has started.
-:func:`preflight` runs them in order; :func:`settings_without_effect` lists valid settings that,
-together, do nothing (warned about, not refused).
+:func:`preflight` runs them in order, and warns about the valid settings that together do nothing
+(:func:`splitrl.config_checks.settings_without_effect`).
 
 Light on import (no torch): the CLI imports :func:`model_hf_config` from here.
 """
@@ -22,7 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from splitrl.config import RunConfig
+from splitrl.config import RunConfig, upgrade_layout
+from splitrl.config_checks import settings_without_effect
 from splitrl.controller.run_checkpoint import (
     RUN_CONFIG,
     checkpoint_root,
@@ -303,32 +304,6 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return latest_intact_checkpoint(output_dir)
 
 
-def settings_without_effect(config: RunConfig) -> list[str]:
-    """Valid settings that, together, leave part of the run doing nothing (warned about, not
-    refused: each can be meant, e.g. training only the MTP heads)."""
-    out = []
-    warm = config.train.mtp_warmup_steps
-    if warm and warm >= config.num_steps:
-        out.append(
-            f"train.mtp_warmup_steps={warm} >= num_steps={config.num_steps}: only the MTP heads train in this run, "
-            "the policy itself is never updated (lower mtp_warmup_steps to train the policy after the warm-up)"
-        )
-    ev = config.eval
-    if ev.eval_every > config.num_steps and not ev.at_end:
-        out.append(
-            f"eval.eval_every={ev.eval_every} > num_steps={config.num_steps} and eval.at_end=false: this run never "
-            "evaluates (lower eval.eval_every or set eval.at_end=true)"
-        )
-    if config.chunk_order == "arrival" and (config.buffer.max_staleness > 0 or config.schedule == "sync"):
-        why = (
-            "schedule=sync generates the whole step before it trains"
-            if config.schedule == "sync"
-            else f"buffer.max_staleness={config.buffer.max_staleness} already takes groups as they arrive"
-        )
-        out.append(f"chunk_order=arrival has no effect: {why} (leave chunk_order at its default, prompt)")
-    return out
-
-
 def preflight(config: RunConfig) -> int:
     """Checks that need more than the config's own fields, run before any worker starts.
 
@@ -338,7 +313,7 @@ def preflight(config: RunConfig) -> int:
     checks that a character tokenizer covers the task's prompts and that prompts fit the context
     (rows of a data file that do not are left out: ``config.task`` is updated and a warning names
     them); and, when resuming, that the checkpoint was written by the same model, tokenizer and
-    ``groups_per_step`` (other changed settings are logged) and that ``metrics.jsonl`` is a record
+    ``schedule.groups_per_step`` (other changed settings are logged) and that ``metrics.jsonl`` is a record
     the run can extend. An ``output_dir`` that the write check created is removed again (if still
     empty), with the parents it created, when a check fails. Returns the step to resume from (0: a fresh run).
 
@@ -349,7 +324,7 @@ def preflight(config: RunConfig) -> int:
     created = [d for d in (out, *out.parents) if not d.exists()]  # deepest first
     try:
         step = _preflight(config)
-        if config.resume and config.logging.jsonl:
+        if config.checkpoint.resume and config.logging.jsonl:
             # the logger reads it too, but only once the workers are up (a foreign file there was
             # reported ~20 s after the start: a new user's trial)
             from splitrl.logging.logger import check_metrics_record
@@ -386,7 +361,7 @@ def _preflight(config: RunConfig) -> int:
     task_config = fit_prompts_to_context(config, task, tok, hf_cfg)
     if task_config is not config.task:
         config.task = task_config  # the workers build the task from this: same prompts everywhere
-    ckpt = resume_checkpoint(config) if config.resume else None
+    ckpt = resume_checkpoint(config) if config.checkpoint.resume else None
     if ckpt is None:
         return 0
     check_resume_config(config, ckpt)
@@ -431,7 +406,7 @@ def resume_checkpoint(config: RunConfig) -> Path | None:
         listed = "; ".join(f"{name} ({why})" for name, why in bad[-3:])
         raise ValueError(
             f"{config.output_dir} holds checkpoints but none can be resumed from: {listed}. "
-            "resume=false starts over in this output_dir (the earlier metrics and checkpoints are moved to "
+            "checkpoint.resume=false starts over in this output_dir (the earlier metrics and checkpoints are moved to "
             "earlier_runs/), or use a new output_dir"
         )
     newer = [name for name, _ in bad if ckpt is not None and name > ckpt.name]
@@ -446,8 +421,9 @@ def resume_checkpoint(config: RunConfig) -> Path | None:
 
 
 def check_resume_config(config: RunConfig, ckpt: Path) -> None:
-    """The checkpoint must be of the same model, tokenizer and ``groups_per_step`` as this run;
-    other changed settings are logged (a checkpoint without ``run_config.json`` is not checked).
+    """The checkpoint must be of the same model, tokenizer and ``schedule.groups_per_step`` as this
+    run; other changed settings are logged (a checkpoint without ``run_config.json`` is not
+    checked; one of the old flat layout is read in the new one).
 
     Raises:
         ValueError: naming the setting that differs, or that ``run_config.json`` cannot be read.
@@ -458,13 +434,17 @@ def check_resume_config(config: RunConfig, ckpt: Path) -> None:
     try:
         saved = json.loads(saved_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise ValueError(f"{saved_path} cannot be read ({e}); resume=false starts over in this output_dir") from None
+        raise ValueError(
+            f"{saved_path} cannot be read ({e}); checkpoint.resume=false starts over in this output_dir"
+        ) from None
+    if isinstance(saved, dict):  # written by an earlier release: its flat keys, in their sections
+        saved = upgrade_layout(saved, str(saved_path), warn=False)
     now = config.model_dump(mode="json")
     if saved.get("model") != now["model"]:
         shown = _shown_differences(saved.get("model") or {}, now["model"], "model")
         raise ValueError(
             f"{ckpt} was written by a different model config than this run's ({shown}); resume needs the "
-            "same model. Use a new output_dir, or resume=false to start over in this one"
+            "same model. Use a new output_dir, or checkpoint.resume=false to start over in this one"
         )
     # the same vocabulary size can map ids to other characters: the weights would be read with
     # another meaning for every id. The path may move (a copied model directory): not compared
@@ -474,16 +454,18 @@ def check_resume_config(config: RunConfig, ckpt: Path) -> None:
         shown = _shown_differences(tok_was, tok_now, "tokenizer")
         raise ValueError(
             f"{ckpt} was written with another tokenizer config than this run's ({shown}); resume needs the same "
-            "tokenizer. Set it as the checkpoint has it, use a new output_dir, or resume=false to start over in this one"
+            "tokenizer. Set it as the checkpoint has it, use a new output_dir, or checkpoint.resume=false to start over "
+            "in this one"
         )
-    was = saved.get("groups_per_step")
-    if was is not None and was != config.groups_per_step:
+    was = (saved.get("schedule") or {}).get("groups_per_step")
+    if was is not None and was != config.schedule.groups_per_step:
         # step k trains prompt indices k*G .. (k+1)*G-1 and the checkpoint records which indices
         # are done: another G maps the next step onto done prompts and the run waits forever
         raise ValueError(
-            f"{ckpt} was written by a run with groups_per_step={was}, this run has "
-            f"groups_per_step={config.groups_per_step}; a resumed run keeps the prompts of each step, so set "
-            f"groups_per_step={was} (or use a new output_dir, or resume=false to start over in this one)"
+            f"{ckpt} was written by a run with schedule.groups_per_step={was}, this run has "
+            f"schedule.groups_per_step={config.schedule.groups_per_step}; a resumed run keeps the prompts of each "
+            f"step, so set schedule.groups_per_step={was} (or use a new output_dir, or checkpoint.resume=false to "
+            "start over in this one)"
         )
     # other settings may change on resume (a longer run, a new learning rate), but not silently: a
     # user's resume with group_size=4 over a group_size=8 run, or a new temperature, said nothing
@@ -501,9 +483,9 @@ def check_resume_config(config: RunConfig, ckpt: Path) -> None:
 # run-config keys (and sections: a dotted prefix) a resumed run is expected to change: how long,
 # where, how it logs and runs, and speed settings retuned on another machine
 _RESUME_MAY_CHANGE = frozenset({
-    "num_steps", "output_dir", "resume", "logging", "checkpoint_every", "export_every", "eval", "backend",
-    "placement", "ray_address", "num_generation_workers", "num_train_workers", "dataplane", "device",
-    "torch_threads", "watchdog_timeout_s", "reward_timeout_s", "max_step_retries", "on_chunk_failure",
+    "schedule.num_steps", "output_dir", "checkpoint", "logging", "eval", "faults", "reward.timeout_s",
+    "cluster.backend", "cluster.placement", "cluster.ray_address", "cluster.num_generation_workers",
+    "cluster.num_train_workers", "cluster.device", "cluster.torch_threads", "dataplane",
     "tokenizer.path", "rollout.batch_size", "train.microbatch", "train.speed", "train.fsdp_reshard_after_forward",
 })  # fmt: skip
 

@@ -16,10 +16,10 @@ of the schedule is lost.
 
 The train side has three strategies (:func:`strategy_of`):
 
-- ``ordered`` (``max_staleness: 0`` with ``chunk_order: prompt``, and ``schedule: sync``): a
+- ``ordered`` (``max_staleness: 0`` with ``schedule.chunk_order: prompt``, and ``schedule.mode: sync``): a
   step trains exactly its own prompts, in prompt order; chunk k of a step is the next ``n``
   indices from ``next_index``. Deterministic.
-- ``arrival`` (``max_staleness: 0``, ``chunk_order: arrival``): the open step's own prompts, in
+- ``arrival`` (``max_staleness: 0``, ``schedule.chunk_order: arrival``): the open step's own prompts, in
   the order their groups arrived; ``taken`` are the open step's prompts already trained.
 - ``staleness`` (``max_staleness > 0``): the replay buffer's sampler decides (any complete groups
   within the staleness bound); the schedule only tracks generation.
@@ -42,13 +42,13 @@ def strategy_of(max_staleness: int, chunk_order: str, schedule: str) -> Strategy
     """The train side's strategy for a run's settings (see the module docstring)."""
     if max_staleness > 0:
         return "staleness"
-    # schedule=sync holds the whole step before it trains: arrival order would only cost
+    # schedule.mode=sync holds the whole step before it trains: arrival order would only cost
     # reproducibility
     return "ordered" if chunk_order == "prompt" or schedule == "sync" else "arrival"
 
 
 def arrived_first(held_in_arrival_order: list[int], step_prompts: list[int], n: int) -> list[int]:
-    """The next chunk under ``chunk_order: arrival``: the first ``n`` prompt indices of
+    """The next chunk under ``schedule.chunk_order: arrival``: the first ``n`` prompt indices of
     ``step_prompts`` (the open step's untrained prompts) in the order their groups arrived
     (``held_in_arrival_order``); fewer when fewer have arrived."""
     wanted = set(step_prompts)
@@ -153,7 +153,7 @@ class PromptSchedule:
 
     # ---------------------------------------------------------------- train side
     def step_prompts(self, step: int) -> list[int]:
-        """``schedule: sync``: the open step's prompts not yet trained (all must be held before
+        """``schedule.mode: sync``: the open step's prompts not yet trained (all must be held before
         it trains)."""
         return list(range(self.next_index, (step + 1) * self.groups_per_step))
 

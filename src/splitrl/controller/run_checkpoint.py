@@ -2,7 +2,7 @@
 
 Layout: ``output_dir/checkpoints/step_{k:06d}/`` with ``trainer/`` (the train workers' model and
 optimizer shards, :mod:`splitrl.train.checkpoint`), ``trainer_state.pt``, ``controller.pt``,
-``run_config.json``, ``policy/`` (a Hugging Face export; only every ``export_every`` steps and in
+``run_config.json``, ``policy/`` (a Hugging Face export; only every ``checkpoint.export_every`` steps and in
 a run's last checkpoint) and, written last, ``COMPLETE``::
 
     {"step": k, "files": {"trainer/__0_0.distcp": {"size": 1234, "sha256": "..."}, "controller.pt": ...}}
@@ -278,7 +278,7 @@ RUN_RECORD = ("metrics.jsonl", "tensorboard", "metrics.png", "config.yaml")
 
 
 def set_aside_earlier_run(output_dir: str | Path) -> tuple[Path | None, list[str]]:
-    """Move an earlier run's record out of the way of a run started with ``resume: false`` in
+    """Move an earlier run's record out of the way of a run started with ``checkpoint.resume: false`` in
     the same ``output_dir``: its splitrl checkpoints (``checkpoints/step_*`` holding splitrl's
     files; another tool's folders stay) and its ``metrics.jsonl``, ``tensorboard/``,
     ``metrics.png`` and ``config.yaml`` go to ``output_dir/earlier_runs/<UTC time>/``.

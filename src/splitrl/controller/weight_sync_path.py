@@ -24,7 +24,7 @@ async def open_weight_sync(
 ) -> str:
     """Choose how weights reach the generation engines, and say which (issue 9):
 
-    - ``in_process`` (``backend=local``): the train actor stages a copy on the device for each
+    - ``in_process`` (``cluster.backend=local``): the train actor stages a copy on the device for each
       engine of this process;
     - ``colocated``: each colocated actor stages a copy on its device
       (:class:`~splitrl.controller.placement.ColocatedWorker`);
@@ -45,7 +45,7 @@ async def open_weight_sync(
         return "colocated"
     from splitrl.distributed.weight_sync import DEFAULT_BUCKET_BYTES
 
-    timeout = config.watchdog_timeout_s
+    timeout = config.faults.watchdog_timeout_s
     layout = await gen_actors[0].call("weight_layout")
     address = ray_address(config)
     # our own local cluster, or a joined head on this machine's loopback: the group stays there

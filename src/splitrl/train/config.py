@@ -83,10 +83,10 @@ class OptimConfig(BaseModel):
             RL learning rate (``bench/bench_mtp_warmstart.py``; figures in bench/RESULTS.md).
         warmup_steps: linear warmup from lr/warmup_steps to lr.
         schedule: ``constant`` after warmup, or ``cosine`` decay to ``min_lr_ratio``·lr at
-            ``total_steps`` (required for cosine; a run config fills in its ``num_steps``
+            ``total_steps`` (required for cosine; a run config fills in its ``schedule.num_steps``
             before this config validates).
         betas / eps: AdamW's.
-        total_steps: the step at which the cosine decay ends (default for a run: ``num_steps``).
+        total_steps: the step at which the cosine decay ends (default for a run: ``schedule.num_steps``).
         min_lr_ratio: the cosine schedule's final LR as a fraction of ``lr``.
         max_grad_norm: clip of the policy gradient norm (None: no clipping).
         mtp_max_grad_norm: clip of the MTP group with detached heads (None: same as

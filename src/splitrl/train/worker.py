@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitrl.config_checks import mtp_warmup_problem
 from splitrl.distributed import utils as du
 from splitrl.loss.base import LossType, Normalizer, PolicyLoss
 from splitrl.models.policy import PolicyModel
@@ -80,11 +81,10 @@ class TrainWorker:
     def __init__(self, model: PolicyModel, config: TrainConfig | None = None) -> None:
         self.config = config or TrainConfig()
         cfg = self.config
-        if cfg.mtp_warmup_steps and not model.mtp_trains:
-            raise ValueError(
-                f"mtp_warmup_steps={cfg.mtp_warmup_steps} trains only the MTP heads, but this model has none that "
-                "train: set model.mtp.mtp_num_layers >= 1 and mtp_loss_scaling_factor > 0, or mtp_warmup_steps=0"
-            )
+        # a run config refuses this on load; this guards a worker built directly (library use)
+        problem = mtp_warmup_problem(cfg.mtp_warmup_steps, model.mtp_config)
+        if problem:
+            raise ValueError(problem)
         if cfg.device == "auto":
             self.device = (
                 torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

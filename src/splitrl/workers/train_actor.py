@@ -133,7 +133,7 @@ class TrainActor:
         return self.worker.full_model_state_dict()
 
     def stage_weights_into(self, workers: list, version: int, bucket_bytes: int) -> int:
-        """In-process weight sync (``backend: local``): stage this rank's policy into the
+        """In-process weight sync (``cluster.backend: local``): stage this rank's policy into the
         :class:`~splitrl.workers.generation.GenerationWorker` objects of this process, on the
         device, beside their generation calls; each engine takes them at its next call. Runs on
         this actor's thread (no train call runs meanwhile). Returns the bytes staged per worker.
