@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
             ap.error(f"--dir {args.dir}: cannot create the directory ({e.strerror}); give a writable directory path")
     print(f"command: python bench/bench_checkpoint.py {shlex.join(argv)}", flush=True)
     try:  # the task plays no part in a checkpoint; a built-in one needs no task package
-        cfg = load_config(args.config, [f"device={args.device}", "task={kind: reverse_digits}"])
+        cfg = load_config(args.config, [f"cluster.device={args.device}", "task={kind: reverse_digits}"])
     except ValueError as e:  # a config error is one message, not a traceback
         ap.error(str(e))
     torch.manual_seed(0)

@@ -93,14 +93,14 @@ from splitrl.controller.placement import resolve_placement
 from splitrl.models.hf_files import rollout_stop_token_ids
 
 SCHEDULES = {
-    "sync": ["schedule=sync", "buffer.max_staleness=0"],
-    "async s=0": ["schedule=async", "buffer.max_staleness=0"],
-    "async s=1": ["schedule=async", "buffer.max_staleness=1"],
+    "sync": ["schedule.mode=sync", "buffer.max_staleness=0"],
+    "async s=0": ["schedule.mode=async", "buffer.max_staleness=0"],
+    "async s=1": ["schedule.mode=async", "buffer.max_staleness=1"],
     # s=0 with the step's groups trained in the order they finish (chunk_order: arrival)
-    "async s=0 arrival": ["schedule=async", "buffer.max_staleness=0", "chunk_order=arrival"],
+    "async s=0 arrival": ["schedule.mode=async", "buffer.max_staleness=0", "schedule.chunk_order=arrival"],
 }
 # the same run for every schedule: no intermediate checkpoints, no evaluation, a fresh start
-COMMON = ["checkpoint_every=0", "resume=false", "eval.eval_every=0", "eval.at_end=false", "logging.progress_bar=false"]
+COMMON = ["checkpoint.every=0", "checkpoint.resume=false", "eval.eval_every=0", "eval.at_end=false", "logging.progress_bar=false"]
 
 # keys every run's config gets from the bench (after the user's overrides): what to use instead
 BENCH_KEYS = {
@@ -235,10 +235,10 @@ def _describe_ids(ids: list[int]) -> str:
 
 def _overrides(args: argparse.Namespace, name: str, steps: int, out) -> list[str]:
     """The overrides of one run of schedule ``name``: the user's, then the bench's."""
-    base = list(args.overrides) + ([f"device={args.device}"] if args.device else [])
+    base = list(args.overrides) + ([f"cluster.device={args.device}"] if args.device else [])
     if getattr(args, "stop_ids", None) is not None:
         base.append(f"rollout.stop_token_ids=[{','.join(map(str, args.stop_ids))}]")
-    return base + COMMON + SCHEDULES[name] + [f"num_steps={steps}", f"output_dir={out}"]
+    return base + COMMON + SCHEDULES[name] + [f"schedule.num_steps={steps}", f"output_dir={out}"]
 
 
 def figures(config: RunConfig, runs: list[list[dict[str, float]]]) -> dict[str, float]:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from _bench import load_bench
+from _configs import demo_config
 from splitrl.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,7 +27,7 @@ def _step(step_s, prompt_len, response_len, reward=0.5):
 
 
 def test_figures_pool_the_steady_state_steps_of_every_run():
-    cfg = load_config(None, ["groups_per_step=4", "group_size=2"])  # 8 samples a step
+    cfg = demo_config(["schedule.groups_per_step=4", "schedule.group_size=2"])  # 8 samples a step
     runs = [
         [_step(100.0, 9, 9), _step(2.0, 10, 6), _step(2.0, 12, 4, reward=0.25)],  # step 1 (100 s) left out
         [_step(50.0, 9, 9), _step(4.0, 10, 2)],
@@ -50,7 +51,7 @@ def test_each_schedule_is_a_valid_config():
     bench = load_bench("bench_e2e")
     for name, overrides in bench.SCHEDULES.items():
         cfg = load_config(ROOT / "examples" / "cpu_demo.yaml", bench.COMMON + overrides)
-        assert cfg.schedule == name.split()[0] and not cfg.eval.enabled and cfg.checkpoint_every == 0, name
+        assert cfg.schedule.mode == name.split()[0] and not cfg.eval.enabled and cfg.checkpoint.every == 0, name
         assert cfg.buffer.max_staleness == (1 if name == "async s=1" else 0), name
 
 
@@ -75,7 +76,7 @@ def test_bench_config_errors_are_usage_errors_before_any_run(capsys, tmp_path):
             call()
         err = capsys.readouterr().err
         assert e.value.code == 2 and why in err and "Traceback" not in err
-    assert load_bench("bench_e2e").parse_args(["--steps", "2", "backend=local"]).steps == 2
+    assert load_bench("bench_e2e").parse_args(["--steps", "2", "cluster.backend=local"]).steps == 2
 
 
 def test_overrides_the_bench_replaces_are_usage_errors(capsys, tmp_path):
@@ -86,11 +87,11 @@ def test_overrides_the_bench_replaces_are_usage_errors(capsys, tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("")
     calls = [
-        (["num_steps=5"], "use --steps"),
+        (["schedule.num_steps=5"], "use --steps"),
         (["output_dir=/tmp/x"], "use --output-dir"),
-        (["schedule=sync"], "use --schedules"),
+        (["schedule.mode=sync"], "use --schedules"),
         (["buffer.max_staleness=2"], "use --schedules"),
-        (["checkpoint_every=3"], "remove the override"),
+        (["checkpoint.every=3"], "remove the override"),
         (["--output-dir", str(afile)], "lies under) a file"),
         (["--output-dir", str(afile / "sub")], "lies under) a file"),
     ]
@@ -150,7 +151,7 @@ def test_a_config_error_with_stop_prob_is_not_blamed_on_stop_prob(capsys):
     schedule it was loaded for, as without --stop-prob."""
     with pytest.raises(SystemExit) as e:
         load_bench("bench_e2e").parse_args(
-            ["--config", str(DEMO), "--stop-prob", "0.136", "--schedules", "async s=1", "backend=local"]
+            ["--config", str(DEMO), "--stop-prob", "0.136", "--schedules", "async s=1", "cluster.backend=local"]
         )
     err = capsys.readouterr().err
     assert e.value.code == 2 and "async s=1: invalid config" in err and "dataplane.kind=inprocess" in err, err
@@ -170,14 +171,14 @@ def test_stop_prob_makes_response_lengths_ragged(capsys):
         "0",
         "--schedules",
         "sync",
-        "backend=local",
+        "cluster.backend=local",
         "dataplane.kind=inprocess",
         "model.backbone.vocab_size=1000",
         "rollout.max_new_tokens=16",
-        "groups_per_step=4",
-        "group_size=4",
-        "min_groups_per_chunk=2",
-        "generation_groups_per_call=4",
+        "schedule.groups_per_step=4",
+        "schedule.group_size=4",
+        "schedule.min_groups_per_chunk=2",
+        "schedule.generation_groups_per_call=4",
     ]
     full = load_bench("bench_e2e").main(common)["sync"]
     ragged = load_bench("bench_e2e").main(common + ["--stop-prob", "0.25"])["sync"]
@@ -262,7 +263,7 @@ def test_a_run_stopped_by_a_signal_exits_with_its_code_not_a_traceback(capsys, m
                 "sync",
                 "--output-dir",
                 str(tmp_path),
-                "backend=local",
+                "cluster.backend=local",
             ]
         )
     assert e.value.code == 143

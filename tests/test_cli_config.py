@@ -7,11 +7,13 @@ import sys
 
 import pytest
 
+from _configs import demo_config
 from splitrl import __version__
 from splitrl._lazy import deferred_import_checks
 from splitrl.cli import main
-from splitrl.config import RunConfig, load_config
+from splitrl.config import RunConfig
 from splitrl.config_help import REQUIRED, attribute_docs, config_keys, suggest_key
+from splitrl.controller.config import ScheduleConfig
 
 
 def _leaves(d, prefix=""):
@@ -34,14 +36,14 @@ def _leaves(d, prefix=""):
 )
 def test_unknown_key_suggests_the_closest_valid_one(override, suggestion):
     with pytest.raises(ValueError) as e:
-        load_config(None, [override])
+        demo_config([override])
     assert f"did you mean {suggestion}?" in str(e.value)
     assert "splitrl config" in str(e.value)
 
 
 def test_no_suggestion_for_a_key_unlike_any():
     with pytest.raises(ValueError) as e:
-        load_config(None, ["zzzz=1"])
+        demo_config(["zzzz=1"])
     assert "zzzz: unknown key" in str(e.value) and "did you mean" not in str(e.value)
 
 
@@ -66,11 +68,12 @@ def test_reference_lists_every_key_with_the_runs_default():
     assert set(leaves) <= set(by_path)
     for path, value in leaves.items():
         assert by_path[path].default == value, path
-    # run-level defaults differ from the class defaults (the demo's): the reference shows the run's
-    assert by_path["rollout.max_new_tokens"].default == 8 and by_path["model.mtp.mtp_num_layers"].default == 1
+    # run-level defaults differ from the class defaults: the reference shows the run's
+    assert by_path["tokenizer.kind"].default == "pretrained" and by_path["buffer.max_staleness"].default == 1
+    assert by_path["buffer.capacity_groups"].default == 64  # the class has none
     assert by_path["model.mtp.mtp_num_layers"].type == "int"
     assert by_path["model.mtp.mtp_num_layers"].doc == "D; 0 disables MTP entirely"
-    assert by_path["backend"].type == "'auto' | 'ray' | 'local'"
+    assert by_path["cluster.backend"].type == "'auto' | 'ray' | 'local'"
     assert by_path["loss.loss_type"].type == "'token_level' | 'sequence_level'"
     # keys of the other task kinds are listed with their condition; a required one says so
     path_key = next(k for k in keys if k.path == "task.path")
@@ -78,16 +81,16 @@ def test_reference_lists_every_key_with_the_runs_default():
 
 
 def test_attribute_docs_reads_shared_entries_and_first_sentences():
-    docs = attribute_docs(RunConfig)
+    docs = attribute_docs(ScheduleConfig)
     assert docs["groups_per_step"] == docs["group_size"]
     assert docs["num_steps"] == "optimizer steps of the run."
-    assert docs["seed"].startswith("seed of the run")
+    assert attribute_docs(RunConfig)["seed"].startswith("seed of the run")
 
 
 def test_splitrl_config_prints_filtered_keys(capsys):
     assert main(["config", "mtp_num_layers"]) == 0
     out = [line for line in capsys.readouterr().out.splitlines() if line]
-    assert out == ["  model.mtp.mtp_num_layers (int) = 1  # D; 0 disables MTP entirely"]
+    assert out == ["  model.mtp.mtp_num_layers (int) = 0  # D; 0 disables MTP entirely"]
     assert main(["config", "MTP_Num_Layers"]) == 0  # case ignored (`config MTP` found nothing)
     assert [line for line in capsys.readouterr().out.splitlines() if line] == out
     assert main(["config", "no_such_key_anywhere"]) == 1
@@ -120,7 +123,7 @@ print("RESULT", rc, "heavy:" + ",".join(heavy))
 """
 
 
-@pytest.mark.parametrize("override", ["bad.key=1", "model.mtp.mtp_num_layer=2", "num_steps=-1"])
+@pytest.mark.parametrize("override", ["bad.key=1", "model.mtp.mtp_num_layer=2", "schedule.num_steps=-1"])
 def test_config_errors_come_back_before_heavy_imports(override):
     """The bug this guards: validating a config imported torch, transformers and reasoning-gym
     first (10-25 s on 2 busy cores before a typo was reported)."""
@@ -135,9 +138,9 @@ def test_config_errors_come_back_before_heavy_imports(override):
 def test_full_validation_still_checks_what_needs_imports():
     # the reasoning-gym generator name is checked in the second pass, with its own hint
     with pytest.raises(ValueError, match="number_sorting"):
-        load_config(None, ["task.dataset=number_sortin"])
-    cfg = load_config(None, ["num_steps=3"])
-    assert cfg.num_steps == 3 and json.loads(cfg.model_dump_json())["task"]["dataset"] == "number_sorting"
+        demo_config(["task.dataset=number_sortin"])
+    cfg = demo_config(["schedule.num_steps=3"])
+    assert cfg.schedule.num_steps == 3 and json.loads(cfg.model_dump_json())["task"]["dataset"] == "number_sorting"
 
 
 def test_ctrl_c_before_a_run_starts_is_one_line_not_a_traceback(capsys, monkeypatch):
@@ -158,7 +161,7 @@ def test_ctrl_c_before_a_run_starts_is_one_line_not_a_traceback(capsys, monkeypa
             pytest.fail(f"KeyboardInterrupt escaped splitrl {argv[0]}")
 
     monkeypatch.setattr(config_mod, "load_config", interrupted)
-    assert run(["train", "num_steps=1"]) == 130
+    assert run(["train", "schedule.num_steps=1"]) == 130
     err = capsys.readouterr().err
     assert "splitrl: SIGINT: stopped before anything was written" in err and "Traceback" not in err
     monkeypatch.setattr(cli_eval, "load_policy_and_config", interrupted)
@@ -180,7 +183,7 @@ def test_ctrl_c_in_a_runs_shutdown_names_the_checkpoint_it_wrote(capsys, monkeyp
         raise KeyboardInterrupt
 
     monkeypatch.setattr(controller_mod, "train", stopped_in_shutdown)
-    assert main(["train", f"output_dir={tmp_path}", "backend=local"]) == 130
+    assert main(["train", f"output_dir={tmp_path}", "cluster.backend=local"]) == 130
     err = capsys.readouterr().err
     assert f"splitrl: SIGINT: stopped; the newest checkpoint is {tmp_path}/checkpoints/step_000011" in err, err
     assert "nothing to save" not in err and "Traceback" not in err
@@ -189,7 +192,7 @@ def test_ctrl_c_in_a_runs_shutdown_names_the_checkpoint_it_wrote(capsys, monkeyp
         raise KeyboardInterrupt
 
     monkeypatch.setattr(controller_mod, "train", stopped_in_startup)
-    assert main(["train", f"output_dir={tmp_path / 'new'}", "backend=local"]) == 130
+    assert main(["train", f"output_dir={tmp_path / 'new'}", "cluster.backend=local"]) == 130
     assert f"splitrl: SIGINT: stopped; no checkpoint in {tmp_path / 'new'}" in capsys.readouterr().err
 
 
@@ -217,7 +220,7 @@ def test_a_misspelt_environment_setting_is_a_one_line_error(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, SPLITRL_DECODE_ATTENTION="trition")
     res = subprocess.run(
-        [sys.executable, "-m", "splitrl.cli", "train", "num_steps=1", f"output_dir={out}"],
+        [sys.executable, "-m", "splitrl.cli", "train", "schedule.num_steps=1", f"output_dir={out}"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -242,7 +245,7 @@ def test_print_config_checks_the_model_keys(capsys):
 def test_a_number_yaml_reads_as_text_gets_a_hint(capsys, tmp_path):
     """A new user wrote `num_steps: 1e3`: PyYAML reads it as the string "1e3", and the error only
     said the string is not an integer. Now it says why and what to write."""
-    assert main(["train", "num_steps=2e3", "--print-config"]) == 2
+    assert main(["train", "schedule.num_steps=2e3", "--print-config"]) == 2
     assert (
         "num_steps: Input should be a valid integer, unable to parse string as an integer (YAML reads 2e3 as text, not a number: write 2000)"
         in capsys.readouterr().err
@@ -260,7 +263,7 @@ def test_a_config_key_typed_as_a_flag_gets_the_key_value_form(capsys):
         main(["train", "--num-steps", "8"])
     assert e.value.code == 2
     assert (
-        "unrecognized arguments: --num-steps; config keys are set as key=value: num_steps=8" in capsys.readouterr().err
+        "unrecognized arguments: --num-steps; config keys are set as key=value: schedule.num_steps=8" in capsys.readouterr().err
     )
     with pytest.raises(SystemExit):
         main(["train", "--model.mtp.mtp-num-layers=2"])

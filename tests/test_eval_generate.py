@@ -14,9 +14,9 @@ import pytest
 import torch
 import yaml
 
+from _configs import demo_config
 from splitrl.cli import main
 from splitrl.cli_eval import heldout_start, resolve_policy_dir
-from splitrl.config import load_config
 from splitrl.dataplane import InProcessDataPlane
 from splitrl.evaluation import evaluate, generate_samples, pass_at_k
 from splitrl.models import PolicyModel
@@ -24,7 +24,7 @@ from splitrl.models.hf_files import write_inference_files
 from splitrl.tasks import build_char_tokenizer, make_task
 from splitrl.workers.generation import GenerationWorker
 
-RUN = ["num_steps=3", "groups_per_step=2", "min_groups_per_chunk=1", "rollout.max_new_tokens=6", "seed=5"]
+RUN = ["schedule.num_steps=3", "schedule.groups_per_step=2", "schedule.min_groups_per_chunk=1", "rollout.max_new_tokens=6", "seed=5"]
 
 
 def _pass_at_k_by_enumeration(n, c, k):
@@ -50,7 +50,7 @@ def test_pass_at_k_is_the_unbiased_estimator(n):
 
 
 def _setup(tmp_path):
-    config = load_config(None, RUN)
+    config = demo_config(RUN)
     model = PolicyModel.from_config(config.model).eval()
     tok = build_char_tokenizer(config.tokenizer.charset)
     return config, model, tok
@@ -108,13 +108,13 @@ def test_eval_samples_are_the_training_rollouts_and_metrics_recompute(tmp_path):
 
 
 def test_heldout_start_is_past_what_the_run_drew():
-    config = load_config(None, RUN)
+    config = demo_config(RUN)
     trained = config
     assert heldout_start(None, config, trained, None)[0] == 3 * 2  # infinite task: from N on
     assert heldout_start(100, config, trained, None)[0] == 6  # file with rows the run never drew
     start, why = heldout_start(4, config, trained, None)  # every row drawn: say so
     assert start == 0 and "training prompts" in why
-    other = load_config(None, RUN + ["task.seed=99"])
+    other = demo_config(RUN + ["task.seed=99"])
     assert heldout_start(None, other, trained, None)[0] == 0  # a task config the run did not use
     assert heldout_start(None, config, trained, 17) == (17, "prompts from index 17 (--start-index)")
     # Kind: a silent score on training prompts (a new user's trial): --start-index 3 below the
@@ -125,8 +125,8 @@ def test_heldout_start_is_past_what_the_run_drew():
     assert heldout_start(None, config, None, None)[0] == 0
     # what the run drew comes from the trained config, not the evaluation's (an eval --config with
     # num_steps 1 labelled prompts 2.. held out where the run drew 0..5, a new user's trial)
-    short = load_config(None, [o for o in RUN if not o.startswith("num_steps=")] + ["num_steps=1"])
-    assert short.task == config.task and short.num_steps == 1
+    short = demo_config([o for o in RUN if not o.startswith("schedule.num_steps=")] + ["schedule.num_steps=1"])
+    assert short.task == config.task and short.schedule.num_steps == 1
     assert heldout_start(None, short, config, None)[0] == 6
 
 
@@ -437,8 +437,8 @@ def test_correct_threshold_outside_the_reward_range_is_refused(capsys):
         err = capsys.readouterr().err
         assert e.value.code == 2 and "expected a reward in (0, 1]" in err, (bad, err)
         with pytest.raises(ValueError, match="eval.correct_threshold"):
-            load_config(None, [f"eval.correct_threshold={bad}"])
-    assert load_config(None, ["eval.correct_threshold=0.5"]).eval.correct_threshold == 0.5
+            demo_config([f"eval.correct_threshold={bad}"])
+    assert demo_config(["eval.correct_threshold=0.5"]).eval.correct_threshold == 0.5
 
 
 @pytest.mark.parametrize(

@@ -94,7 +94,7 @@ def _main(argv: list[str] | None) -> int:
     t = sub.add_parser(
         "train",
         allow_abbrev=False,  # `--conf` is a typo, not --config
-        help="run GRPO (no arguments: the embedded CPU demo)",
+        help="run GRPO (without --config: the CPU demo, preset cpu_demo)",
         epilog=TRAIN_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -127,12 +127,21 @@ def _main(argv: list[str] | None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from splitrl.config import load_config
+    from splitrl.presets import DEMO_PRESET
 
+    # without a run config the CPU demo runs (its values are a preset, not the defaults), unless
+    # the overrides name another preset
+    demo = args.config is None and not any(o.partition("=")[0].strip() == "preset" for o in args.overrides)
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config, args.overrides, preset=DEMO_PRESET if demo else None)
     except ValueError as e:
         print(f"splitrl: {e}", file=sys.stderr)
         return 2
+    if demo and not args.print_config:
+        logging.getLogger("splitrl").info(
+            "no --config: running the CPU demo (preset %s; --config FILE for a run of your own, examples/*.yaml)",
+            DEMO_PRESET,
+        )
     if args.print_config:
         import yaml
 

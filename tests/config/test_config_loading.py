@@ -8,6 +8,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+from _configs import demo_config
 from splitrl.cli import main
 from splitrl.config import RunConfig, load_config
 from splitrl.tasks import ReverseDigitsTaskConfig, make_task
@@ -28,29 +29,29 @@ def test_run_level_default_reaches_a_component_before_its_own_check():
     the default never reaches the component). ``schedule=cosine`` without ``total_steps`` decays
     over the run's ``num_steps``; ``backend=local`` without a data-plane kind uses the in-process one
     (the only one it runs)."""
-    cfg = load_config(None, ["train.optim.schedule=cosine", "num_steps=7", "train.optim.min_lr_ratio=0.1"])
+    cfg = demo_config(["train.optim.schedule=cosine", "schedule.num_steps=7", "train.optim.min_lr_ratio=0.1"])
     optim = cfg.train.optim
     assert optim.total_steps == 7
     assert optim.lr_factor(0) == pytest.approx(1.0)
     assert optim.lr_factor(7) == pytest.approx(0.1)  # the decay ends at the run's last step
     assert (
-        load_config(None, ["train.optim.schedule=cosine", "train.optim.total_steps=50"]).train.optim.total_steps == 50
+        demo_config(["train.optim.schedule=cosine", "train.optim.total_steps=50"]).train.optim.total_steps == 50
     )
     # the same through RunConfig directly (the programmatic path): the demo's num_steps
     assert RunConfig.model_validate({"train": {"optim": {"schedule": "cosine"}}}).train.optim.total_steps == 300
 
     # a dotted override into a section starts from the demo's section without freezing the keys
     # the run fills
-    cfg = load_config(None, ["train.optim.schedule=cosine", "num_steps=9"])
+    cfg = demo_config(["train.optim.schedule=cosine", "schedule.num_steps=9"])
     assert cfg.train.optim.total_steps == 9 and cfg.train.optim.lr == 5e-4  # the demo's lr kept
     assert (
-        load_config(None, ["backend=local", "dataplane.transferqueue.num_storage_units=1"]).dataplane.kind
+        demo_config(["cluster.backend=local", "dataplane.transferqueue.num_storage_units=1"]).dataplane.kind
         == "inprocess"
     )
 
-    assert load_config(None, ["backend=local"]).dataplane.kind == "inprocess"
-    with pytest.raises(ValueError, match="dataplane.kind=transferqueue needs backend=ray"):
-        load_config(None, ["backend=local", "dataplane.kind=transferqueue"])
+    assert demo_config(["cluster.backend=local"]).dataplane.kind == "inprocess"
+    with pytest.raises(ValueError, match="dataplane.kind=transferqueue needs cluster.backend=ray"):
+        demo_config(["cluster.backend=local", "dataplane.kind=transferqueue"])
 
 
 def test_a_dotted_override_of_a_default_value_changes_nothing():
@@ -72,11 +73,11 @@ def test_a_dotted_override_of_a_default_value_changes_nothing():
 def test_whole_section_override_replaces_the_files_section():
     """Kind: a whole mapping given for a section was merged key by key into the file's section,
     so another task kind inherited the old kind's keys and failed."""
-    cfg = load_config(GPU_EXAMPLE, ["device=cpu", "task={kind: reverse_digits, num_digits: 8}"])
+    cfg = load_config(GPU_EXAMPLE, ["cluster.device=cpu", "task={kind: reverse_digits, num_digits: 8}"])
     assert cfg.task == ReverseDigitsTaskConfig(num_digits=8)
     assert make_task(cfg.task).get_prompt(0).text  # a working task, not a hybrid
     # a whole mapping for a nested section replaces that section too
-    cfg = load_config(GPU_EXAMPLE, ["device=cpu", "train.optim={lr: 1.0e-5}"])
+    cfg = load_config(GPU_EXAMPLE, ["cluster.device=cpu", "train.optim={lr: 1.0e-5}"])
     assert (cfg.train.optim.lr, cfg.train.optim.warmup_steps, cfg.train.optim.weight_decay) == (
         1e-5,
         0,
@@ -84,13 +85,13 @@ def test_whole_section_override_replaces_the_files_section():
     )  # not the file's 2, 0.01
     assert cfg.train.precision == "bf16"  # the rest of the file's train section stays
     # dotted keys still set one key and keep the file's others
-    cfg = load_config(GPU_EXAMPLE, ["device=cpu", "task.scoring=partial"])
+    cfg = load_config(GPU_EXAMPLE, ["cluster.device=cpu", "task.scoring=partial"])
     assert (cfg.task.dataset, cfg.task.scoring, cfg.task.compact_prompts) == ("basic_arithmetic", "partial", True)
     # a dotted kind change keeps only the keys overrides set, in either order
     for order in (["task.kind=reverse_digits", "task.num_digits=8"], ["task.num_digits=8", "task.kind=reverse_digits"]):
-        assert load_config(GPU_EXAMPLE, ["device=cpu", *order]).task == ReverseDigitsTaskConfig(num_digits=8)
+        assert load_config(GPU_EXAMPLE, ["cluster.device=cpu", *order]).task == ReverseDigitsTaskConfig(num_digits=8)
     # later overrides win: a key set inside a replaced section
-    cfg = load_config(None, ["task={kind: reverse_digits}", "task.num_digits=5"])
+    cfg = demo_config(["task={kind: reverse_digits}", "task.num_digits=5"])
     assert cfg.task == ReverseDigitsTaskConfig(num_digits=5)
 
 
@@ -108,22 +109,22 @@ def test_a_required_key_left_out_of_a_section_given_whole_says_why_and_what_to_d
         ):
             load_config(source, overrides)
     # the dotted form keeps the run's other buffer keys
-    assert load_config(None, ["buffer.max_staleness=0"]).buffer.capacity_groups == RunConfig().buffer.capacity_groups
+    assert demo_config(["buffer.max_staleness=0"]).buffer.capacity_groups == RunConfig().buffer.capacity_groups
 
 
 # ------------------------------------------------------------ kind: unlocated syntax / bytes
 def test_yaml_syntax_errors_name_the_file_or_override_and_the_line(tmp_path, capsys):
     """Kind: a parser error surfaced as a raw yaml traceback without saying which input it was."""
     bad = tmp_path / "run.yaml"
-    bad.write_text("num_steps: 3\nmodel:\n  backbone: {hidden_size: 64\n")
+    bad.write_text("schedule: {num_steps: 3}\nmodel:\n  backbone: {hidden_size: 64\n")
     with pytest.raises(ValueError, match=r"config file '.*run\.yaml' line 4, column 1: not valid YAML.*line 3"):
         load_config(bad)
     err = _one_line_error(capsys, ["train", "--config", str(bad)], 2)
     assert err.startswith("splitrl: config file") and "run.yaml' line 4" in err and len(err.splitlines()) == 1
     with pytest.raises(ValueError, match=r"override 'task=\{kind: x' line 1, column 14: not valid YAML"):
-        load_config(None, ["task={kind: x"])
-    err = _one_line_error(capsys, ["train", "num_steps=[1"], 2)
-    assert err.startswith("splitrl: override 'num_steps=[1' line 1") and len(err.splitlines()) == 1
+        demo_config(["task={kind: x"])
+    err = _one_line_error(capsys, ["train", "schedule.num_steps=[1"], 2)
+    assert err.startswith("splitrl: override 'schedule.num_steps=[1' line 1") and len(err.splitlines()) == 1
 
 
 def test_non_utf8_input_names_the_file_and_line(tmp_path, capsys):
@@ -144,7 +145,7 @@ def test_non_utf8_input_names_the_file_and_line(tmp_path, capsys):
         make_task({"kind": "math_file", "path": str(parquet)})
     err = _one_line_error(
         capsys,
-        ["train", "task.kind=math_file", f"task.path={data}", f"output_dir={tmp_path / 'run'}", "backend=local"],
+        ["train", "task.kind=math_file", f"task.path={data}", f"output_dir={tmp_path / 'run'}", "cluster.backend=local"],
         2,
     )
     assert "line 3 (row 1): not UTF-8" in err and "task.skip_rows=[1]" in err and len(err.splitlines()) == 1
@@ -157,7 +158,7 @@ def test_output_dir_filesystem_errors_are_one_line(tmp_path, capsys, monkeypatch
 
     with pytest.raises(ValueError, match=r"output_dir='/proc/splitrl_x/run': cannot create it"):
         check_output_dir("/proc/splitrl_x/run")
-    err = _one_line_error(capsys, ["train", "output_dir=/proc/splitrl_x/run", "backend=local"], 2)
+    err = _one_line_error(capsys, ["train", "output_dir=/proc/splitrl_x/run", "cluster.backend=local"], 2)
     assert err.startswith("splitrl: output_dir='/proc/splitrl_x/run': cannot create it") and len(err.splitlines()) == 1
     # an entry of the run's of the wrong kind: a file named checkpoints let the run train every
     # step up to its first checkpoint, then stop (a new user's trial)
@@ -165,7 +166,7 @@ def test_output_dir_filesystem_errors_are_one_line(tmp_path, capsys, monkeypatch
     (tmp_path / "f" / "checkpoints").write_text("")
     (tmp_path / "d" / "metrics.jsonl").mkdir(parents=True)
     for out, entry, kind in [("f", "checkpoints", "a file"), ("d", "metrics.jsonl", "a directory")]:
-        err = _one_line_error(capsys, ["train", f"output_dir={tmp_path / out}", "backend=local"], 2)
+        err = _one_line_error(capsys, ["train", f"output_dir={tmp_path / out}", "cluster.backend=local"], 2)
         assert f"{tmp_path / out / entry} is {kind}, but the run writes its {entry} there" in err, err
     assert not (tmp_path / "f" / "config.yaml").exists()  # refused before the run wrote anything
     check_output_dir(str(tmp_path / "f" / "sub"))  # an existing output_dir with no such entry passes
@@ -176,7 +177,7 @@ def test_output_dir_filesystem_errors_are_one_line(tmp_path, capsys, monkeypatch
         raise OSError(28, "No space left on device", str(tmp_path / "metrics.jsonl"))
 
     monkeypatch.setattr(controller, "train", full_disk)
-    err = _one_line_error(capsys, ["train", f"output_dir={tmp_path}", "backend=local"], 1)
+    err = _one_line_error(capsys, ["train", f"output_dir={tmp_path}", "cluster.backend=local"], 1)
     assert err.startswith("splitrl: stopped:") and len(err.splitlines()) == 1
     assert "No space left on device" in err and str(tmp_path / "metrics.jsonl") in err
 
@@ -189,18 +190,18 @@ def test_a_key_written_twice_is_an_error_not_the_last_one_silently(tmp_path):
     with pytest.raises(ValueError, match=r"run.yaml' line 3, column 1: .*'num_steps' appears twice .*line 1"):
         load_config(str(cfg), [])
     with pytest.raises(ValueError, match=r"'temperature' appears twice"):
-        load_config(None, ["rollout={temperature: 1.0, temperature: 0.5}"])
+        demo_config(["rollout={temperature: 1.0, temperature: 0.5}"])
     cfg.write_text("num_steps: 5\nrollout: {temperature: 0.9}\nloss: {temperature: null}\n")  # same key, other mappings
-    assert load_config(str(cfg), []).num_steps == 5
+    assert load_config(str(cfg), []).schedule.num_steps == 5
 
 
 def test_a_yaml_boolean_is_not_taken_as_a_count():
     """Kind: input silently reinterpreted. `checkpoint_every: true` ran as checkpoint_every=1
     (pydantic's lax int accepts bools; a new user's trial)."""
-    for key in ("checkpoint_every", "export_every", "num_steps"):
+    for key in ("checkpoint.every", "checkpoint.export_every", "schedule.num_steps"):
         with pytest.raises(ValueError, match=rf"{key} must be an integer, got true \(a YAML boolean\)"):
-            load_config(None, [f"{key}=true"])
-    assert load_config(None, ["checkpoint_every=1"]).checkpoint_every == 1
+            demo_config([f"{key}=true"])
+    assert demo_config(["checkpoint.every=1"]).checkpoint.every == 1
 
 
 def test_a_config_path_naming_a_directory_says_so(tmp_path):
@@ -240,10 +241,10 @@ def test_a_config_from_a_pipe_is_read_and_other_odd_paths_are_named(tmp_path):
             if r is not None:
                 os.close(r)
 
-    assert through_a_pipe(b"num_steps: 3\nseed: 7\n").num_steps == 3  # process substitution
+    assert through_a_pipe(b"schedule: {num_steps: 3}\nseed: 7\n").schedule.num_steps == 3  # process substitution
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    assert through_a_pipe(b"num_steps: 4\n", fifo).num_steps == 4  # a named FIFO
+    assert through_a_pipe(b"schedule: {num_steps: 4}\n", fifo).schedule.num_steps == 4  # a named FIFO
     with pytest.raises(ValueError, match=r"config file '/dev/fd/\d+' is a pipe that gave no data \(did the command"):
         through_a_pipe(b"")
     with pytest.raises(ValueError, match=r"config file '/dev/zero' is a character device, not a file; give a YAML"):
@@ -269,12 +270,12 @@ def test_an_output_dir_that_is_a_link_loop_or_a_dangling_link_says_so(tmp_path, 
         (tmp_path / "dangling", "is a symbolic link to '.*gone', which does not exist"),
     ]:
         with pytest.raises(ValueError, match=rf"output_dir='{out}' {why}.*give a directory .*or remove the link"):
-            load_config(None, [f"output_dir={out}"])
-    err = _one_line_error(capsys, ["train", f"output_dir={loop}", "backend=local"], 2)
+            demo_config([f"output_dir={out}"])
+    err = _one_line_error(capsys, ["train", f"output_dir={loop}", "cluster.backend=local"], 2)
     assert "symbolic link that loops" in err and "File exists" not in err
     assert not (tmp_path / "gone").exists()
     with pytest.raises(ValueError, match=r"output_dir='/dev/null' is a character device; give a directory"):
-        load_config(None, ["output_dir=/dev/null"])
+        demo_config(["output_dir=/dev/null"])
 
 
 def test_a_yaml_boolean_is_not_taken_as_a_count_in_a_section():
@@ -289,14 +290,14 @@ def test_a_yaml_boolean_is_not_taken_as_a_count_in_a_section():
         "train.optim.total_steps",
     ):
         with pytest.raises(ValueError, match=rf"{key} must be an integer, got true \(a YAML boolean\)"):
-            load_config(None, [f"{key}=true"])
+            demo_config([f"{key}=true"])
     # a task section: the class its `kind` names is checked, in training and in evaluation
     for section in ("task", "eval.task"):
         with pytest.raises(ValueError, match=rf"{section}.num_digits must be an integer, got false"):
-            load_config(None, [f"{section}={{kind: reverse_digits, num_digits: false}}"])
-    cfg = load_config(None, ["buffer.max_staleness=0", "task={kind: reverse_digits, num_digits: 4}"])
+            demo_config([f"{section}={{kind: reverse_digits, num_digits: false}}"])
+    cfg = demo_config(["buffer.max_staleness=0", "task={kind: reverse_digits, num_digits: 4}"])
     assert (cfg.buffer.max_staleness, cfg.task.num_digits) == (0, 4)
-    assert load_config(None, ["rollout.speculative=true"]).rollout.speculative is True  # a real bool stays one
+    assert demo_config(["rollout.speculative=true"]).rollout.speculative is True  # a real bool stays one
 
 
 def test_eval_ks_above_num_samples_is_refused_on_load(capsys):
@@ -306,7 +307,7 @@ def test_eval_ks_above_num_samples_is_refused_on_load(capsys):
     assert "eval.ks=[8]" in err and "eval.num_samples=4" in err
     err = _one_line_error(capsys, ["train", "eval.ks=[0, 2]", "--print-config"], 2)
     assert "got [0]" in err
-    assert load_config(None, ["eval.ks=[1, 2, 8]", "eval.num_samples=8"]).eval.ks == [1, 2, 8]
+    assert demo_config(["eval.ks=[1, 2, 8]", "eval.num_samples=8"]).eval.ks == [1, 2, 8]
 
 
 def test_a_leading_tilde_in_a_path_key_is_the_home_directory(monkeypatch, tmp_path):
@@ -317,19 +318,19 @@ def test_a_leading_tilde_in_a_path_key_is_the_home_directory(monkeypatch, tmp_pa
     model_dir = tmp_path / "m"
     model_dir.mkdir()
     (model_dir / "config.json").write_text("{}")
-    cfg = load_config(None, ["output_dir=~/runs/x", "model.pretrained_path=~/m", "tokenizer.path=~/tok"])
+    cfg = demo_config(["output_dir=~/runs/x", "model.pretrained_path=~/m", "tokenizer.path=~/tok"])
     assert cfg.output_dir == str(tmp_path / "runs" / "x")
     assert cfg.model.pretrained_path == str(model_dir)
     assert cfg.tokenizer.path == str(tmp_path / "tok")
-    assert load_config(None, ["output_dir=runs/x"]).output_dir == "runs/x"  # anything else as written
+    assert demo_config(["output_dir=runs/x"]).output_dir == "runs/x"  # anything else as written
 
 
 def test_a_missing_pretrained_path_says_it_does_not_exist(tmp_path):
     """A new user's typo in model.pretrained_path read "has no config.json", as for a directory that
     exists but is not a model; now a missing path says so."""
     with pytest.raises(ValueError, match=r"model.pretrained_path='.*nowhere' does not exist; check the path"):
-        load_config(None, [f"model.pretrained_path={tmp_path / 'nowhere'}"])
+        demo_config([f"model.pretrained_path={tmp_path / 'nowhere'}"])
     with pytest.raises(
         ValueError, match=r"has no config.json \(not a Hugging Face model directory, nor a \.gguf file\)"
     ):
-        load_config(None, [f"model.pretrained_path={tmp_path}"])
+        demo_config([f"model.pretrained_path={tmp_path}"])

@@ -3,25 +3,25 @@ against the GPUs Ray reports (a fake ``ray.cluster_resources()``) before any wor
 
 import pytest
 
-from splitrl.config import load_config
+from _configs import demo_config
 from splitrl.controller.placement import check_cluster_gpus, gpus_needed, resolve_placement
 
 
 def test_colocated_needs_as_many_generation_workers_as_train_ranks():
-    with pytest.raises(ValueError, match=r"num_generation_workers=2 != num_train_workers=1.*placement=split"):
-        load_config(None, ["placement=colocated", "num_generation_workers=2"])
-    cfg = load_config(None, ["placement=colocated", "num_generation_workers=2", "num_train_workers=2", "backend=ray"])
-    assert cfg.placement == "colocated"
+    with pytest.raises(ValueError, match=r"cluster.num_generation_workers=2 != cluster.num_train_workers=1.*cluster.placement=split"):
+        demo_config(["cluster.placement=colocated", "cluster.num_generation_workers=2"])
+    cfg = demo_config(["cluster.placement=colocated", "cluster.num_generation_workers=2", "cluster.num_train_workers=2", "cluster.backend=ray"])
+    assert cfg.cluster.placement == "colocated"
 
 
 def test_split_needs_ray():
-    with pytest.raises(ValueError, match=r"placement=split.*backend=local.*use backend=ray"):
-        load_config(None, ["placement=split", "backend=local"])
+    with pytest.raises(ValueError, match=r"cluster.placement=split.*cluster.backend=local.*use cluster.backend=ray"):
+        demo_config(["cluster.placement=split", "cluster.backend=local"])
 
 
 def test_unknown_placement_is_refused():
     with pytest.raises(ValueError, match="placement"):
-        load_config(None, ["placement=spread"])
+        demo_config(["cluster.placement=spread"])
 
 
 @pytest.mark.parametrize(
@@ -49,16 +49,16 @@ def test_split_on_too_few_gpus_names_the_numbers_and_the_ways_out():
     with pytest.raises(ValueError) as e:
         check_cluster_gpus("split", 1, 1, {"CPU": 16.0, "GPU": 1.0})
     msg = str(e.value)
-    assert "placement=split needs 2 GPUs (1 generation worker(s) + 1 train worker(s), one GPU each)" in msg
+    assert "cluster.placement=split needs 2 GPUs (1 generation worker(s) + 1 train worker(s), one GPU each)" in msg
     assert "the Ray cluster has 1" in msg
-    assert "placement=colocated (needs 1)" in msg  # the one-GPU way out
+    assert "cluster.placement=colocated (needs 1)" in msg  # the one-GPU way out
     assert "ray_address" in msg
 
 
 def test_split_with_unequal_counts_points_to_colocated_with_equal_ones():
     # the 2-GPU run: 2 train workers and the default 1 generation worker
     with pytest.raises(
-        ValueError, match=r"needs 3 GPUs .* has 2; use placement=colocated with num_generation_workers=2 \(needs 2\)"
+        ValueError, match=r"needs 3 GPUs .* has 2; use cluster.placement=colocated with cluster.num_generation_workers=2 \(needs 2\)"
     ):
         check_cluster_gpus("split", 1, 2, {"GPU": 2.0})
 
@@ -66,7 +66,7 @@ def test_split_with_unequal_counts_points_to_colocated_with_equal_ones():
 def test_colocated_on_too_few_gpus():
     with pytest.raises(
         ValueError,
-        match=r"placement=colocated needs 4 GPUs .* the Ray cluster has 2; lower num_train_workers and num_generation_workers to 2",
+        match=r"cluster.placement=colocated needs 4 GPUs .* the Ray cluster has 2; lower cluster.num_train_workers and cluster.num_generation_workers to 2",
     ):
         check_cluster_gpus("colocated", 4, 4, {"GPU": 2.0})
     with pytest.raises(ValueError, match="the Ray cluster has 0"):
@@ -92,9 +92,9 @@ def test_the_controller_checks_gpus_before_starting_anything(tmp_path, monkeypat
     monkeypatch.setattr(launch, "make_data_plane", lambda *a, **k: started.append("data plane"))
     monkeypatch.setattr(launch, "spawn", lambda *a, **k: started.append("worker"))
     monkeypatch.setattr(launch, "make_placement_group", lambda *a, **k: started.append("placement group"))
-    ctl = ctl_mod.SingleController(load_config(None, ["backend=ray", "placement=split", f"output_dir={tmp_path}"]))
+    ctl = ctl_mod.SingleController(demo_config(["cluster.backend=ray", "cluster.placement=split", f"output_dir={tmp_path}"]))
     ctl.device = "cuda"  # as resolved on a GPU machine
-    with pytest.raises(ValueError, match="placement=split needs 2 GPUs .* the Ray cluster has 1"):
+    with pytest.raises(ValueError, match="cluster.placement=split needs 2 GPUs .* the Ray cluster has 1"):
         ctl._build()
     assert started == []
 
@@ -123,10 +123,10 @@ def test_join_errors_are_immediate_and_say_what_is_wrong():
 
 
 def test_ray_address_with_the_local_backend_is_refused_on_load():
-    with pytest.raises(ValueError, match="backend=local runs without Ray"):
-        load_config(None, ["ray_address=127.0.0.1:6379", "backend=local", "dataplane.kind=inprocess"])
-    with pytest.raises(ValueError, match="checkpoint_every=0 writes only the last one"):
-        load_config(None, ["checkpoint_every=0", "export_every=10"])
+    with pytest.raises(ValueError, match="cluster.backend=local runs without Ray"):
+        demo_config(["cluster.ray_address=127.0.0.1:6379", "cluster.backend=local", "dataplane.kind=inprocess"])
+    with pytest.raises(ValueError, match="checkpoint.every=0 writes only the last one"):
+        demo_config(["checkpoint.every=0", "checkpoint.export_every=10"])
 
 
 def test_the_controller_checks_free_cpus_before_starting_anything(tmp_path, monkeypatch):
@@ -142,13 +142,12 @@ def test_the_controller_checks_free_cpus_before_starting_anything(tmp_path, monk
     monkeypatch.setattr(launch, "make_data_plane", lambda *a, **k: started.append("data plane"))
     monkeypatch.setattr(launch, "spawn", lambda *a, **k: started.append("worker"))
     ctl = ctl_mod.SingleController(
-        load_config(
-            None,
+        demo_config(
             [
-                "backend=ray",
-                "placement=split",
-                "num_train_workers=5",
-                "num_generation_workers=5",
+                "cluster.backend=ray",
+                "cluster.placement=split",
+                "cluster.num_train_workers=5",
+                "cluster.num_generation_workers=5",
                 f"output_dir={tmp_path}",
             ],
         )

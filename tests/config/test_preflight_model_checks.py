@@ -7,17 +7,17 @@ import logging
 import pytest
 from safetensors.torch import load_file, save_file
 
-from splitrl.config import demo_model_config, load_config
+from _configs import demo_config, demo_model_config
 from splitrl.controller.controller import preflight
 from splitrl.models import PolicyModel
 from splitrl.models.policy import load_pretrained
 from splitrl.tasks import make_task
 
-LOCAL = ["backend=local", "logging.tensorboard=false"]
+LOCAL = ["cluster.backend=local", "logging.tensorboard=false"]
 
 
 def _cfg(tmp_path, *extra):
-    return load_config(None, LOCAL + [f"output_dir={tmp_path / 'run'}", *extra])
+    return demo_config(LOCAL + [f"output_dir={tmp_path / 'run'}", *extra])
 
 
 # --------------------------------------------------------------- kind: model/tokenizer mismatch
@@ -111,7 +111,7 @@ def test_pretrained_tokenizer_directory_without_tokenizer_files_is_refused(tmp_p
             )
         )
     # control: the same directory with the demo tokenizer saved into it
-    from splitrl.config import DEMO_CHARSET
+    from _configs import DEMO_CHARSET
     from splitrl.tasks import build_char_tokenizer
 
     d = _copy(saved_model, tmp_path / "with_tokenizer")
@@ -248,15 +248,15 @@ def test_a_run_over_a_file_with_an_overlong_row_trains_every_other_row(tmp_path,
         f"task.path={data}",
         "tokenizer.charset=null",
         "model.backbone.vocab_size=100",
-        "num_steps=3",
-        "groups_per_step=2",
-        "group_size=2",
-        "min_groups_per_chunk=1",
-        "generation_groups_per_call=1",
+        "schedule.num_steps=3",
+        "schedule.groups_per_step=2",
+        "schedule.group_size=2",
+        "schedule.min_groups_per_chunk=1",
+        "schedule.generation_groups_per_call=1",
         "rollout.max_new_tokens=4",
         "buffer.max_staleness=0",
         "logging.progress_bar=false",
-        "reward_timeout_s=10",
+        "reward.timeout_s=10",
     )
     monkeypatch.setattr(generation.GenerationWorker, "generate_groups", recording)
     res = train(cfg)
@@ -268,10 +268,10 @@ def test_settings_that_leave_part_of_the_run_idle_are_warned_about(tmp_path, cap
     """Kind: a setting silently does nothing (a new user's trial): the policy never trained, or no
     evaluation ran, with no word about it."""
     with caplog.at_level(logging.WARNING):
-        preflight(_cfg(tmp_path, "num_steps=3", "train.mtp_warmup_steps=3", "eval.eval_every=5"))
+        preflight(_cfg(tmp_path, "schedule.num_steps=3", "train.mtp_warmup_steps=3", "eval.eval_every=5"))
     assert "only the MTP heads train in this run" in caplog.text
     assert "this run never evaluates" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING):  # control: warm-up shorter than the run, evaluation at the end
-        preflight(_cfg(tmp_path, "num_steps=3", "train.mtp_warmup_steps=2", "eval.eval_every=5", "eval.at_end=true"))
+        preflight(_cfg(tmp_path, "schedule.num_steps=3", "train.mtp_warmup_steps=2", "eval.eval_every=5", "eval.at_end=true"))
     assert "only the MTP heads" not in caplog.text and "never evaluates" not in caplog.text

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from _tiny import TINY_STEP  # noqa: E402
 
-from splitrl.config import load_config  # noqa: E402
+from _configs import demo_config
 from splitrl.dataplane import InProcessDataPlane  # noqa: E402
 from splitrl.distributed.weight_sync import WeightSyncGroup, listen_socket, send_weights  # noqa: E402
 from splitrl.models import PolicyModel  # noqa: E402
@@ -28,7 +28,7 @@ BUCKET = 256 * 1024
 
 
 def test_receive_stages_and_the_next_call_switches(tmp_path):
-    cfg = load_config(None, TINY_STEP + [f"output_dir={tmp_path}", "backend=local"])
+    cfg = demo_config(TINY_STEP + [f"output_dir={tmp_path}", "cluster.backend=local"])
     gen = GenerationWorker(cfg.model, cfg.rollout, cfg.task, cfg.tokenizer, InProcessDataPlane(), device="cpu")
     src = PolicyModel.from_config(cfg.model)
     with torch.no_grad():

@@ -12,6 +12,7 @@ import logging
 import pytest
 import torch
 
+from _configs import demo_config
 from splitrl.config import DEFAULT_TIS_CAP, load_config
 from splitrl.controller.health import RunHealth
 from splitrl.loss import ClippedPGLoss
@@ -21,10 +22,10 @@ from splitrl.rollout import RolloutEngine
 
 # ------------------------------------------------------------------ item 1: one temperature
 def test_the_trainer_takes_the_rollout_temperature():
-    cfg = load_config(None, ["rollout.temperature=0.6", "loss.entropy_coef=0.05"])
+    cfg = demo_config(["rollout.temperature=0.6", "loss.entropy_coef=0.05"])
     assert cfg.trainer_loss_config().temperature == 0.6
     # an equal value is allowed; the section keeps what the user wrote
-    same = load_config(None, ["rollout.temperature=0.6", "loss.temperature=0.6"])
+    same = demo_config(["rollout.temperature=0.6", "loss.temperature=0.6"])
     assert same.trainer_loss_config().temperature == 0.6
 
 
@@ -36,14 +37,14 @@ def test_a_second_different_temperature_is_refused_on_load(overrides):
     with pytest.raises(
         ValueError, match=r"loss.temperature=.* differs from rollout.temperature=.*remove loss.temperature"
     ):
-        load_config(None, overrides)
+        demo_config(overrides)
 
 
 def test_trainer_logprobs_equal_the_rollout_engines_at_the_configured_temperature():
     """Real numbers: tokens sampled at T = 0.6 by the rollout engine are scored by the trainer's
     forward at the loss's temperature; the two logprobs agree (fp32, same weights; tolerance
     1e-4 nats for a KV-cached vs a full forward). At T = 1 they would differ by ~0.2 nats/token."""
-    cfg = load_config(None, ["rollout.temperature=0.6", "rollout.max_new_tokens=12"])
+    cfg = demo_config(["rollout.temperature=0.6", "rollout.max_new_tokens=12"])
     model = PolicyModel.from_config(cfg.model).eval()
     engine = RolloutEngine(model, cfg.rollout, device="cpu")
     prompts = [[5, 6, 7, 8], [9, 10, 11], [4, 12, 13, 14, 15]]
@@ -64,21 +65,21 @@ def test_trainer_logprobs_equal_the_rollout_engines_at_the_configured_temperatur
 
 # ------------------------------------------------------------------ item 2: stale samples
 def test_stale_samples_get_truncated_is_weights_by_default():
-    cfg = load_config(None, ["buffer.max_staleness=1"])
+    cfg = demo_config(["buffer.max_staleness=1"])
     assert cfg.trainer_loss_config().tis_cap == DEFAULT_TIS_CAP
     level, text = cfg.off_policy_summary()
     assert level == logging.INFO and "correction ON" in text and f"{DEFAULT_TIS_CAP:g}" in text
     # the cap is a config value
-    assert load_config(None, ["loss.tis_cap=3.5"]).trainer_loss_config().tis_cap == 3.5
+    assert demo_config(["loss.tis_cap=3.5"]).trainer_loss_config().tis_cap == 3.5
     # on-policy runs need none (and may still turn it on)
-    on_policy = load_config(None, ["buffer.max_staleness=0"])
+    on_policy = demo_config(["buffer.max_staleness=0"])
     assert on_policy.trainer_loss_config().tis_cap is None
     assert on_policy.off_policy_summary()[0] == logging.INFO
-    assert load_config(None, ["buffer.max_staleness=0", "loss.tis_cap=2"]).trainer_loss_config().tis_cap == 2.0
+    assert demo_config(["buffer.max_staleness=0", "loss.tis_cap=2"]).trainer_loss_config().tis_cap == 2.0
 
 
 def test_turning_the_correction_off_with_stale_samples_is_a_warning():
-    cfg = load_config(None, ["buffer.max_staleness=2", "loss.tis_cap=null"])
+    cfg = demo_config(["buffer.max_staleness=2", "loss.tis_cap=null"])
     assert cfg.trainer_loss_config().tis_cap is None
     level, text = cfg.off_policy_summary()
     assert level == logging.WARNING
@@ -94,26 +95,26 @@ def test_the_example_configs_keep_their_meaning(tmp_path):
 # ------------------------------------------------------------------ item 12: silent bad training
 @pytest.mark.parametrize("estimator", ["grpo", "rloo"])
 def test_group_size_one_is_refused(estimator):
-    with pytest.raises(ValueError, match="group_size=1.*at least 2"):
-        load_config(None, ["group_size=1", f"advantage.estimator={estimator}"])
-    assert load_config(None, ["group_size=2", f"advantage.estimator={estimator}"]).group_size == 2
+    with pytest.raises(ValueError, match="schedule.group_size=1.*at least 2"):
+        demo_config(["schedule.group_size=1", f"advantage.estimator={estimator}"])
+    assert demo_config(["schedule.group_size=2", f"advantage.estimator={estimator}"]).schedule.group_size == 2
 
 
 def test_settings_a_run_would_ignore_or_fail_on_late_are_refused():
     with pytest.raises(ValueError, match="num_draft_tokens=3 > model.mtp.mtp_num_layers=1"):
-        load_config(None, ["rollout.speculative=true", "rollout.num_draft_tokens=3"])
+        demo_config(["rollout.speculative=true", "rollout.num_draft_tokens=3"])
     # kind: a setting silently without effect (plain decoding drafts nothing)
     with pytest.raises(ValueError, match="num_draft_tokens=1 is set but rollout.speculative=false"):
-        load_config(None, ["rollout.num_draft_tokens=1"])
-    assert load_config(None, ["rollout.speculative=true", "rollout.num_draft_tokens=1"]).rollout.num_draft_tokens == 1
+        demo_config(["rollout.num_draft_tokens=1"])
+    assert demo_config(["rollout.speculative=true", "rollout.num_draft_tokens=1"]).rollout.num_draft_tokens == 1
     with pytest.raises(ValueError, match="train.device=cpu differs from device=auto"):
-        load_config(None, ["train.device=cpu"])
-    assert load_config(None, ["device=cpu", "train.device=cpu"]).train.device == "cpu"
+        demo_config(["train.device=cpu"])
+    assert demo_config(["cluster.device=cpu", "train.device=cpu"]).train.device == "cpu"
 
 
 def test_greedy_rollouts_are_refused():
     with pytest.raises(ValueError, match="top_k=1.*zero reward variance"):
-        load_config(None, ["rollout.top_k=1"])
+        demo_config(["rollout.top_k=1"])
 
 
 HEALTHY = {
@@ -136,7 +137,7 @@ def test_health_warns_about_runs_that_learn_nothing(caplog):
     assert (
         len(timeouts) == 1
         and "100% of the answer checks timed out" in timeouts[0]
-        and "reward_timeout_s=5" in timeouts[0]
+        and "reward.timeout_s=5" in timeouts[0]
     )
     assert len(collapsed) == 1 and "100% of the groups" in collapsed[0]
     assert len(empty) == 1 and "nothing to learn from" in empty[0]

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from splitrl.config import load_config
+from _configs import demo_config
 from splitrl.controller.controller import SingleController
 from splitrl.distributed.weight_sync import WeightLayout
 
@@ -32,7 +32,7 @@ LAYOUT = WeightLayout(())
 
 
 def _controller(tmp_path, placement="split", backend="ray", trainer=None, gens=None):
-    ctl = SingleController(load_config(None, [f"backend={backend}", f"output_dir={tmp_path}"]))
+    ctl = SingleController(demo_config([f"cluster.backend={backend}", f"output_dir={tmp_path}"]))
     ctl.placement = placement
     ctl.train_actors = [
         trainer or _Fake(open_weight_sync=lambda *a: ("127.0.0.1", 1234), join_weight_sync=lambda *a: "gloo")

@@ -57,9 +57,9 @@ def test_attached_heads_warmup_moves_only_the_heads():
 
 
 def test_warmup_without_training_heads_is_rejected():
-    from splitrl.config import load_config
+    from _configs import demo_config
 
     with pytest.raises(ValueError, match="mtp_warmup_steps"):
         TrainWorker(make_model(D=0), make_worker(make_model(D=1)).config.model_copy(update={"mtp_warmup_steps": 1}))
     with pytest.raises(ValueError, match="mtp_num_layers >= 1"):
-        load_config(None, ["train.mtp_warmup_steps=3", "model.mtp.mtp_num_layers=0"])
+        demo_config(["train.mtp_warmup_steps=3", "model.mtp.mtp_num_layers=0"])

@@ -13,7 +13,7 @@ import textwrap
 import torch
 from transformers import AutoTokenizer
 
-from splitrl.config import DEMO_CHARSET, demo_model_config
+from _configs import DEMO_CHARSET, demo_model_config
 from splitrl.models import PolicyModel
 from splitrl.models.hf_files import hf_generation_config, rollout_stop_token_ids, write_inference_files
 from splitrl.rollout import GenerationConfig

@@ -11,12 +11,12 @@ def ray_cluster():
     (the controller starts none when Ray is up). Starting a cluster costs ~20 s on the 2-core CI
     machine, so a module pays it once."""
     ray = pytest.importorskip("ray")
-    from splitrl.config import load_config
+    from _configs import demo_config
     from splitrl.controller.controller import SingleController
 
     if ray.is_initialized():
         ray.shutdown()
-    cfg = load_config(None, TINY_STEP + ["backend=ray", "num_generation_workers=2", "num_train_workers=2"])
+    cfg = demo_config(TINY_STEP + ["cluster.backend=ray", "cluster.num_generation_workers=2", "cluster.num_train_workers=2"])
     SingleController(cfg)._start_cluster()
     yield ray
     ray.shutdown()

@@ -9,26 +9,26 @@ from pathlib import Path
 import pytest
 from _tiny import TINY_STEP
 
+from _configs import demo_config
 from _wait import async_wait_until
-from splitrl.config import load_config
 from splitrl.controller import controller as C
 from splitrl.controller.policy_client import PolicyClient
 from splitrl.workers import generation
 
-TINY = TINY_STEP + ["backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false"]
+TINY = TINY_STEP + ["cluster.backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false"]
 
 # the settings of issue 6 item 7: generation runs two steps ahead into a buffer of two groups
 AHEAD = [
-    "num_generation_workers=2",
-    "generation_groups_per_call=1",
-    "groups_per_step=2",
-    "group_size=2",
-    "min_groups_per_chunk=1",
+    "cluster.num_generation_workers=2",
+    "schedule.generation_groups_per_call=1",
+    "schedule.groups_per_step=2",
+    "schedule.group_size=2",
+    "schedule.min_groups_per_chunk=1",
     "buffer.capacity_groups=2",
     "buffer.max_staleness=2",
-    "checkpoint_every=1",
-    "num_steps=3",
-    "watchdog_timeout_s=120",  # generous: only a lost prompt should ever reach it
+    "checkpoint.every=1",
+    "schedule.num_steps=3",
+    "faults.watchdog_timeout_s=120",  # generous: only a lost prompt should ever reach it
 ]
 
 
@@ -83,7 +83,7 @@ def test_a_group_waiting_for_buffer_room_at_a_checkpoint_is_trained_exactly_once
     monkeypatch.setattr(C.SingleController, "_deliver", deliver)
     monkeypatch.setattr(PolicyClient, "train_chunk", train_chunk)
     monkeypatch.setattr(PolicyClient, "finish", finish)
-    cfg = load_config(None, TINY + [f"output_dir={tmp_path}", *AHEAD])
+    cfg = demo_config(TINY + [f"output_dir={tmp_path}", *AHEAD])
     first = C.train(cfg)
     assert first.interrupted and first.steps_done == 1
     assert sorted(trained) == [0, 2]
@@ -115,7 +115,7 @@ def test_a_stop_after_every_step_trains_every_prompt_exactly_once(tmp_path, monk
 
     monkeypatch.setattr(PolicyClient, "train_chunk", train_chunk)
     monkeypatch.setattr(PolicyClient, "finish", finish)
-    cfg = load_config(None, TINY + [f"output_dir={tmp_path}", *AHEAD])
+    cfg = demo_config(TINY + [f"output_dir={tmp_path}", *AHEAD])
     done = []
     for _ in range(4):
         finishes["n"] = 0
@@ -128,7 +128,7 @@ def test_a_stop_after_every_step_trains_every_prompt_exactly_once(tmp_path, monk
 
 
 def _stalled_controller(tmp_path, **state):
-    cfg = load_config(None, TINY + [f"output_dir={tmp_path}", *AHEAD])
+    cfg = demo_config(TINY + [f"output_dir={tmp_path}", *AHEAD])
     c = C.SingleController(cfg)
     c.buffer = C.ReplayBuffer(cfg.buffer)
     defaults = dict(
@@ -168,7 +168,7 @@ def test_the_watchdog_names_a_lost_prompt_instead_of_blaming_a_worker(tmp_path):
 
 
 def _cfg(tmp_path, *extra):
-    return load_config(None, TINY + [f"output_dir={tmp_path}", "buffer.max_staleness=0", *extra])
+    return demo_config(TINY + [f"output_dir={tmp_path}", "buffer.max_staleness=0", *extra])
 
 
 def test_damage_is_found_by_size_and_by_checksum(tmp_path):
@@ -196,13 +196,13 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, 
     newest checkpoint's trainer shard is cut in half; resume warns, uses step 1 and runs steps 2-3."""
     from splitrl.logging import read_metrics
 
-    first = C.train(_cfg(tmp_path, "num_steps=2", "checkpoint_every=1"))
+    first = C.train(_cfg(tmp_path, "schedule.num_steps=2", "checkpoint.every=1"))
     assert first.steps_done == 2
     step2 = tmp_path / "checkpoints" / "step_000002"
     trainer = step2 / "trainer" / "__0_0.distcp"
     trainer.write_bytes(trainer.read_bytes()[: trainer.stat().st_size // 2])
     with caplog.at_level("WARNING"):
-        assert C.preflight(_cfg(tmp_path, "num_steps=3")) == 1
+        assert C.preflight(_cfg(tmp_path, "schedule.num_steps=3")) == 1
     assert (
         "step_000002 is damaged (trainer/__0_0.distcp has" in caplog.text and "resuming from step_000001" in caplog.text
     )
@@ -211,7 +211,7 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, 
     (step2 / "COMPLETE").write_text('{"step": 2}')
     caplog.clear()
     with caplog.at_level("WARNING"):
-        second = C.train(_cfg(tmp_path, "num_steps=3", "checkpoint_every=1"))
+        second = C.train(_cfg(tmp_path, "schedule.num_steps=3", "checkpoint.every=1"))
     assert "step_000002 is damaged (it does not load" in caplog.text
     assert second.steps_done == 3 and len(second.metrics) == 2  # steps 2 and 3 run again
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
@@ -224,7 +224,7 @@ def test_no_usable_checkpoint_refuses_to_start_over_on_top_of_the_run(tmp_path, 
     and the run's files are untouched; resume=false starts over explicitly."""
     from splitrl.logging import read_metrics
 
-    C.train(_cfg(tmp_path, "num_steps=2", "checkpoint_every=1"))
+    C.train(_cfg(tmp_path, "schedule.num_steps=2", "checkpoint.every=1"))
     step1, step2 = (tmp_path / "checkpoints" / f"step_00000{i}" for i in (1, 2))
     ctl = step1 / "controller.pt"
     ctl.write_bytes(ctl.read_bytes()[:100])
@@ -238,15 +238,15 @@ def test_no_usable_checkpoint_refuses_to_start_over_on_top_of_the_run(tmp_path, 
         match=r"none can be resumed from: step_000001 \(damaged: controller.pt has 100 bytes.*"
         r"step_000002 \(incomplete.*resume=false starts over",
     ):
-        C.preflight(_cfg(tmp_path, "num_steps=3"))
+        C.preflight(_cfg(tmp_path, "schedule.num_steps=3"))
     assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
     # a usable older checkpoint: resumed from, with a warning naming the newer unusable one
-    C.train(_cfg(tmp_path / "b", "num_steps=2", "checkpoint_every=1"))
+    C.train(_cfg(tmp_path / "b", "schedule.num_steps=2", "checkpoint.every=1"))
     (tmp_path / "b" / "checkpoints" / "step_000002" / "COMPLETE").unlink()
     with caplog.at_level("WARNING"):
-        assert C.preflight(_cfg(tmp_path / "b", "num_steps=3")) == 1
+        assert C.preflight(_cfg(tmp_path / "b", "schedule.num_steps=3")) == 1
     assert "newer checkpoint(s) step_000002 cannot be used (incomplete" in caplog.text
-    res = C.train(_cfg(tmp_path, "num_steps=2", "resume=false"))
+    res = C.train(_cfg(tmp_path, "schedule.num_steps=2", "checkpoint.resume=false"))
     assert res.steps_done == 2 and [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
 
 
@@ -347,7 +347,7 @@ def _train_until_it_stops(tmp_path, capsys) -> tuple[list[str], str]:
     old_term = signal.getsignal(signal.SIGTERM)
     try:
         rc = cli.main(
-            ["train", *TINY, f"output_dir={tmp_path}", "buffer.max_staleness=0", "num_steps=3", "checkpoint_every=1"]
+            ["train", *TINY, f"output_dir={tmp_path}", "buffer.max_staleness=0", "schedule.num_steps=3", "checkpoint.every=1"]
         )
     finally:
         signal.signal(signal.SIGTERM, old_term)
@@ -376,7 +376,7 @@ def test_resume_false_sets_the_earlier_run_aside_and_starts_over(tmp_path, caplo
     foreign.mkdir()
     (foreign / "model.bin").write_text("x")
     with caplog.at_level("WARNING"):
-        res = C.train(_cfg(tmp_path, "num_steps=2", "checkpoint_every=1", "resume=false"))
+        res = C.train(_cfg(tmp_path, "schedule.num_steps=2", "checkpoint.every=1", "checkpoint.resume=false"))
     assert res.steps_done == 2
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_000001", "step_000002"]
     assert (foreign / "model.bin").is_file()
@@ -385,7 +385,7 @@ def test_resume_false_sets_the_earlier_run_aside_and_starts_over(tmp_path, caplo
     assert (earlier / "metrics.jsonl").read_text() == '{"step": 6, "train/reward": 0.5}\n'
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
     assert f"step_000005, step_000006, metrics.jsonl moved to {earlier}" in caplog.text
-    assert C.preflight(_cfg(tmp_path, "num_steps=3")) == 2  # the next start resumes this run
+    assert C.preflight(_cfg(tmp_path, "schedule.num_steps=3")) == 2  # the next start resumes this run
 
 
 def test_a_damaged_checkpoint_is_no_keeper_when_old_ones_are_pruned(tmp_path):
@@ -394,13 +394,13 @@ def test_a_damaged_checkpoint_is_no_keeper_when_old_ones_are_pruned(tmp_path):
     one, and deleted the intact checkpoint the run had resumed from (a new user's trial)."""
     from splitrl.controller import run_checkpoint
 
-    C.train(_cfg(tmp_path, "num_steps=3", "checkpoint_every=1"))
+    C.train(_cfg(tmp_path, "schedule.num_steps=3", "checkpoint.every=1"))
     ckpts = tmp_path / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000003"]
     shard = next((ckpts / "step_000003" / "trainer").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
     run_checkpoint._verified.clear()  # a new process
-    res = C.train(_cfg(tmp_path, "num_steps=4", "checkpoint_every=0"))
+    res = C.train(_cfg(tmp_path, "schedule.num_steps=4", "checkpoint.every=0"))
     assert res.steps_done == 4
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000004"]
     assert run_checkpoint.damage(ckpts / "step_000002") is None
@@ -410,18 +410,18 @@ def test_resume_with_another_groups_per_step_or_tokenizer_is_refused_before_anyt
     """Kind: a hang instead of an error. Resuming a 1-step run with groups_per_step 4 -> 2 mapped
     step 2 onto prompt indices the checkpoint records as done: nothing was generated and the run
     waited for the watchdog (600 s), then called it a bug (a new user's trial)."""
-    C.train(_cfg(tmp_path, "num_steps=1"))
+    C.train(_cfg(tmp_path, "schedule.num_steps=1"))
     metrics = (tmp_path / "metrics.jsonl").read_bytes()
-    with pytest.raises(ValueError, match=r"groups_per_step=4, this run has groups_per_step=2.*set groups_per_step=4"):
-        C.preflight(_cfg(tmp_path, "num_steps=2", "groups_per_step=2"))
-    assert C.preflight(_cfg(tmp_path, "num_steps=2")) == 1
-    assert C.preflight(_cfg(tmp_path, "num_steps=2", "groups_per_step=2", "resume=false")) == 0
+    with pytest.raises(ValueError, match=r"schedule.groups_per_step=4, this run has groups_per_step=2.*set groups_per_step=4"):
+        C.preflight(_cfg(tmp_path, "schedule.num_steps=2", "schedule.groups_per_step=2"))
+    assert C.preflight(_cfg(tmp_path, "schedule.num_steps=2")) == 1
+    assert C.preflight(_cfg(tmp_path, "schedule.num_steps=2", "schedule.groups_per_step=2", "checkpoint.resume=false")) == 0
     # Kind: silent corruption. The same characters in another order (the model's vocab_size
     # still fits) resumed with every id meaning another character (a new user's trial)
     with pytest.raises(
         ValueError, match=r"another tokenizer config.*tokenizer.charset: checkpoint ' ,0123456789=acdes'"
     ):
-        C.preflight(_cfg(tmp_path, "num_steps=2", "tokenizer.charset='0123456789 ,=acdes'"))
+        C.preflight(_cfg(tmp_path, "schedule.num_steps=2", "tokenizer.charset='0123456789 ,=acdes'"))
     assert (tmp_path / "metrics.jsonl").read_bytes() == metrics
 
 

@@ -10,7 +10,7 @@ import math
 import pytest
 from _tiny import TINY_STEP
 
-from splitrl.config import load_config
+from _configs import demo_config
 from splitrl.controller.controller import train
 from splitrl.eval_config import EvalConfig, heldout_indices
 from splitrl.evaluation import evaluate
@@ -19,8 +19,8 @@ from splitrl.logging.plot import plot_series
 from splitrl.models import PolicyModel
 from splitrl.tasks import build_char_tokenizer, make_task
 
-TINY = TINY_STEP + ["backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false",
-                    "buffer.max_staleness=0", "num_steps=4", "checkpoint_every=2", "export_every=2"]
+TINY = TINY_STEP + ["cluster.backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false",
+                    "buffer.max_staleness=0", "schedule.num_steps=4", "checkpoint.every=2", "checkpoint.export_every=2"]
 EVAL = ["eval.eval_every=2", "eval.num_prompts=3", "eval.num_samples=2", "eval.greedy=true",
         "eval.correct_threshold=0.3", "eval.seed=9"]
 
@@ -39,10 +39,10 @@ def test_heldout_indices():
 
 def test_eval_during_training_matches_a_direct_evaluation_and_leaves_training_unchanged(tmp_path):
     # eval.ks=[2] adds k's; pass@1 is still reported (it went missing when ks left out 1)
-    res = train(load_config(None, TINY + EVAL + ["eval.ks=[2]", f"output_dir={tmp_path / 'eval'}"]))
+    res = train(demo_config(TINY + EVAL + ["eval.ks=[2]", f"output_dir={tmp_path / 'eval'}"]))
     rows = read_metrics(tmp_path / "eval" / "metrics.jsonl")
     assert [("eval/reward_mean" in r) for r in rows] == [False, True, False, True]
-    config = load_config(None, TINY + EVAL)
+    config = demo_config(TINY + EVAL)
     tok = build_char_tokenizer(config.tokenizer.charset)
     task = make_task(config.task)
     for row in (rows[1], rows[3]):
@@ -58,7 +58,7 @@ def test_eval_during_training_matches_a_direct_evaluation_and_leaves_training_un
         assert row["timing/eval_s"] > 0
 
     # the same run without evaluation trains identically (max_staleness 0: deterministic)
-    plain = train(load_config(None, TINY + [f"output_dir={tmp_path / 'plain'}"]))
+    plain = train(demo_config(TINY + [f"output_dir={tmp_path / 'plain'}"]))
     for a, b in zip(res.metrics, plain.metrics):
         for k, v in b.items():
             if k.startswith("timing/") or k == "rollout/tokens_per_s":
@@ -76,7 +76,7 @@ def test_no_heldout_prompt_left_fails_before_anything_starts(tmp_path):
     data = tmp_path / "three.jsonl"
     data.write_text("".join(json.dumps({"problem": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(3)))
     out = tmp_path / "run"
-    cfg = load_config(None, TINY + [f"output_dir={out}", "eval.at_end=true", "tokenizer.charset=null",
+    cfg = demo_config(TINY + [f"output_dir={out}", "eval.at_end=true", "tokenizer.charset=null",
                                     "model.backbone.vocab_size=100", f"task={{kind: math_file, path: {data}}}"])
     with pytest.raises(ValueError, match="eval.task"):
         train(cfg)

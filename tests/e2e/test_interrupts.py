@@ -15,7 +15,7 @@ from _tiny import TINY_STEP
 from _wait import wait_until
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
-RUN = TINY_STEP + ["backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false", "num_steps=1000"]
+RUN = TINY_STEP + ["cluster.backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false", "schedule.num_steps=1000"]
 
 
 def _start(out: Path, *extra: str, code: str | None = None, **popen) -> subprocess.Popen:
@@ -62,7 +62,7 @@ def test_ctrl_c_through_a_dead_pipe_still_checkpoints(tmp_path):
     the terminal interrupts tee too, so every later write of the run fails with EPIPE."""
     out = tmp_path / "run"
     proc = _start(
-        out, "checkpoint_every=1000", "logging.progress_bar=true", stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        out, "checkpoint.every=1000", "logging.progress_bar=true", stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     try:
         _wait_for(lambda: _steps_logged(out) >= 1, "the first step in metrics.jsonl", proc)
@@ -82,7 +82,7 @@ def test_sigterm_stops_like_ctrl_c(tmp_path):
     schedulers and containers send). checkpoint_every=0: the stop's checkpoint is the only one."""
     out = tmp_path / "run"
     log = open(tmp_path / "log", "w")
-    proc = _start(out, "checkpoint_every=0", stdout=log, stderr=subprocess.STDOUT)
+    proc = _start(out, "checkpoint.every=0", stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_for(lambda: _steps_logged(out) >= 1, "the first step in metrics.jsonl", proc)
         proc.send_signal(signal.SIGTERM)
@@ -114,7 +114,7 @@ def test_a_second_interrupt_exits_at_once(tmp_path):
     out, marker = tmp_path / "run", tmp_path / "in_step"
     log = open(tmp_path / "log", "w")
     proc = _start(
-        out, "checkpoint_every=0", code=SLOW_STEP.format(marker=str(marker)), stdout=log, stderr=subprocess.STDOUT
+        out, "checkpoint.every=0", code=SLOW_STEP.format(marker=str(marker)), stdout=log, stderr=subprocess.STDOUT
     )
     try:
         _wait_for(marker.exists, "the run inside its slow step", proc)

@@ -35,7 +35,7 @@ def _run(tmp_path, overrides):
     import asyncio
 
     cfg = load_config(
-        None, TINY_STEP + ["backend=ray", "num_steps=2", "checkpoint_every=0", f"output_dir={tmp_path}", *overrides]
+        None, TINY_STEP + ["cluster.backend=ray", "schedule.num_steps=2", "checkpoint.every=0", f"output_dir={tmp_path}", *overrides]
     )
     ctl = _Probe(cfg)
     res = asyncio.run(ctl.run())
@@ -52,7 +52,7 @@ def _check_engines_equal_trainer(cfg, ctl, res):
     assert not torch.equal(
         want["backbone.model.layers.0.mlp.up_proj.weight"], initial["backbone.model.layers.0.mlp.up_proj.weight"]
     )
-    assert len(ctl.gen_weights) == cfg.num_generation_workers
+    assert len(ctl.gen_weights) == cfg.cluster.num_generation_workers
     for got, version in ctl.gen_weights:
         assert version == 2
         assert got.keys() == want.keys()
@@ -64,7 +64,7 @@ def _check_engines_equal_trainer(cfg, ctl, res):
 
 def test_split_placement_syncs_through_the_gloo_group(tmp_path, caplog, ray_cluster):
     caplog.set_level(logging.INFO, logger="splitrl.controller.controller")
-    cfg, ctl, res = _run(tmp_path, ["placement=split", "num_generation_workers=2"])
+    cfg, ctl, res = _run(tmp_path, ["cluster.placement=split", "cluster.num_generation_workers=2"])
     assert ctl.placement == "split" and ctl.sync_path == "group"
     assert "over a torch.distributed gloo group" in caplog.text
     _check_engines_equal_trainer(cfg, ctl, res)
@@ -73,7 +73,7 @@ def test_split_placement_syncs_through_the_gloo_group(tmp_path, caplog, ray_clus
 def test_colocated_placement_copies_inside_the_process(tmp_path, caplog, ray_cluster):
     caplog.set_level(logging.INFO, logger="splitrl.controller.controller")
     # two ranks: each actor's copy gathers the FSDP2 shards tensor by tensor
-    cfg, ctl, res = _run(tmp_path, ["placement=colocated", "num_train_workers=2", "num_generation_workers=2"])
+    cfg, ctl, res = _run(tmp_path, ["cluster.placement=colocated", "cluster.num_train_workers=2", "cluster.num_generation_workers=2"])
     assert ctl.placement == "colocated" and ctl.sync_path == "colocated"
     assert "on-device copy inside each colocated worker" in caplog.text
     _check_engines_equal_trainer(cfg, ctl, res)

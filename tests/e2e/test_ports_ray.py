@@ -5,7 +5,7 @@ import ipaddress
 import pytest
 from _tiny import TINY_STEP
 
-from splitrl.config import load_config
+from _configs import demo_config
 
 pytestmark = pytest.mark.ray
 
@@ -40,7 +40,7 @@ def test_a_local_cluster_listens_on_loopback_only(tmp_path):
 
     if ray.is_initialized():
         ray.shutdown()
-    cfg = load_config(None, TINY_STEP + ["backend=ray", "dataplane.kind=transferqueue", f"output_dir={tmp_path}"])
+    cfg = demo_config(TINY_STEP + ["cluster.backend=ray", "dataplane.kind=transferqueue", f"output_dir={tmp_path}"])
     controller = SingleController(cfg)
     me = psutil.Process()
     before = set(_listening(me))

@@ -105,7 +105,7 @@ def test_a_run_joins_a_running_cluster(ray_head, tmp_path):
     ``RAY_AUTH_MODE=token`` in the pytest process for good; a driver in token mode on a cluster
     without it sees its actors "cancelled before it started running".)"""
     port, temp_dir = ray_head
-    args = TINY_STEP + ["backend=ray", "num_steps=2", "checkpoint_every=0", f"ray_address=127.0.0.1:{port}",
+    args = TINY_STEP + ["cluster.backend=ray", "schedule.num_steps=2", "checkpoint.every=0", f"cluster.ray_address=127.0.0.1:{port}",
                         f"output_dir={tmp_path}", "logging.tensorboard=false"]
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("RAY_ADDRESS", None)

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
 import splitrl.workers.generation as generation_module
-from splitrl.config import load_config
+from _configs import demo_config
 from splitrl.controller.controller import train
 from splitrl.logging import read_metrics
 from splitrl.tasks import build_char_tokenizer
@@ -53,12 +53,12 @@ def test_post_train_a_local_hf_checkpoint_with_chat_template_and_mtp_warmup(tmp_
 
     monkeypatch.setattr(generation_module, "encode_prompt", spy)
     out = tmp_path / "run"
-    cfg = load_config(None, [
+    cfg = demo_config([
         f"model.pretrained_path={hf}", "tokenizer={kind: pretrained}", "model.mtp.mtp_num_layers=1",
         "train.mtp_warmup_steps=1", "task={kind: reverse_digits, chat_template: true}",
-        "groups_per_step=2", "group_size=2", "min_groups_per_chunk=1", "generation_groups_per_call=2",
-        "rollout.max_new_tokens=6", "num_steps=2", "checkpoint_every=1", "export_every=1", "buffer.max_staleness=0",
-        "backend=local", "dataplane.kind=inprocess", "logging.progress_bar=false", "logging.tensorboard=false",
+        "schedule.groups_per_step=2", "schedule.group_size=2", "schedule.min_groups_per_chunk=1", "schedule.generation_groups_per_call=2",
+        "rollout.max_new_tokens=6", "schedule.num_steps=2", "checkpoint.every=1", "checkpoint.export_every=1", "buffer.max_staleness=0",
+        "cluster.backend=local", "dataplane.kind=inprocess", "logging.progress_bar=false", "logging.tensorboard=false",
         f"output_dir={out}",
     ])
     train(cfg)

@@ -7,7 +7,7 @@ import logging
 
 from transformers import AutoTokenizer
 
-from splitrl.config import DEMO_CHARSET, load_config
+from _configs import DEMO_CHARSET, demo_config
 from splitrl.controller.controller import train
 from splitrl.tasks import build_char_tokenizer
 
@@ -20,10 +20,10 @@ START_UP = [
 
 
 def test_start_up_is_logged_and_checkpoint_policy_dir_is_standalone(tmp_path, caplog):
-    cfg = load_config(None, [
-        "groups_per_step=2", "group_size=2", "min_groups_per_chunk=1", "generation_groups_per_call=2",
+    cfg = demo_config([
+        "schedule.groups_per_step=2", "schedule.group_size=2", "schedule.min_groups_per_chunk=1", "schedule.generation_groups_per_call=2",
         "rollout.max_new_tokens=4", "rollout.stop_token_ids=[7]", "logging.progress_bar=false",
-        "logging.tensorboard=false", "backend=local", "dataplane.kind=inprocess", "num_steps=1",
+        "logging.tensorboard=false", "cluster.backend=local", "dataplane.kind=inprocess", "schedule.num_steps=1",
         f"output_dir={tmp_path}",
     ])
     with caplog.at_level(logging.INFO, logger="splitrl.controller.controller"):

@@ -8,19 +8,20 @@ import os
 import pytest
 from _tiny import TINY_STEP
 
+from _configs import demo_config
 from splitrl.config import load_config
 from splitrl.controller.controller import StepFailed, train
 from splitrl.logging import read_metrics
 
-TINY = TINY_STEP + ["backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false"]
+TINY = TINY_STEP + ["cluster.backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false"]
 
 
 def _cfg(tmp_path, *extra):
-    return load_config(None, TINY + [f"output_dir={tmp_path}", *extra])
+    return demo_config(TINY + [f"output_dir={tmp_path}", *extra])
 
 
 def test_run_logs_every_metric_and_artifacts(tmp_path):
-    res = train(_cfg(tmp_path, "num_steps=3", "buffer.max_staleness=1", "checkpoint_every=2"))
+    res = train(_cfg(tmp_path, "schedule.num_steps=3", "buffer.max_staleness=1", "checkpoint.every=2"))
     assert res.steps_done == 3
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -58,7 +59,7 @@ def test_run_logs_every_metric_and_artifacts(tmp_path):
 
 
 def test_max_staleness_zero_is_on_policy(tmp_path):
-    res = train(_cfg(tmp_path, "num_steps=3", "buffer.max_staleness=0"))
+    res = train(_cfg(tmp_path, "schedule.num_steps=3", "buffer.max_staleness=0"))
     for m in res.metrics:
         assert m["buffer/staleness_max"] == 0.0
         assert m["buffer/evicted_groups_total"] == 0.0
@@ -74,8 +75,8 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, rollout):
     as an uninterrupted run. Tolerance: exact equality (same data, same chunking, same kernels).
     With speculative rollouts ``rollout.deterministic`` keeps the speculation decision off the
     clock, so the logprobs, and every metric that reads them, are equal too."""
-    train(_cfg(tmp_path / "full", "num_steps=4", "buffer.max_staleness=0", "checkpoint_every=2", *rollout))
-    part = _cfg(tmp_path / "part", "num_steps=4", "buffer.max_staleness=0", "checkpoint_every=2", *rollout)
+    train(_cfg(tmp_path / "full", "schedule.num_steps=4", "buffer.max_staleness=0", "checkpoint.every=2", *rollout))
+    part = _cfg(tmp_path / "part", "schedule.num_steps=4", "buffer.max_staleness=0", "checkpoint.every=2", *rollout)
     first = train(part.model_copy(update={"num_steps": 2}))
     assert first.steps_done == 2
     second = train(part)  # resumes from step 2
@@ -118,7 +119,7 @@ def test_resume_from_a_checkpoint_written_in_the_background_reproduces_the_run(t
         return written
 
     monkeypatch.setattr(train_actor.TrainActor, "checkpoint_written", slow)
-    cfg = _cfg(tmp_path, "num_steps=4", "buffer.max_staleness=0", "checkpoint_every=2")
+    cfg = _cfg(tmp_path, "schedule.num_steps=4", "buffer.max_staleness=0", "checkpoint.every=2")
     full = train(cfg)
     # the third poll of step 2's checkpoint is the first to report its files written; until the
     # controller hears so, no COMPLETE marks the checkpoint
@@ -146,7 +147,7 @@ def test_a_checkpoint_of_an_earlier_splitrl_with_trainer_pt_still_resumes(tmp_pa
 
     from splitrl.controller.policy_client import PolicyClient
 
-    full = train(_cfg(tmp_path / "full", "num_steps=4", "buffer.max_staleness=0", "checkpoint_every=2"))
+    full = train(_cfg(tmp_path / "full", "schedule.num_steps=4", "buffer.max_staleness=0", "checkpoint.every=2"))
 
     async def legacy_save(self, path, blocking=False):  # what splitrl wrote before sharded checkpoints
         torch.save(await self.state_dict(), Path(path) / "trainer.pt")
@@ -155,7 +156,7 @@ def test_a_checkpoint_of_an_earlier_splitrl_with_trainer_pt_still_resumes(tmp_pa
     async def written(self):
         return True
 
-    old = _cfg(tmp_path / "old", "num_steps=4", "buffer.max_staleness=0", "checkpoint_every=2")
+    old = _cfg(tmp_path / "old", "schedule.num_steps=4", "buffer.max_staleness=0", "checkpoint.every=2")
     with monkeypatch.context() as m:
         m.setattr(PolicyClient, "save_checkpoint", legacy_save)
         m.setattr(PolicyClient, "checkpoint_written", written)
@@ -169,7 +170,7 @@ def test_a_checkpoint_of_an_earlier_splitrl_with_trainer_pt_still_resumes(tmp_pa
 
 
 def test_export_every_exports_at_its_steps_and_at_the_end(tmp_path, monkeypatch):
-    """export_every=2 with checkpoint_every=1 and 5 steps: policy/ is written at steps 2, 4 and 5
+    """checkpoint.export_every=2 with checkpoint_every=1 and 5 steps: policy/ is written at steps 2, 4 and 5
     (the end) only; every checkpoint holds the sharded trainer state."""
     from splitrl.controller.controller import SingleController
 
@@ -182,11 +183,11 @@ def test_export_every_exports_at_its_steps_and_at_the_end(tmp_path, monkeypatch)
         return out
 
     monkeypatch.setattr(SingleController, "_write_checkpoint", recording)
-    train(_cfg(tmp_path, "num_steps=5", "buffer.max_staleness=1", "checkpoint_every=1", "export_every=2"))
+    train(_cfg(tmp_path, "schedule.num_steps=5", "buffer.max_staleness=1", "checkpoint.every=1", "checkpoint.export_every=2"))
     assert seen == [(1, False, False), (2, True, True), (3, False, False), (4, True, True), (5, True, True)]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000004", "step_000005"]
-    with pytest.raises(ValueError, match="export_every=3 is not a multiple of checkpoint_every=2"):
-        _cfg(tmp_path, "checkpoint_every=2", "export_every=3")
+    with pytest.raises(ValueError, match="checkpoint.export_every=3 is not a multiple of checkpoint_every=2"):
+        _cfg(tmp_path, "checkpoint.every=2", "checkpoint.export_every=3")
 
 
 def test_pruning_keeps_the_two_newest_and_the_newest_export(tmp_path):
@@ -205,13 +206,13 @@ def test_pruning_keeps_the_two_newest_and_the_newest_export(tmp_path):
 
 def test_bad_configs_fail_before_anything_starts(tmp_path):
     with pytest.raises(ValueError, match="nonexistent_key"):
-        load_config(None, TINY + ["nonexistent_key=1"])
+        demo_config(TINY + ["nonexistent_key=1"])
     # formerly rejected; trained exactly now (splitrl.train.side_grads)
-    load_config(None, TINY + ["loss.loss_type=sequence_level", "model.mtp.mtp_detach_heads=false"])
+    demo_config(TINY + ["loss.loss_type=sequence_level", "model.mtp.mtp_detach_heads=false"])
     with pytest.raises(ValueError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
     with pytest.raises(ValueError, match="path"):
-        load_config(None, TINY + ["task={kind: math_file, path: /nonexistent.jsonl}"])
+        demo_config(TINY + ["task={kind: math_file, path: /nonexistent.jsonl}"])
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
@@ -223,7 +224,7 @@ def test_failed_chunk_aborts_and_stops_with_the_cause(tmp_path, monkeypatch):
 
     monkeypatch.setattr(train_actor.TrainActor, "train_chunk", boom)
     with pytest.raises(StepFailed, match="injected chunk failure"):
-        train(_cfg(tmp_path, "num_steps=2", "on_chunk_failure=retry", "max_step_retries=1"))
+        train(_cfg(tmp_path, "schedule.num_steps=2", "faults.on_chunk_failure=retry", "faults.max_step_retries=1"))
 
 
 def test_kl_to_reference_and_speculative_rollouts(tmp_path):
@@ -232,7 +233,7 @@ def test_kl_to_reference_and_speculative_rollouts(tmp_path):
     res = train(
         _cfg(
             tmp_path,
-            "num_steps=3",
+            "schedule.num_steps=3",
             "loss.kl_coef=0.1",
             "rollout.speculative=true",
             "model.mtp.mtp_num_layers=2",
@@ -261,14 +262,14 @@ def test_preflight_catches_data_tokenizer_and_resume_mismatches(tmp_path):
     with pytest.raises(ValueError, match="tokenizer.charset"):
         preflight(_cfg(tmp_path / "b", "task.kind=math_file", f"task.path={good}"))
     out = tmp_path / "run"
-    train(_cfg(out, "num_steps=1"))
+    train(_cfg(out, "schedule.num_steps=1"))
     # the message names what differs (a new user's trial: it did not)
     with pytest.raises(
         ValueError, match=r"different model config .*model\.backbone\.hidden_size: checkpoint \d+, this run 64"
     ):
-        preflight(_cfg(out, "num_steps=2", "model.backbone.hidden_size=64"))
-    assert preflight(_cfg(out, "num_steps=2")) == 1
-    assert train(_cfg(out, "num_steps=1")).steps_done == 1  # finished: nothing to do, no workers
+        preflight(_cfg(out, "schedule.num_steps=2", "model.backbone.hidden_size=64"))
+    assert preflight(_cfg(out, "schedule.num_steps=2")) == 1
+    assert train(_cfg(out, "schedule.num_steps=1")).steps_done == 1  # finished: nothing to do, no workers
 
 
 def test_fewer_steps_than_a_run_made_is_said_not_passed_for_a_finished_run(tmp_path, monkeypatch, caplog):
@@ -278,10 +279,10 @@ def test_fewer_steps_than_a_run_made_is_said_not_passed_for_a_finished_run(tmp_p
 
     monkeypatch.setattr(controller_mod, "preflight", lambda cfg: 3)  # a 3-step run is on disk
     with caplog.at_level(logging.INFO, logger="splitrl.controller.controller"):
-        assert train(_cfg(tmp_path / "run", "num_steps=2")).steps_done == 3
+        assert train(_cfg(tmp_path / "run", "schedule.num_steps=2")).steps_done == 3
     [record] = [r for r in caplog.records if "nothing to do" in r.getMessage()]
     assert record.levelno == logging.WARNING
-    assert "more than num_steps=2" in record.getMessage() and "resume=false" in record.getMessage()
+    assert "more than num_steps=2" in record.getMessage() and "checkpoint.resume=false" in record.getMessage()
 
 
 def test_a_failed_chunk_is_retried_and_the_run_goes_on(tmp_path, monkeypatch):
@@ -297,7 +298,7 @@ def test_a_failed_chunk_is_retried_and_the_run_goes_on(tmp_path, monkeypatch):
         return real(self, *a, **k)
 
     monkeypatch.setattr(train_actor.TrainActor, "train_chunk", flaky)
-    res = train(_cfg(tmp_path, "num_steps=2", "buffer.max_staleness=0", "on_chunk_failure=retry", "max_step_retries=1"))
+    res = train(_cfg(tmp_path, "schedule.num_steps=2", "buffer.max_staleness=0", "faults.on_chunk_failure=retry", "faults.max_step_retries=1"))
     assert res.steps_done == 2
     assert all(m["train/num_valid_samples"] == 16 for m in res.metrics)  # the retried step is whole
 
@@ -319,7 +320,7 @@ def test_watchdog_reports_a_stall_instead_of_hanging(tmp_path, monkeypatch):
     monkeypatch.setattr(generation.GenerationWorker, "generate_groups", hung)
     try:
         with pytest.raises(StallError, match="watchdog"):
-            train(_cfg(tmp_path, "num_steps=1", "watchdog_timeout_s=2"))
+            train(_cfg(tmp_path, "schedule.num_steps=1", "faults.watchdog_timeout_s=2"))
         # reported while the generation call still hung (no wall-clock bound: a loaded machine
         # may take long to start the run; what counts is that the run did not wait for the call)
         assert not returned
@@ -343,11 +344,11 @@ def test_two_generation_workers_with_a_small_buffer_generate_each_prompt_once(tm
     res = train(
         _cfg(
             tmp_path,
-            "num_steps=3",
-            "num_generation_workers=2",
+            "schedule.num_steps=3",
+            "cluster.num_generation_workers=2",
             "buffer.capacity_groups=2",
             "buffer.max_staleness=2",
-            "min_groups_per_chunk=1",
+            "schedule.min_groups_per_chunk=1",
         )
     )
     assert res.steps_done == 3
@@ -357,7 +358,7 @@ def test_two_generation_workers_with_a_small_buffer_generate_each_prompt_once(tm
 def test_cpu_demo_runs_with_a_tiny_moe_backbone(tmp_path):
     """`splitrl train model.family=qwen3_moe`: the demo on transformers' Qwen3-MoE (4 experts, 2 per
     token, router aux loss on), with the MoE metrics logged."""
-    res = train(_cfg(tmp_path, "num_steps=2", "model.family=qwen3_moe", "loss.loss_type=sequence_level"))
+    res = train(_cfg(tmp_path, "schedule.num_steps=2", "model.family=qwen3_moe", "loss.loss_type=sequence_level"))
     assert res.steps_done == 2
     rows = read_metrics(tmp_path / "metrics.jsonl")
     for r in rows:
@@ -369,7 +370,7 @@ def test_cpu_demo_runs_with_a_tiny_moe_backbone(tmp_path):
 def test_cpu_demo_runs_with_a_qwen2_backbone(tmp_path):
     """`splitrl train model.family=qwen2`: the demo on transformers' Qwen2 (q/k/v biases, no q/k
     norms), through the rollout engine's fused biased projections and the weight sync."""
-    res = train(_cfg(tmp_path, "num_steps=2", "model.family=qwen2"))
+    res = train(_cfg(tmp_path, "schedule.num_steps=2", "model.family=qwen2"))
     assert res.steps_done == 2
     rows = read_metrics(tmp_path / "metrics.jsonl")
     for r in rows:
@@ -407,10 +408,10 @@ def test_groups_reach_training_before_their_generation_call_returns(tmp_path, mo
     res = train(
         _cfg(
             tmp_path,
-            "num_steps=1",
-            "groups_per_step=4",
-            "generation_groups_per_call=4",
-            "min_groups_per_chunk=1",
+            "schedule.num_steps=1",
+            "schedule.groups_per_step=4",
+            "schedule.generation_groups_per_call=4",
+            "schedule.min_groups_per_chunk=1",
             "buffer.max_staleness=0",
         )
     )
@@ -428,13 +429,13 @@ def test_a_second_run_in_a_directory_in_use_is_refused_before_it_writes(tmp_path
     held = RunDirLock(out)  # as a running run holds it
     try:
         with pytest.raises(RunDirInUse, match=rf"{out} is in use by another splitrl run \(pid {os.getpid()}\)"):
-            train(_cfg(out, "num_steps=1"))
+            train(_cfg(out, "schedule.num_steps=1"))
         assert sorted(p.name for p in out.iterdir()) == [RUN_LOCK]  # nothing written
         with pytest.raises(RunDirInUse):
             RunDirLock(out)  # the same process, another open file: still refused
     finally:
         held.release()
-    assert train(_cfg(out, "num_steps=1")).steps_done == 1
+    assert train(_cfg(out, "schedule.num_steps=1")).steps_done == 1
     RunDirLock(out).release()  # the finished run let it go
 
 
@@ -448,7 +449,7 @@ def test_a_failed_run_releases_its_directory(tmp_path, monkeypatch):
     monkeypatch.setattr(controller_mod.SingleController, "_build", broken)
     out = tmp_path / "run"
     with pytest.raises(RuntimeError, match="worker start failed"):
-        train(_cfg(out, "num_steps=1"))
+        train(_cfg(out, "schedule.num_steps=1"))
     RunDirLock(out).release()  # not held any more
 
 
@@ -474,11 +475,11 @@ def test_a_resume_with_changed_settings_says_what_changed(tmp_path, caplog):
     from splitrl.controller.controller import preflight
 
     out = tmp_path / "run"
-    train(_cfg(out, "num_steps=1"))
+    train(_cfg(out, "schedule.num_steps=1"))
     with caplog.at_level(logging.WARNING, logger="splitrl.controller.controller"):
-        assert preflight(_cfg(out, "num_steps=3", "logging.tensorboard=false")) == 1
+        assert preflight(_cfg(out, "schedule.num_steps=3", "logging.tensorboard=false")) == 1
         assert not [r for r in caplog.records if "differ from the run" in r.getMessage()]
-        assert preflight(_cfg(out, "num_steps=3", "group_size=2", "rollout.temperature=0.5")) == 1
+        assert preflight(_cfg(out, "schedule.num_steps=3", "schedule.group_size=2", "rollout.temperature=0.5")) == 1
     [record] = [r for r in caplog.records if "differ from the run" in r.getMessage()]
     message = record.getMessage()
     assert "group_size: 4 -> 2" in message and "rollout.temperature: 1.0 -> 0.5" in message, message
@@ -497,9 +498,9 @@ def test_a_foreign_metrics_file_is_refused_by_the_preflight(tmp_path):
         ValueError,
         match=r"metrics.jsonl:1 has no integer 'step' field.*move it out of .* or give this run another output_dir",
     ):
-        preflight(_cfg(out, "num_steps=1"))
+        preflight(_cfg(out, "schedule.num_steps=1"))
     assert (out / "metrics.jsonl").read_text() == '{"loss": 1.0}\n{"loss": 0.5}\n'
-    assert preflight(_cfg(out, "num_steps=1", "resume=false")) == 0  # a start-over sets it aside
+    assert preflight(_cfg(out, "schedule.num_steps=1", "checkpoint.resume=false")) == 0  # a start-over sets it aside
 
 
 def test_a_run_refused_by_the_preflight_leaves_no_empty_output_dir(tmp_path):
@@ -528,11 +529,11 @@ def test_a_resume_with_a_new_learning_rate_trains_with_it(tmp_path):
     from splitrl.config import load_config as load
 
     out = tmp_path / "run"
-    train(_cfg(out, "num_steps=2"))
-    train(_cfg(out, "num_steps=4", "train.optim.lr=1e-4"))
+    train(_cfg(out, "schedule.num_steps=2"))
+    train(_cfg(out, "schedule.num_steps=4", "train.optim.lr=1e-4"))
     lrs = [m["train/lr"] for m in read_metrics(out / "metrics.jsonl")]
-    optim = load(None, [f"output_dir={out}", "num_steps=4", "train.optim.lr=1e-4", *TINY_STEP]).train.optim
-    old = load(None, [f"output_dir={out}", "num_steps=2", *TINY_STEP]).train.optim
+    optim = load(None, [f"output_dir={out}", "schedule.num_steps=4", "train.optim.lr=1e-4", *TINY_STEP]).train.optim
+    old = load(None, [f"output_dir={out}", "schedule.num_steps=2", *TINY_STEP]).train.optim
     assert lrs[1] == pytest.approx(old.lr * old.lr_factor(1), rel=1e-12)
     assert lrs[2] == pytest.approx(1e-4 * optim.lr_factor(2), rel=1e-12) and lrs[3] == pytest.approx(
         1e-4 * optim.lr_factor(3), rel=1e-12
@@ -547,7 +548,7 @@ def test_a_fresh_start_over_an_earlier_record_sets_it_aside(tmp_path):
     out.mkdir()
     record = '{"step": 1, "my_acc": 0.9}\n{"step": 2, "my_acc": 0.95}\n'
     (out / "metrics.jsonl").write_text(record)
-    train(_cfg(out, "num_steps=1"))
+    train(_cfg(out, "schedule.num_steps=1"))
     [kept] = list((out / "earlier_runs").glob("*/metrics.jsonl"))
     assert kept.read_text() == record
     assert [m["step"] for m in read_metrics(out / "metrics.jsonl")] == [1]

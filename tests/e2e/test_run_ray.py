@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from _tiny import TINY_STEP
 
-from splitrl.config import load_config
+from _configs import demo_config
 from splitrl.controller.controller import train
 from splitrl.logging import read_metrics
 from splitrl.workers.generation import GenerationWorker
@@ -58,17 +58,16 @@ def test_three_steps_on_ray_and_transferqueue_with_groups_streamed_into_training
         return await real_train(self, groups)
 
     monkeypatch.setattr(PolicyClient, "train_chunk", train_chunk)
-    cfg = load_config(
-        None,
+    cfg = demo_config(
         TINY_STEP
         + [
-            "backend=ray",
-            "placement=split",
+            "cluster.backend=ray",
+            "cluster.placement=split",
             "dataplane.kind=transferqueue",
-            "num_steps=3",
-            "checkpoint_every=0",
-            "generation_groups_per_call=4",
-            "min_groups_per_chunk=1",
+            "schedule.num_steps=3",
+            "checkpoint.every=0",
+            "schedule.generation_groups_per_call=4",
+            "schedule.min_groups_per_chunk=1",
             "buffer.max_staleness=1",
             f"output_dir={tmp_path}",
         ],
@@ -107,11 +106,11 @@ def test_two_train_workers_equal_one_and_resume_a_sharded_checkpoint_with_two_or
     (resharded 2 -> 1) up to the reduction order of two ranks (rtol 1e-5)."""
     import shutil
 
-    base = TINY_STEP + ["backend=ray", "buffer.max_staleness=0", "checkpoint_every=1", "num_steps=2"]
-    full = train(load_config(None, base + ["num_train_workers=2", f"output_dir={tmp_path / 'full'}"])).metrics
+    base = TINY_STEP + ["cluster.backend=ray", "buffer.max_staleness=0", "checkpoint.every=1", "schedule.num_steps=2"]
+    full = train(demo_config(base + ["cluster.num_train_workers=2", f"output_dir={tmp_path / 'full'}"])).metrics
     one = train(
-        load_config(
-            None, base + ["num_train_workers=1", "checkpoint_every=0", "num_steps=1", f"output_dir={tmp_path / 'one'}"]
+        demo_config(
+            base + ["cluster.num_train_workers=1", "checkpoint.every=0", "schedule.num_steps=1", f"output_dir={tmp_path / 'one'}"]
         )
     ).metrics
     keys = (
@@ -131,7 +130,7 @@ def test_two_train_workers_equal_one_and_resume_a_sharded_checkpoint_with_two_or
     for n in (2, 1):
         out = tmp_path / f"resume{n}"
         shutil.copytree(step1, out / "checkpoints" / step1.name)
-        res = train(load_config(None, base + [f"num_train_workers={n}", f"output_dir={out}"]))
+        res = train(demo_config(base + [f"cluster.num_train_workers={n}", f"output_dir={out}"]))
         assert res.steps_done == 2 and len(res.metrics) == 1
         resumed[n] = res.metrics[0]
     for k in (*keys, "train/num_valid_tokens", "train/reward"):

@@ -16,7 +16,7 @@ from splitrl.config import load_config
 from splitrl.controller.controller import train
 from splitrl.logging import read_metrics
 
-TINY = TINY_STEP + ["backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false"]
+TINY = TINY_STEP + ["cluster.backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false"]
 
 
 def test_on_policy_run_at_temperature_0p6_reports_consistent_metrics(tmp_path, caplog):
@@ -25,7 +25,7 @@ def test_on_policy_run_at_temperature_0p6_reports_consistent_metrics(tmp_path, c
         TINY
         + [
             f"output_dir={tmp_path}",
-            "num_steps=2",
+            "schedule.num_steps=2",
             "buffer.max_staleness=0",
             "rollout.temperature=0.6",
             "rollout.speculative=true",

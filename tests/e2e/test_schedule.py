@@ -16,12 +16,12 @@ import torch
 from _tiny import TINY_STEP
 from safetensors.torch import load_file
 
-from splitrl.config import load_config
+from _configs import demo_config
 from splitrl.controller.controller import train
 from splitrl.workers.generation import GenerationWorker
 from splitrl.workers.train_actor import TrainActor
 
-TINY = TINY_STEP + ["backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false", "checkpoint_every=0"]
+TINY = TINY_STEP + ["cluster.backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false", "checkpoint.every=0"]
 NUM_STEPS = 3
 GROUPS_PER_STEP = 4  # TINY_STEP's, two generation calls of 2 prompts each
 
@@ -76,7 +76,7 @@ def _final_policy(out: Path) -> dict[str, torch.Tensor]:
 
 def _run(tmp_path, monkeypatch, name: str, *extra: str, hold_first_chunk: bool = False):
     calls = _record_calls(monkeypatch, hold_first_chunk)
-    cfg = load_config(None, TINY + [f"num_steps={NUM_STEPS}", f"output_dir={tmp_path / name}", *extra])
+    cfg = demo_config(TINY + [f"schedule.num_steps={NUM_STEPS}", f"output_dir={tmp_path / name}", *extra])
     res = train(cfg)
     monkeypatch.undo()
     assert res.steps_done == NUM_STEPS
@@ -87,9 +87,9 @@ def test_sync_trains_what_async_at_staleness_zero_trains_and_never_overlaps(tmp_
     """Same per-step metrics (exactly: same samples, chunks and kernels) and the same final
     parameters (bitwise) as ``async`` at ``max_staleness: 0``; under ``sync`` no generation call
     overlaps a train call, while under ``async`` they do (so the overlap check can fail)."""
-    sync_m, sync_calls, sync_w = _run(tmp_path, monkeypatch, "sync", "schedule=sync")
+    sync_m, sync_calls, sync_w = _run(tmp_path, monkeypatch, "sync", "schedule.mode=sync")
     async_m, async_calls, async_w = _run(
-        tmp_path, monkeypatch, "async", "schedule=async", "buffer.max_staleness=0", hold_first_chunk=True
+        tmp_path, monkeypatch, "async", "schedule.mode=async", "buffer.max_staleness=0", hold_first_chunk=True
     )
 
     compared = 0
@@ -118,12 +118,12 @@ def test_sync_trains_what_async_at_staleness_zero_trains_and_never_overlaps(tmp_
 
 
 def test_sync_needs_staleness_zero():
-    assert load_config(None, ["schedule=sync"]).buffer.max_staleness == 0  # the default it fills in
-    assert load_config(None, []).schedule == "async"
-    with pytest.raises(ValueError, match=r"schedule=sync .* buffer.max_staleness=1; set buffer.max_staleness=0"):
-        load_config(None, ["schedule=sync", "buffer.max_staleness=1"])
+    assert demo_config(["schedule.mode=sync"]).buffer.max_staleness == 0  # the default it fills in
+    assert demo_config([]).schedule.mode == "async"
+    with pytest.raises(ValueError, match=r"schedule.mode=sync .* buffer.max_staleness=1; set buffer.max_staleness=0"):
+        demo_config(["schedule.mode=sync", "buffer.max_staleness=1"])
     with pytest.raises(ValueError, match="schedule"):
-        load_config(None, ["schedule=lockstep"])
+        demo_config(["schedule.mode=lockstep"])
 
 
 def _deliver_groups_in_reverse(monkeypatch) -> None:
@@ -163,8 +163,8 @@ def test_arrival_chunk_order_trains_the_same_steps_in_the_order_groups_arrive(tm
     monkeypatch.setattr(controller_mod, "arrived_first", recording)
     runs = {}
     for order in ("prompt", "arrival"):
-        extra = ["schedule=async", "buffer.max_staleness=0", "min_groups_per_chunk=1", f"chunk_order={order}"]
-        cfg = load_config(None, TINY + [f"num_steps={NUM_STEPS}", f"output_dir={tmp_path / order}", *extra])
+        extra = ["schedule.mode=async", "buffer.max_staleness=0", "schedule.min_groups_per_chunk=1", f"schedule.chunk_order={order}"]
+        cfg = demo_config(TINY + [f"schedule.num_steps={NUM_STEPS}", f"output_dir={tmp_path / order}", *extra])
         res = train(cfg)
         assert res.steps_done == NUM_STEPS
         runs[order] = (res.metrics, _final_policy(tmp_path / order))
@@ -213,8 +213,8 @@ def test_arrival_chunk_order_has_no_effect_under_sync(tmp_path, monkeypatch):
     runs = {}
     for order in ("prompt", "arrival"):
         monkeypatch.setattr(GenerationWorker, "generate_groups", reversed_groups)
-        extra = ["schedule=sync", "min_groups_per_chunk=1", f"chunk_order={order}"]
-        cfg = load_config(None, TINY + [f"num_steps={NUM_STEPS}", f"output_dir={tmp_path / order}", *extra])
+        extra = ["schedule.mode=sync", "schedule.min_groups_per_chunk=1", f"schedule.chunk_order={order}"]
+        cfg = demo_config(TINY + [f"schedule.num_steps={NUM_STEPS}", f"output_dir={tmp_path / order}", *extra])
         res = train(cfg)
         monkeypatch.undo()
         assert res.steps_done == NUM_STEPS
@@ -235,12 +235,12 @@ def test_arrival_chunk_order_without_effect_is_warned_about():
     from splitrl.controller.controller import settings_without_effect
 
     def warned(*overrides):
-        return [w for w in settings_without_effect(load_config(None, list(overrides))) if "chunk_order" in w]
+        return [w for w in settings_without_effect(demo_config(list(overrides))) if "chunk_order" in w]
 
-    assert "max_staleness=1" in warned("chunk_order=arrival", "buffer.max_staleness=1")[0]
-    assert "schedule=sync" in warned("chunk_order=arrival", "schedule=sync")[0]
-    assert warned("chunk_order=arrival", "schedule=async", "buffer.max_staleness=0") == []
-    assert warned("chunk_order=prompt", "buffer.max_staleness=1") == []
+    assert "max_staleness=1" in warned("schedule.chunk_order=arrival", "buffer.max_staleness=1")[0]
+    assert "schedule.mode=sync" in warned("schedule.chunk_order=arrival", "schedule.mode=sync")[0]
+    assert warned("schedule.chunk_order=arrival", "schedule.mode=async", "buffer.max_staleness=0") == []
+    assert warned("schedule.chunk_order=prompt", "buffer.max_staleness=1") == []
 
 
 def test_arrival_bookkeeping_never_takes_another_steps_group():
@@ -272,10 +272,10 @@ def test_arrival_bookkeeping_never_takes_another_steps_group():
         return Group(f"p{i}", i, [], 0)
 
     ctl = SingleController.__new__(SingleController)
-    ctl.config = load_config(
-        None, ["schedule=async", "buffer.max_staleness=0", "groups_per_step=4", "chunk_order=arrival"]
+    ctl.config = demo_config(
+        ["schedule.mode=async", "buffer.max_staleness=0", "schedule.groups_per_step=4", "schedule.chunk_order=arrival"]
     )
-    ctl.schedule = sched = PromptSchedule(4, ctl.config.num_steps, 0, "arrival")  # where the bookkeeping lives
+    ctl.schedule = sched = PromptSchedule(4, ctl.config.schedule.num_steps, 0, "arrival")  # where the bookkeeping lives
     ctl.step, ctl.version, ctl.wait_s = 0, 0, 0.0
     sched.held = {5: group(5), 2: group(2)}  # 5: of step 1
     ctl.buffer = Arrivals([group(3), group(0), group(1)])

@@ -17,11 +17,11 @@ def test_cut_after_the_token_that_completes_the_stop_string():
 
 
 def test_generation_worker_ends_responses_at_stop_strings():
-    from splitrl.config import load_config
+    from _configs import demo_config
     from splitrl.dataplane import InProcessDataPlane
     from splitrl.workers.generation import GenerationWorker
 
-    cfg = load_config(None, ["rollout.max_new_tokens=8", "rollout.stop_strings=[',']"])
+    cfg = demo_config(["rollout.max_new_tokens=8", "rollout.stop_strings=[',']"])
     dp = InProcessDataPlane()
     worker = GenerationWorker(cfg.model, cfg.rollout, cfg.task, cfg.tokenizer, dp, reward_timeout_s=10)
     try:
@@ -44,11 +44,11 @@ def test_generation_worker_hands_each_group_over_when_its_last_sample_ends():
     """Groups are scored and stored as they complete (continuous batching), before the call ends."""
     import pytest
 
-    from splitrl.config import load_config
+    from _configs import demo_config
     from splitrl.dataplane import InProcessDataPlane
     from splitrl.workers.generation import GenerationWorker
 
-    cfg = load_config(None, ["rollout.max_new_tokens=6", "rollout.batch_size=4"])
+    cfg = demo_config(["rollout.max_new_tokens=6", "rollout.batch_size=4"])
     dp = InProcessDataPlane()
     worker = GenerationWorker(cfg.model, cfg.rollout, cfg.task, cfg.tokenizer, dp, reward_timeout_s=10)
     seen = []

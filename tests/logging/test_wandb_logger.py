@@ -89,10 +89,10 @@ def test_configured_but_not_installed_is_a_config_error(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ValueError, match="pip install"):
         WandbConfig(project="p")
-    from splitrl.config import load_config
+    from _configs import demo_config
 
     with pytest.raises(ValueError, match="wandb package is not installed"):
-        load_config(None, ["logging.wandb={project: p}"])
+        demo_config(["logging.wandb={project: p}"])
     assert WandbConfig(project="p", mode="disabled").mode == "disabled"  # off: nothing to import
 
 
@@ -217,7 +217,7 @@ def test_preflight_checks_wandb_credentials(tmp_path, monkeypatch):
     """The check above is wired into preflight (before any worker starts)."""
     import pytest
 
-    from splitrl.config import load_config
+    from _configs import demo_config
     from splitrl.controller import preflight as C
 
     def refuse(config, *a, **k):
@@ -225,6 +225,6 @@ def test_preflight_checks_wandb_credentials(tmp_path, monkeypatch):
             raise ValueError("no W&B API key")
 
     monkeypatch.setattr(C, "check_wandb_credentials", refuse)
-    cfg = load_config(None, [f"output_dir={tmp_path}", "logging.wandb={project: p}", "backend=local"])
+    cfg = demo_config([f"output_dir={tmp_path}", "logging.wandb={project: p}", "cluster.backend=local"])
     with pytest.raises(ValueError, match="no W&B API key"):
         C.preflight(cfg)

@@ -14,7 +14,7 @@ from _tiny_gguf import BOS_ID, CHAT_TEMPLATE, EOS_ID, UNK_ID, reference_model, w
 from transformers import AutoTokenizer  # noqa: E402
 
 import splitrl.models.gguf as gguf_module  # noqa: E402
-from splitrl.config import load_config  # noqa: E402
+from _configs import demo_config
 from splitrl.models import MTPConfig, PolicyModel  # noqa: E402
 from splitrl.models.gguf import gguf_model_dir, resolve_model_files  # noqa: E402
 
@@ -159,12 +159,12 @@ def test_an_unusable_file_is_refused_in_one_line_naming_it(tmp_path, cache, make
 
 def test_a_missing_gguf_is_refused_at_config_load(tmp_path):
     with pytest.raises(ValueError, match=r"model.pretrained_path='.*missing.gguf': no such GGUF file; check the path"):
-        load_config(None, [f"model.pretrained_path={tmp_path / 'missing.gguf'}"])
+        demo_config([f"model.pretrained_path={tmp_path / 'missing.gguf'}"])
 
 
 def test_preflight_resolution_points_the_run_config_at_the_converted_directory(tmp_path):
     path = write_gguf(tmp_path / "tiny.gguf")
-    cfg = load_config(None, [f"model.pretrained_path={path}", f"tokenizer={{kind: pretrained, path: {path}}}",
+    cfg = demo_config([f"model.pretrained_path={path}", f"tokenizer={{kind: pretrained, path: {path}}}",
                              f"output_dir={tmp_path / 'run'}"])  # fmt: skip
     assert cfg.model.pretrained_path == str(path)
     resolve_model_files(cfg)
@@ -175,6 +175,6 @@ def test_preflight_resolution_points_the_run_config_at_the_converted_directory(t
 
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + bytes(8))
-    cfg = load_config(None, [f"model.pretrained_path={bad}", f"output_dir={tmp_path / 'run'}"])
+    cfg = demo_config([f"model.pretrained_path={bad}", f"output_dir={tmp_path / 'run'}"])
     with pytest.raises(ValueError, match=r"^model.pretrained_path: '.*bad.gguf' cannot be read as GGUF"):
         resolve_model_files(cfg)

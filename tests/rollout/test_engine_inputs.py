@@ -62,15 +62,15 @@ def test_a_backbone_that_stays_small_with_some_defaults_still_builds():
 
 
 def test_preflight_refuses_the_huge_default_and_names_the_small_ones_it_lets_through(caplog):
-    from splitrl.config import load_config
+    from _configs import demo_config
     from splitrl.controller.preflight import model_hf_config
 
-    config = load_config(None, ["model.backbone={vocab_size: 64}"])
+    config = demo_config(["model.backbone={vocab_size: 64}"])
     with pytest.raises(ValueError, match="10.81 B-parameter"):
         model_hf_config(config)
     no_ffn = {k: TINY_BACKBONE[k] for k in (*SIZE_KEYS, "num_key_value_heads") if k != "intermediate_size"}
     with caplog.at_level("WARNING"):
-        assert model_hf_config(load_config(None, [f"model.backbone={no_ffn}"])).intermediate_size == 22016
+        assert model_hf_config(demo_config([f"model.backbone={no_ffn}"])).intermediate_size == 22016
     assert (
         "model.backbone lacks intermediate_size: transformers' qwen3 defaults are used (intermediate_size=22016)"
         in caplog.text

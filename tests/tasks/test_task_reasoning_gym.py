@@ -116,11 +116,11 @@ def test_missing_reasoning_gym_package_is_a_clear_config_error(monkeypatch):
     ModuleNotFoundError from inside the validator."""
     import sys
 
-    from splitrl.config import load_config
+    from _configs import demo_config
 
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # makes `import reasoning_gym` fail
     with pytest.raises(ValueError, match=r"needs the reasoning-gym package.*reverse_digits"):
-        load_config(None, ["task={kind: reasoning_gym, dataset: number_sorting}"])
+        demo_config(["task={kind: reasoning_gym, dataset: number_sorting}"])
 
 
 def test_default_task_is_compact_and_not_degenerate():
@@ -143,9 +143,9 @@ def test_a_dataset_override_that_keeps_anothers_dataset_config_says_how_to_fix_i
     task.dataset=spell_backward` (a generator the README names) kept the demo's number_sorting
     dataset_config and failed with only "unexpected keyword argument 'min_numbers'"; the message
     now names the keys that are not the generator's, its own settings, and the override to add."""
-    from splitrl.config import load_config
+    from _configs import demo_config
 
-    config = load_config(None, ["task.dataset=spell_backward"])
+    config = demo_config(["task.dataset=spell_backward"])
     with pytest.raises(ValueError, match=r"\['max_decimals', .*'min_value'\] are not settings of 'spell_backward' "
                                          r"\(its settings: \['min_word_len', 'max_word_len', 'data_file'\]\).*"
                                          r"task.dataset_config=\{\}"):

@@ -65,13 +65,13 @@ def check_cluster_gpus(
         return
     if placement == "colocated":
         what = f"{num_train_workers} GPUs (one per train rank, each shared with a generation engine)"
-        fix = f"lower num_train_workers and num_generation_workers to {max(1, have)} or fewer"
+        fix = f"lower cluster.num_train_workers and cluster.num_generation_workers to {max(1, have)} or fewer"
     else:
         what = (
             f"{need} GPUs ({num_generation_workers} generation worker(s) + {num_train_workers} train worker(s), "
             "one GPU each)"
         )
-        fix = "lower num_generation_workers / num_train_workers"
+        fix = "lower cluster.num_generation_workers / cluster.num_train_workers"
         if num_train_workers <= have:
             same = (
                 ""
@@ -80,8 +80,8 @@ def check_cluster_gpus(
             )
             fix = f"use cluster.placement=colocated{same} (needs {num_train_workers}), or " + fix
     raise ValueError(
-        f"cluster.placement={placement} needs {what}, but the Ray cluster has {have}; {fix}, or join a cluster with "
-        "more GPUs (cluster.ray_address=...)"
+        f"cluster.placement={placement} needs {what}, but the Ray cluster has {have}; {fix}, or join a cluster "
+        "with more GPUs (cluster.ray_address=...)"
     )
 
 

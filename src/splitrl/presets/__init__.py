@@ -5,6 +5,10 @@ top, see :func:`splitrl.config.load_config`).
 - ``cpu_demo``: the CPU demo (``splitrl train`` without ``--config`` runs it): a tiny random-init
   Qwen3 with one MTP depth, a character tokenizer, reasoning-gym ``number_sorting`` with partial
   credit, 8 new tokens a sample.
+
+A preset sets values as a config file does, so it leaves out the keys whose default derives from
+another setting (``buffer.max_staleness``, ``dataplane.kind``, ``train.optim.total_steps``: see
+``RunConfig._run_level_defaults``): set there, they would no longer follow it.
 """
 
 from __future__ import annotations
