@@ -3,19 +3,19 @@
 One process runs the same config once per schedule (four by default, ``--schedules``), one after
 the other, with only the schedule changed:
 
-- ``sync``: ``schedule: sync`` — generate the whole step with the current weights, then train it,
+- ``sync``: ``schedule.mode: sync`` — generate the whole step with the current weights, then train it,
   then sync the weights (what a plain GRPO loop does; nothing overlaps);
-- ``async s=0``: ``schedule: async``, ``buffer.max_staleness: 0`` — the same samples and math as
+- ``async s=0``: ``schedule.mode: async``, ``buffer.max_staleness: 0`` — the same samples and math as
   ``sync`` (the runs log the same losses), but the step's groups are streamed into training in
   chunks as they finish, so generation of a step's later groups overlaps training of its first;
-- ``async s=1``: ``schedule: async``, ``buffer.max_staleness: 1`` — generation also runs one
+- ``async s=1``: ``schedule.mode: async``, ``buffer.max_staleness: 1`` — generation also runs one
   policy version ahead (stale samples, corrected by truncated importance weights when the config
   says so), so it overlaps the whole train step and the weight sync;
-- ``async s=0 arrival``: ``async s=0`` with ``chunk_order: arrival`` — the step's own groups are
+- ``async s=0 arrival``: ``async s=0`` with ``schedule.chunk_order: arrival`` — the step's own groups are
   trained in the order they finish, not in prompt order, so the first chunk does not wait for the
   group of the step's first prompt (same samples and math, summed in another order).
 
-Each run gets ``num_steps = --steps``, a fresh output directory, no intermediate checkpoints and no
+Each run gets ``schedule.num_steps = --steps``, a fresh output directory, no intermediate checkpoints and no
 held-out evaluation. The first run of a process is slower even after its first step (lazily built
 kernels and caches: on CPU its steps 2..N took 0.2 s longer than the same schedule's run later in
 the process), so an untimed warm-up run of ``--warmup-steps`` steps goes first. ``--repeats R``
@@ -86,11 +86,12 @@ from pathlib import Path
 
 import torch
 
-from splitrl.config import RunConfig, load_config
+from splitrl.config import MOVED_KEYS, RunConfig, load_config
 from splitrl.controller.cluster import resolve_backend
 from splitrl.controller.controller import train
 from splitrl.controller.placement import resolve_placement
 from splitrl.models.hf_files import rollout_stop_token_ids
+from splitrl.presets import DEMO_PRESET
 
 SCHEDULES = {
     "sync": ["schedule.mode=sync", "buffer.max_staleness=0"],
@@ -104,10 +105,10 @@ COMMON = ["checkpoint.every=0", "checkpoint.resume=false", "eval.eval_every=0", 
 
 # keys every run's config gets from the bench (after the user's overrides): what to use instead
 BENCH_KEYS = {
-    "num_steps": "use --steps",
+    "schedule.num_steps": "use --steps",
     "output_dir": "use --output-dir",
-    "schedule": "use --schedules (sync, async s=0, async s=1, async s=0 arrival)",
-    "chunk_order": "use --schedules (async s=0 arrival)",
+    "schedule.mode": "use --schedules (sync, async s=0, async s=1, async s=0 arrival)",
+    "schedule.chunk_order": "use --schedules (async s=0 arrival)",
     "buffer.max_staleness": "use --schedules (sync and async s=0 run at 0, async s=1 at 1)",
     **{o.split("=")[0]: "the runs are timed without it; remove the override" for o in COMMON},
 }
@@ -115,7 +116,7 @@ BENCH_KEYS = {
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=None, help="run config YAML (default: the embedded CPU demo)")
+    p.add_argument("--config", default=None, help="run config YAML (default: the CPU demo, preset cpu_demo)")
     p.add_argument("--steps", type=int, default=6, help="steps per run (>= 2; step 1 is not counted)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda", "auto"], help="default: the config's")
     p.add_argument("--schedules", default=",".join(SCHEDULES), help=f"comma list of {', '.join(SCHEDULES)}")
@@ -149,6 +150,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--repeats must be >= 1 and --warmup-steps >= 0")
     for override in args.overrides:  # a key the bench sets for every run would be silently replaced
         key = override.split("=", 1)[0].strip()
+        key = MOVED_KEYS.get(key, key)  # an old flat key (num_steps) names the same setting
         if key in BENCH_KEYS:
             p.error(
                 f"{override!r}: the bench sets {key} itself for every run, so this override would have no "
@@ -165,7 +167,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.stop_prob > 0:  # one id set for every run: the schedules differ in nothing the ids depend on
         first = args.schedules.split(",")[0]
         try:  # an invalid config is the config's error, not --stop-prob's
-            base = load_config(args.config, _overrides(args, first, args.steps, check_dir))
+            base = _run_config(args, _overrides(args, first, args.steps, check_dir))
         except ValueError as e:
             p.error(f"{first}: {e}")
         try:
@@ -179,7 +181,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         )
     for name in args.schedules.split(","):  # every run's config, before the first run starts
         try:
-            load_config(args.config, _overrides(args, name, args.steps, check_dir))
+            _run_config(args, _overrides(args, name, args.steps, check_dir))
         except ValueError as e:
             p.error(f"{name}: {e}")
     return args
@@ -231,6 +233,11 @@ def _eos(config: RunConfig) -> int | None:
 def _describe_ids(ids: list[int]) -> str:
     """``3039 ids in 148897-151935`` rather than the ids themselves (thousands of them)."""
     return f"{len(ids)} id(s) in {min(ids)}-{max(ids)}" if ids else "none"
+
+
+def _run_config(args: argparse.Namespace, overrides: list[str]) -> RunConfig:
+    """A run's config: ``--config`` (default: the CPU demo preset) with ``overrides``."""
+    return load_config(args.config, overrides, preset=None if args.config else DEMO_PRESET)
 
 
 def _overrides(args: argparse.Namespace, name: str, steps: int, out) -> list[str]:
@@ -291,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
         for i, name in enumerate(order):
             out = root / f"{i}_{name.replace(' ', '_').replace('=', '')}"
             steps = args.warmup_steps if name == "warm-up" else args.steps
-            cfg = load_config(args.config, _overrides(args, names[0] if name == "warm-up" else name, steps, out))
+            cfg = _run_config(args, _overrides(args, names[0] if name == "warm-up" else name, steps, out))
             if i == 0:
                 cl, sc = cfg.cluster, cfg.schedule
                 dev = cl.device if cl.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")

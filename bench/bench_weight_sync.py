@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--config", help="a run config whose model to use (default: a tiny model)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
-        "--engine-dtype", choices=DTYPES, default=None, help="default: the config's rollout_dtype (tiny: fp32)"
+        "--engine-dtype", choices=DTYPES, default=None, help="default: the config's cluster.rollout_dtype (tiny: fp32)"
     )
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bucket-mb", type=int, default=DEFAULT_BUCKET_BYTES // 2**20)

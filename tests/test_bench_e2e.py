@@ -146,12 +146,13 @@ def test_help_lists_every_key_the_bench_sets(capsys):
 
 def test_a_config_error_with_stop_prob_is_not_blamed_on_stop_prob(capsys):
     """Kind: an error that names the wrong cause (a new user's trial). `--stop-prob 0.136
-    backend=local` on the CPU demo (which sets dataplane.kind=transferqueue) said `--stop-prob
+    backend=local dataplane.kind=transferqueue` on the CPU demo said `--stop-prob
     0.136: invalid config: ...`, as if the probability were wrong; the config error now names the
     schedule it was loaded for, as without --stop-prob."""
     with pytest.raises(SystemExit) as e:
         load_bench("bench_e2e").parse_args(
-            ["--config", str(DEMO), "--stop-prob", "0.136", "--schedules", "async s=1", "cluster.backend=local"]
+            ["--config", str(DEMO), "--stop-prob", "0.136", "--schedules", "async s=1", "cluster.backend=local",
+             "dataplane.kind=transferqueue"]
         )
     err = capsys.readouterr().err
     assert e.value.code == 2 and "async s=1: invalid config" in err and "dataplane.kind=inprocess" in err, err
