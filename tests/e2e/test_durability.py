@@ -191,6 +191,32 @@ def test_damage_is_found_by_size_and_by_checksum(tmp_path):
     assert damage(d) == "policy/model.safetensors is missing"
 
 
+def test_a_checkpoint_whose_saved_config_has_the_old_flat_layout_resumes(tmp_path, caplog):
+    """Kind: a release that cannot resume the runs of the one before. The checkpoint's
+    run_config.json is rewritten in the flat layout of earlier releases (num_steps, group_size ...
+    at the top); the resume check reads it in the new layout, reports no changed setting, and the
+    run continues from step 2."""
+    import json
+
+    from splitrl.config import MOVED_KEYS
+    from splitrl.controller.run_checkpoint import RUN_CONFIG, write_complete
+
+    assert C.train(_cfg(tmp_path, "schedule.num_steps=1", "checkpoint.every=1")).steps_done == 1
+    ckpt = tmp_path / "checkpoints" / "step_000001"
+    saved = json.loads((ckpt / RUN_CONFIG).read_text())
+    for old, new in MOVED_KEYS.items():
+        section, key = new.split(".")
+        saved[f"_{old}"] = saved[section].pop(key)
+    old_layout = {k.removeprefix("_"): v for k, v in saved.items() if not (isinstance(v, dict) and not v)}
+    assert old_layout["num_steps"] == 1 and old_layout["schedule"] == "async" and "cluster" not in old_layout
+    (ckpt / RUN_CONFIG).write_text(json.dumps(old_layout))
+    write_complete(ckpt, 1)  # as the earlier release wrote it: the manifest matches the file
+    with caplog.at_level("WARNING"):
+        second = C.train(_cfg(tmp_path, "schedule.num_steps=2", "checkpoint.every=1"))
+    assert second.steps_done == 2 and len(second.metrics) == 1  # step 2 only
+    assert "differ from the run that wrote it" not in caplog.text, caplog.text
+
+
 def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
     """Kind: resume trusts a damaged checkpoint (before: a raw zip error from torch.load). The
     newest checkpoint's trainer shard is cut in half; resume warns, uses step 1 and runs steps 2-3."""
