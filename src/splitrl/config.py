@@ -110,16 +110,12 @@ class RunConfig(BaseModel):
         seed: seed of the run's sampling (each sample's seed derives from it, the prompt index and
             the sample index). The random init of the model has its own ``model.seed``.
         output_dir: metrics, TensorBoard, checkpoints, the resolved config and the plot.
-        schedule: steps, what a step is made of, sync or async
-            (:class:`~splitrl.controller.config.ScheduleConfig`).
-        cluster: backend, placement, worker counts, device
-            (:class:`~splitrl.controller.config.ClusterConfig`).
-        checkpoint: how often to checkpoint and export, resume
-            (:class:`~splitrl.controller.config.CheckpointConfig`).
-        faults: retries of a failed step, the stall watchdog
-            (:class:`~splitrl.controller.config.FaultsConfig`).
-        reward: the answer check's time limit, masking of truncated samples
-            (:class:`~splitrl.controller.config.RewardConfig`).
+        schedule: steps, what a step is made of, sync or async (this and the four below:
+            :mod:`splitrl.controller.config`).
+        cluster: backend, placement, worker counts, device.
+        checkpoint: how often to checkpoint and export, resume.
+        faults: retries of a failed step, the stall watchdog.
+        reward: the answer check's time limit, masking of truncated samples.
         tokenizer: the run's default is the model's own (``kind: pretrained``).
         buffer: the run's default holds 64 groups, samples up to 1 policy version old.
         eval: held-out evaluation during training (:class:`~splitrl.eval_config.EvalConfig`).

@@ -345,8 +345,8 @@ def _examples_dir() -> str:
 
 TRAIN_EPILOG = f"""\
 examples:
-  splitrl train                                   the embedded CPU demo
-  splitrl train --config examples/cpu_demo.yaml   the same, spelled out (+ held-out eval)
+  splitrl train                                   the CPU demo (preset cpu_demo)
+  splitrl train --config examples/cpu_demo.yaml   the same + a held-out eval
   splitrl train schedule.num_steps=50 model.mtp.mtp_num_layers=2 buffer.max_staleness=0
   splitrl train --config run.yaml --print-config  the resolved config, without running
 
