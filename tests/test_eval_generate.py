@@ -192,7 +192,8 @@ def test_cli_eval_and_generate_on_a_checkpoint(tmp_path, capsys):
     assert [r["response"] for r in rows] == [s.response for s in ref.samples]
     # a --config with another num_steps: what the run drew still comes from its run_config.json
     short = tmp_path / "short.yaml"
-    short.write_text(yaml.safe_dump({**config.model_dump(mode="json"), "num_steps": 1}))
+    dump = config.model_dump(mode="json")
+    short.write_text(yaml.safe_dump({**dump, "schedule": {**dump["schedule"], "num_steps": 1}}))
     out.unlink()
     assert (
         main(

@@ -158,7 +158,7 @@ class RunConfig(BaseModel):
         """
         if not isinstance(data, dict):
             return data
-        data = upgrade_layout(data, "RunConfig")
+        data = upgrade_layout(dict(data), "RunConfig")  # a copy: the caller's data stays as it was
         _refuse_boolean_counts(cls, data)
         optim = _section(data, ("train", "optim"))
         if optim is not None and optim.get("schedule") == "cosine" and optim.get("total_steps") is None:
