@@ -215,6 +215,14 @@ def test_a_checkpoint_whose_saved_config_has_the_old_flat_layout_resumes(tmp_pat
         second = C.train(_cfg(tmp_path, "schedule.num_steps=2", "checkpoint.every=1"))
     assert second.steps_done == 2 and len(second.metrics) == 1  # step 2 only
     assert "differ from the run that wrote it" not in caplog.text, caplog.text
+    # what this run saves is in the new layout: the checkpoint's run_config.json and config.yaml
+    import yaml
+
+    for saved in (
+        json.loads((tmp_path / "checkpoints" / "step_000002" / RUN_CONFIG).read_text()),
+        yaml.safe_load((tmp_path / "config.yaml").read_text()),
+    ):
+        assert saved["schedule"]["num_steps"] == 2 and not set(saved) & (set(MOVED_KEYS) - {"schedule"})
 
 
 def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
@@ -438,7 +446,7 @@ def test_resume_with_another_groups_per_step_or_tokenizer_is_refused_before_anyt
     waited for the watchdog (600 s), then called it a bug (a new user's trial)."""
     C.train(_cfg(tmp_path, "schedule.num_steps=1"))
     metrics = (tmp_path / "metrics.jsonl").read_bytes()
-    with pytest.raises(ValueError, match=r"schedule.groups_per_step=4, this run has groups_per_step=2.*set groups_per_step=4"):
+    with pytest.raises(ValueError, match=r"schedule.groups_per_step=4, this run has schedule.groups_per_step=2.*set schedule.groups_per_step=4"):
         C.preflight(_cfg(tmp_path, "schedule.num_steps=2", "schedule.groups_per_step=2"))
     assert C.preflight(_cfg(tmp_path, "schedule.num_steps=2")) == 1
     assert C.preflight(_cfg(tmp_path, "schedule.num_steps=2", "schedule.groups_per_step=2", "checkpoint.resume=false")) == 0

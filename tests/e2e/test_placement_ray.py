@@ -12,7 +12,7 @@ import pytest
 import torch
 from _tiny import TINY_STEP
 
-from splitrl.config import load_config
+from _configs import demo_config
 from splitrl.controller.controller import SingleController
 from splitrl.models import PolicyModel
 
@@ -34,8 +34,8 @@ class _Probe(SingleController):
 def _run(tmp_path, overrides):
     import asyncio
 
-    cfg = load_config(
-        None, TINY_STEP + ["cluster.backend=ray", "schedule.num_steps=2", "checkpoint.every=0", f"output_dir={tmp_path}", *overrides]
+    cfg = demo_config(
+        TINY_STEP + ["cluster.backend=ray", "schedule.num_steps=2", "checkpoint.every=0", f"output_dir={tmp_path}", *overrides]
     )
     ctl = _Probe(cfg)
     res = asyncio.run(ctl.run())

@@ -77,7 +77,7 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path, rollout):
     clock, so the logprobs, and every metric that reads them, are equal too."""
     train(_cfg(tmp_path / "full", "schedule.num_steps=4", "buffer.max_staleness=0", "checkpoint.every=2", *rollout))
     part = _cfg(tmp_path / "part", "schedule.num_steps=4", "buffer.max_staleness=0", "checkpoint.every=2", *rollout)
-    first = train(part.model_copy(update={"num_steps": 2}))
+    first = train(part.model_copy(update={"schedule": part.schedule.model_copy(update={"num_steps": 2})}))
     assert first.steps_done == 2
     second = train(part)  # resumes from step 2
     assert second.steps_done == 4 and len(second.metrics) == 2
@@ -160,7 +160,7 @@ def test_a_checkpoint_of_an_earlier_splitrl_with_trainer_pt_still_resumes(tmp_pa
     with monkeypatch.context() as m:
         m.setattr(PolicyClient, "save_checkpoint", legacy_save)
         m.setattr(PolicyClient, "checkpoint_written", written)
-        train(old.model_copy(update={"num_steps": 2}))
+        train(old.model_copy(update={"schedule": old.schedule.model_copy(update={"num_steps": 2})}))
     step2 = tmp_path / "old" / "checkpoints" / "step_000002"
     assert (step2 / "trainer.pt").is_file() and not (step2 / "trainer").exists()
     resumed = train(old)
@@ -186,7 +186,7 @@ def test_export_every_exports_at_its_steps_and_at_the_end(tmp_path, monkeypatch)
     train(_cfg(tmp_path, "schedule.num_steps=5", "buffer.max_staleness=1", "checkpoint.every=1", "checkpoint.export_every=2"))
     assert seen == [(1, False, False), (2, True, True), (3, False, False), (4, True, True), (5, True, True)]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000004", "step_000005"]
-    with pytest.raises(ValueError, match="checkpoint.export_every=3 is not a multiple of checkpoint_every=2"):
+    with pytest.raises(ValueError, match="checkpoint.export_every=3 is not a multiple of checkpoint.every=2"):
         _cfg(tmp_path, "checkpoint.every=2", "checkpoint.export_every=3")
 
 
@@ -282,7 +282,7 @@ def test_fewer_steps_than_a_run_made_is_said_not_passed_for_a_finished_run(tmp_p
         assert train(_cfg(tmp_path / "run", "schedule.num_steps=2")).steps_done == 3
     [record] = [r for r in caplog.records if "nothing to do" in r.getMessage()]
     assert record.levelno == logging.WARNING
-    assert "more than num_steps=2" in record.getMessage() and "checkpoint.resume=false" in record.getMessage()
+    assert "more than schedule.num_steps=2" in record.getMessage() and "checkpoint.resume=false" in record.getMessage()
 
 
 def test_a_failed_chunk_is_retried_and_the_run_goes_on(tmp_path, monkeypatch):
@@ -526,14 +526,12 @@ def test_a_resume_with_a_new_learning_rate_trains_with_it(tmp_path):
     """A new user's trial: resuming with train.optim.lr changed was announced by the resume warning,
     then trained on with the checkpoint's LR (the optimizer state carried it). The resumed step's LR
     is now the new one times the schedule's factor."""
-    from splitrl.config import load_config as load
-
     out = tmp_path / "run"
     train(_cfg(out, "schedule.num_steps=2"))
     train(_cfg(out, "schedule.num_steps=4", "train.optim.lr=1e-4"))
     lrs = [m["train/lr"] for m in read_metrics(out / "metrics.jsonl")]
-    optim = load(None, [f"output_dir={out}", "schedule.num_steps=4", "train.optim.lr=1e-4", *TINY_STEP]).train.optim
-    old = load(None, [f"output_dir={out}", "schedule.num_steps=2", *TINY_STEP]).train.optim
+    optim = demo_config([f"output_dir={out}", "schedule.num_steps=4", "train.optim.lr=1e-4", *TINY_STEP]).train.optim
+    old = demo_config([f"output_dir={out}", "schedule.num_steps=2", *TINY_STEP]).train.optim
     assert lrs[1] == pytest.approx(old.lr * old.lr_factor(1), rel=1e-12)
     assert lrs[2] == pytest.approx(1e-4 * optim.lr_factor(2), rel=1e-12) and lrs[3] == pytest.approx(
         1e-4 * optim.lr_factor(3), rel=1e-12

@@ -12,7 +12,7 @@ import math
 
 from _tiny import TINY_STEP
 
-from splitrl.config import load_config
+from _configs import demo_config
 from splitrl.controller.controller import train
 from splitrl.logging import read_metrics
 
@@ -20,8 +20,7 @@ TINY = TINY_STEP + ["cluster.backend=local", "dataplane.kind=inprocess", "loggin
 
 
 def test_on_policy_run_at_temperature_0p6_reports_consistent_metrics(tmp_path, caplog):
-    cfg = load_config(
-        None,
+    cfg = demo_config(
         TINY
         + [
             f"output_dir={tmp_path}",
