@@ -132,16 +132,16 @@ def _main(argv: list[str] | None) -> int:
     # without a run config the CPU demo runs (its values are a preset, not the defaults), unless
     # the overrides name another preset
     demo = args.config is None and not any(o.partition("=")[0].strip() == "preset" for o in args.overrides)
+    if demo and not args.print_config:
+        logging.getLogger("splitrl").info(
+            "no --config: the CPU demo (preset %s; --config FILE for a run of your own, see examples/*.yaml)",
+            DEMO_PRESET,
+        )
     try:
         config = load_config(args.config, args.overrides, preset=DEMO_PRESET if demo else None)
     except ValueError as e:
         print(f"splitrl: {e}", file=sys.stderr)
         return 2
-    if demo and not args.print_config:
-        logging.getLogger("splitrl").info(
-            "no --config: running the CPU demo (preset %s; --config FILE for a run of your own, examples/*.yaml)",
-            DEMO_PRESET,
-        )
     if args.print_config:
         import yaml
 

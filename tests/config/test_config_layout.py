@@ -162,6 +162,10 @@ def test_a_file_on_a_preset_merges_into_it_and_overrides_name_presets(tmp_path):
 
 
 def test_splitrl_train_without_a_config_runs_the_demo_and_says_so(capsys, caplog):
+    with caplog.at_level(logging.INFO, logger="splitrl"):
+        assert main(["train", "schedule.num_steps=0"]) == 2  # refused on load, after the notice
+    assert "no --config: the CPU demo (preset cpu_demo" in caplog.text
+    assert "schedule.num_steps" in capsys.readouterr().err
     assert main(["train", "--print-config"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed == demo_config().model_dump(mode="json")
