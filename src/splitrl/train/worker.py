@@ -60,6 +60,36 @@ class _StepState:
     # coalesce_chunks: the samples of the last, unfilled microbatch, and a chunk to shape empty ones
     carry: TrainBatch | None = None
     template: TrainBatch | None = None
+    expected_num_tokens: int | None = None
+    # a heads-only warm-up step with ``mtp_warmup_update_samples``: its chunks, run at finish
+    warmup_chunks: list[TrainBatch] | None = None
+
+
+def _combine_slice_metrics(slices: list[dict[str, float]], num_depths: int) -> dict[str, float]:
+    """One step's metrics from those of its warm-up slices (see ``_finish_warmup_in_slices``)."""
+
+    def weighted(key: str, weight_key: str) -> float:
+        pairs = [(r[key], r[weight_key]) for r in slices if r[weight_key] > 0 and math.isfinite(r[key])]
+        total = sum(w for _, w in pairs)
+        return sum(v * w for v, w in pairs) / total if total else float("nan")
+
+    out = dict(slices[-1])
+    summed = {"num_valid_tokens", "num_valid_samples"} | {f"mtp/mtp_{k}_num_tokens" for k in range(1, num_depths + 1)}
+    per_depth = {f"mtp/mtp_{k}_{x}": f"mtp/mtp_{k}_num_tokens" for k in range(1, num_depths + 1)
+                 for x in ("loss", "acceptance_rate")}  # fmt: skip
+    flags = {"skipped_step", "empty_step", "nonfinite_grad", "mtp_warmup", "lr", "loss_scale"}
+    for key in out:
+        if key in summed:
+            out[key] = sum(r[key] for r in slices)
+        elif key in per_depth:
+            out[key] = weighted(key, per_depth[key])
+        elif key not in flags:
+            out[key] = weighted(key, "num_valid_tokens")
+    out["skipped_step"] = float(all(r["skipped_step"] for r in slices))
+    out["empty_step"] = float(all(r["empty_step"] for r in slices))
+    out["nonfinite_grad"] = float(any(r["nonfinite_grad"] for r in slices))
+    out["mtp_warmup_updates"] = float(sum(1 for r in slices if not r["skipped_step"]))
+    return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -121,6 +151,7 @@ class TrainWorker:
             else None
         )
         self.steps_finished = 0
+        self._in_warmup_slice = False
         self.updates_applied = 0
         self._step: _StepState | None = None
         # sharded checkpoints (made here so that their imports happen at start-up, not in a save)
@@ -184,6 +215,18 @@ class TrainWorker:
                 if needs_side_gradients(loss_type, self.model)
                 else None
             ),
+            expected_num_tokens=expected_num_tokens,
+            warmup_chunks=[] if self._sliced_warmup() else None,
+        )
+
+    def _sliced_warmup(self) -> bool:
+        """This step is a heads-only warm-up step that applies one update per
+        ``mtp_warmup_update_samples`` of its samples (and no slice of it is running yet)."""
+        cfg = self.config
+        return (
+            cfg.mtp_warmup_update_samples is not None
+            and self.steps_finished < cfg.mtp_warmup_steps
+            and not self._in_warmup_slice
         )
 
     def _validate_chunk(self, chunk: TrainBatch, loss_fn: PolicyLoss) -> None:
@@ -232,6 +275,10 @@ class TrainWorker:
             raise error
         if agreed[1] > 0:
             raise RuntimeError("another data-parallel rank rejected this chunk (see its error); abort the step")
+        if st.warmup_chunks is not None:  # run at finish, in slices of mtp_warmup_update_samples
+            st.warmup_chunks.append(chunk)
+            st.num_chunks += 1
+            return {"num_microbatches": 0, "num_samples": len(chunk), "num_tokens": chunk.num_tokens}
         mbs += [empty_microbatch(chunk, self.model.capabilities) for _ in range(int(agreed[0]) - len(mbs))]
         for mb in mbs:
             self._run_microbatch(mb, st)
@@ -400,6 +447,9 @@ class TrainWorker:
     def finish_train_step(self) -> dict[str, float]:
         """All-reduce the counts, normalize and clip the gradients, step, and return metrics.
 
+        A heads-only warm-up step with ``mtp_warmup_update_samples`` = m applies one update per
+        m samples instead (:meth:`_finish_warmup_in_slices`).
+
         Returns:
             metrics (floats): the loss's metrics, each divided by its own denominator;
             ``grad_norm`` (pre-clip; policy parameters, plus MTP ones with attached heads);
@@ -418,6 +468,13 @@ class TrainWorker:
         st = self._step
         if st is None:
             raise RuntimeError("finish_train_step() called with no open step; call begin_train_step(loss_fn) first")
+        if st.warmup_chunks is not None:
+            return self._finish_warmup_in_slices(st)
+        return self._finish_update(st, advance=True)
+
+    def _finish_update(self, st: _StepState, *, advance: bool) -> dict[str, float]:
+        """The body of :meth:`finish_train_step`; ``advance=False`` (a warm-up slice) leaves the LR
+        schedule and the step count alone."""
         self._flush(st)
         self._absorb_pending(st)
         model = self.model
@@ -502,7 +559,8 @@ class TrainWorker:
                     _scale_grads(self.main_params, inv_main * main_coef)
                 _scale_grads(self.mtp_params, inv_mtp * mtp_coef)
             self.optimizer.step()
-            self.scheduler.step()
+            if advance:
+                self.scheduler.step()
             self.updates_applied += 1
         if self.scaler is not None and not empty:
             self.scaler.update(nonfinite)
@@ -540,9 +598,55 @@ class TrainWorker:
         )
         if self.scaler is not None:
             metrics["loss_scale"] = self.scaler.scale
-        self.steps_finished += 1
+        if advance:
+            self.steps_finished += 1
         self._step = None
         return metrics
+
+    def _finish_warmup_in_slices(self, st: _StepState) -> dict[str, float]:
+        """A heads-only warm-up step as consecutive updates of m = ``mtp_warmup_update_samples``
+        samples each: this rank's samples in the order its chunks came, cut into slices of m, each
+        slice a step of its own (normalized by its own N_t, clipped, one AdamW update of the MTP
+        parameters). Every rank runs as many slices as the rank with the most (empty ones pad).
+        The LR schedule and the step count advance once, as for any step.
+
+        Returns:
+            the metrics of :meth:`finish_train_step`, combined over the slices: counts summed,
+            ``mtp/mtp_{k}_loss`` / ``_acceptance_rate`` weighted by the depth's counted targets
+            (each slice measured before its own update), other metrics weighted by N_t, the flags
+            of the last slice except ``skipped_step`` (1 only when no slice updated) and
+            ``nonfinite_grad`` (1 when any slice had one); ``mtp_warmup_updates`` = the slices.
+        """
+        chunks = st.warmup_chunks
+        full = [c for c in chunks if len(c)]
+        batch = TrainBatch.concat(full) if full else None
+        n, m = (len(batch) if batch is not None else 0), self.config.mtp_warmup_update_samples
+        count = int(du.all_reduce(torch.tensor([-(-n // m)], dtype=torch.float64), "max")[0])
+        template = chunks[0] if chunks else None
+        self._step = None
+        slices = []
+        self._in_warmup_slice = True
+        try:
+            for i in range(max(count, 1)):
+                if batch is not None and i * m < n:
+                    part = batch.select(list(range(i * m, min(n, (i + 1) * m))))
+                else:
+                    part = (batch or template).select([]) if (batch or template) is not None else None
+                self.begin_train_step(st.loss_fn, expected_num_tokens=st.expected_num_tokens)
+                try:
+                    if part is not None:
+                        self.train_microbatch(part)
+                    slices.append(self._finish_update(self._step, advance=False))
+                except BaseException:
+                    self.abort_train_step()
+                    raise
+        finally:
+            self._in_warmup_slice = False
+        applied = any(r["skipped_step"] == 0.0 for r in slices)
+        if applied:
+            self.scheduler.step()
+        self.steps_finished += 1
+        return _combine_slice_metrics(slices, self.model.num_mtp_depths)
 
     def train(
         self, batch: TrainBatch, loss_fn: PolicyLoss, *, expected_num_tokens: int | None = None
