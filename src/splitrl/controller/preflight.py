@@ -460,6 +460,8 @@ def check_resume_config(config: RunConfig, ckpt: Path) -> None:
     except (OSError, ValueError) as e:
         raise ValueError(f"{saved_path} cannot be read ({e}); resume=false starts over in this output_dir") from None
     now = config.model_dump(mode="json")
+    if isinstance(saved.get("loss"), dict):
+        saved["loss"].setdefault("kind", "grpo")  # written before loss.kind existed: GRPO, the only loss then
     if saved.get("model") != now["model"]:
         shown = _shown_differences(saved.get("model") or {}, now["model"], "model")
         raise ValueError(
