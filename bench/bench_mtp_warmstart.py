@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
-from splitrl.loss import ClippedPGLoss, GRPOLossConfig  # noqa: E402
+from splitrl.loss import GRPOLossConfig, make_loss  # noqa: E402
 from splitrl.models import MTPConfig, PolicyModel  # noqa: E402
 from splitrl.models.gguf import resolve_model_path  # noqa: E402
 from splitrl.models.hf_files import rollout_stop_token_ids  # noqa: E402
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             ),
         )
         worker = TrainWorker(model, cfg)
-        loss = ClippedPGLoss(GRPOLossConfig(temperature=args.temperature))
+        loss = make_loss(GRPOLossConfig(temperature=args.temperature))
         curve = [heldout_acceptance(worker.model, heldout, args.device, args.temperature)]
         g = torch.Generator().manual_seed(args.seed)
         order: list[int] = []

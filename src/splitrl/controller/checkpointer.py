@@ -37,6 +37,7 @@ from splitrl.controller.run_checkpoint import (
     known_damaged,
     latest_intact_checkpoint,
     mark_damaged,
+    set_aside_earlier_run,
     step_dir,
     write_complete,
 )
@@ -98,6 +99,18 @@ class RunCheckpointer:
         self.policy, self.buffer, self.schedule, self.data_plane, self.tokenizer = (
             policy, buffer, schedule, data_plane, tokenizer,
         )  # fmt: skip
+
+    def set_aside_earlier_run(self) -> None:
+        """A run that starts at step 1 (``resume=false``, or nothing to resume): move an earlier
+        run's record in ``out`` to ``earlier_runs/`` (:func:`~splitrl.controller.run_checkpoint.set_aside_earlier_run`),
+        saying where."""
+        dest, moved = set_aside_earlier_run(self.out)
+        if dest is not None:
+            why = "resume=false: starting over" if not self.config.resume else "no checkpoint to resume from: starting at step 1"
+            log.warning(
+                "%s in %s; the earlier run's %s moved to %s (delete it to free the space)",
+                why, self.out, ", ".join(moved), dest,
+            )  # fmt: skip
 
     def take_blocked_s(self) -> float:
         """The seconds training was blocked by checkpoints since the last call."""

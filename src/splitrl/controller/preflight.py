@@ -33,6 +33,8 @@ from splitrl.controller.run_checkpoint import (
 from splitrl.logging.wandb_logger import check_credentials as check_wandb_credentials
 
 log = logging.getLogger(__name__)
+# the run's progress is told by the controller's logger (users and tests follow it)
+progress = logging.getLogger("splitrl.controller.controller")
 
 # a procedural task has no end: this many of its first prompts are checked
 PROCEDURAL_PROMPTS_CHECKED = 64
@@ -445,6 +447,23 @@ def resume_checkpoint(config: RunConfig) -> Path | None:
     return ckpt
 
 
+def nothing_to_do(config: RunConfig, done_before: int) -> bool:
+    """Whether ``output_dir`` already holds ``num_steps`` steps or more (``done_before``, from
+    :func:`preflight`); says so: as a warning when it holds more than the run asks for, which
+    would otherwise read as a success."""
+    if done_before > config.num_steps:
+        progress.warning(
+            "%s already holds a run of %d steps, more than num_steps=%d; nothing to do (raise num_steps to "
+            "continue it, or set resume=false to start over: the earlier run is set aside, not deleted)",
+            Path(config.output_dir), done_before, config.num_steps,
+        )  # fmt: skip
+        return True
+    if done_before == config.num_steps:
+        progress.info("%s already holds a finished run (%d steps); nothing to do", Path(config.output_dir), done_before)
+        return True
+    return False
+
+
 def check_resume_config(config: RunConfig, ckpt: Path) -> None:
     """The checkpoint must be of the same model, tokenizer and ``groups_per_step`` as this run;
     other changed settings are logged (a checkpoint without ``run_config.json`` is not checked).
@@ -460,6 +479,8 @@ def check_resume_config(config: RunConfig, ckpt: Path) -> None:
     except (OSError, ValueError) as e:
         raise ValueError(f"{saved_path} cannot be read ({e}); resume=false starts over in this output_dir") from None
     now = config.model_dump(mode="json")
+    if isinstance(saved.get("loss"), dict):
+        saved["loss"].setdefault("kind", "grpo")  # written before loss.kind existed: GRPO, the only loss then
     if saved.get("model") != now["model"]:
         shown = _shown_differences(saved.get("model") or {}, now["model"], "model")
         raise ValueError(
