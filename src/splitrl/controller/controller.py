@@ -185,6 +185,9 @@ class SingleController(RunControl):
         generation engines (the rollout pumps wake up), evaluate when due, log, checkpoint."""
         cfg = self.config
         for step in range(start_step, cfg.num_steps):
+            # a checkpoint whose files failed in the background (a full disk) stops the run here,
+            # one step after the failure at most, not at the next checkpoint
+            await self.checkpointer.check_background_write()
             self.step = step
             t0 = time.perf_counter()
             train_metrics, groups = await self._run_step(step)
