@@ -152,21 +152,28 @@ class RunControl:
         try:
             return await asyncio.wait_for(coro, timeout=self.config.watchdog_timeout_s)
         except asyncio.TimeoutError:
+            limit = self.config.watchdog_timeout_s
             raise StallError(
-                f"watchdog: {what} did not return within {self.config.watchdog_timeout_s:.0f}s at step {self.step}; "
-                "a train worker is hung (e.g. inside a collective). Restart the run: it resumes from the last checkpoint."
+                f"watchdog: {what} did not return within watchdog_timeout_s={limit:g} s at step {self.step + 1}: a "
+                "worker is hung (e.g. inside a collective), or the call takes longer than that. If "
+                f"{limit:g} s is too short for this model, raise watchdog_timeout_s; else restart the run (it resumes "
+                "from the last checkpoint)."
             ) from None
 
     def _stall_report(self, what: str) -> str:
         """Why the train pump waited in vain, from where every prompt of the schedule is."""
         cfg = self.config
         sched = self.schedule
+        limit = cfg.watchdog_timeout_s
         head = (
-            f"watchdog: waited {cfg.watchdog_timeout_s:.0f}s for {what} at step {self.step + 1} "
+            f"watchdog: waited watchdog_timeout_s={limit:g} s for {what} at step {self.step + 1} "
             f"(policy version {self.version}, synced {self.synced_version}); buffer holds {self.buffer.size} groups, "
             f"{len(sched.pending)} generated groups wait for buffer room, {len(sched.generating)} prompts are being generated."
         )
-        return head + sched.diagnosis(time.perf_counter(), self.synced_version)
+        report = head + sched.diagnosis(time.perf_counter(), self.synced_version)
+        if sched.generating:  # a slow generation call looks like a hung one from here
+            report += f" If generation just takes longer than {limit:g} s here, raise watchdog_timeout_s."
+        return report
 
     def _shutdown(self) -> None:
         workers = [*getattr(self, "gen_actors", []), *getattr(self, "train_actors", [])]
