@@ -381,9 +381,11 @@ def preflight(config: RunConfig) -> int:
     columns or is not UTF-8 fails here) and the tokenizer, which must fit the model's vocabulary;
     checks that a character tokenizer covers the task's prompts and that prompts fit the context
     (rows of a data file that do not are left out: ``config.task`` is updated and a warning names
-    them); and, when resuming, that the checkpoint was written by the same model, tokenizer and
-    ``groups_per_step`` (other changed settings are logged) and that ``metrics.jsonl`` is a record
-    the run can extend. An ``output_dir`` that the write check created is removed again (if still
+    them); warns when the run draws a prompt more than once (:func:`prompt_reuse`) or has a
+    watchdog shorter than ``WATCHDOG_WARN_BELOW_S``; when resuming, checks that the checkpoint was
+    written by the same model, tokenizer and ``groups_per_step`` (other changed settings are
+    logged) and that ``metrics.jsonl`` is a record the run can extend; and compares the size of
+    the run's checkpoints with the free space of ``output_dir`` (:func:`check_checkpoint_space`). An ``output_dir`` that the write check created is removed again (if still
     empty), with the parents it created, when a check fails. Returns the step to resume from (0: a fresh run).
 
     Raises:
