@@ -385,8 +385,9 @@ def preflight(config: RunConfig) -> int:
     watchdog shorter than ``WATCHDOG_WARN_BELOW_S``; when resuming, checks that the checkpoint was
     written by the same model, tokenizer and ``groups_per_step`` (other changed settings are
     logged) and that ``metrics.jsonl`` is a record the run can extend; and compares the size of
-    the run's checkpoints with the free space of ``output_dir`` (:func:`check_checkpoint_space`). An ``output_dir`` that the write check created is removed again (if still
-    empty), with the parents it created, when a check fails. Returns the step to resume from (0: a fresh run).
+    the run's checkpoints with the free space of ``output_dir`` (:func:`check_checkpoint_space`).
+    An ``output_dir`` that the write check created is removed again (if still empty), with the
+    parents it created, when a check fails. Returns the step to resume from (0: a fresh run).
 
     Raises:
         ValueError: naming what to fix.
