@@ -229,8 +229,10 @@ class RunCheckpointer:
             return
         if not task.done():
             try:
-                await self._files_written()
+                await asyncio.wait_for(self._files_written(), timeout=self.config.watchdog_timeout_s)
                 return  # still being written, or written: the completion task finishes it
+            except asyncio.TimeoutError:
+                return  # a hung rank: the next train call's watchdog reports it
             except Exception:  # noqa: BLE001 - the completion task turns it into the run's error
                 pass
         await self.finish_pending()
