@@ -101,7 +101,13 @@ SCHEDULES = {
     "async s=0 arrival": ["schedule.mode=async", "buffer.max_staleness=0", "schedule.chunk_order=arrival"],
 }
 # the same run for every schedule: no intermediate checkpoints, no evaluation, a fresh start
-COMMON = ["checkpoint.every=0", "checkpoint.resume=false", "eval.eval_every=0", "eval.at_end=false", "logging.progress_bar=false"]
+COMMON = [
+    "checkpoint.every=0",
+    "checkpoint.resume=false",
+    "eval.eval_every=0",
+    "eval.at_end=false",
+    "logging.progress_bar=false",
+]
 
 # keys every run's config gets from the bench (after the user's overrides): what to use instead
 BENCH_KEYS = {

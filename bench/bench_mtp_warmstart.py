@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 
-from splitrl.loss import ClippedPGLoss, GRPOLossConfig  # noqa: E402
+from splitrl.loss import GRPOLossConfig, make_loss  # noqa: E402
 from splitrl.models import MTPConfig, PolicyModel  # noqa: E402
 from splitrl.models.gguf import resolve_model_path  # noqa: E402
 from splitrl.models.hf_files import rollout_stop_token_ids  # noqa: E402
@@ -69,19 +69,50 @@ def as_batch(samples) -> TrainBatch:
 
 
 @torch.no_grad()
-def heldout_acceptance(model: PolicyModel, samples, device: str, temperature: float) -> float:
-    """Teacher-forced depth-1 acceptance (%) over the held-out samples, one sample a forward."""
-    hits = count = 0.0
+def heldout_acceptance(model: PolicyModel, samples, device: str, temperature: float, draws: int = 4) -> dict:
+    """Depth-1 figures (%) over the held-out samples' response targets, one sample a forward.
+
+    ``hit``: teacher-forced acceptance as the train step counts it (top-1 of q_1 equals the sampled
+    token x_{t+2}, DESIGN §3). ``ceiling``: the same count for the main head one position later
+    (top-1 of p at t+1 equals x_{t+2}): what a drafter equal to the policy would score.
+    ``coupled_T`` / ``coupled_1``: the engine's rule, simulated: with shared Gumbel noise (``draws``
+    draws a position) the draft argmax(z_q / Td + g) equals the target's argmax(z_p / T + g), the
+    draft at Td = T (as the drafter samples today) or at Td = 1. ``sum_min``: Σ_v min(p_T, q_T),
+    the acceptance of the rejection rule.
+    """
+    from splitrl.models.policy import _shift_left
+
+    tot = {"hit": 0.0, "ceiling": 0.0, "coupled_T": 0.0, "coupled_1": 0.0, "sum_min": 0.0}
+    count = 0
     model.eval()
+    gen = torch.Generator(device=device).manual_seed(1234)
+    W = model.output_weight
     for p, r in samples:
+        if len(r) < 2:
+            continue
         ids = torch.tensor([p + r], device=device)
-        mask = torch.cat([torch.zeros(len(p)), torch.ones(len(r))])[None].to(device)
+        S = ids.shape[1]
+        seg = torch.zeros_like(ids)
+        pos = torch.arange(S, device=device)[None]
         with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
-            out = model(ids, mtp_loss_mask=mask, temperature=temperature)
-        hits += float(out.mtp_hit_sums[0])
-        count += float(out.mtp_counts[0])
+            emb, h0, mask, _ = model._backbone_hidden(ids, seg, pos, True)
+            h1 = model.mtp.depth_forward(1, _shift_left(emb, 1), h0, attention_mask=mask,
+                                         position_embeddings=model.rotary_emb(h0, pos), position_ids=pos)  # fmt: skip
+        t = torch.arange(len(p) - 2, S - 2, device=device)  # x_{t+2} is a response token
+        target = ids[0, t + 2]
+        zq = (h1[0, t] @ W.T).float()
+        zp = (h0[0, t + 1] @ W.T).float()
+        tot["hit"] += float((zq.argmax(-1) == target).sum())
+        tot["ceiling"] += float((zp.argmax(-1) == target).sum())
+        tot["sum_min"] += float(torch.minimum((zp / temperature).softmax(-1), (zq / temperature).softmax(-1)).sum())
+        for _ in range(draws):
+            g = -torch.log(-torch.log(torch.rand(zp.shape, device=device, generator=gen).clamp_min(1e-20)))
+            y = (zp / temperature + g).argmax(-1)
+            tot["coupled_T"] += float(((zq / temperature + g).argmax(-1) == y).sum()) / draws
+            tot["coupled_1"] += float(((zq + g).argmax(-1) == y).sum()) / draws
+        count += len(t)
     model.train()
-    return 100.0 * hits / max(count, 1.0)
+    return {k: 100.0 * v / max(count, 1) for k, v in tot.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--combos",
         default=None,
-        help="only these init/objective/lr triples, e.g. random/ce/3e-6,last_layer/distill/1e-3",
+        help="only these init/objective/lr[/batch[/beta2]] entries, e.g. random/ce/1e-3,random/ce/1e-3/32/0.95; "
+        "a smaller batch runs more steps over the same samples (steps × batch is kept)",
     )
+    ap.add_argument("--lr-warmup", type=int, default=0, help="linear LR warm-up steps (OptimConfig.warmup_steps)")
     ap.add_argument("--json", default=None, help="also write the rows here")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -121,15 +154,19 @@ def main(argv: list[str] | None = None) -> int:
           f"response tokens mean {sum(lengths) / len(lengths):.1f}, max {max(lengths)}", flush=True)  # fmt: skip
 
     if args.combos:
-        combos = [tuple(c.split("/")) for c in args.combos.split(",")]
+        combos = [c.split("/") for c in args.combos.split(",")]
     else:
-        combos = list(itertools.product(args.inits.split(","), args.objectives.split(","), args.mtp_lrs.split(",")))
+        combos = [list(c) for c in itertools.product(args.inits.split(","), args.objectives.split(","),
+                                                     args.mtp_lrs.split(","))]  # fmt: skip
     base = PolicyModel.from_pretrained(model_dir, mtp=MTPConfig(mtp_num_layers=0))
     rows = []
-    print(
-        f"{'init':<22}{'objective':<10}{'mtp_lr':>8}  acceptance % at steps 0, {args.eval_every}, ...  (s)", flush=True
-    )
-    for init, objective, lr in combos:
+    print(f"per row: held-out hit % (the train step's acceptance) at steps 0, {args.eval_every}, ...; at the end also "
+          "the ceiling (main head at t+1), the engine's coupled rule with drafts at T and at 1, and sum-min", flush=True)  # fmt: skip
+    for combo in combos:
+        init, objective, lr = combo[:3]
+        batch = int(combo[3]) if len(combo) > 3 else args.batch
+        beta2 = float(combo[4]) if len(combo) > 4 else 0.999
+        steps = args.steps * args.batch // batch  # the same number of samples seen, whatever the batch
         t = time.perf_counter()
         torch.manual_seed(args.seed)
         model = PolicyModel(
@@ -142,29 +179,38 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             mtp_warmup_steps=10**9,
             microbatch=MicrobatchConfig(max_tokens_per_microbatch=16384, pack_sequences=True),
-            optim=OptimConfig(lr=3e-6, mtp_lr=float(lr), max_grad_norm=1.0),
+            optim=OptimConfig(
+                lr=3e-6, mtp_lr=float(lr), max_grad_norm=1.0, betas=(0.9, beta2), warmup_steps=args.lr_warmup
+            ),
         )
         worker = TrainWorker(model, cfg)
-        loss = ClippedPGLoss(GRPOLossConfig(temperature=args.temperature))
+        loss = make_loss(GRPOLossConfig(temperature=args.temperature))
         curve = [heldout_acceptance(worker.model, heldout, args.device, args.temperature)]
         g = torch.Generator().manual_seed(args.seed)
-        for step in range(1, args.steps + 1):
-            idx = torch.randint(0, len(train), (args.batch,), generator=g).tolist()
+        order: list[int] = []
+        eval_every = max(1, args.eval_every * args.batch // batch)
+        for step in range(1, steps + 1):
+            while len(order) < batch:  # fresh samples first: epochs of a permutation
+                order += torch.randperm(len(train), generator=g).tolist()
+            idx, order = order[:batch], order[batch:]
             worker.train(as_batch([train[i] for i in idx]), loss)
-            if step % args.eval_every == 0 or step == args.steps:
+            if step % eval_every == 0 or step == steps:
                 curve.append(heldout_acceptance(worker.model, heldout, args.device, args.temperature))
         secs = time.perf_counter() - t
-        print(
-            f"{init:<22}{objective:<10}{lr:>8}  " + " ".join(f"{a:5.1f}" for a in curve) + f"  ({secs:.0f})", flush=True
-        )
-        rows.append({"init": init, "objective": objective, "mtp_lr": float(lr), "acceptance": curve, "seconds": secs})
+        end = curve[-1]
+        name = f"{init}/{objective}/{lr}/b{batch}/beta2={beta2:g}"
+        print(f"{name:<44} " + " ".join(f"{c['hit']:5.1f}" for c in curve)
+              + f" | ceiling {end['ceiling']:.1f} coupled@T {end['coupled_T']:.1f} coupled@1 {end['coupled_1']:.1f} "
+              f"sum-min {end['sum_min']:.1f} ({steps} steps, {secs:.0f} s)", flush=True)  # fmt: skip
+        rows.append({"init": init, "objective": objective, "mtp_lr": float(lr), "batch": batch, "beta2": beta2,
+                     "steps": steps, "curve": curve, "acceptance": [c["hit"] for c in curve], "seconds": secs})  # fmt: skip
         del worker, model
         if args.device == "cuda":
             torch.cuda.empty_cache()
     best = max(rows, key=lambda r: r["acceptance"][-1])
-    print(f"best after {args.steps} steps: {best['init']} / {best['objective']} / mtp_lr {best['mtp_lr']:g}: "
-          f"{best['acceptance'][-1]:.1f} % (baseline {rows[0]['init']}/{rows[0]['objective']}/{rows[0]['mtp_lr']:g}: "
-          f"{rows[0]['acceptance'][-1]:.1f} %)")  # fmt: skip
+    print(f"best after {args.steps * args.batch} samples: {best['init']} / {best['objective']} / mtp_lr "
+          f"{best['mtp_lr']:g} / batch {best['batch']}: {best['acceptance'][-1]:.1f} % (baseline {rows[0]['init']}/"
+          f"{rows[0]['objective']}/{rows[0]['mtp_lr']:g}: {rows[0]['acceptance'][-1]:.1f} %)")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     return 0

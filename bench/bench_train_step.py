@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from splitrl.loss import ClippedPGLoss, GRPOLossConfig
+from splitrl.loss import GRPOLossConfig, make_loss
 from splitrl.models import ModelConfig, MTPConfig, PolicyModel
 from splitrl.train import MicrobatchConfig, OptimConfig, SpeedConfig, TrainBatch, TrainConfig, TrainWorker
 from splitrl.train.microbatch import build_microbatches
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     if dev == "cuda":
         torch.cuda.empty_cache()
 
-    loss = ClippedPGLoss(GRPOLossConfig())
+    loss = make_loss(GRPOLossConfig())
 
     def chunks_of(k: int) -> list[TrainBatch]:
         per = -(-args.samples // k)

@@ -96,7 +96,7 @@ def main():
     ap.add_argument("--samples", type=int, default=16)
     args = ap.parse_args()
     out = sys.stdout if args.out == "-" else open(args.out, "a")
-    from splitrl.loss import ClippedPGLoss, GRPOLossConfig
+    from splitrl.loss import GRPOLossConfig, make_loss
     from splitrl.models import ModelConfig, MTPConfig, PolicyModel
     from splitrl.train import MicrobatchConfig, OptimConfig, TrainConfig, TrainWorker
     from splitrl.train.microbatch import build_microbatches
@@ -118,7 +118,7 @@ def main():
         worker = TrainWorker(
             model, TrainConfig(precision="bf16", device="cuda", microbatch=mbcfg, optim=OptimConfig(lr=1e-6), **extra)
         )
-        loss = ClippedPGLoss(GRPOLossConfig())
+        loss = make_loss(GRPOLossConfig())
         torch.cuda.reset_peak_memory_stats()
         t = run_profiled(lambda: worker.train(batch, loss), tag, out)
     else:

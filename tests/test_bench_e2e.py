@@ -151,8 +151,16 @@ def test_a_config_error_with_stop_prob_is_not_blamed_on_stop_prob(capsys):
     schedule it was loaded for, as without --stop-prob."""
     with pytest.raises(SystemExit) as e:
         load_bench("bench_e2e").parse_args(
-            ["--config", str(DEMO), "--stop-prob", "0.136", "--schedules", "async s=1", "cluster.backend=local",
-             "dataplane.kind=transferqueue"]
+            [
+                "--config",
+                str(DEMO),
+                "--stop-prob",
+                "0.136",
+                "--schedules",
+                "async s=1",
+                "cluster.backend=local",
+                "dataplane.kind=transferqueue",
+            ]
         )
     err = capsys.readouterr().err
     assert e.value.code == 2 and "async s=1: invalid config" in err and "dataplane.kind=inprocess" in err, err

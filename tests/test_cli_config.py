@@ -263,7 +263,8 @@ def test_a_config_key_typed_as_a_flag_gets_the_key_value_form(capsys):
         main(["train", "--num-steps", "8"])
     assert e.value.code == 2
     assert (
-        "unrecognized arguments: --num-steps; config keys are set as key=value: schedule.num_steps=8" in capsys.readouterr().err
+        "unrecognized arguments: --num-steps; config keys are set as key=value: schedule.num_steps=8"
+        in capsys.readouterr().err
     )
     with pytest.raises(SystemExit):
         main(["train", "--model.mtp.mtp-num-layers=2"])

@@ -24,7 +24,13 @@ from splitrl.models.hf_files import write_inference_files
 from splitrl.tasks import build_char_tokenizer, make_task
 from splitrl.workers.generation import GenerationWorker
 
-RUN = ["schedule.num_steps=3", "schedule.groups_per_step=2", "schedule.min_groups_per_chunk=1", "rollout.max_new_tokens=6", "seed=5"]
+RUN = [
+    "schedule.num_steps=3",
+    "schedule.groups_per_step=2",
+    "schedule.min_groups_per_chunk=1",
+    "rollout.max_new_tokens=6",
+    "seed=5",
+]
 
 
 def _pass_at_k_by_enumeration(n, c, k):
@@ -286,6 +292,22 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     # rollout.top_k=1 in generate: the training reason, and what to use instead
     assert main(["generate", str(tmp_path / "run"), "-p", "x", "rollout.top_k=1"]) == 2
     assert "pass --greedy" in capsys.readouterr().err
+
+
+def test_a_config_that_is_a_directory_says_whether_it_holds_a_run_config(tmp_path, capsys):
+    """Kind: a misleading message. `splitrl eval RUN --config DIR` said "config file 'DIR' is a
+    directory; give a YAML run config file (e.g. examples/cpu_demo.yaml)", whether or not DIR held
+    a run config. Now a directory without one is said to hold none (with what was looked for), and
+    one with a run config is answered with that file's path."""
+    _, _, _, step = _checkpoint(tmp_path)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["eval", str(tmp_path / "run"), "--config", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert f"--config {empty} is a directory with no run config in it (no config.yaml" in err, err
+    assert main(["generate", str(tmp_path / "run"), "-p", "x", "--config", str(step)]) == 2
+    err = capsys.readouterr().err
+    assert f"--config {step} is a directory; give the run config file in it: --config {step / 'run_config.json'}" in err
 
 
 def test_sampling_flags_are_validated_like_the_run_config(tmp_path):

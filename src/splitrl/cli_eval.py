@@ -131,6 +131,30 @@ def _hf_generation_overrides(policy_dir: Path) -> list[str]:
     return [f"rollout={json.dumps(rollout)}"] if rollout else []
 
 
+# the run config a run writes at the top of its output_dir (splitrl.logging.logger.CONFIG_FILE)
+_OUTPUT_DIR_CONFIG = "config.yaml"
+
+
+def check_config_file(path: str) -> None:
+    """``--config`` names a run config file, not a directory.
+
+    Raises:
+        ValueError: ``path`` is a directory: naming the run config file in it (a run's
+            ``config.yaml``, a checkpoint's ``run_config.json``), or saying it holds none.
+    """
+    p = Path(path)
+    if not p.is_dir():
+        return  # a file, a pipe, or a missing path: load_config says what is wrong with it
+    inside = [p / name for name in (_OUTPUT_DIR_CONFIG, RUN_CONFIG) if (p / name).is_file()]
+    if inside:
+        raise ValueError(f"--config {path} is a directory; give the run config file in it: --config {inside[0]}")
+    raise ValueError(
+        f"--config {path} is a directory with no run config in it (no {_OUTPUT_DIR_CONFIG} of a run's output_dir, "
+        f"no {RUN_CONFIG} of a checkpoint); give a YAML run config file (e.g. examples/cpu_demo.yaml), or leave "
+        "--config out to use the run config beside the checkpoint"
+    )
+
+
 def load_policy_and_config(args: argparse.Namespace):
     """The validated run config (fast: before torch), then the model and the tokenizer.
 
@@ -140,6 +164,8 @@ def load_policy_and_config(args: argparse.Namespace):
     """
     from splitrl.config import load_config
 
+    if args.config is not None:
+        check_config_file(args.config)
     policy_dir, run_cfg = resolve_policy_dir(args.path)
     source = args.config or run_cfg
     extra = [] if source is not None else _hf_generation_overrides(policy_dir)

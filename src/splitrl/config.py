@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import logging
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Any, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -32,8 +32,9 @@ from splitrl.controller.config import CheckpointConfig, ClusterConfig, FaultsCon
 from splitrl.dataplane import DataPlaneConfig
 from splitrl.eval_config import EvalConfig
 from splitrl.logging import LoggingConfig
-from splitrl.loss import GRPOLossConfig
 from splitrl.loss.advantages import AdvantageConfig
+from splitrl.loss.config import DEFAULT_TIS_CAP, RunGRPOLossConfig  # noqa: F401 - DEFAULT_TIS_CAP re-exported
+from splitrl.loss.registry import run_loss_config_type, trainer_loss_config
 from splitrl.models import ModelConfig
 from splitrl.presets import preset_path
 from splitrl.rollout import GenerationConfig
@@ -43,31 +44,11 @@ from splitrl.train import TrainConfig
 
 log = logging.getLogger(__name__)
 
-# the truncated importance-sampling cap a run uses when max_staleness > 0 and loss.tis_cap is
-# left at "auto" (the value decoupled-PPO / TIS setups commonly use)
-DEFAULT_TIS_CAP = 2.0
-
-
-class RunLossConfig(GRPOLossConfig):
-    """The run's ``loss`` section: :class:`GRPOLossConfig`, with two settings that depend on the
-    rest of the run derived from it unless given (:meth:`RunConfig.trainer_loss_config` resolves
-    them; the section itself keeps what the user wrote).
-
-    Attributes:
-        temperature: ``null`` (default): ``rollout.temperature`` — the one source of truth of the
-            sampling temperature (DESIGN §5), so the trainer scores tokens at the temperature
-            they were sampled at. A value that differs from ``rollout.temperature`` is refused on
-            load. (Top-k / top-p change which tokens are drawn, not their logprobs, so they have
-            no trainer-side counterpart.)
-        tis_cap: ``auto`` (default): truncated importance weights min(exp(prev − gen), C) with
-            C = ``DEFAULT_TIS_CAP`` when ``buffer.max_staleness > 0`` (stale samples are then
-            corrected, as in decoupled PPO), off when it is 0. A number: on, with that cap.
-            ``null``: off — with ``max_staleness > 0`` the run warns that stale samples are
-            trained as if on-policy.
-    """
-
-    temperature: float | None = Field(None, gt=0.0)
-    tis_cap: Annotated[float, Field(gt=0.0)] | Literal["auto"] | None = "auto"
+RunLossConfig = run_loss_config_type()
+"""The run's ``loss`` section: the options of the loss its ``kind`` names (``grpo`` when absent),
+in the run's form (:class:`~splitrl.loss.config.RunGRPOLossConfig`: the temperature and the
+truncated-IS cap derived from the run unless given). :meth:`RunConfig.trainer_loss_config`
+resolves them; the registry of kinds is :mod:`splitrl.loss.registry`."""
 
 
 # The flat top-level keys of earlier releases -> their key now. Still read (in a file, a saved run
@@ -135,7 +116,7 @@ class RunConfig(BaseModel):
     tokenizer: TokenizerConfig = Field(default_factory=lambda: TokenizerConfig(kind="pretrained"))
     task: TaskConfig = Field(default_factory=default_task_config)
     rollout: GenerationConfig = Field(default_factory=GenerationConfig)
-    loss: RunLossConfig = Field(default_factory=RunLossConfig)
+    loss: RunLossConfig = Field(default_factory=RunGRPOLossConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     buffer: ReplayBufferConfig = Field(default_factory=lambda: ReplayBufferConfig(capacity_groups=64, max_staleness=1))
@@ -175,23 +156,26 @@ class RunConfig(BaseModel):
         return self
 
     def tis_cap(self) -> float | None:
-        """The truncated-IS cap the trainer uses (None: no correction); see :class:`RunLossConfig`."""
-        if self.loss.tis_cap == "auto":
-            return DEFAULT_TIS_CAP if self.buffer.max_staleness > 0 else None
-        return self.loss.tis_cap
+        """The truncated-IS cap the trainer uses (None: no correction, or a loss without one)."""
+        return getattr(self.trainer_loss_config(), "tis_cap", None)
 
-    def trainer_loss_config(self) -> GRPOLossConfig:
-        """The loss every train worker runs: the ``loss`` section with ``temperature`` taken from
-        ``rollout.temperature`` and ``tis_cap`` resolved."""
-        data = self.loss.model_dump()
-        data.update(temperature=self.rollout.temperature, tis_cap=self.tis_cap())
-        return GRPOLossConfig(**data)
+    def trainer_loss_config(self):
+        """The loss options every train worker runs (:func:`splitrl.loss.make_loss` builds the
+        loss): the ``loss`` section with ``temperature`` taken from ``rollout.temperature`` and
+        ``tis_cap`` (GRPO) resolved."""
+        return trainer_loss_config(
+            self.loss, temperature=self.rollout.temperature, max_staleness=self.buffer.max_staleness
+        )
 
     def off_policy_summary(self) -> tuple[int, str]:
         """What the run does about stale samples, for the console at start: (logging level, text).
 
         A warning when ``max_staleness > 0`` and the correction was turned off."""
         stale = self.buffer.max_staleness
+        if "tis_cap" not in type(self.loss).model_fields:
+            return (logging.WARNING if stale else logging.INFO), (
+                f"off-policy correction: loss.kind={self.loss.kind} has none (buffer.max_staleness={stale})"
+            )
         cap = self.tis_cap()
         if stale > 0 and cap is None:
             return logging.WARNING, (

@@ -78,7 +78,9 @@ def test_an_old_flat_override_is_read_with_a_warning_naming_the_new_key(caplog, 
 def test_an_old_key_and_its_new_key_both_given_is_an_error(tmp_path):
     path = tmp_path / "both.yaml"
     path.write_text("num_steps: 5\nschedule: {num_steps: 6}\n")
-    with pytest.raises(ValueError, match=r"num_steps and schedule.num_steps are both given; .* keep schedule.num_steps"):
+    with pytest.raises(
+        ValueError, match=r"num_steps and schedule.num_steps are both given; .* keep schedule.num_steps"
+    ):
         load_config(path)
     with pytest.raises(ValueError, match=r"overrides: device and cluster.device are both given"):
         demo_config(["device=cpu", "cluster.device=cpu"])

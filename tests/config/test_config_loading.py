@@ -34,9 +34,7 @@ def test_run_level_default_reaches_a_component_before_its_own_check():
     assert optim.total_steps == 7
     assert optim.lr_factor(0) == pytest.approx(1.0)
     assert optim.lr_factor(7) == pytest.approx(0.1)  # the decay ends at the run's last step
-    assert (
-        demo_config(["train.optim.schedule=cosine", "train.optim.total_steps=50"]).train.optim.total_steps == 50
-    )
+    assert demo_config(["train.optim.schedule=cosine", "train.optim.total_steps=50"]).train.optim.total_steps == 50
     # the same through RunConfig directly (the programmatic path): the demo's num_steps
     assert RunConfig.model_validate({"train": {"optim": {"schedule": "cosine"}}}).train.optim.total_steps == 300
 
@@ -145,7 +143,13 @@ def test_non_utf8_input_names_the_file_and_line(tmp_path, capsys):
         make_task({"kind": "math_file", "path": str(parquet)})
     err = _one_line_error(
         capsys,
-        ["train", "task.kind=math_file", f"task.path={data}", f"output_dir={tmp_path / 'run'}", "cluster.backend=local"],
+        [
+            "train",
+            "task.kind=math_file",
+            f"task.path={data}",
+            f"output_dir={tmp_path / 'run'}",
+            "cluster.backend=local",
+        ],
         2,
     )
     assert "line 3 (row 1): not UTF-8" in err and "task.skip_rows=[1]" in err and len(err.splitlines()) == 1

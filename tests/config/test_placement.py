@@ -8,9 +8,18 @@ from splitrl.controller.placement import check_cluster_gpus, gpus_needed, resolv
 
 
 def test_colocated_needs_as_many_generation_workers_as_train_ranks():
-    with pytest.raises(ValueError, match=r"cluster.num_generation_workers=2 != cluster.num_train_workers=1.*cluster.placement=split"):
+    with pytest.raises(
+        ValueError, match=r"cluster.num_generation_workers=2 != cluster.num_train_workers=1.*cluster.placement=split"
+    ):
         demo_config(["cluster.placement=colocated", "cluster.num_generation_workers=2"])
-    cfg = demo_config(["cluster.placement=colocated", "cluster.num_generation_workers=2", "cluster.num_train_workers=2", "cluster.backend=ray"])
+    cfg = demo_config(
+        [
+            "cluster.placement=colocated",
+            "cluster.num_generation_workers=2",
+            "cluster.num_train_workers=2",
+            "cluster.backend=ray",
+        ]
+    )
     assert cfg.cluster.placement == "colocated"
 
 
@@ -58,7 +67,8 @@ def test_split_on_too_few_gpus_names_the_numbers_and_the_ways_out():
 def test_split_with_unequal_counts_points_to_colocated_with_equal_ones():
     # the issue's 2-GPU run: 2 train workers and the default 1 generation worker
     with pytest.raises(
-        ValueError, match=r"needs 3 GPUs .* has 2; use cluster.placement=colocated with cluster.num_generation_workers=2 \(needs 2\)"
+        ValueError,
+        match=r"needs 3 GPUs .* has 2; use cluster.placement=colocated with cluster.num_generation_workers=2 \(needs 2\)",
     ):
         check_cluster_gpus("split", 1, 2, {"GPU": 2.0})
 
@@ -92,7 +102,9 @@ def test_the_controller_checks_gpus_before_starting_anything(tmp_path, monkeypat
     monkeypatch.setattr(launch, "make_data_plane", lambda *a, **k: started.append("data plane"))
     monkeypatch.setattr(launch, "spawn", lambda *a, **k: started.append("worker"))
     monkeypatch.setattr(launch, "make_placement_group", lambda *a, **k: started.append("placement group"))
-    ctl = ctl_mod.SingleController(demo_config(["cluster.backend=ray", "cluster.placement=split", f"output_dir={tmp_path}"]))
+    ctl = ctl_mod.SingleController(
+        demo_config(["cluster.backend=ray", "cluster.placement=split", f"output_dir={tmp_path}"])
+    )
     ctl.device = "cuda"  # as resolved on a GPU machine
     with pytest.raises(ValueError, match="cluster.placement=split needs 2 GPUs .* the Ray cluster has 1"):
         ctl._build()
@@ -120,6 +132,84 @@ def test_join_errors_are_immediate_and_say_what_is_wrong():
     with pytest.raises(ValueError, match=r"need 13 CPUs .* but 8 are free"):
         check_cluster_cpus(13, {"CPU": 8.0})
     check_cluster_cpus(8, {"CPU": 8.0})
+
+
+@pytest.fixture
+def other_service():
+    """A TCP server on a free loopback port that is not Ray: it accepts every connection and
+    answers with an HTTP line (``"garbage"``) or says nothing (``"silent"``). Yields a function
+    that starts it in a mode and returns its port."""
+    import socket
+    import threading
+
+    servers = []
+
+    def start(mode: str) -> int:
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(16)
+        conns = []
+
+        def serve():
+            while True:
+                try:
+                    c, _ = srv.accept()
+                except OSError:  # closed: the test is over
+                    return
+                conns.append(c)
+                if mode == "garbage":
+                    try:
+                        c.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\nnot ray\n")
+                    except OSError:
+                        pass
+
+        threading.Thread(target=serve, daemon=True).start()
+        servers.append((srv, conns))
+        return srv.getsockname()[1]
+
+    yield start
+    for srv, conns in servers:
+        srv.close()
+        for c in conns:
+            c.close()
+
+
+@pytest.mark.parametrize("where, mode", [("config", "garbage"), ("env", "silent")])
+def test_a_ray_address_where_another_service_listens_is_refused_within_seconds(
+    where, mode, other_service, tmp_path, monkeypatch
+):
+    """Kind: a hang with no splitrl error. ray_address (or RAY_ADDRESS) naming a port where
+    another service listens passed the connection check, then ray.init retried "Failed to connect
+    to GCS" for minutes (measured: still retrying after 160 s). Now the start-up gives up after a
+    bounded gRPC handshake (GCS_PROBE_TIMEOUT_S, 20 s as shipped: the first case) with one line
+    naming the address and where it came from; ray.init is never reached (here it would fail the
+    test at once instead of hanging)."""
+    import time
+
+    import ray
+
+    from splitrl.controller import cluster
+
+    port = other_service(mode)
+    inits = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: inits.append(k) or pytest.fail("ray.init was reached"))
+    if where == "config":
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        cfg = demo_config(["cluster.backend=ray", f"cluster.ray_address=127.0.0.1:{port}", f"output_dir={tmp_path}"])
+        source = "config key cluster.ray_address"
+    else:
+        monkeypatch.setattr(cluster, "GCS_PROBE_TIMEOUT_S", 3.0)  # the bound itself is the first case's
+        monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+        cfg = demo_config(["cluster.backend=ray", f"output_dir={tmp_path}"])
+        source = "environment variable RAY_ADDRESS"
+    t0 = time.monotonic()
+    with pytest.raises(ValueError) as e:
+        cluster.start_cluster(cfg, "ray")
+    assert time.monotonic() - t0 < cluster.GCS_PROBE_TIMEOUT_S + 15
+    msg = str(e.value)
+    assert f"127.0.0.1:{port} ({source}) accepts connections but is not a Ray cluster" in msg, msg
+    assert "6379" in msg and "\n" not in msg and not inits
 
 
 def test_ray_address_with_the_local_backend_is_refused_on_load():

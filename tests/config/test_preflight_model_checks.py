@@ -273,5 +273,7 @@ def test_settings_that_leave_part_of_the_run_idle_are_warned_about(tmp_path, cap
     assert "this run never evaluates" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING):  # control: warm-up shorter than the run, evaluation at the end
-        preflight(_cfg(tmp_path, "schedule.num_steps=3", "train.mtp_warmup_steps=2", "eval.eval_every=5", "eval.at_end=true"))
+        preflight(
+            _cfg(tmp_path, "schedule.num_steps=3", "train.mtp_warmup_steps=2", "eval.eval_every=5", "eval.at_end=true")
+        )
     assert "only the MTP heads" not in caplog.text and "never evaluates" not in caplog.text

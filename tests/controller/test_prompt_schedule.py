@@ -193,7 +193,7 @@ def test_the_diagnosis_names_what_the_train_pump_waits_for():
     s = schedule(num_steps=2)
     s.claim(4)
     s.started([0, 1, 2, 3], t=10.0)
-    assert "Generation of prompts [0, 1, 2, 3] has run for 30s" in s.diagnosis(now=40.0, synced_version=0)
+    assert "Generation of prompts [0, 1, 2, 3] has run for 30.0 s" in s.diagnosis(now=40.0, synced_version=0)
     s.finished([0, 1, 2, 3])
     deliver(s, [0, 2, 3])
     s.release([1])

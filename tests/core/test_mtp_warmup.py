@@ -63,3 +63,69 @@ def test_warmup_without_training_heads_is_rejected():
         TrainWorker(make_model(D=0), make_worker(make_model(D=1)).config.model_copy(update={"mtp_warmup_steps": 1}))
     with pytest.raises(ValueError, match="mtp_num_layers >= 1"):
         demo_config(["train.mtp_warmup_steps=3", "model.mtp.mtp_num_layers=0"])
+
+
+def _sliced(worker, steps, m):
+    worker.config = worker.config.model_copy(update={"mtp_warmup_steps": steps, "mtp_warmup_update_samples": m})
+    return worker
+
+
+@pytest.mark.parametrize("detach", [True, False])
+def test_a_sliced_warmup_step_is_one_update_per_slice_of_its_samples(detach):
+    """mtp_warmup_update_samples=m: a warm-up step of 8 samples (2 filtered) is 3 updates, on
+    samples 0-2, 3-5 and 6-7, each exactly a heads-only step of its own; fed as three chunks of
+    other sizes it is the same, bit for bit; the schedule and the step count advance once."""
+    model = make_model(D=2, detach=detach, seed=3)
+    ref_model, split_model = copy.deepcopy(model), copy.deepcopy(model)
+    loss, batch = make_loss(), make_batch(8, seed=4)
+    before = params(model)
+
+    sliced = _sliced(make_worker(model), 1, 3)
+    m = sliced.train(batch, loss)
+    assert m["mtp_warmup_updates"] == 3.0 and m["mtp_warmup"] == 1.0
+    assert sliced.steps_finished == 1 and sliced.scheduler.last_epoch == 1
+
+    ref = _with_warmup(make_worker(ref_model), 10**6)  # each slice a whole warm-up step of its own
+    per_slice = [ref.train(batch.select(list(idx)), loss) for idx in (range(0, 3), range(3, 6), range(6, 8))]
+    after, expect = params(model), params(ref_model)
+    for n, p in after.items():
+        if n.startswith("mtp."):
+            assert torch.equal(p, expect[n]), n
+            assert not torch.equal(p, before[n]), n
+        else:
+            assert torch.equal(p, before[n]), n  # the policy did not move
+    # metrics: counts summed, per-depth figures weighted by their counted targets
+    assert m["num_valid_tokens"] == sum(r["num_valid_tokens"] for r in per_slice)
+    for k in (1, 2):
+        cnt = [r[f"mtp/mtp_{k}_num_tokens"] for r in per_slice]
+        assert m[f"mtp/mtp_{k}_num_tokens"] == sum(cnt)
+        for x in ("loss", "acceptance_rate"):
+            want = sum(r[f"mtp/mtp_{k}_{x}"] * c for r, c in zip(per_slice, cnt)) / sum(cnt)
+            assert m[f"mtp/mtp_{k}_{x}"] == pytest.approx(want, rel=1e-12), (k, x)
+
+    split = _sliced(make_worker(split_model), 1, 3)
+    split.begin_train_step(loss)
+    for idx in (range(0, 1), range(1, 5), range(5, 8)):  # chunks that do not align with the slices
+        split.train_microbatch(batch.select(list(idx)))
+    m_split = split.finish_train_step()
+    assert all(torch.equal(p, after[n]) for n, p in params(split_model).items())
+    assert m_split == pytest.approx(m, nan_ok=True)
+
+    # the next step is a normal RL step: one update, the policy moves
+    m2 = sliced.train(make_batch(8, seed=5), loss)
+    assert m2["mtp_warmup"] == 0.0 and "mtp_warmup_updates" not in m2
+    assert any(not torch.equal(params(model)[n], before[n]) for n in before if not n.startswith("mtp."))
+
+
+def test_a_bad_chunk_in_a_sliced_warmup_step_is_refused_before_anything_changes():
+    model = make_model(D=1, seed=5)
+    worker = _sliced(make_worker(model), 2, 4)
+    before = params(model)
+    worker.begin_train_step(make_loss())
+    bad = make_batch(4, seed=6)
+    bad.input_ids[0] = bad.input_ids[0] + 10**6
+    with pytest.raises(ValueError, match="outside"):
+        worker.train_microbatch(bad)
+    worker.abort_train_step()
+    assert all(torch.equal(p, before[n]) for n, p in params(model).items())
+    assert worker.steps_finished == 0

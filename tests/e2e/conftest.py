@@ -16,7 +16,9 @@ def ray_cluster():
 
     if ray.is_initialized():
         ray.shutdown()
-    cfg = demo_config(TINY_STEP + ["cluster.backend=ray", "cluster.num_generation_workers=2", "cluster.num_train_workers=2"])
+    cfg = demo_config(
+        TINY_STEP + ["cluster.backend=ray", "cluster.num_generation_workers=2", "cluster.num_train_workers=2"]
+    )
     SingleController(cfg)._start_cluster()
     yield ray
     ray.shutdown()

@@ -2,6 +2,7 @@
 interrupt still checkpoints, a damaged or unwritable checkpoint is handled. Local backend."""
 
 import asyncio
+import contextlib
 import signal
 import threading
 from pathlib import Path
@@ -359,6 +360,86 @@ def test_a_failed_background_write_is_reported_and_never_marked_complete(tmp_pat
     assert not list((tmp_path / "checkpoints").iterdir())
 
 
+def test_a_failed_background_write_stops_the_run_at_the_next_step_boundary(tmp_path, monkeypatch, capsys):
+    """Kind: a failure found late, and in torch's words. The disk fills up while the trainer's
+    shards of step 4 are written in the background (the file raises ENOSPC at the first tensor
+    torch.save writes into it; torch reports that as "[enforce fail at inline_container.cc:...]
+    unexpected pos"). Before the fix the run trained on to step 6 and only the next checkpoint
+    said so, with torch's message. Now the run stops at the boundary after step 5 (the step during
+    which the write failed; the test holds step 5 until it has) with one line naming the step, the
+    file, "No space left on device" and the free space; step 2's checkpoint is kept."""
+    import errno
+    import os
+
+    import torch
+    from torch.distributed.checkpoint import filesystem
+
+    from splitrl.controller.run_checkpoint import damage
+    from splitrl.logging import read_metrics
+    from splitrl.train.checkpoint import ShardedCheckpointer
+
+    real_stream, real_torch_save = filesystem.FileSystem.create_stream, torch.save
+    real_save, real_finish = ShardedCheckpointer.save, PolicyClient.finish
+    writers: list[ShardedCheckpointer] = []
+    failed, in_torch_save = threading.Event(), threading.local()
+
+    class FullDisk:
+        """A shard file whose disk fills up inside the first tensor torch.save writes into it
+        (past its first records: torch then reports "unexpected pos", not the OSError)."""
+
+        def __init__(self, f):
+            self._f = f
+
+        def write(self, b):
+            if getattr(in_torch_save, "writes", None) is not None:
+                in_torch_save.writes += 1
+                if in_torch_save.writes > 2:
+                    failed.set()
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return self._f.write(b)
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with real_stream(self, path, mode) as f:
+            yield FullDisk(f) if "step_000004.tmp" in str(path) and "w" in mode else f
+
+    def torch_save(*a, **k):
+        in_torch_save.writes = 0
+        try:
+            return real_torch_save(*a, **k)
+        finally:
+            in_torch_save.writes = None
+
+    def save(self, *a, **k):
+        writers.append(self)
+        return real_save(self, *a, **k)
+
+    def write_failed():  # the background write raised, and its future holds the error (or was read)
+        return failed.is_set() and all(w._future is None or w._future.done() for w in writers)
+
+    async def finish(self):
+        if len(read_metrics(tmp_path / "metrics.jsonl")) == 4:  # step 5: the write of step 4 is under way
+            await async_wait_until(write_failed, what="the background write of step 4 to fail")
+        return await real_finish(self)
+
+    monkeypatch.setattr(torch, "save", torch_save)
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", create_stream)
+    monkeypatch.setattr(ShardedCheckpointer, "save", save)
+    monkeypatch.setattr(PolicyClient, "finish", finish)
+    stopped, err = _train_until_it_stops(tmp_path, capsys, "schedule.num_steps=6", "checkpoint.every=2")
+    line = stopped[0]
+    assert "could not write the checkpoint of step 4" in line and "No space left on device" in line, line
+    assert "step_000004.tmp/trainer/__0_0.distcp" in line and "are free on that disk" in line, line
+    assert "enforce fail" not in line and "newest intact checkpoint is step_000002" in line, line
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002"]
+    assert damage(ckpts / "step_000002") is None
+
+
 def test_leftovers_of_a_killed_run_are_removed_on_start(tmp_path):
     """Kind: half-written ``*.tmp`` folders and files left behind by a kill -9 stay forever."""
     from splitrl.controller.run_checkpoint import remove_leftovers
@@ -373,16 +454,17 @@ def test_leftovers_of_a_killed_run_are_removed_on_start(tmp_path):
     assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
 
 
-def _train_until_it_stops(tmp_path, capsys) -> tuple[list[str], str]:
-    """Run a 3-step CLI training that checkpoints every step and is expected to stop with exit
-    code 1 and one ``splitrl:`` line (no traceback); returns (those lines, stderr)."""
+def _train_until_it_stops(tmp_path, capsys, *extra: str) -> tuple[list[str], str]:
+    """Run a 3-step CLI training that checkpoints every step (``extra`` overrides) and is expected
+    to stop with exit code 1 and one ``splitrl:`` line (no traceback); returns (those lines, stderr)."""
     from splitrl import cli
 
     old_term = signal.getsignal(signal.SIGTERM)
     try:
         rc = cli.main(
-            ["train", *TINY, f"output_dir={tmp_path}", "buffer.max_staleness=0", "schedule.num_steps=3", "checkpoint.every=1"]
-        )
+            ["train", *TINY, f"output_dir={tmp_path}", "buffer.max_staleness=0", "schedule.num_steps=3",
+             "checkpoint.every=1", *extra]
+        )  # fmt: skip
     finally:
         signal.signal(signal.SIGTERM, old_term)
     err = capsys.readouterr().err
@@ -446,10 +528,16 @@ def test_resume_with_another_groups_per_step_or_tokenizer_is_refused_before_anyt
     waited for the watchdog (600 s), then called it a bug (a new user's trial)."""
     C.train(_cfg(tmp_path, "schedule.num_steps=1"))
     metrics = (tmp_path / "metrics.jsonl").read_bytes()
-    with pytest.raises(ValueError, match=r"schedule.groups_per_step=4, this run has schedule.groups_per_step=2.*set schedule.groups_per_step=4"):
+    with pytest.raises(
+        ValueError,
+        match=r"schedule.groups_per_step=4, this run has schedule.groups_per_step=2.*set schedule.groups_per_step=4",
+    ):
         C.preflight(_cfg(tmp_path, "schedule.num_steps=2", "schedule.groups_per_step=2"))
     assert C.preflight(_cfg(tmp_path, "schedule.num_steps=2")) == 1
-    assert C.preflight(_cfg(tmp_path, "schedule.num_steps=2", "schedule.groups_per_step=2", "checkpoint.resume=false")) == 0
+    assert (
+        C.preflight(_cfg(tmp_path, "schedule.num_steps=2", "schedule.groups_per_step=2", "checkpoint.resume=false"))
+        == 0
+    )
     # Kind: silent corruption. The same characters in another order (the model's vocab_size
     # still fits) resumed with every id meaning another character (a new user's trial)
     with pytest.raises(

@@ -15,7 +15,12 @@ from _tiny import TINY_STEP
 from _wait import wait_until
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
-RUN = TINY_STEP + ["cluster.backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false", "schedule.num_steps=1000"]
+RUN = TINY_STEP + [
+    "cluster.backend=local",
+    "dataplane.kind=inprocess",
+    "logging.tensorboard=false",
+    "schedule.num_steps=1000",
+]
 
 
 def _start(out: Path, *extra: str, code: str | None = None, **popen) -> subprocess.Popen:

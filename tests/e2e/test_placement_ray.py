@@ -35,7 +35,8 @@ def _run(tmp_path, overrides):
     import asyncio
 
     cfg = demo_config(
-        TINY_STEP + ["cluster.backend=ray", "schedule.num_steps=2", "checkpoint.every=0", f"output_dir={tmp_path}", *overrides]
+        TINY_STEP
+        + ["cluster.backend=ray", "schedule.num_steps=2", "checkpoint.every=0", f"output_dir={tmp_path}", *overrides]
     )
     ctl = _Probe(cfg)
     res = asyncio.run(ctl.run())
@@ -73,7 +74,9 @@ def test_split_placement_syncs_through_the_gloo_group(tmp_path, caplog, ray_clus
 def test_colocated_placement_copies_inside_the_process(tmp_path, caplog, ray_cluster):
     caplog.set_level(logging.INFO, logger="splitrl.controller.controller")
     # two ranks: each actor's copy gathers the FSDP2 shards tensor by tensor
-    cfg, ctl, res = _run(tmp_path, ["cluster.placement=colocated", "cluster.num_train_workers=2", "cluster.num_generation_workers=2"])
+    cfg, ctl, res = _run(
+        tmp_path, ["cluster.placement=colocated", "cluster.num_train_workers=2", "cluster.num_generation_workers=2"]
+    )
     assert ctl.placement == "colocated" and ctl.sync_path == "colocated"
     assert "on-device copy inside each colocated worker" in caplog.text
     _check_engines_equal_trainer(cfg, ctl, res)

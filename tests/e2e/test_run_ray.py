@@ -110,7 +110,13 @@ def test_two_train_workers_equal_one_and_resume_a_sharded_checkpoint_with_two_or
     full = train(demo_config(base + ["cluster.num_train_workers=2", f"output_dir={tmp_path / 'full'}"])).metrics
     one = train(
         demo_config(
-            base + ["cluster.num_train_workers=1", "checkpoint.every=0", "schedule.num_steps=1", f"output_dir={tmp_path / 'one'}"]
+            base
+            + [
+                "cluster.num_train_workers=1",
+                "checkpoint.every=0",
+                "schedule.num_steps=1",
+                f"output_dir={tmp_path / 'one'}",
+            ]
         )
     ).metrics
     keys = (

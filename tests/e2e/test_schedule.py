@@ -21,7 +21,12 @@ from splitrl.controller.controller import train
 from splitrl.workers.generation import GenerationWorker
 from splitrl.workers.train_actor import TrainActor
 
-TINY = TINY_STEP + ["cluster.backend=local", "dataplane.kind=inprocess", "logging.tensorboard=false", "checkpoint.every=0"]
+TINY = TINY_STEP + [
+    "cluster.backend=local",
+    "dataplane.kind=inprocess",
+    "logging.tensorboard=false",
+    "checkpoint.every=0",
+]
 NUM_STEPS = 3
 GROUPS_PER_STEP = 4  # TINY_STEP's, two generation calls of 2 prompts each
 
@@ -163,7 +168,12 @@ def test_arrival_chunk_order_trains_the_same_steps_in_the_order_groups_arrive(tm
     monkeypatch.setattr(controller_mod, "arrived_first", recording)
     runs = {}
     for order in ("prompt", "arrival"):
-        extra = ["schedule.mode=async", "buffer.max_staleness=0", "schedule.min_groups_per_chunk=1", f"schedule.chunk_order={order}"]
+        extra = [
+            "schedule.mode=async",
+            "buffer.max_staleness=0",
+            "schedule.min_groups_per_chunk=1",
+            f"schedule.chunk_order={order}",
+        ]
         cfg = demo_config(TINY + [f"schedule.num_steps={NUM_STEPS}", f"output_dir={tmp_path / order}", *extra])
         res = train(cfg)
         assert res.steps_done == NUM_STEPS

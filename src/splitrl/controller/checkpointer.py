@@ -29,19 +29,22 @@ from splitrl.config import RunConfig
 from splitrl.controller.buffer import group_from_dict, group_to_dict
 from splitrl.controller.run_checkpoint import (
     CONTROLLER_STATE,
+    KEPT_CHECKPOINTS,
     RUN_CONFIG,
     TMP_SUFFIX,
     CheckpointError,
     complete_checkpoints,
+    format_bytes,
     intact_checkpoints,
     known_damaged,
     latest_intact_checkpoint,
     mark_damaged,
+    set_aside_earlier_run,
     step_dir,
     write_complete,
 )
 from splitrl.models.hf_files import write_inference_files
-from splitrl.train.checkpoint import SHARDS_DIR
+from splitrl.train.checkpoint import SHARDS_DIR, os_error_in
 from splitrl.types import Group
 from splitrl.workers.train_actor import TOKEN_FIELDS
 
@@ -90,6 +93,10 @@ class RunCheckpointer:
         self.data_plane: Any = None
         self.tokenizer: Any = None  # saved with the Hugging Face export
         self._pending: asyncio.Task | None = None  # finishes a checkpoint written in the background
+        # what the train ranks last said of the pending checkpoint's files: None (still being
+        # written, or not asked), True (on disk) or their write's error; asked by one caller at a time
+        self._written: bool | Exception | None = None
+        self._ask = asyncio.Lock()
         self.blocked_s = 0.0  # training blocked by checkpoints since the last step's metrics
 
     def attach(self, policy: Any, buffer: Any, schedule: Any, data_plane: Any, tokenizer: Any) -> None:
@@ -98,6 +105,22 @@ class RunCheckpointer:
         self.policy, self.buffer, self.schedule, self.data_plane, self.tokenizer = (
             policy, buffer, schedule, data_plane, tokenizer,
         )  # fmt: skip
+
+    def set_aside_earlier_run(self) -> None:
+        """A run that starts at step 1 (``checkpoint.resume=false``, or nothing to resume): move an earlier
+        run's record in ``out`` to ``earlier_runs/`` (:func:`~splitrl.controller.run_checkpoint.set_aside_earlier_run`),
+        saying where."""
+        dest, moved = set_aside_earlier_run(self.out)
+        if dest is not None:
+            why = (
+                "checkpoint.resume=false: starting over"
+                if not self.config.checkpoint.resume
+                else "no checkpoint to resume from: starting at step 1"
+            )
+            log.warning(
+                "%s in %s; the earlier run's %s moved to %s (delete it to free the space)",
+                why, self.out, ", ".join(moved), dest,
+            )  # fmt: skip
 
     def take_blocked_s(self) -> float:
         """The seconds training was blocked by checkpoints since the last call."""
@@ -147,6 +170,7 @@ class RunCheckpointer:
             ", policy/ exported" if export else "",
             "" if final else "; its files are being written in the background",
         )
+        self._written = None
         completion = asyncio.create_task(self._complete(step, tmp, path, t0))
         if final:
             await completion
@@ -164,7 +188,7 @@ class RunCheckpointer:
                 ``tmp`` is removed.
         """
         try:
-            while not await self.policy.checkpoint_written():
+            while not await self._files_written():
                 await asyncio.sleep(CHECKPOINT_POLL_S)
             await asyncio.to_thread(write_complete, tmp, step)  # last: sizes and checksums of everything above
             shutil.rmtree(path, ignore_errors=True)
@@ -174,6 +198,48 @@ class RunCheckpointer:
             raise CheckpointError(self.failure(step, path, e)) from e
         self.prune()
         log.info("checkpoint step %d complete in %s (%.1fs after it started)", step, path, time.perf_counter() - t0)
+
+    async def _files_written(self) -> bool:
+        """Whether every train rank's files of the pending checkpoint are on disk. The ranks are
+        asked until they say so or fail; the answer is kept, so that the completion task and
+        :meth:`check_background_write` both see it (a rank reports its write's end only once).
+
+        Raises:
+            Exception: a rank's background write failed (e.g. ``OSError`` ENOSPC).
+        """
+        async with self._ask:
+            if self._written is None:
+                try:
+                    if await self.policy.checkpoint_written():
+                        self._written = True
+                except Exception as e:  # noqa: BLE001 - a rank's write error, whatever its kind
+                    self._written = e
+            if isinstance(self._written, Exception):
+                raise self._written
+            return self._written is True
+
+    async def check_background_write(self) -> None:
+        """At a step boundary: stop the run if the checkpoint being written in the background
+        failed (a full disk, permissions) rather than at the next checkpoint, which may be many
+        steps away. Asks the train ranks now (one call each) while the write is in progress;
+        returns at once when it is still going or has succeeded.
+
+        Raises:
+            CheckpointError: that write failed (see :meth:`save`); its partial directory is
+                removed, the complete checkpoints before it are kept.
+        """
+        task = self._pending
+        if task is None:
+            return
+        if not task.done():
+            try:
+                await asyncio.wait_for(self._files_written(), timeout=self.config.faults.watchdog_timeout_s)
+                return  # still being written, or written: the completion task finishes it
+            except asyncio.TimeoutError:
+                return  # a hung rank: the next train call's watchdog reports it
+            except Exception:  # noqa: BLE001 - the completion task turns it into the run's error
+                pass
+        await self.finish_pending()
 
     async def finish_pending(self, timeout: float | None = None) -> None:
         """Wait for the checkpoint being written in the background, if any (raises its
@@ -196,13 +262,13 @@ class RunCheckpointer:
         task.result()
 
     def prune(self) -> None:
-        """Keep the two newest complete checkpoints, and the newest one with a Hugging Face export
+        """Keep the two newest complete checkpoints (``KEPT_CHECKPOINTS``), and the newest one with a Hugging Face export
         (``policy/``), so that ``splitrl eval OUTPUT_DIR`` always finds one once it was written.
         One found damaged (on resume) is no keeper and is removed: counting it deleted the intact
         checkpoint the run resumed from and kept one that cannot load."""
         done = complete_checkpoints(self.out)
         good = [p for p in done if not known_damaged(p)]
-        keep = set(good[-2:])
+        keep = set(good[-KEPT_CHECKPOINTS:])
         exported = [p for p in good if (p / "policy" / "config.json").is_file()]
         if exported:
             keep.add(exported[-1])
@@ -211,13 +277,17 @@ class RunCheckpointer:
                 shutil.rmtree(old, ignore_errors=True)
 
     def failure(self, step: int, path: Path, e: BaseException) -> str:
-        """The message of a failed checkpoint write: the cause, the free space, what is left."""
-        if isinstance(e, OSError):
-            cause = f"{e.strerror or e}" + (f" ({e.filename})" if e.filename else "")
+        """The message of a failed checkpoint write: the cause (the operating system's words and
+        the file, when an ``OSError`` is anywhere in the chain: torch reports a full disk as
+        ``[enforce fail at inline_container.cc:...] unexpected pos``, with the ``OSError`` as
+        its context), the free space on the disk of ``out``, and what is left."""
+        os_error = os_error_in(e)
+        if os_error is not None:
+            cause = f"{os_error.strerror or os_error}" + (f" ({os_error.filename})" if os_error.filename else "")
         else:
             cause = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
         try:
-            free = f" {shutil.disk_usage(self.out).free / 2**30:.1f} GiB are free on that disk."
+            free = f" {format_bytes(shutil.disk_usage(self.out).free)} are free on that disk."
         except OSError:
             free = ""
         intact = latest_intact_checkpoint(self.out)

@@ -49,6 +49,16 @@ def ray_address(config: RunConfig) -> str | None:
     return config.cluster.ray_address or os.environ.get("RAY_ADDRESS")
 
 
+def ray_address_source(config: RunConfig) -> str:
+    """Where :func:`ray_address` came from, for messages: the config key or the environment."""
+    return "config key cluster.ray_address" if config.cluster.ray_address else "environment variable RAY_ADDRESS"
+
+
+# seconds a joined cluster's GCS gets to complete a gRPC handshake (it takes milliseconds; Ray
+# itself retries for minutes against a port where some other service listens)
+GCS_PROBE_TIMEOUT_S = 20.0
+
+
 def start_cluster(config: RunConfig, backend: str) -> None:
     """Start a local Ray cluster, or join the one named by ``cluster.ray_address`` / ``RAY_ADDRESS``.
 
@@ -84,15 +94,17 @@ def start_cluster(config: RunConfig, backend: str) -> None:
         # a head started on this machine with --node-ip-address=127.0.0.1 listens on loopback
         # only; Ray would otherwise dial it at the machine's external address and never connect
         joining = loopback_only_ray() if is_loopback(address) else contextlib.nullcontext()
-        check_reachable(address)
+        source = ray_address_source(config)
+        check_reachable(address, source=source)
+        check_gcs(address, source=source)
         try:
             with joining:
                 ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
         except ConnectionError as e:  # an OSError: not a file problem, say what it is
             raise ValueError(
-                f"could not join the Ray cluster at {address} ({str(e).strip().splitlines()[0]}). If the cluster "
-                "uses token authentication (Ray's default since 2.5x), set RAY_AUTH_MODE=token (and the token, "
-                "e.g. RAY_AUTH_TOKEN) in this shell as on the head; otherwise check ray_address"
+                f"could not join the Ray cluster at {address} ({source}; {str(e).strip().splitlines()[0]}). If the "
+                "cluster uses token authentication (Ray's default since 2.5x), set RAY_AUTH_MODE=token (and the token, "
+                "e.g. RAY_AUTH_TOKEN) in this shell as on the head; otherwise fix the address"
             ) from None
         return
     # transferqueue's controller and storage units ask for a CPU each: give Ray logical
@@ -103,23 +115,77 @@ def start_cluster(config: RunConfig, backend: str) -> None:
         ray.init(num_cpus=max(8, need), include_dashboard=False, log_to_driver=True, runtime_env=runtime_env)
 
 
-def check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """Refuse a ``host:port`` Ray address that accepts no connection (Ray itself retries for
-    minutes with warnings only). ``auto`` and ``ray://`` addresses are left to Ray."""
+def _host_port(address: str, source: str) -> tuple[str, int] | None:
+    """(host, port) of a ``host:port`` Ray address; None for ``auto`` and ``ray://`` ones (left to Ray).
+
+    Raises:
+        ValueError: the port is not a number.
+    """
     if address == "auto" or "://" in address or ":" not in address:
-        return
+        return None
     host, _, port = address.rpartition(":")
     try:
-        port_n = int(port)
+        return host.strip("[]"), int(port)
     except ValueError:
-        raise ValueError(f"cluster.ray_address={address!r}: expected host:port, auto or ray://host:port") from None
+        raise ValueError(f"ray_address={address!r} ({source}): expected host:port, auto or ray://host:port") from None
+
+
+def check_reachable(address: str, timeout_s: float = 5.0, source: str = "ray_address / RAY_ADDRESS") -> None:
+    """Refuse a ``host:port`` Ray address that accepts no connection (Ray itself retries for
+    minutes with warnings only). ``auto`` and ``ray://`` addresses are left to Ray.
+
+    Args:
+        source: where the address came from, for the message (:func:`ray_address_source`).
+
+    Raises:
+        ValueError: naming the address, where it came from and how to fix it.
+    """
+    found = _host_port(address, source)
+    if found is None:
+        return
+    host, port_n = found
     try:
-        socket.create_connection((host.strip("[]"), port_n), timeout=timeout_s).close()
+        socket.create_connection((host, port_n), timeout=timeout_s).close()
     except OSError as e:
         raise ValueError(
-            f"nothing accepts connections at {address} (ray_address / RAY_ADDRESS: {e.strerror or e}); start the "
+            f"nothing accepts connections at {address} ({source}: {e.strerror or e}); start the "
             f"head there (`ray start --head --port={port_n}`) or fix the address"
         ) from None
+
+
+def check_gcs(address: str, source: str, timeout_s: float | None = None) -> None:
+    """Refuse a ``host:port`` Ray address where something listens that is not a Ray cluster's
+    GCS: the GCS is a gRPC server, so a gRPC channel to it is ready within milliseconds, while
+    against another service (a web server, a database, a port that accepts and stays silent)
+    ``ray.init`` retried "Failed to connect to GCS" for minutes. ``auto`` and ``ray://``
+    addresses, and clusters with TLS (``RAY_USE_TLS``), are left to Ray.
+
+    Args:
+        source: where the address came from, for the message (:func:`ray_address_source`).
+        timeout_s: how long to wait for the handshake (default ``GCS_PROBE_TIMEOUT_S``).
+
+    Raises:
+        ValueError: no gRPC handshake within ``timeout_s``: one line naming the address, where it
+            came from and what to point it at.
+    """
+    found = _host_port(address, source)
+    if found is None or os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return
+    import grpc
+
+    timeout_s = GCS_PROBE_TIMEOUT_S if timeout_s is None else timeout_s
+    # straight to the address, as Ray's own channels go (no HTTP proxy of the environment)
+    channel = grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)])
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+    except grpc.FutureTimeoutError:
+        raise ValueError(
+            f"{address} ({source}) accepts connections but is not a Ray cluster: no gRPC handshake (Ray's GCS speaks "
+            f"gRPC) within {timeout_s:g} s; point it at the head's GCS port (`ray start --head` prints it, 6379 by "
+            f"default), or unset it to start a local cluster"
+        ) from None
+    finally:
+        channel.close()
 
 
 def check_cluster_cpus(need: int, resources: Mapping[str, float]) -> None:

@@ -18,6 +18,7 @@ import difflib
 import inspect
 import json
 import logging
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,18 +26,25 @@ from typing import Any
 from splitrl.config import RunConfig, upgrade_layout
 from splitrl.config_checks import settings_without_effect
 from splitrl.controller.run_checkpoint import (
+    KEPT_CHECKPOINTS,
     RUN_CONFIG,
     checkpoint_root,
     checkpoint_step,
+    complete_checkpoints,
+    format_bytes,
     latest_intact_checkpoint,
     unusable_checkpoints,
 )
 from splitrl.logging.wandb_logger import check_credentials as check_wandb_credentials
 
 log = logging.getLogger(__name__)
+# the run's progress is told by the controller's logger (users and tests follow it)
+progress = logging.getLogger("splitrl.controller.controller")
 
 # a procedural task has no end: this many of its first prompts are checked
 PROCEDURAL_PROMPTS_CHECKED = 64
+# a watchdog_timeout_s below this is warned about: no step of any model is that quick for sure
+WATCHDOG_WARN_BELOW_S = 10.0
 
 
 def check_output_dir(output_dir: str) -> None:
@@ -298,6 +306,42 @@ def fit_prompts_to_context(config: RunConfig, task: Any, tokenizer: Any, hf_cfg:
     return config.task.model_copy(update={"skip_rows": sorted(set(config.task.skip_rows) | set(rows))})
 
 
+def prompt_reuse(config: RunConfig, num_prompts: int | None) -> list[str]:
+    """Warnings when the run draws a prompt of a finite task more than once (prompt index ``i``
+    is the task's prompt ``i mod num_prompts``): within one step (its groups then repeat the same
+    prompts, e.g. ``task.size=3`` with 16 groups a step), or over the whole run (``schedule.num_steps x
+    groups_per_step`` groups: more than one epoch, often meant; the softer of the two). Each
+    gives the numbers: prompts in the task, groups per step, steps, draws per prompt.
+
+    Args:
+        num_prompts: the task's prompts (rows left out not counted); None: an unbounded task.
+    """
+    if not num_prompts:
+        return []
+    n, per_step, steps = num_prompts, config.schedule.groups_per_step, config.schedule.num_steps
+    total = steps * per_step
+    size_key = "task.size" if "size" in type(config.task).model_fields else "the task's prompts (rows)"
+
+    def times(draws: int) -> str:  # how often each prompt is drawn in ``draws`` consecutive indices
+        low, high = draws // n, -(-draws // n)
+        return f"{low} times" if low == high else f"{low} or {high} times"
+
+    if per_step > n:
+        return [
+            f"the task has {n} prompts and schedule.groups_per_step={per_step}: every step draws each prompt {times(per_step)} "
+            f"(prompt index mod {n}), so its {per_step} groups repeat the same {n} prompts, and over schedule.num_steps={steps} "
+            f"each prompt is drawn {times(total)}; use a task with at least {per_step} prompts ({size_key}), or "
+            f"schedule.groups_per_step <= {n}"
+        ]
+    if total > n:
+        return [
+            f"the task has {n} prompts and this run draws schedule.num_steps={steps} x groups_per_step={per_step} = {total} "
+            f"groups: each prompt is trained {times(total)} ({total / n:.1f} epochs); fine if meant, else give the task "
+            f"more prompts ({size_key}) or lower schedule.num_steps to {n // per_step} for one epoch"
+        ]
+    return []
+
+
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """The newest intact checkpoint directory of a run, or None (a damaged newer one is skipped
     with a warning; see :mod:`splitrl.controller.run_checkpoint`)."""
@@ -312,10 +356,13 @@ def preflight(config: RunConfig) -> int:
     columns or is not UTF-8 fails here) and the tokenizer, which must fit the model's vocabulary;
     checks that a character tokenizer covers the task's prompts and that prompts fit the context
     (rows of a data file that do not are left out: ``config.task`` is updated and a warning names
-    them); and, when resuming, that the checkpoint was written by the same model, tokenizer and
-    ``schedule.groups_per_step`` (other changed settings are logged) and that ``metrics.jsonl`` is a record
-    the run can extend. An ``output_dir`` that the write check created is removed again (if still
-    empty), with the parents it created, when a check fails. Returns the step to resume from (0: a fresh run).
+    them); warns when the run draws a prompt more than once (:func:`prompt_reuse`) or has a
+    watchdog shorter than ``WATCHDOG_WARN_BELOW_S``; when resuming, checks that the checkpoint was
+    written by the same model, tokenizer and ``schedule.groups_per_step`` (other changed settings are
+    logged) and that ``metrics.jsonl`` is a record the run can extend; and compares the size of
+    the run's checkpoints with the free space of ``output_dir`` (:func:`check_checkpoint_space`).
+    An ``output_dir`` that the write check created is removed again (if still empty), with the
+    parents it created, when a check fails. Returns the step to resume from (0: a fresh run).
 
     Raises:
         ValueError: naming what to fix.
@@ -351,6 +398,13 @@ def _preflight(config: RunConfig) -> int:
     check_wandb_credentials(config.logging.wandb)
     for warning in settings_without_effect(config):
         log.warning(warning)
+    if config.faults.watchdog_timeout_s < WATCHDOG_WARN_BELOW_S:
+        log.warning(
+            "faults.watchdog_timeout_s=%g s: the run stops with a watchdog report as soon as generation, a train call or a "
+            "weight sync takes longer, and the first step alone takes seconds even for the tiny demo; raise "
+            "faults.watchdog_timeout_s (default 600)",
+            config.faults.watchdog_timeout_s,
+        )
     hf_cfg = model_hf_config(config)
     task = make_task(config.task)
     tok = load_checked_tokenizer(config)
@@ -359,13 +413,108 @@ def _preflight(config: RunConfig) -> int:
     if config.tokenizer.kind == "char":
         check_charset_covers_prompts(task, tok)
     task_config = fit_prompts_to_context(config, task, tok, hf_cfg)
+    num_prompts = task.num_prompts
     if task_config is not config.task:
+        if num_prompts is not None:  # less the rows just left out
+            skipped = set(getattr(task_config, "skip_rows", ())) - set(getattr(config.task, "skip_rows", ()))
+            num_prompts -= len(skipped)
         config.task = task_config  # the workers build the task from this: same prompts everywhere
+    for warning in prompt_reuse(config, num_prompts):
+        log.warning(warning)
     ckpt = resume_checkpoint(config) if config.checkpoint.resume else None
-    if ckpt is None:
+    if ckpt is not None:
+        check_resume_config(config, ckpt)
+    start = 0 if ckpt is None else checkpoint_step(ckpt)
+    check_checkpoint_space(config, hf_cfg, start)
+    return start
+
+
+# bytes a checkpoint holds per parameter: its fp32 weight (the train workers keep fp32 weights at
+# every precision) and, for a parameter the optimizer trains, AdamW's two fp32 moments
+WEIGHT_BYTES = 4
+MOMENT_BYTES = 8
+
+
+def checkpoint_size(config: RunConfig, hf_cfg: Any) -> tuple[int, int, int]:
+    """The size of one checkpoint of this run, from the model's shapes (built on the meta device:
+    no memory, tens of milliseconds even for billions of parameters).
+
+    Returns:
+        (parameters, bytes of the trainer's shards: fp32 weights + AdamW's two fp32 moments of
+        every trained parameter, bytes of a ``policy/`` export: fp32 weights). Not counted: the
+        controller's state (the replay buffer's token ids and logprobs) and file headers, small
+        next to these; ``output_dir``'s other files.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from splitrl.models.policy import PolicyModel
+
+    with torch.device("meta"):
+        model = PolicyModel(AutoModelForCausalLM.from_config(hf_cfg), config.model.mtp)
+    params = list(model.parameters())  # a tied embedding and head once, as they are saved
+    total = sum(p.numel() for p in params)
+    trained = sum(p.numel() for p in params if p.requires_grad)  # λ = 0 heads have no moments
+    return total, WEIGHT_BYTES * total + MOMENT_BYTES * trained, WEIGHT_BYTES * total
+
+
+def checkpoints_to_write(config: RunConfig, start_step: int) -> int:
+    """How many checkpoints a run from ``start_step`` writes without a stop: one every
+    ``checkpoint.every`` steps and one at the end."""
+    every, end = config.checkpoint.every, config.schedule.num_steps
+    if end <= start_step:
         return 0
-    check_resume_config(config, ckpt)
-    return checkpoint_step(ckpt)
+    if not every:
+        return 1
+    return end // every - start_step // every + (0 if end % every == 0 else 1)
+
+
+def check_checkpoint_space(config: RunConfig, hf_cfg: Any, start_step: int) -> None:
+    """Compare the size of this run's checkpoints (:func:`checkpoint_size`) with the free space
+    on ``output_dir``'s disk, before anything is trained: a full disk used to be found at the
+    first checkpoint, after the steps before it.
+
+    The run keeps the ``KEPT_CHECKPOINTS`` newest checkpoints and writes the next one before it
+    removes the oldest, so up to ``KEPT_CHECKPOINTS + 1`` are on disk at once (fewer when the run
+    writes fewer; on a resume the checkpoints already there count towards them); its last
+    checkpoint also holds the ``policy/`` export (every ``checkpoint.export_every`` steps too). Fewer than
+    that fit: a warning naming the sizes.
+
+    Raises:
+        ValueError: not even one checkpoint with its export (the run's last one) fits in the
+            free space.
+    """
+    writes = checkpoints_to_write(config, start_step)
+    if writes == 0:
+        return
+    try:
+        free = shutil.disk_usage(config.output_dir).free
+    except OSError:  # nothing to compare with (the write check passed)
+        return
+    params, shards, export = checkpoint_size(config, hf_cfg)
+    last = shards + export
+    what = (
+        f"{params / 1e6:,.1f} M parameters: fp32 weights and AdamW moments {format_bytes(shards)}, the policy/ export "
+        f"of the last checkpoint {format_bytes(export)}"
+    )
+    if free < last:
+        raise ValueError(
+            f"output_dir={config.output_dir!r}: {format_bytes(free)} are free on its disk, but one checkpoint of this "
+            f"run takes about {format_bytes(last)} ({what}); free space there, or choose an output_dir on a disk with room"
+        )
+    # checkpoint.resume=false sets earlier checkpoints aside on the same disk: they stay, and no new one replaces them
+    there = min(len(complete_checkpoints(config.output_dir)), KEPT_CHECKPOINTS) if config.checkpoint.resume else 0
+    at_once = min(writes, max(1, KEPT_CHECKPOINTS + 1 - there))
+    each = shards + (export if config.checkpoint.export_every else 0)
+    need = (at_once - 1) * each + last
+    if free < need:
+        log.warning(
+            "output_dir=%r: %s are free on its disk, and this run holds up to %d new checkpoints at once (it keeps the "
+            "%d newest and writes the next before it removes the oldest) of about %s each (%s): %s in all, so a later "
+            "checkpoint will not fit; free space there, or choose an output_dir on a disk with room",
+            config.output_dir, format_bytes(free), at_once, KEPT_CHECKPOINTS, format_bytes(each), what,
+            format_bytes(need),
+        )  # fmt: skip
 
 
 def check_charset_covers_prompts(task: Any, tok: Any) -> None:
@@ -420,6 +569,24 @@ def resume_checkpoint(config: RunConfig) -> Path | None:
     return ckpt
 
 
+def nothing_to_do(config: RunConfig, done_before: int) -> bool:
+    """Whether ``output_dir`` already holds ``schedule.num_steps`` steps or more (``done_before``, from
+    :func:`preflight`); says so: as a warning when it holds more than the run asks for, which
+    would otherwise read as a success."""
+    if done_before > config.schedule.num_steps:
+        progress.warning(
+            "%s already holds a run of %d steps, more than schedule.num_steps=%d; nothing to do (raise "
+            "schedule.num_steps to continue it, or set checkpoint.resume=false to start over: the earlier run is set "
+            "aside, not deleted)",
+            Path(config.output_dir), done_before, config.schedule.num_steps,
+        )  # fmt: skip
+        return True
+    if done_before == config.schedule.num_steps:
+        progress.info("%s already holds a finished run (%d steps); nothing to do", Path(config.output_dir), done_before)
+        return True
+    return False
+
+
 def check_resume_config(config: RunConfig, ckpt: Path) -> None:
     """The checkpoint must be of the same model, tokenizer and ``schedule.groups_per_step`` as this
     run; other changed settings are logged (a checkpoint without ``run_config.json`` is not
@@ -440,6 +607,8 @@ def check_resume_config(config: RunConfig, ckpt: Path) -> None:
     if isinstance(saved, dict):  # written by an earlier release: its flat keys, in their sections
         saved = upgrade_layout(saved, str(saved_path), warn=False)
     now = config.model_dump(mode="json")
+    if isinstance(saved.get("loss"), dict):
+        saved["loss"].setdefault("kind", "grpo")  # written before loss.kind existed: GRPO, the only loss then
     if saved.get("model") != now["model"]:
         shown = _shown_differences(saved.get("model") or {}, now["model"], "model")
         raise ValueError(

@@ -220,7 +220,7 @@ class PromptSchedule:
         if self.generating:
             oldest = min(self.generating.values())
             return (
-                f" Generation of prompts {sorted(self.generating)[:8]} has run for {now - oldest:.0f}s: a generation "
+                f" Generation of prompts {sorted(self.generating)[:8]} has run for {now - oldest:.1f} s: a generation "
                 "worker may be hung or dead."
             )
         accounted = self.done | self.in_flight | set(self.held)

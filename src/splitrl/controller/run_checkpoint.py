@@ -37,11 +37,21 @@ COMPLETE = "COMPLETE"
 RUN_CONFIG = "run_config.json"  # the run config the checkpoint was written by (resume checks it)
 CONTROLLER_STATE = "controller.pt"  # the controller's own state: buffer, prompt cursor, RNG
 TMP_SUFFIX = ".tmp"
+# complete checkpoints a run keeps (the newest ones; the newest with a policy/ export is kept too)
+KEPT_CHECKPOINTS = 2
 _CHUNK = 1 << 20
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written (the message says where, why, and what is intact)."""
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes for a message: ``512 B``, ``3.4 MiB``, ``12.0 GiB``."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:

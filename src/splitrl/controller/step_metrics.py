@@ -4,9 +4,38 @@ staleness and evictions, and where the step's time went (``timing/``)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from splitrl.controller.buffer import ReplayBuffer, staleness_metrics
 from splitrl.loss.advantages import advantage_metrics
 from splitrl.types import Group
+
+
+@dataclass
+class StepRecorder:
+    """What the pumps record between two steps' metrics: the generation calls' metrics and
+    (start, end) times, the train calls' times of the last step, the train pump's exposed wait
+    for rollouts (``time.perf_counter()`` seconds)."""
+
+    calls: list[dict] = field(default_factory=list)
+    gen_intervals: list[tuple[float, float]] = field(default_factory=list)
+    train_intervals: list[tuple[float, float]] = field(default_factory=list)
+    wait_s: float = 0.0
+
+    def generation_call(self, start: float, end: float, metrics: dict) -> None:
+        self.gen_intervals.append((start, end))
+        self.calls.append(metrics)
+
+    def take_metrics(self, train: dict[str, float], groups: list[Group], **kwargs) -> dict[str, float]:
+        """The step's record (:func:`step_metrics`; ``kwargs`` are its other keyword arguments);
+        the generation calls and the wait recorded since the last step start afresh."""
+        calls, self.calls = self.calls, []
+        gen_intervals, self.gen_intervals = self.gen_intervals, []
+        wait_s, self.wait_s = self.wait_s, 0.0
+        return step_metrics(
+            train, groups, calls=calls, gen_intervals=gen_intervals, train_intervals=self.train_intervals,
+            wait_s=wait_s, **kwargs,
+        )  # fmt: skip
 
 
 def step_metrics(

@@ -1,10 +1,12 @@
-"""Losses of the split step: contracts (``base``) and GRPO (``grpo``); the chunked output head that
-computes target logprobs lives with the model (``splitrl.models.head``)."""
+"""Losses of the split step: contracts (``base``), GRPO (``grpo``) and the registry that builds a
+loss from its ``kind`` (``registry``); the chunked output head that computes target logprobs lives
+with the model (``splitrl.models.head``)."""
 
 from typing import TYPE_CHECKING
 
 from splitrl._lazy import lazy_getattr
-from splitrl.loss.config import GRPOLossConfig, LossType
+from splitrl.loss.config import GRPOLossConfig, LossType, RunGRPOLossConfig
+from splitrl.loss.registry import loss_kinds, make_loss, parse_loss_config, register_loss
 
 if TYPE_CHECKING:
     from splitrl.loss.base import LossOutput, Metric, Normalizer, PolicyLoss
@@ -22,4 +24,17 @@ __getattr__ = lazy_getattr(
     },
 )
 
-__all__ = ["ClippedPGLoss", "GRPOLossConfig", "LossOutput", "LossType", "Metric", "Normalizer", "PolicyLoss"]
+__all__ = [
+    "ClippedPGLoss",
+    "GRPOLossConfig",
+    "LossOutput",
+    "LossType",
+    "Metric",
+    "Normalizer",
+    "PolicyLoss",
+    "RunGRPOLossConfig",
+    "loss_kinds",
+    "make_loss",
+    "parse_loss_config",
+    "register_loss",
+]

@@ -28,12 +28,25 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from splitrl.types import Group
+
+
+def _group_mean(reward: float, total: float, n: int) -> float:
+    return total / n
+
+
+def _leave_one_out(reward: float, total: float, n: int) -> float:
+    return (total - reward) / (n - 1)
+
+
+# estimator -> the baseline b_i of a counted sample, from its reward and the sum and count of the
+# group's counted rewards (n >= 2). Another estimator of this form is a function and a line here.
+BASELINES: dict[str, Callable[[float, float, int], float]] = {"grpo": _group_mean, "rloo": _leave_one_out}
 
 
 class AdvantageConfig(BaseModel):
@@ -51,7 +64,7 @@ class AdvantageConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    estimator: Literal["grpo", "rloo"] = "grpo"
+    estimator: Literal[tuple(BASELINES)] = "grpo"
     normalize_std: bool = True
     eps: float = Field(default=1e-6, ge=0.0)
 
@@ -161,14 +174,13 @@ def _group_advantages(group: Group, config: AdvantageConfig) -> list[float]:
         return [0.0] * len(group.samples)
     n = len(counted)
     total = math.fsum(counted)
-    mean = total / n
     scale = statistics.stdev(counted) + config.eps if config.normalize_std else 1.0
+    baseline = BASELINES[config.estimator]
 
     advantages = []
     for s in group.samples:
         if s.sample_mask != 1.0:
             advantages.append(0.0)
             continue
-        baseline = mean if config.estimator == "grpo" else (total - s.reward) / (n - 1)
-        advantages.append((s.reward - baseline) / scale)
+        advantages.append((s.reward - baseline(s.reward, total, n)) / scale)
     return advantages

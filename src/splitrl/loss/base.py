@@ -62,11 +62,17 @@ class LossOutput:
 
 
 class PolicyLoss(Protocol):
-    """A loss the train worker can drive: ``loss_type``, ``temperature`` and a call per microbatch."""
+    """A loss the train worker can drive: ``loss_type``, ``temperature`` and a call per microbatch.
+
+    ``needs_entropy``: the forward computes the entropy of each position; ``needs_reference_logprobs``:
+    every chunk carries the frozen reference policy's logprobs (the train actor runs that policy).
+    Built from its options by :func:`splitrl.loss.registry.make_loss`.
+    """
 
     loss_type: LossType
     temperature: float
     needs_entropy: bool
+    needs_reference_logprobs: bool
 
     def validate_batch(self, batch) -> None:
         """Raise ``ValueError`` when a chunk lacks a field this loss needs (before any compute)."""

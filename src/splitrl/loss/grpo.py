@@ -58,6 +58,7 @@ class ClippedPGLoss:
         self.loss_type = self.config.loss_type
         self.temperature = self.config.temperature
         self.needs_entropy = True
+        self.needs_reference_logprobs = self.config.kl_coef > 0
 
     def validate_batch(self, batch) -> None:
         """Raise ``ValueError`` when the chunk lacks a field this configuration needs."""

@@ -140,10 +140,17 @@ class _KeptStager:
 
 
 @contextmanager
-def _plain_errors():
+def _plain_errors(shards: Path | None = None):
     """Re-raise DCP's ``CheckpointException`` (a ``BaseException`` holding each failed rank's
     error) as the lowest failed rank's own exception: an ``OSError`` for a full disk, a
-    ``RuntimeError`` for a truncated file, which callers catch as any other write/read error."""
+    ``RuntimeError`` for a truncated file, which callers catch as any other write/read error.
+
+    A write that failed in the operating system surfaces through ``torch.save`` as
+    ``RuntimeError: [enforce fail at inline_container.cc:...] unexpected pos`` with the
+    ``OSError`` only as its context; that ``OSError`` is raised instead (its errno and words:
+    "No space left on device"), named after this rank's files in ``shards`` (the directory
+    being written) when it names no file itself.
+    """
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -153,8 +160,32 @@ def _plain_errors():
         first = failures[min(failures)] if failures else None
         cause = first[0] if isinstance(first, tuple) else first
         if isinstance(cause, Exception):
+            os_error = os_error_in(cause)
+            if os_error is not None:
+                raise _named(os_error, shards) from None
             raise cause from None
         raise RuntimeError(str(e)) from None
+
+
+def os_error_in(e: BaseException | None) -> OSError | None:
+    """The first ``OSError`` in ``e``'s chain (itself, its causes and contexts), or None."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _named(e: OSError, shards: Path | None) -> OSError:
+    """``e`` with a file name: its own, else this rank's DCP files in ``shards``
+    (``__{rank}_{i}.distcp``), else ``shards`` itself."""
+    if e.filename is not None or shards is None or e.errno is None:
+        return e
+    mine = sorted(shards.glob(f"__{du.rank()}_*")) if shards.is_dir() else []
+    name = ", ".join(str(f) for f in mine) if mine else str(shards)
+    return OSError(e.errno, e.strerror, name)
 
 
 class ShardedCheckpointer:
@@ -174,6 +205,7 @@ class ShardedCheckpointer:
         self.model = model
         self.optimizer = optimizer
         self._future: Future | None = None
+        self._writing: Path | None = None  # the shard directory of the pending save
         self._stager = None
         self._group = None  # the writer's gloo group (data parallelism only)
 
@@ -223,9 +255,10 @@ class ShardedCheckpointer:
         kwargs = self._dist_kwargs()
         if self._stager is None:
             self._stager = _KeptStager(pin=next(self.model.parameters()).is_cuda)
-        with _plain_errors():
+        self._writing = directory / SHARDS_DIR
+        with _plain_errors(self._writing):
             self._future = dcp.async_save(
-                self._state(), checkpoint_id=str(directory / SHARDS_DIR), async_stager=self._stager, **kwargs
+                self._state(), checkpoint_id=str(self._writing), async_stager=self._stager, **kwargs
             )
         if blocking:
             self.wait()
@@ -249,11 +282,12 @@ class ShardedCheckpointer:
         """Block until the last save's files are written (no-op when none is pending).
 
         Raises:
-            Exception: the background write's error.
+            Exception: the background write's error (an ``OSError`` naming the file and the
+                operating system's words when it failed there, e.g. ENOSPC).
         """
         future, self._future = self._future, None
         if future is not None:
-            with _plain_errors():
+            with _plain_errors(self._writing):
                 future.result()
 
     # ---------------------------------------------------------------------------- loading

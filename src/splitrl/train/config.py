@@ -139,6 +139,12 @@ class TrainConfig(BaseModel):
             samples): the policy's gradients are dropped before the optimizer step, so its weights
             and AdamW state stay as they were (fresh heads of a pretrained model get a head start
             before RL moves the policy). Needs MTP heads with ``mtp_loss_scaling_factor > 0``.
+        mtp_warmup_update_samples: in a warm-up step, one update of the MTP parameters per this
+            many samples (this rank's, in the order its chunks came; each update normalized by its
+            own N_t), instead of one for the whole step: more updates per rollout sample. ``null``:
+            one update a step. On a pretrained policy, the same samples in small updates drafted
+            much better than in one update a step (``bench/bench_mtp_warmstart.py``; figures in
+            bench/RESULTS.md).
         speed: compiled layers, activation checkpointing, fused head kernels (:class:`SpeedConfig`).
     """
 
@@ -152,4 +158,5 @@ class TrainConfig(BaseModel):
     loss_scale_growth_interval: int = Field(2000, ge=1)
     fsdp_reshard_after_forward: bool = True
     mtp_warmup_steps: int = Field(0, ge=0)
+    mtp_warmup_update_samples: int | None = Field(None, ge=1)
     speed: SpeedConfig = Field(default_factory=SpeedConfig)

@@ -61,6 +61,73 @@ class _StepState:
     # coalesce_chunks: the samples of the last, unfilled microbatch, and a chunk to shape empty ones
     carry: TrainBatch | None = None
     template: TrainBatch | None = None
+    expected_num_tokens: int | None = None
+    # a heads-only warm-up step with ``mtp_warmup_update_samples``: its chunks, run at finish
+    warmup_chunks: list[TrainBatch] | None = None
+
+
+def _combine_slice_metrics(slices: list[dict[str, float]], num_depths: int) -> dict[str, float]:
+    """One step's metrics from those of its warm-up slices (see ``_finish_warmup_in_slices``)."""
+
+    def weighted(key: str, weight_key: str) -> float:
+        pairs = [(r[key], r[weight_key]) for r in slices if r[weight_key] > 0 and math.isfinite(r[key])]
+        total = sum(w for _, w in pairs)
+        return sum(v * w for v, w in pairs) / total if total else float("nan")
+
+    out = dict(slices[-1])
+    summed = {"num_valid_tokens", "num_valid_samples"} | {f"mtp/mtp_{k}_num_tokens" for k in range(1, num_depths + 1)}
+    per_depth = {f"mtp/mtp_{k}_{x}": f"mtp/mtp_{k}_num_tokens" for k in range(1, num_depths + 1)
+                 for x in ("loss", "acceptance_rate")}  # fmt: skip
+    flags = {"skipped_step", "empty_step", "nonfinite_grad", "mtp_warmup", "lr", "loss_scale"}
+    for key in out:
+        if key in summed:
+            out[key] = sum(r[key] for r in slices)
+        elif key in per_depth:
+            out[key] = weighted(key, per_depth[key])
+        elif key not in flags:
+            out[key] = weighted(key, "num_valid_tokens")
+    out["skipped_step"] = float(all(r["skipped_step"] for r in slices))
+    out["empty_step"] = float(all(r["empty_step"] for r in slices))
+    out["nonfinite_grad"] = float(any(r["nonfinite_grad"] for r in slices))
+    out["mtp_warmup_updates"] = float(sum(1 for r in slices if not r["skipped_step"]))
+    return out
+
+
+@dataclass
+class _StepTotals:
+    """A finishing step's sums over every chunk and rank (floats; see ``_all_reduce_sums``)."""
+
+    n_tokens: float  # N_t
+    n_samples: float  # N_s
+    sq_main: float  # Σ g² of the policy parameters (one accumulator)
+    sq_mtp: float  # Σ g² of the MTP parameters
+    sq_a: float  # side gradients: Σ a², Σ b², Σ a·b of the two policy accumulators
+    sq_b: float
+    dot_ab: float
+    moe_aux_sum: float  # Σ n_t·L_aux
+    moe_load_sum: float  # Σ n_t·expert_load_max
+    mtp_sums: torch.Tensor  # [3, D]: CE, hits, counts
+    metric_sums: dict[str, float]  # summed metrics (raw)
+    extrema: dict[str, float]  # min / max metrics
+
+
+@dataclass
+class _Clipping:
+    """How a finishing step scales its gradients (see ``_norms_and_clip``)."""
+
+    main_denom: float  # N_t or N_s, the loss type's
+    empty: bool  # the denominator is 0: nothing to learn from
+    nonfinite: bool  # a squared norm is inf / NaN
+    warmup: bool  # an MTP warm-up step: only the heads train
+    inv_main: float  # 1 / (loss scale · multiplier · main_denom)
+    inv_mtp: float  # 1 / (loss scale · multiplier · N_t)
+    main_coef: float  # clip coefficients
+    mtp_coef: float
+    norm_metrics: dict[str, float]  # grad_norm (and mtp/grad_norm with detached heads)
+
+    @property
+    def skipped(self) -> bool:
+        return self.empty or self.nonfinite
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -121,6 +188,7 @@ class TrainWorker:
             else None
         )
         self.steps_finished = 0
+        self._in_warmup_slice = False
         self.updates_applied = 0
         self._step: _StepState | None = None
         # sharded checkpoints (made here so that their imports happen at start-up, not in a save)
@@ -184,6 +252,18 @@ class TrainWorker:
                 if needs_side_gradients(loss_type, self.model)
                 else None
             ),
+            expected_num_tokens=expected_num_tokens,
+            warmup_chunks=[] if self._sliced_warmup() else None,
+        )
+
+    def _sliced_warmup(self) -> bool:
+        """This step is a heads-only warm-up step that applies one update per
+        ``mtp_warmup_update_samples`` of its samples (and no slice of it is running yet)."""
+        cfg = self.config
+        return (
+            cfg.mtp_warmup_update_samples is not None
+            and self.steps_finished < cfg.mtp_warmup_steps
+            and not self._in_warmup_slice
         )
 
     def _validate_chunk(self, chunk: TrainBatch, loss_fn: PolicyLoss) -> None:
@@ -232,6 +312,10 @@ class TrainWorker:
             raise error
         if agreed[1] > 0:
             raise RuntimeError("another data-parallel rank rejected this chunk (see its error); abort the step")
+        if st.warmup_chunks is not None:  # run at finish, in slices of mtp_warmup_update_samples
+            st.warmup_chunks.append(chunk)
+            st.num_chunks += 1
+            return {"num_microbatches": 0, "num_samples": len(chunk), "num_tokens": chunk.num_tokens}
         mbs += [empty_microbatch(chunk, self.model.capabilities) for _ in range(int(agreed[0]) - len(mbs))]
         for mb in mbs:
             self._run_microbatch(mb, st)
@@ -400,6 +484,9 @@ class TrainWorker:
     def finish_train_step(self) -> dict[str, float]:
         """All-reduce the counts, normalize and clip the gradients, step, and return metrics.
 
+        A heads-only warm-up step with ``mtp_warmup_update_samples`` = m applies one update per
+        m samples instead (:meth:`_finish_warmup_in_slices`).
+
         Returns:
             metrics (floats): the loss's metrics, each divided by its own denominator;
             ``grad_norm`` (pre-clip; policy parameters, plus MTP ones with attached heads);
@@ -418,13 +505,30 @@ class TrainWorker:
         st = self._step
         if st is None:
             raise RuntimeError("finish_train_step() called with no open step; call begin_train_step(loss_fn) first")
+        if st.warmup_chunks is not None:
+            return self._finish_warmup_in_slices(st)
+        return self._finish_update(st, advance=True)
+
+    def _finish_update(self, st: _StepState, *, advance: bool) -> dict[str, float]:
+        """The body of :meth:`finish_train_step`; ``advance=False`` (a warm-up slice) leaves the LR
+        schedule and the step count alone."""
         self._flush(st)
         self._absorb_pending(st)
-        model = self.model
-        D = model.num_mtp_depths
-        loss_type = LossType(st.loss_fn.loss_type)
+        totals = self._all_reduce_sums(st)
+        clip = self._norms_and_clip(st, totals)
+        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer.param_groups else 0.0
+        self._update(st, clip, advance=advance)
+        metrics = self._finish_metrics(st, totals, clip, lr)
+        if advance:
+            self.steps_finished += 1
+        self._step = None
+        return metrics
 
-        # --- one all-reduce for every sum, one each for the extrema
+    def _all_reduce_sums(self, st: _StepState) -> _StepTotals:
+        """The step's global counts, squared gradient norms and metric sums: one all-reduce for
+        every sum (counts, norms, the side-gradient terms, MoE and MTP sums, summed metrics), one
+        each for the min and the max metrics."""
+        D = self.model.num_mtp_depths
         names = sorted(st.metric_specs)
         sum_names = [k for k in names if st.metric_specs[k][1] == "sum"]
         sq_mtp = self._sq_norm(self.mtp_params)
@@ -453,96 +557,178 @@ class TrainWorker:
         n_tokens, n_samples, sq_main, sq_mtp = sums[:4].tolist()
         sq_a, sq_b, dot_ab = sums[4:7].tolist()
         moe_aux_sum, moe_load_sum = sums[7:9].tolist()
-        mtp_sums = sums[9 : 9 + 3 * D].reshape(3, D)
-        metric_sums = dict(zip(sum_names, sums[9 + 3 * D :].tolist()))
+        return _StepTotals(
+            n_tokens=n_tokens,
+            n_samples=n_samples,
+            sq_main=sq_main,
+            sq_mtp=sq_mtp,
+            sq_a=sq_a,
+            sq_b=sq_b,
+            dot_ab=dot_ab,
+            moe_aux_sum=moe_aux_sum,
+            moe_load_sum=moe_load_sum,
+            mtp_sums=sums[9 : 9 + 3 * D].reshape(3, D),
+            metric_sums=dict(zip(sum_names, sums[9 + 3 * D :].tolist())),
+            extrema=extrema,
+        )
 
-        main_denom = n_tokens if loss_type == LossType.TOKEN_LEVEL else n_samples
+    def _norms_and_clip(self, st: _StepState, t: _StepTotals) -> _Clipping:
+        """The loss denominator, the factors that normalize the gradients (and unscale the fp16
+        loss scale and the loss multiplier), the pre-clip norms and the clip coefficients:
+        policy and MTP groups apart with detached heads, one norm over both with attached ones."""
+        loss_type = LossType(st.loss_fn.loss_type)
+        main_denom = t.n_tokens if loss_type == LossType.TOKEN_LEVEL else t.n_samples
         raw_scale = st.loss_multiplier * (self.scaler.scale if self.scaler is not None else 1.0)
         empty = main_denom == 0
-        metrics: dict[str, float] = {}
+        norm_metrics: dict[str, float] = {}
 
         inv_main = 1.0 / (raw_scale * main_denom) if not empty else 0.0
-        inv_mtp = 1.0 / (raw_scale * n_tokens) if n_tokens > 0 else 0.0
-        mtp_norm = math.sqrt(sq_mtp) * inv_mtp
+        inv_mtp = 1.0 / (raw_scale * t.n_tokens) if t.n_tokens > 0 else 0.0
+        mtp_norm = math.sqrt(t.sq_mtp) * inv_mtp
         if st.side is not None:
             # ‖a/N_s + b/N_t‖ of the combined policy gradient, from the all-reduced terms
-            sq = inv_main**2 * sq_a + inv_mtp**2 * sq_b + 2.0 * inv_main * inv_mtp * dot_ab
+            sq = inv_main**2 * t.sq_a + inv_mtp**2 * t.sq_b + 2.0 * inv_main * inv_mtp * t.dot_ab
             main_norm = math.sqrt(max(sq, 0.0)) if math.isfinite(sq) else sq
-            nonfinite = not all(math.isfinite(x) for x in (sq_a, sq_b, dot_ab, sq_mtp))
+            nonfinite = not all(math.isfinite(x) for x in (t.sq_a, t.sq_b, t.dot_ab, t.sq_mtp))
         else:
-            main_norm = math.sqrt(sq_main) * inv_main
-            nonfinite = not (math.isfinite(sq_main) and math.isfinite(sq_mtp))
+            main_norm = math.sqrt(t.sq_main) * inv_main
+            nonfinite = not (math.isfinite(t.sq_main) and math.isfinite(t.sq_mtp))
         optim = self.config.optim
         if self.detached_heads:
             main_coef = _clip_coef(main_norm, optim.max_grad_norm)
             mtp_limit = optim.mtp_max_grad_norm if optim.mtp_max_grad_norm is not None else optim.max_grad_norm
             mtp_coef = _clip_coef(mtp_norm, mtp_limit)
-            metrics["grad_norm"] = main_norm
-            metrics["mtp/grad_norm"] = mtp_norm
+            norm_metrics["grad_norm"] = main_norm
+            norm_metrics["mtp/grad_norm"] = mtp_norm
         else:
             # attached heads: MTP parameters are part of the policy's norm and clip
             total_norm = math.sqrt(main_norm**2 + mtp_norm**2)
             main_coef = mtp_coef = _clip_coef(total_norm, optim.max_grad_norm)
-            metrics["grad_norm"] = total_norm
-        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer.param_groups else 0.0
+            norm_metrics["grad_norm"] = total_norm
         warmup = self.steps_finished < self.config.mtp_warmup_steps
         if warmup and not self.detached_heads:  # the heads' own norm: the policy's grads are dropped
             mtp_limit = optim.mtp_max_grad_norm if optim.mtp_max_grad_norm is not None else optim.max_grad_norm
             mtp_coef = _clip_coef(mtp_norm, mtp_limit)
+        return _Clipping(
+            main_denom=main_denom,
+            empty=empty,
+            nonfinite=nonfinite,
+            warmup=warmup,
+            inv_main=inv_main,
+            inv_mtp=inv_mtp,
+            main_coef=main_coef,
+            mtp_coef=mtp_coef,
+            norm_metrics=norm_metrics,
+        )
 
-        skipped = empty or nonfinite
-        if not skipped:
+    def _update(self, st: _StepState, c: _Clipping, *, advance: bool = True) -> None:
+        """Scale the gradients once (normalization × clip; an MTP warm-up drops the policy's),
+        step the optimizer and the LR schedule (``advance``) — neither on an empty or non-finite
+        step — update the fp16 loss scale and drop the gradients."""
+        if not c.skipped:
             with torch.no_grad():
-                if warmup:  # MTP warmup: AdamW skips parameters without a gradient (no decay, no state)
+                if c.warmup:  # MTP warmup: AdamW skips parameters without a gradient (no decay, no state)
                     for _, p in self.main_params:
                         p.grad = None
                 elif st.side is not None:
-                    st.side.combine_into_grad(inv_main * main_coef, inv_mtp * main_coef)
+                    st.side.combine_into_grad(c.inv_main * c.main_coef, c.inv_mtp * c.main_coef)
                 else:
-                    _scale_grads(self.main_params, inv_main * main_coef)
-                _scale_grads(self.mtp_params, inv_mtp * mtp_coef)
+                    _scale_grads(self.main_params, c.inv_main * c.main_coef)
+                _scale_grads(self.mtp_params, c.inv_mtp * c.mtp_coef)
             self.optimizer.step()
-            self.scheduler.step()
+            if advance:
+                self.scheduler.step()
             self.updates_applied += 1
-        if self.scaler is not None and not empty:
-            self.scaler.update(nonfinite)
+        if self.scaler is not None and not c.empty:
+            self.scaler.update(c.nonfinite)
         self._zero_grads()
 
-        # --- metrics, each over its own denominator
-        denoms = {Normalizer.TOKENS: n_tokens, Normalizer.SEQUENCES: n_samples, Normalizer.NONE: 1.0, None: main_denom}
-        for k in names:
+    def _finish_metrics(self, st: _StepState, t: _StepTotals, c: _Clipping, lr: float) -> dict[str, float]:
+        """The step's metrics (see :meth:`finish_train_step`), each over its own denominator."""
+        D = self.model.num_mtp_depths
+        metrics = dict(c.norm_metrics)
+        denoms = {
+            Normalizer.TOKENS: t.n_tokens,
+            Normalizer.SEQUENCES: t.n_samples,
+            Normalizer.NONE: 1.0,
+            None: c.main_denom,
+        }
+        for k in sorted(st.metric_specs):
             normalizer, reduce = st.metric_specs[k]
             if reduce != "sum":
-                v = extrema[k]
+                v = t.extrema[k]
                 metrics[k] = v if math.isfinite(v) else float("nan")
             else:
                 d = denoms[normalizer]
-                metrics[k] = metric_sums[k] / d if d else float("nan")
+                metrics[k] = t.metric_sums[k] / d if d else float("nan")
         for k in range(D):
-            ce, hit, cnt = mtp_sums[:, k].tolist()
+            ce, hit, cnt = t.mtp_sums[:, k].tolist()
             metrics[f"mtp/mtp_{k + 1}_loss"] = ce / cnt if cnt else float("nan")
             metrics[f"mtp/mtp_{k + 1}_acceptance_rate"] = 100.0 * hit / cnt if cnt else float("nan")
             # the count explains a NaN loss: depth k had no target inside any kept response
             metrics[f"mtp/mtp_{k + 1}_num_tokens"] = cnt
-        if model.is_moe:
-            metrics["moe/aux_loss"] = moe_aux_sum / n_tokens if n_tokens else float("nan")
-            metrics["moe/expert_load_max"] = moe_load_sum / n_tokens if n_tokens else float("nan")
+        if self.model.is_moe:
+            metrics["moe/aux_loss"] = t.moe_aux_sum / t.n_tokens if t.n_tokens else float("nan")
+            metrics["moe/expert_load_max"] = t.moe_load_sum / t.n_tokens if t.n_tokens else float("nan")
         metrics.update(
             {
                 "lr": lr,
-                "num_valid_tokens": n_tokens,
-                "num_valid_samples": n_samples,
-                "skipped_step": float(skipped),
-                "empty_step": float(empty),
-                "nonfinite_grad": float(nonfinite),
-                "mtp_warmup": float(warmup),
+                "num_valid_tokens": t.n_tokens,
+                "num_valid_samples": t.n_samples,
+                "skipped_step": float(c.skipped),
+                "empty_step": float(c.empty),
+                "nonfinite_grad": float(c.nonfinite),
+                "mtp_warmup": float(c.warmup),
             }
         )
         if self.scaler is not None:
             metrics["loss_scale"] = self.scaler.scale
-        self.steps_finished += 1
-        self._step = None
         return metrics
+
+    def _finish_warmup_in_slices(self, st: _StepState) -> dict[str, float]:
+        """A heads-only warm-up step as consecutive updates of m = ``mtp_warmup_update_samples``
+        samples each: this rank's samples in the order its chunks came, cut into slices of m, each
+        slice a step of its own (normalized by its own N_t, clipped, one AdamW update of the MTP
+        parameters). Every rank runs as many slices as the rank with the most (empty ones pad).
+        The LR schedule and the step count advance once, as for any step.
+
+        Returns:
+            the metrics of :meth:`finish_train_step`, combined over the slices: counts summed,
+            ``mtp/mtp_{k}_loss`` / ``_acceptance_rate`` weighted by the depth's counted targets
+            (each slice measured before its own update), other metrics weighted by N_t, the flags
+            of the last slice except ``skipped_step`` (1 only when no slice updated) and
+            ``nonfinite_grad`` (1 when any slice had one); ``mtp_warmup_updates`` = the slices.
+        """
+        chunks = st.warmup_chunks
+        full = [c for c in chunks if len(c)]
+        batch = TrainBatch.concat(full) if full else None
+        n, m = (len(batch) if batch is not None else 0), self.config.mtp_warmup_update_samples
+        count = int(du.all_reduce(torch.tensor([-(-n // m)], dtype=torch.float64), "max")[0])
+        template = chunks[0] if chunks else None
+        self._step = None
+        slices = []
+        self._in_warmup_slice = True
+        try:
+            for i in range(max(count, 1)):
+                if batch is not None and i * m < n:
+                    part = batch.select(list(range(i * m, min(n, (i + 1) * m))))
+                else:
+                    part = (batch or template).select([]) if (batch or template) is not None else None
+                self.begin_train_step(st.loss_fn, expected_num_tokens=st.expected_num_tokens)
+                try:
+                    if part is not None:
+                        self.train_microbatch(part)
+                    slices.append(self._finish_update(self._step, advance=False))
+                except BaseException:
+                    self.abort_train_step()
+                    raise
+        finally:
+            self._in_warmup_slice = False
+        applied = any(r["skipped_step"] == 0.0 for r in slices)
+        if applied:
+            self.scheduler.step()
+        self.steps_finished += 1
+        return _combine_slice_metrics(slices, self.model.num_mtp_depths)
 
     def train(
         self, batch: TrainBatch, loss_fn: PolicyLoss, *, expected_num_tokens: int | None = None

@@ -11,9 +11,10 @@ import os
 import time
 
 import torch
+from pydantic import BaseModel
 
 from splitrl.dataplane import DataPlane
-from splitrl.loss import ClippedPGLoss, GRPOLossConfig
+from splitrl.loss import make_loss
 from splitrl.models import ModelConfig, PolicyModel
 from splitrl.train import TrainBatch, TrainConfig, TrainWorker
 from splitrl.train.microbatch import MicrobatchConfig, build_microbatches
@@ -27,7 +28,8 @@ class TrainActor:
     Args:
         model_config: how to build the policy (every rank builds the same one, same seed).
         train_config: worker config.
-        loss_config: the GRPO loss of every step.
+        loss_config: the options of the loss of every step (any registered kind, see
+            :mod:`splitrl.loss.registry`), as ``RunConfig.trainer_loss_config()`` resolves them.
         data_plane: where the samples are.
         rank / world_size / master_port: torch.distributed rendezvous; with world_size 1 no
             process group is created.
@@ -38,7 +40,7 @@ class TrainActor:
         self,
         model_config: ModelConfig,
         train_config: TrainConfig,
-        loss_config: GRPOLossConfig,
+        loss_config: BaseModel,
         data_plane: DataPlane,
         rank: int = 0,
         world_size: int = 1,
@@ -59,11 +61,11 @@ class TrainActor:
             # every interface otherwise)
             init_loopback_process_group(backend, rank, world_size, master_port)
         self.rank = rank
-        self.loss = ClippedPGLoss(loss_config)
+        self.loss = make_loss(loss_config)
         self.data_plane = data_plane
         model = PolicyModel.from_config(model_config)
         self.reference: PolicyModel | None = None
-        if loss_config.kl_coef > 0:
+        if self.loss.needs_reference_logprobs:
             # the frozen initial policy, for KL to the reference (DESIGN §5)
             self.reference = PolicyModel.from_config(
                 model_config.model_copy(update={"mtp": model_config.mtp.model_copy(update={"mtp_num_layers": 0})})
