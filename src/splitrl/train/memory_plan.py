@@ -472,7 +472,8 @@ class PeakEstimate:
         peak: state + activations + transient, and at least state + the finish step's buffers.
         first_step_peak: the same for the first step, whose backward runs before the AdamW
             moments exist.
-        host: host bytes of the optimizer state (``offload: cpu``; staging buffers included).
+        host: host bytes of the optimizer state (``offload: cpu``; staging buffers included); on
+            a CPU device they are part of ``state`` and ``peak`` instead (one memory).
         tokens: the microbatch tokens T this is for.
     """
 
@@ -535,6 +536,8 @@ def estimate_peak(
     if layout.host_trainable:
         host = layout.host_trainable * counts.trainable + layout.host_frozen * counts.frozen
         host += 2 * offload_bucket_bytes * (1 + a / FP32)  # two buckets of fp32 grads + compute-dtype weights
+        if device_type == "cpu":  # host and device are one memory
+            state, peak, first, host = state + host, peak + host, first + host, 0.0
     return PeakEstimate(
         state=int(state),
         activations=int(saved),
