@@ -46,6 +46,7 @@ copy-back happen; only the streams and pinning are skipped.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 from torch import nn
@@ -101,6 +102,9 @@ class HostOffload(ComputeWeights):
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         self._grad_staging = [torch.empty(most, dtype=torch.float32, pin_memory=cuda) for _ in range(2)]
         self._low_staging = [torch.empty(most, dtype=dtype, pin_memory=cuda) for _ in range(2)]
+        # seconds of the last step by phase: waiting for gradients, AdamW on the CPU, cast and send
+        # of the weights, draining the copy stream at the end
+        self.timings: dict[str, float] = {}
 
     # ------------------------------------------------------------------ compute copies
     def _compute_copy(self, p: torch.Tensor) -> torch.Tensor:
@@ -183,6 +187,7 @@ class HostOffload(ComputeWeights):
         gradients; they are left in place (:meth:`zero_grads` drops them)."""
         if not self.buckets:
             return
+        clock = {"wait_grads": 0.0, "adamw": 0.0, "cast_send": 0.0, "drain": 0.0}
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the scaled gradients
         sent = self._send_grads(0)
@@ -191,8 +196,10 @@ class HostOffload(ComputeWeights):
             views, arrived = sent
             if b + 1 < len(self.buckets):
                 sent = self._send_grads(b + 1)
+            t0 = time.perf_counter()
             if arrived is not None:
                 arrived.synchronize()
+            t1 = time.perf_counter()
             for i, view in views:
                 self.params[i].grad = view
             try:
@@ -200,6 +207,7 @@ class HostOffload(ComputeWeights):
             finally:
                 for i, _ in views:
                     self.params[i].grad = None
+            t2 = time.perf_counter()
             if back_events[b % 2] is not None:
                 back_events[b % 2].synchronize()  # this staging buffer's last copy (bucket b - 2) is done
             flat, offset = self._low_staging[b % 2], 0
@@ -212,5 +220,12 @@ class HostOffload(ComputeWeights):
                     self.low[i].copy_(low, non_blocking=True)
             back_events[b % 2] = self._event()
             self._record(i for i, _ in views)
+            t3 = time.perf_counter()
+            clock["wait_grads"] += t1 - t0
+            clock["adamw"] += t2 - t1
+            clock["cast_send"] += t3 - t2
+        t0 = time.perf_counter()
         if self._stream is not None:
             self._stream.synchronize()
+        clock["drain"] = time.perf_counter() - t0
+        self.timings = clock

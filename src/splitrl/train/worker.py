@@ -46,7 +46,7 @@ from splitrl.train.memory_plan import (
 )
 from splitrl.train.microbatch import build_microbatches, build_ready_microbatches, empty_microbatch
 from splitrl.train.mixed_precision import ComputeWeights
-from splitrl.train.offload import HostOffload
+from splitrl.train.offload import HostOffload, bucket_indices
 from splitrl.train.optim import DynamicLossScaler, build_optimizer
 from splitrl.train.side_grads import SideLossGradients, needs_side_gradients
 from splitrl.train.speed import apply_speed_config
@@ -267,7 +267,11 @@ class TrainWorker:
             free, source = host_available_memory()
             available = None if free is None else free + held
         host = host_available_memory()[0] if offload and dev.type == "cuda" else None
-        largest = max((p.numel() for p in model.parameters()), default=0)
+        bucket = 0
+        if offload:  # the largest bucket HostOffload will stage (fp32 bytes)
+            numels = [p.numel() for p in model.parameters() if p.requires_grad]
+            groups = bucket_indices(numels, max(1, int(cfg.optim.offload_bucket_mb * 2**20) // 4))
+            bucket = 4 * max((sum(numels[i] for i in g) for g in groups), default=0)
         packed_dense = (
             cfg.microbatch.pack_sequences
             and not model.capabilities.owns_sequence_packing
@@ -291,7 +295,7 @@ class TrainWorker:
             micro_batch_size=cfg.microbatch.micro_batch_size,
             max_auto_tokens=cfg.memory.max_auto_tokens,
             min_tokens_without_checkpointing=cfg.memory.min_tokens_without_checkpointing,
-            offload_bucket_bytes=int(max(cfg.optim.offload_bucket_mb * 2**20, 4 * largest)) if offload else 0,
+            offload_bucket_bytes=bucket,
             host_available_bytes=host,
         )
 
