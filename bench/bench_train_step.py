@@ -293,7 +293,7 @@ def run_planned(args) -> None:
     )
     plan = worker.memory_plan
     print(f"  built in {time.perf_counter() - t0:.1f} s; {plan.summary()}", flush=True)
-    loss = ClippedPGLoss(GRPOLossConfig())
+    loss = make_loss(GRPOLossConfig())
     for i in range(2):  # compilation and kernel selection; the AdamW state appears in the first
         t = timed(lambda: worker.train(batch, loss), dev)
         print(f"  warm-up step {i + 1}: {t:.2f} s", flush=True)
