@@ -78,14 +78,11 @@ read a device's memory import torch when called.
 
 from __future__ import annotations
 
-import logging
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-log = logging.getLogger(__name__)
 
 GiB = 2**30
 FP32 = 4
@@ -832,11 +829,3 @@ def format_gib(n: float) -> str:
     """Bytes as ``86.5 GiB`` (``12.0 MiB`` below 0.1 GiB)."""
     return f"{n / GiB:.1f} GiB" if n >= 0.1 * GiB else f"{n / 2**20:.1f} MiB"
 
-
-def format_bytes(n: float) -> str:
-    """Bytes in decimal units (``327.1 GB``), for messages that quote them next to parameter counts."""
-    if n >= 1e12:
-        return f"{n / 1e12:.2f} TB"
-    if n >= 1e9:
-        return f"{n / 1e9:.1f} GB"
-    return f"{n / 1e6:.0f} MB" if n >= 1e6 else f"{math.ceil(n / 1e3):.0f} kB"

@@ -266,7 +266,11 @@ class TrainWorker:
         else:
             free, source = host_available_memory()
             available = None if free is None else free + held
-        host = host_available_memory()[0] if offload and dev.type == "cuda" else None
+        host = None
+        if offload and dev.type == "cuda":  # the masters already in host memory count as available to them
+            free_host = host_available_memory()[0]
+            on_cpu = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
+            host = None if free_host is None else free_host + on_cpu
         bucket = 0
         if offload:  # the largest bucket HostOffload will stage (fp32 bytes)
             numels = [p.numel() for p in model.parameters() if p.requires_grad]
