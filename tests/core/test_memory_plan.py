@@ -64,7 +64,11 @@ def _built_count(model: torch.nn.Module) -> int:
     "family, backbone, mtp",
     [
         ("qwen3", {}, dict(mtp_num_layers=2)),
-        ("qwen3", {"tie_word_embeddings": False, "attention_bias": True}, dict(mtp_num_layers=2, mtp_use_repeated_layer=True)),
+        (
+            "qwen3",
+            {"tie_word_embeddings": False, "attention_bias": True},
+            dict(mtp_num_layers=2, mtp_use_repeated_layer=True),
+        ),
         ("llama", {"attention_bias": True, "mlp_bias": True}, dict(mtp_num_layers=1)),
         ("qwen2", {}, dict(mtp_num_layers=1, mtp_loss_scaling_factor=0.0)),
         ("qwen3_moe", {"decoder_sparse_step": 2, "mlp_only_layers": [0]}, dict(mtp_num_layers=2)),

@@ -83,7 +83,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-
 GiB = 2**30
 FP32 = 4
 # element bytes of the compute dtype of each precision
@@ -828,4 +827,3 @@ def format_count(n: float) -> str:
 def format_gib(n: float) -> str:
     """Bytes as ``86.5 GiB`` (``12.0 MiB`` below 0.1 GiB)."""
     return f"{n / GiB:.1f} GiB" if n >= 0.1 * GiB else f"{n / 2**20:.1f} MiB"
-
