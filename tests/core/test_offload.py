@@ -10,12 +10,15 @@ bit-identical to the on-device step (the same forward on the same compute copies
 accumulation, norms and scaling; elementwise AdamW per bucket). Against the default on-device
 optimizer on CPU (torch's single-tensor AdamW) only AdamW's rounding differs: parameters within
 1e-3·lr per tensor RMS and 0.1·lr worst element after 3 steps (DESIGN §2's fp32 unit), metrics to
-rtol 1e-5.
+rtol 1e-5. With ``SPLITRL_TEST_DEVICE=cuda`` (the streams, events and pinned staging of the CUDA
+path) the on-device reference runs the fused CUDA kernel, so the comparisons that are exact on
+CPU take that tolerance there; offloaded workers among themselves stay exact.
 """
 
 import pytest
 import torch
 from _utils import (
+    DEVICE,
     assert_metrics_close,
     assert_optim_close,
     assert_params_close,
@@ -34,6 +37,23 @@ from splitrl.train.offload import HostOffload, bucket_indices
 
 LR = 1e-3
 TINY_BUCKET_MB = 2**-10  # 1 KiB: every tensor of the tiny model a bucket of its own, or nearly
+
+
+def _same(pa: dict, pb: dict, exact: bool) -> None:
+    if exact:
+        assert all(torch.equal(pa[n], pb[n]) for n in pb)
+    else:
+        assert_params_close(pa, pb, LR, rms=1e-3, worst=0.1)
+
+
+def _same_metrics(ma: dict, mb: dict, exact: bool) -> None:
+    if exact:
+        assert ma == mb
+    else:
+        assert_metrics_close(ma, mb, rtol=1e-5)
+
+
+CPU = DEVICE == "cpu"  # the on-device reference uses the offloaded step's AdamW kernel only on CPU
 
 
 def _steps(worker, n=3, chunks=(5, 11)):
@@ -66,10 +86,12 @@ def test_offloaded_step_is_bit_identical_with_the_same_adamw_kernel(precision, f
     assert len(off.offload.buckets) > 5
     m_ref, m_off = _steps(ref), _steps(off)
     for a, b in zip(m_off, m_ref):
-        assert a == b
-    pa, pb = params(off.model), params(ref.model)
-    assert all(torch.equal(pa[n], pb[n]) for n in pb)
+        _same_metrics(a, b, CPU)
+    _same(params(off.model), params(ref.model), CPU)
     sa, sb = optim_state(off), optim_state(ref)
+    if not CPU:
+        assert_optim_close(sa, sb, rtol=1e-5, floor=1e-4)
+        return
     for i in sb["state"]:
         for k in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(sa["state"][i][k], sb["state"][i][k])
@@ -97,7 +119,7 @@ def test_the_offloaded_path_keeps_masters_on_the_host_and_copies_back():
     for p, low, old in zip(off.params, off.low, before):
         assert p.dtype == torch.float32 and p.device.type == "cpu" and p.grad is None
         assert low.dtype == torch.bfloat16 and low.data_ptr() != p.data_ptr()
-        assert torch.equal(low, p.detach().to(torch.bfloat16))
+        assert low.device.type == DEVICE and torch.equal(low.cpu(), p.detach().to(torch.bfloat16))
     assert any(not torch.equal(a, b) for a, b in zip(before, off.low))  # the step reached the copies
     assert all(a is None for a in off.acc)  # the accumulators are dropped after the step
     # a master written from outside reaches its copy at the next step's start (version counter)
@@ -105,7 +127,7 @@ def test_the_offloaded_path_keeps_masters_on_the_host_and_copies_back():
     with torch.no_grad():
         master.add_(1.0)
     w.begin_train_step(make_loss())
-    assert torch.equal(off.low[0], master.detach().to(torch.bfloat16))
+    assert torch.equal(off.low[0].cpu(), master.detach().to(torch.bfloat16))
     w.abort_train_step()
     # the plan counts the optimizer state off the device
     assert w.memory_plan.layout.device_trainable == 6 and w.memory_plan.layout.host_trainable == 12
@@ -137,9 +159,8 @@ def test_an_offloaded_checkpoint_loads_on_the_device(tmp_path, fused_reference):
     d = make_worker(make_model(D=1, seed=7), lr=LR, precision="bf16")
     d.load_state_dict(state)
     loss, batch = make_loss(), make_batch(seed=9)
-    assert a.train(batch, loss) == d.train(batch, loss)
-    pa, pd = params(a.model), params(d.model)
-    assert all(torch.equal(pa[n], pd[n]) for n in pa)
+    _same_metrics(a.train(batch, loss), d.train(batch, loss), CPU)
+    _same(params(a.model), params(d.model), CPU)
 
 
 def test_mtp_warmup_drops_the_policy_gradients_with_offload(fused_reference):
@@ -150,9 +171,10 @@ def test_mtp_warmup_drops_the_policy_gradients_with_offload(fused_reference):
     off.config.mtp_warmup_steps = 1
     before = params(off.model)
     m_ref, m_off = _steps(ref, n=2), _steps(off, n=2)
-    assert m_off == m_ref and m_off[0]["mtp_warmup"] == 1.0
-    pa, pb = params(off.model), params(ref.model)
-    assert all(torch.equal(pa[n], pb[n]) for n in pb)
+    assert m_off[0]["mtp_warmup"] == 1.0
+    for a, b in zip(m_off, m_ref):
+        _same_metrics(a, b, CPU)
+    _same(params(off.model), params(ref.model), CPU)
     # after the warm-up step alone the policy's weights were still the initial ones: checked via a fresh run
     one = make_worker(make_model(D=1), **kw)
     one.config.mtp_warmup_steps = 1
