@@ -67,7 +67,6 @@ class SpeedConfig(BaseModel):
     compute_weight_copy: bool = True
 
 
-
 class MemoryConfig(BaseModel):
     """The memory planner of the train worker (:mod:`splitrl.train.memory_plan`).
 
