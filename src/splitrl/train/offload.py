@@ -36,7 +36,10 @@ checkpointer) see plain CPU parameters and a plain AdamW state, so they are unch
 
 A master written from outside (``load_state_dict``, a checkpoint load) is found at the next
 :meth:`HostOffload.refresh` by its version counter and storage and copied to the device; the
-worker also calls :meth:`HostOffload.invalidate` after its own loads.
+worker also calls :meth:`HostOffload.invalidate` after its own loads. The step's own updates are
+copied explicitly (step 3): torch's fused CPU AdamW leaves the version counters alone (torch 2.13,
+seen here), so they could not be found that way. ``HostOffload.timings`` holds the seconds of the
+last step's phases (waiting for gradients, AdamW, cast and send, draining).
 
 On CPU (the tests) "host" and "device" are both the CPU, but every step above runs as on CUDA:
 the compute copies and the accumulators are tensors of their own, the staging copies and the
