@@ -27,23 +27,16 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
+from bench_train_step import PRESETS  # noqa: E402 - the model shapes of the train-step bench
 from splitrl.loss import ClippedPGLoss, GRPOLossConfig  # noqa: E402
 from splitrl.models import ModelConfig, MTPConfig, PolicyModel  # noqa: E402
 from splitrl.rollout import GenerationConfig, RolloutEngine  # noqa: E402
 from splitrl.train import TrainBatch, TrainConfig, TrainWorker  # noqa: E402
 from splitrl.train.config import MicrobatchConfig  # noqa: E402
-
-PRESETS = {
-    "tiny": dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16),
-    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128),
-    "qwen3-1.7b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128),
-}  # fmt: skip
 
 
 def batch_of(n: int, length: int, prompt: int, vocab: int, seed: int) -> TrainBatch:
@@ -77,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = args.device
     cuda = dev == "cuda"
     torch.manual_seed(0)
-    backbone = dict(PRESETS[args.preset], tie_word_embeddings=True, rms_norm_eps=1e-6,
+    backbone = dict(PRESETS[args.preset], rms_norm_eps=1e-6,
                     max_position_embeddings=max(4096, args.prompt_len + args.new_tokens, args.train_len))  # fmt: skip
     model = PolicyModel.from_config(ModelConfig(backbone=backbone, mtp=MTPConfig(mtp_num_layers=args.mtp)))
     gen_model = copy.deepcopy(model).to(device=dev, dtype=torch.bfloat16 if cuda else torch.float32)

@@ -13,7 +13,14 @@ ragged GRPO samples:
 - the rows above run eager decoder layers; then the packed steps with MTP run again with
   compiled decoder layers (``SpeedConfig.compile_layers``, the default on one GPU);
 - peak memory of one packed step with MTP at 16 k and 32 k tokens per microbatch, with and without
-  activation checkpointing.
+  activation checkpointing, next to the memory planner's estimate (``splitrl.train.memory_plan``).
+
+``--mode planned`` (the default of the 1.7B / 4B / 8B presets) runs one configuration instead: the
+synchronous splitrl step on packed rows with ``--mtp`` depths (default 1) and compiled layers,
+with the microbatch budget and activation checkpointing the memory planner chooses (``--max-tokens
+auto``, ``--ckpt auto``; give numbers / on / off to force them) and ``--offload`` for the
+CPU-offloaded AdamW (``train.optim.offload: cpu``). It prints the plan's line, tokens/s, MFU and
+the measured peak memory next to the estimate, and with offload the host step's phases.
 
 Tokens/s counts real tokens (no padding). MFU = model FLOPs / (time · peak), with model FLOPs of a
 step (Kaplan et al. 2020 "6N" for matrix products, plus attention):
@@ -29,6 +36,8 @@ causal QKᵀ and PV (2 · 2 · n_h · d_h per attended pair, L(L+1)/2 pairs per 
 
     python bench/bench_train_step.py --device cuda --preset qwen3-0.6b --mtp 2
     python bench/bench_train_step.py --device cpu --preset tiny --repeats 1
+    python bench/bench_train_step.py --device cuda --preset qwen3-4b                 # planned mode
+    python bench/bench_train_step.py --device cuda --preset qwen3-8b --offload
 """
 
 from __future__ import annotations
@@ -44,7 +53,16 @@ import torch
 
 from splitrl.loss import GRPOLossConfig, make_loss
 from splitrl.models import ModelConfig, MTPConfig, PolicyModel
-from splitrl.train import MicrobatchConfig, OptimConfig, SpeedConfig, TrainBatch, TrainConfig, TrainWorker
+from splitrl.train import (
+    MemoryConfig,
+    MicrobatchConfig,
+    OptimConfig,
+    SpeedConfig,
+    TrainBatch,
+    TrainConfig,
+    TrainWorker,
+)
+from splitrl.train.memory_plan import GiB, ModelShape, estimate_peak
 from splitrl.train.microbatch import build_microbatches
 from splitrl.train.speed import compile_layers, set_activation_checkpointing
 
@@ -70,7 +88,43 @@ PRESETS = {
         tie_word_embeddings=True,
         max_position_embeddings=4096,
     ),
+    # the Qwen3 release shapes (random init; vocabulary and heads as released)
+    "qwen3-1.7b": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    ),
+    "qwen3-4b": dict(
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    ),
+    "qwen3-8b": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+        max_position_embeddings=4096,
+    ),
 }
+# presets whose default is --mode planned (the full comparison would not fit or take too long)
+PLANNED_PRESETS = {"qwen3-1.7b", "qwen3-4b", "qwen3-8b"}
 PEAK_TFLOPS = {"cuda": 989.0}  # H200 dense bf16
 
 
@@ -145,22 +199,130 @@ def model_flops(cfg: dict, lengths: list[int], D: int) -> float:
     return 6 * T * p_mm + attn
 
 
-def main(argv: list[str] | None = None) -> None:
+def _budget(text: str) -> int | str:
+    if text == "auto":
+        return text
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"a token budget is >= 2 or auto, got {text}")
+    return value
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-    ap.add_argument("--mtp", type=int, default=2, help="MTP depths of the MTP runs")
-    ap.add_argument("--samples", type=int, default=16)
+    ap.add_argument(
+        "--mode",
+        choices=["full", "planned"],
+        default=None,
+        help="full: the comparison of the module docstring; planned: one configuration as the memory planner "
+        "chooses (default for the 1.7b / 4b / 8b presets)",
+    )
+    ap.add_argument("--mtp", type=int, default=None, help="MTP depths of the MTP runs (default: 2 full, 1 planned)")
+    ap.add_argument("--samples", type=int, default=None, help="samples of a step (default: 16 full, 32 planned)")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--response", type=int, default=1792)
-    ap.add_argument("--max-tokens", type=int, default=8192, help="token budget per microbatch of the throughput runs")
+    ap.add_argument(
+        "--max-tokens",
+        type=_budget,
+        default=None,
+        help="token budget per microbatch, or auto (the planner's; default: 8192 full, auto planned)",
+    )
+    ap.add_argument("--ckpt", choices=["auto", "on", "off"], default="auto", help="activation checkpointing (planned)")
+    ap.add_argument("--offload", action="store_true", help="AdamW state and fp32 masters on the CPU (train.optim.offload)")
+    ap.add_argument("--memory-gib", type=float, default=None, help="plan against this memory (train.memory.device_memory_gib)")
     ap.add_argument("--memory-budgets", type=int, nargs="*", default=[16384, 32768])
-    ap.add_argument("--no-compile", action="store_true", help="skip the compiled-layer runs")
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled-layer runs (planned: eager layers)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args(argv)
+    planned = args.mode == "planned" or (args.mode is None and args.preset in PLANNED_PRESETS)
+    args.mode = "planned" if planned else "full"
+    args.mtp = args.mtp if args.mtp is not None else (1 if planned else 2)
+    args.samples = args.samples if args.samples is not None else (32 if planned else 16)
+    args.max_tokens = args.max_tokens if args.max_tokens is not None else ("auto" if planned else 8192)
+    if args.mode == "full" and args.max_tokens == "auto":
+        ap.error("--max-tokens auto is for --mode planned; the full comparison runs every row at one given budget")
+    return args
+
+
+def memory_config(args) -> MemoryConfig:
+    return MemoryConfig(device_memory_gib=args.memory_gib) if args.memory_gib else MemoryConfig()
+
+
+def peak_line(worker: TrainWorker, device: str, step: int) -> str:
+    """The measured peak of the steps since the last reset next to the plan's estimate."""
+    if device != "cuda":
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return (
+            f"  peak memory: not measured on {device} (process max RSS {rss / GiB:.2f} GiB); estimated "
+            f"{worker.memory_plan.estimate.peak / GiB:.2f} GiB"
+        )
+    measured = torch.cuda.max_memory_allocated() - worker._memory_base
+    line, _ = worker.memory_plan.compare(measured, step)
+    return "  " + line
+
+
+def run_planned(args) -> None:
+    """One configuration, as the memory planner chooses it (module docstring)."""
     dev = args.device
     precision = "bf16" if dev == "cuda" else "fp32"
+    cfg = PRESETS[args.preset]
+    batch = make_batch(args.samples, args.prompt, args.response, cfg["vocab_size"])
+    print(
+        f"{args.preset} + {args.mtp} MTP; {precision} on {dev}; step = {args.samples} samples, {batch.num_tokens} "
+        f"tokens (lengths {min(batch.lengths)}-{max(batch.lengths)}); packed rows; microbatch budget "
+        f"{args.max_tokens}, activation checkpointing {args.ckpt}, offload {'cpu' if args.offload else 'none'}",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    model = PolicyModel.from_config(ModelConfig(backbone=cfg, mtp=MTPConfig(mtp_num_layers=args.mtp)))
+    ckpt = {"auto": "auto", "on": True, "off": False}[args.ckpt]
+    worker = TrainWorker(
+        model,
+        TrainConfig(
+            precision=precision,
+            device=dev,
+            optim=OptimConfig(lr=1e-6, offload="cpu" if args.offload else "none"),
+            microbatch=MicrobatchConfig(max_tokens_per_microbatch=args.max_tokens, pack_sequences=True),
+            speed=SpeedConfig(compile_layers=not args.no_compile, activation_checkpointing=ckpt),
+            memory=memory_config(args),
+        ),
+    )
+    plan = worker.memory_plan
+    print(f"  built in {time.perf_counter() - t0:.1f} s; {plan.summary()}", flush=True)
+    loss = make_loss(GRPOLossConfig())
+    for i in range(2):  # compilation and kernel selection; the AdamW state appears in the first
+        t = timed(lambda: worker.train(batch, loss), dev)
+        print(f"  warm-up step {i + 1}: {t:.2f} s", flush=True)
+        if i == 0:
+            print(peak_line(worker, dev, 1), flush=True)
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = [timed(lambda: worker.train(batch, loss), dev) for _ in range(args.repeats)]
+    t = statistics.median(times)
+    tps = batch.num_tokens / t
+    line = f"splitrl, {args.mtp} MTP, packed, sync, planned: {t * 1e3:8.1f} ms/step {tps:9.0f} tokens/s"
+    peak_tf = PEAK_TFLOPS.get(dev)
+    if peak_tf:
+        line += f"  MFU {100 * model_flops(cfg, batch.lengths, args.mtp) / t / (peak_tf * 1e12):5.1f}%"
+    print(line, flush=True)
+    print(peak_line(worker, dev, 2), flush=True)
+    if worker.offload is not None:
+        phases = ", ".join(f"{k} {v:.2f} s" for k, v in worker.offload.timings.items())
+        print(f"  offloaded AdamW step (last step): {phases}; {len(worker.offload.buckets)} buckets", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     print("command: python bench/bench_train_step.py " + shlex.join(sys.argv[1:] if argv is None else argv), flush=True)
+    if args.mode == "planned":
+        run_planned(args)
+        return
+    dev = args.device
+    precision = "bf16" if dev == "cuda" else "fp32"
     cfg = PRESETS[args.preset]
     batch = make_batch(args.samples, args.prompt, args.response, cfg["vocab_size"])
     tokens = batch.num_tokens
@@ -237,7 +399,12 @@ def main(argv: list[str] | None = None) -> None:
         worker = TrainWorker(
             model,
             TrainConfig(
-                precision=precision, device=dev, optim=OptimConfig(lr=1e-6), speed=SpeedConfig(compile_layers=False)
+                precision=precision,
+                device=dev,
+                optim=OptimConfig(lr=1e-6, offload="cpu" if args.offload else "none"),
+                # the rows below set their layout and checkpointing themselves
+                speed=SpeedConfig(compile_layers=False, activation_checkpointing=False),
+                memory=memory_config(args),
             ),
         )
         tag = f"splitrl, {D} MTP"
@@ -288,10 +455,19 @@ def main(argv: list[str] | None = None) -> None:
                     worker.train(big, loss)
                     torch.cuda.synchronize()
                     t = time.perf_counter() - t
+                    est = estimate_peak(
+                        ModelShape.from_hf_config(model.config, model.mtp_config),
+                        budget,
+                        worker.memory_plan.layout,
+                        checkpointing=ckpt,
+                        compiled=False,
+                        fused_head=worker.config.speed.fused_head_kernels,
+                        device_type=dev,
+                    )
                     print(
                         f"  peak memory, packed, {D} MTP, {budget} tokens/microbatch, activation checkpointing "
                         f"{'on ' if ckpt else 'off'}: {torch.cuda.max_memory_allocated() / 2**30:5.1f} GiB "
-                        f"({big.num_tokens / t:.0f} tokens/s)",
+                        f"(planner's estimate {est.peak / GiB:5.1f} GiB; {big.num_tokens / t:.0f} tokens/s)",
                         flush=True,
                     )
                 set_activation_checkpointing(model, False)

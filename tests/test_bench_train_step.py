@@ -28,3 +28,27 @@ def test_interleaved_rounds_alternate_and_ratios_cancel_a_drift(monkeypatch):
     assert set(med) == {"A", "B"}
     _, odd = bench.time_interleaved({"A": work("A", 1.0), "B": work("B", 0.9)}, "cpu", repeats=3, warmups=0)
     assert abs(odd["B"] - 1 / 0.9) < 1e-9  # 3 rounds run as 4: pairs stay whole
+
+
+def test_the_scale_presets_default_to_the_planned_mode():
+    bench = load_bench("bench_train_step")
+    for preset in ("qwen3-1.7b", "qwen3-4b", "qwen3-8b"):
+        args = bench.parse_args(["--preset", preset])
+        assert (args.mode, args.mtp, args.samples, args.max_tokens) == ("planned", 1, 32, "auto")
+    full = bench.parse_args(["--preset", "qwen3-0.6b"])  # the recorded comparison keeps its defaults
+    assert (full.mode, full.mtp, full.samples, full.max_tokens) == ("full", 2, 16, 8192)
+    assert bench.parse_args(["--preset", "tiny", "--mode", "planned", "--max-tokens", "512"]).max_tokens == 512
+
+
+def test_planned_mode_runs_tiny_on_cpu_with_offload(capsys):
+    """The planned run on CPU: the plan's line, tokens/s, the estimate (no CUDA peak to measure
+    here) and the offloaded AdamW step's phases."""
+    bench = load_bench("bench_train_step")
+    argv = ["--device", "cpu", "--preset", "tiny", "--mode", "planned", "--offload", "--repeats", "1"]
+    bench.main(argv + ["--samples", "2", "--prompt", "8", "--response", "8", "--max-tokens", "64"])
+    out = capsys.readouterr().out
+    assert "memory plan:" in out and "host: fp32 masters 4 + AdamW 8" in out
+    assert "microbatch budget 64 tokens" in out
+    assert "splitrl, 1 MTP, packed, sync, planned:" in out and "tokens/s" in out
+    assert "peak memory: not measured on cpu" in out
+    assert "offloaded AdamW step (last step): wait_grads" in out

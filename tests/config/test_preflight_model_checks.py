@@ -277,3 +277,37 @@ def test_settings_that_leave_part_of_the_run_idle_are_warned_about(tmp_path, cap
             _cfg(tmp_path, "schedule.num_steps=3", "train.mtp_warmup_steps=2", "eval.eval_every=5", "eval.at_end=true")
         )
     assert "only the MTP heads" not in caplog.text and "never evaluates" not in caplog.text
+
+
+# --------------------------------------------------------------- kind: a model that cannot fit
+def test_a_model_that_cannot_fit_is_refused_before_anything_is_built(tmp_path, monkeypatch):
+    """Kind: ``model.backbone.hidden_size=100000`` started Ray and both workers, then died after
+    65 s on an 80 GB allocation (the MTP depth's fc, 2·H² = 20 B parameters) with a 152-line
+    traceback (issue 25 item 3). The count comes from the shapes: no model is built. fp32: 16
+    bytes a parameter; 20.349 B parameters -> 312.8 GiB with the activations of 1024 tokens."""
+    from splitrl.train import memory_plan
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the preflight built a model")
+
+    monkeypatch.setattr(PolicyModel, "from_config", no_build)
+    monkeypatch.setattr(memory_plan, "host_available_memory", lambda: (16 * 2**30, "available on the host (MemAvailable)"))
+    with pytest.raises(ValueError) as err:
+        preflight(_cfg(tmp_path, "model.backbone.hidden_size=100000"))
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert msg.startswith("model.backbone: the policy has 20.349 B parameters (backbone 233.1 M, MTP 20.116 B)")
+    assert "needs 312.8 GiB (16 bytes a parameter" in msg and "this machine has 16.0 GiB available" in msg
+    assert "hidden_size=100000" in msg and "model.mtp.mtp_num_layers=1" in msg
+    assert not (tmp_path / "run").exists()  # a refused run leaves no output_dir behind
+    # the same model fits a (made-up) machine with the memory
+    monkeypatch.setattr(memory_plan, "host_available_memory", lambda: (400 * 2**30, "available on the host (MemAvailable)"))
+    from splitrl.controller.preflight import check_memory, model_hf_config
+
+    cfg = _cfg(tmp_path, "model.backbone.hidden_size=100000")
+    check_memory(cfg, model_hf_config(cfg))
+
+
+def test_offload_with_several_train_workers_is_refused_in_preflight(tmp_path):
+    with pytest.raises(ValueError, match=r"train.optim.offload=cpu runs on one process.*cluster.num_train_workers=2"):
+        preflight(_cfg(tmp_path, "cluster.backend=ray", "train.optim.offload=cpu", "cluster.num_train_workers=2"))

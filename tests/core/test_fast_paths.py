@@ -190,19 +190,3 @@ def test_small_chunks_run_the_microbatches_of_one_synchronous_step(pack):
     assert len(a) < 12 and a == b
     assert m_split["loss"] == pytest.approx(m_sync["loss"], rel=1e-6)
 
-
-def test_activation_checkpointing_auto_follows_the_microbatch_budget():
-    """auto: on for CUDA budgets above AUTO_CHECKPOINT_TOKENS (32 k tokens did not fit 60 GiB on an
-    H200 without it), off on CPU and for smaller or unset budgets; an explicit bool wins."""
-    from splitrl.train.config import AUTO_CHECKPOINT_TOKENS, SpeedConfig
-
-    auto = SpeedConfig()
-    assert auto.activation_checkpointing == "auto"
-    assert auto.checkpointing_for("cuda", 2 * AUTO_CHECKPOINT_TOKENS)
-    assert not auto.checkpointing_for("cuda", AUTO_CHECKPOINT_TOKENS)
-    assert not auto.checkpointing_for("cuda", None)
-    assert not auto.checkpointing_for("cpu", 10 * AUTO_CHECKPOINT_TOKENS)
-    assert SpeedConfig(activation_checkpointing=True).checkpointing_for("cpu", None)
-    assert not SpeedConfig(activation_checkpointing=False).checkpointing_for("cuda", 10**6)
-    with pytest.raises(ValueError):
-        SpeedConfig(activation_checkpointing="sometimes")

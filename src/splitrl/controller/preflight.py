@@ -166,6 +166,99 @@ def model_hf_config(config: RunConfig) -> Any:
     return hf_cfg
 
 
+def check_memory(config: RunConfig, hf_cfg: Any) -> None:
+    """The trainer's parameters, gradients and optimizer state, and one microbatch's activations,
+    must fit the memory they train in — checked from the shapes before any worker starts.
+
+    The count and bytes are the memory planner's (:mod:`splitrl.train.memory_plan`): parameters
+    from the config's shapes by arithmetic (no model is built, nothing is allocated), bytes a
+    parameter from the precision and ``train.optim.offload``, activations of the smallest
+    microbatch the run can cut (the configured token budget, ``auto``: 1024 tokens, by sample
+    count: ``micro_batch_size`` × ``rollout.max_new_tokens``), with activation checkpointing
+    unless it is forced off. The memory is, on CUDA, the free memory of the first GPU (NVML
+    when the workers run in other processes, so that this process makes no CUDA context there;
+    no check without NVML), and on CPU the host's available memory, which every train worker of
+    the run shares. The worker's own plan (at start-up) then chooses its settings within it.
+
+    Raises:
+        ValueError: one line: the parameter count, the bytes needed, the memory available, and
+            what to change; also for ``train.optim.offload=cpu`` with several train workers.
+    """
+    from splitrl.train.memory_plan import (
+        GiB,
+        ModelShape,
+        cuda_free_memory,
+        estimate_peak,
+        format_count,
+        host_available_memory,
+        state_layout,
+    )
+
+    m, t = config.model, config.train
+    key = "model.pretrained_path" if m.pretrained_path is not None else "model.backbone"
+    device = config.cluster.device if config.cluster.device != "auto" else t.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    ranks = config.cluster.num_train_workers
+    try:
+        layout = state_layout(
+            t.precision, offload=t.optim.offload, compute_weight_copy=t.speed.compute_weight_copy, world_size=ranks
+        )
+    except ValueError as e:
+        raise ValueError(f"{e} (cluster.num_train_workers={ranks})") from None
+    shape = ModelShape.from_hf_config(hf_cfg, m.mtp)
+    budget = t.microbatch.max_tokens_per_microbatch
+    if budget == "auto":
+        tokens = 1024
+    elif budget is None:
+        tokens = t.microbatch.micro_batch_size * config.rollout.max_new_tokens
+    else:
+        tokens = budget
+    est = estimate_peak(
+        shape,
+        tokens,
+        layout,
+        checkpointing=t.speed.activation_checkpointing is not False,
+        fused_head=t.speed.fused_head_kernels and device == "cuda",
+        device_type=device,
+    )
+    if device == "cuda":
+        available, source = cuda_free_memory(0, create_context=config.cluster.backend == "local")
+        need, where = est.peak, "the GPU (one train worker's share)"
+    else:
+        available, source = host_available_memory()
+        # the ranks share the host: the sharded state once, every rank's gathered copies and activations
+        need = est.peak * ranks
+        where = "this machine" + (f" ({ranks} train workers)" if ranks > 1 else "")
+    if available is None or need <= available:
+        return
+    p = shape.parameter_count()
+    sizes = ", ".join(
+        f"{k}={getattr(hf_cfg, k)}" for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size")
+    )
+    fixes = [f"make the model smaller ({key}: {sizes})"]
+    if p.mtp > p.backbone:
+        H = shape.hidden_size
+        fixes.append(
+            f"fewer MTP depths (model.mtp.mtp_num_layers={m.mtp.mtp_num_layers}; each depth's fc alone is "
+            f"2·hidden_size² = {format_count(2 * H * H)} parameters)"
+        )
+    if device == "cuda" and t.optim.offload == "none" and ranks == 1:
+        fixes.append(f"set train.optim.offload=cpu ({state_layout(t.precision, offload='cpu').device_trainable:g} bytes a parameter on the GPU)")
+    if device == "cuda":
+        fixes.append("use more train workers (FSDP2 shards the state)")
+    if t.precision == "fp32" and device == "cuda":
+        fixes.append("train.precision=bf16")
+    raise ValueError(
+        f"{key}: the policy has {format_count(p.total)} parameters (backbone {format_count(p.backbone)}, MTP "
+        f"{format_count(p.mtp)}) and training it needs {need / GiB:.1f} GiB ({layout.device_trainable:g} bytes a "
+        f"parameter: {layout.parts}; + {est.activations / GiB:.2f} GiB of activations for a microbatch of {tokens} "
+        f"tokens), but {where} has {available / GiB:.1f} GiB {source}: " + "; or ".join(fixes)
+    )
+
+
 # files one of which a Hugging Face tokenizer directory holds (transformers builds an empty
 # tokenizer, without an error, from a directory that has none)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
@@ -352,7 +445,8 @@ def preflight(config: RunConfig) -> int:
     """Checks that need more than the config's own fields, run before any worker starts.
 
     Checks that ``output_dir`` can be written; verifies the model's config (head counts) and a
-    ``pretrained_path``'s weight files; builds the task (a data file that is missing, lacks its
+    ``pretrained_path``'s weight files, and that the trainer's state fits the memory
+    (:func:`check_memory`); builds the task (a data file that is missing, lacks its
     columns or is not UTF-8 fails here) and the tokenizer, which must fit the model's vocabulary;
     checks that a character tokenizer covers the task's prompts and that prompts fit the context
     (rows of a data file that do not are left out: ``config.task`` is updated and a warning names
@@ -406,6 +500,7 @@ def _preflight(config: RunConfig) -> int:
             config.faults.watchdog_timeout_s,
         )
     hf_cfg = model_hf_config(config)
+    check_memory(config, hf_cfg)  # from the shapes, before anything is built
     task = make_task(config.task)
     tok = load_checked_tokenizer(config)
     check_vocab(config, tok, hf_cfg)
@@ -656,6 +751,7 @@ _RESUME_MAY_CHANGE = frozenset({
     "cluster.backend", "cluster.placement", "cluster.ray_address", "cluster.num_generation_workers",
     "cluster.num_train_workers", "cluster.device", "cluster.torch_threads", "dataplane",
     "tokenizer.path", "rollout.batch_size", "train.microbatch", "train.speed", "train.fsdp_reshard_after_forward",
+    "train.memory", "train.optim.offload", "train.optim.offload_bucket_mb",
 })  # fmt: skip
 
 

@@ -3,7 +3,7 @@
 from typing import TYPE_CHECKING
 
 from splitrl._lazy import lazy_getattr
-from splitrl.train.config import MicrobatchConfig, OptimConfig, SpeedConfig, TrainConfig
+from splitrl.train.config import MemoryConfig, MicrobatchConfig, OptimConfig, SpeedConfig, TrainConfig
 
 if TYPE_CHECKING:
     from splitrl.train.batch import MicroBatch, TrainBatch
@@ -22,6 +22,7 @@ __getattr__ = lazy_getattr(
 )
 
 __all__ = [
+    "MemoryConfig",
     "MicroBatch",
     "MicrobatchConfig",
     "OptimConfig",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -15,6 +15,9 @@ class MicrobatchConfig(BaseModel):
         micro_batch_size: samples per microbatch (used when no token budget is set).
         max_tokens_per_microbatch: token budget per microbatch (real tokens when packing, padded
             tokens b·s otherwise); a single sample longer than the budget gets a microbatch alone.
+            ``auto``: the train worker's memory planner picks the largest budget that fits the
+            device (:mod:`splitrl.train.memory_plan`, ``TrainConfig.memory``); the worker runs with
+            the resolved number (``TrainWorker.config``).
         pack_sequences: lay a microbatch out as one packed row (per-sample attention and
             positions), unless the model owns packing.
         coalesce_chunks: the split step cuts microbatches from the stream of its chunks' samples
@@ -28,12 +31,9 @@ class MicrobatchConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     micro_batch_size: int = Field(4, ge=1)
-    max_tokens_per_microbatch: int | None = Field(None, ge=2)
+    max_tokens_per_microbatch: Annotated[int, Field(ge=2)] | Literal["auto"] | None = None
     pack_sequences: bool = False
     coalesce_chunks: bool = True
-
-
-AUTO_CHECKPOINT_TOKENS = 16384
 
 
 class SpeedConfig(BaseModel):
@@ -45,9 +45,10 @@ class SpeedConfig(BaseModel):
             compilation). Not applied under FSDP2, where it was not measured.
         activation_checkpointing: recompute each decoder layer in the backward instead of
             keeping its activations (saves most activation memory for ~1/3 more layer compute).
-            ``auto`` (default): on for CUDA microbatch budgets above 16,384 tokens
-            (``AUTO_CHECKPOINT_TOKENS``), where the peak memory without it grows past what it
-            saves in speed (bench/RESULTS.md, peak memory).
+            ``auto`` (default): the memory planner turns it on when the estimated peak of a
+            microbatch without it does not fit the device memory with the planner's margin
+            (:mod:`splitrl.train.memory_plan`; ``TrainConfig.memory``). ``true`` / ``false``
+            force it.
         fused_head_kernels: compile the output head's per-chunk softmax statistics and gradient
             into fused kernels on CUDA (see ``splitrl.models.head``).
         packed_attention: packed rows on CUDA: ``flex`` (FlexAttention block mask), ``varlen``
@@ -65,11 +66,35 @@ class SpeedConfig(BaseModel):
     packed_attention: Literal["flex", "varlen", "dense"] = "flex"
     compute_weight_copy: bool = True
 
-    def checkpointing_for(self, device_type: str, tokens_per_microbatch: int | None) -> bool:
-        """Whether activation checkpointing is on for this device and microbatch token budget."""
-        if self.activation_checkpointing != "auto":
-            return bool(self.activation_checkpointing)
-        return device_type == "cuda" and (tokens_per_microbatch or 0) > AUTO_CHECKPOINT_TOKENS
+
+class MemoryConfig(BaseModel):
+    """The memory planner of the train worker (:mod:`splitrl.train.memory_plan`).
+
+    It estimates the peak memory of a step from the model's shapes, the precision and where the
+    optimizer state lives, and decides ``speed.activation_checkpointing: auto`` and
+    ``microbatch.max_tokens_per_microbatch: auto`` so that the estimate fits.
+
+    Attributes:
+        device_memory_gib: the memory (GiB) the planner plans against. ``null`` (default): the
+            free memory of the CUDA device when the worker starts (``torch.cuda.mem_get_info``),
+            or on CPU the host's available memory (``MemAvailable`` of /proc/meminfo), in both
+            cases plus what the model already occupies there.
+        margin: fraction of that memory kept out of the plan (allocator fragmentation, kernel
+            workspaces, the estimate's error): the estimated peak must stay below
+            (1 - margin) · memory.
+        max_auto_tokens: the largest budget ``max_tokens_per_microbatch: auto`` picks.
+        min_tokens_without_checkpointing: with both ``auto``, checkpointing stays off when a
+            budget of at least this many tokens fits without it (the planner then takes the
+            largest such budget); otherwise it is turned on and the budget is the largest that
+            fits with it.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    device_memory_gib: float | None = Field(None, gt=0.0)
+    margin: float = Field(0.1, ge=0.0, lt=1.0)
+    max_auto_tokens: int = Field(32768, ge=1024)
+    min_tokens_without_checkpointing: int = Field(8192, ge=1)
 
 
 class OptimConfig(BaseModel):
@@ -91,6 +116,14 @@ class OptimConfig(BaseModel):
         max_grad_norm: clip of the policy gradient norm (None: no clipping).
         mtp_max_grad_norm: clip of the MTP group with detached heads (None: same as
             ``max_grad_norm``; ``inf`` to disable for MTP only).
+        offload: where the fp32 master weights and the AdamW moments live. ``none`` (default):
+            on the device, next to the model. ``cpu``: in host memory, with the AdamW step run
+            on the CPU; the device keeps only a compute copy in the training dtype and the fp32
+            gradient accumulators (6 bytes a parameter instead of 18 with bf16; see
+            :mod:`splitrl.train.offload`). One process only (not with data parallelism).
+        offload_bucket_mb: with ``offload: cpu``, the gradients go to the host and the updated
+            weights back in buckets of about this many MiB of fp32 gradient (a parameter larger
+            than that is a bucket alone); two buckets' staging buffers are pinned host memory.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -106,6 +139,8 @@ class OptimConfig(BaseModel):
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     max_grad_norm: float | None = Field(1.0, gt=0.0)
     mtp_max_grad_norm: float | None = Field(None, gt=0.0)
+    offload: Literal["none", "cpu"] = "none"
+    offload_bucket_mb: float = Field(1024.0, gt=0.0)
 
     @model_validator(mode="after")
     def _check(self) -> "OptimConfig":
@@ -146,6 +181,7 @@ class TrainConfig(BaseModel):
             much better than in one update a step (``bench/bench_mtp_warmstart.py``; figures in
             bench/RESULTS.md).
         speed: compiled layers, activation checkpointing, fused head kernels (:class:`SpeedConfig`).
+        memory: the memory planner's device memory and margin (:class:`MemoryConfig`).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -160,3 +196,4 @@ class TrainConfig(BaseModel):
     mtp_warmup_steps: int = Field(0, ge=0)
     mtp_warmup_update_samples: int | None = Field(None, ge=1)
     speed: SpeedConfig = Field(default_factory=SpeedConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)

@@ -32,6 +32,11 @@ def plan_microbatches(lengths: list[int], config: MicrobatchConfig, packed: bool
     groups: list[list[int]] = []
     current: list[int] = []
     budget = config.max_tokens_per_microbatch
+    if budget == "auto":
+        raise ValueError(
+            "max_tokens_per_microbatch='auto' is resolved by the TrainWorker's memory planner; cut microbatches "
+            "with the worker's config (TrainWorker.config.microbatch), or give a number of tokens"
+        )
     for i, n in enumerate(lengths):
         if current:
             if budget is None:

@@ -37,7 +37,7 @@ class ComputeWeights:
     def __init__(self, module: nn.Module, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self.params = [p for p in module.parameters() if p.is_floating_point()]
-        self.low = [p.detach().to(dtype) for p in self.params]
+        self.low = [self._compute_copy(p) for p in self.params]
         self.master: list[torch.Tensor | None] = [None] * len(self.params)
         self.acc: list[torch.Tensor | None] = [None] * len(self.params)
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -45,6 +45,10 @@ class ComputeWeights:
         for p in self.params:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._accumulate)
+
+    def _compute_copy(self, p: torch.Tensor) -> torch.Tensor:
+        """The low-precision copy of ``p`` (on ``p``'s device)."""
+        return p.detach().to(self.dtype)
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -67,18 +71,24 @@ class ComputeWeights:
     @contextlib.contextmanager
     def active(self):
         """Run the body's forward and backward on the compute copies; gradients land in fp32 ``.grad``."""
-        for i, p in enumerate(self.params):
-            self.acc[i] = p.grad
-            p.grad = None
-            self.master[i] = p.data
-            p.data = self.low[i]
+        self._swap_in()
         self._active = True
         try:
             yield
         finally:
             self._active = False
-            for i, p in enumerate(self.params):
-                p.data = self.master[i]
-                self.master[i] = None
-                p.grad = self.acc[i]
-                self.acc[i] = None
+            self._swap_out()
+
+    def _swap_in(self) -> None:
+        for i, p in enumerate(self.params):
+            self.acc[i] = p.grad
+            p.grad = None
+            self.master[i] = p.data
+            p.data = self.low[i]
+
+    def _swap_out(self) -> None:
+        for i, p in enumerate(self.params):
+            p.data = self.master[i]
+            self.master[i] = None
+            p.grad = self.acc[i]
+            self.acc[i] = None

@@ -30,14 +30,21 @@ def apply_speed_config(
     config: SpeedConfig,
     device: torch.device,
     distributed: bool = False,
-    tokens_per_microbatch: int | None = None,
+    checkpointing: bool | None = None,
 ) -> None:
-    """Apply the switches to ``model`` in place (parameter names and values are unchanged);
-    ``tokens_per_microbatch`` (the microbatch token budget) decides ``activation_checkpointing: auto``."""
+    """Apply the switches to ``model`` in place (parameter names and values are unchanged).
+
+    Args:
+        checkpointing: activation checkpointing as decided by the memory planner
+            (:mod:`splitrl.train.memory_plan`, which resolves ``activation_checkpointing: auto``);
+            None: the config's setting, ``auto`` read as off.
+    """
     set_fused_kernels(config.fused_head_kernels)
     if hasattr(model, "packed_attention"):
         model.packed_attention = config.packed_attention
-    set_activation_checkpointing(model, config.checkpointing_for(device.type, tokens_per_microbatch))
+    if checkpointing is None:
+        checkpointing = config.activation_checkpointing is True
+    set_activation_checkpointing(model, checkpointing)
     if config.compile_layers and device.type == "cuda" and not distributed:
         compile_layers(model)
 

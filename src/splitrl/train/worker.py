@@ -23,6 +23,7 @@ SEQUENCE_LEVEL the N_t-normalized part is accumulated apart and combined at fini
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -35,11 +36,23 @@ from splitrl.models.policy import PolicyModel
 from splitrl.train.batch import MicroBatch, TrainBatch
 from splitrl.train.checkpoint import ShardedCheckpointer
 from splitrl.train.config import TrainConfig  # noqa: F401 - defined there, torch-free
+from splitrl.train.memory_plan import (
+    NORM_CHUNK,
+    GiB,
+    MemoryPlan,
+    ModelShape,
+    cuda_free_memory,
+    host_available_memory,
+    plan_memory,
+)
 from splitrl.train.microbatch import build_microbatches, build_ready_microbatches, empty_microbatch
 from splitrl.train.mixed_precision import ComputeWeights
+from splitrl.train.offload import HostOffload, bucket_indices
 from splitrl.train.optim import DynamicLossScaler, build_optimizer
 from splitrl.train.side_grads import SideLossGradients, needs_side_gradients
 from splitrl.train.speed import apply_speed_config
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -140,9 +153,20 @@ class TrainWorker:
     With ``torch.distributed`` initialized the model is sharded with FSDP2 over the default group
     and every count is all-reduced at finish; without a group it runs as is.
 
+    At start-up the memory planner (:mod:`splitrl.train.memory_plan`) estimates the step's peak
+    memory, resolves ``activation_checkpointing: auto`` and ``max_tokens_per_microbatch: auto``
+    (``self.config`` holds the resolved budget) and logs one line (``self.memory_plan``); on
+    CUDA the measured peak of the first two steps is logged next to the estimate.
+
     Args:
-        model: the policy (fp32 parameters; moved to the worker's device).
+        model: the policy (fp32 parameters on the CPU, or already on the worker's device; moved
+            to the device, except with ``optim.offload: cpu``, where the parameters stay on the
+            CPU as the masters and only the buffers move).
         config: :class:`TrainConfig`.
+
+    Raises:
+        ValueError: ``mtp_warmup_steps`` without MTP heads that train, mixed precision with a
+            model that is not fp32, or ``optim.offload: cpu`` under data parallelism.
     """
 
     def __init__(self, model: PolicyModel, config: TrainConfig | None = None) -> None:
@@ -160,10 +184,36 @@ class TrainWorker:
             self.device = torch.device(cfg.device)
         if cfg.precision != "fp32" and any(p.dtype != torch.float32 for p in model.parameters()):
             raise ValueError("mixed precision keeps fp32 master weights: build the model in fp32")
-        self.model = model.to(self.device)
         self.distributed = du.is_distributed()
+        offload = cfg.optim.offload == "cpu"
+        if offload and self.distributed:
+            raise ValueError(
+                "train.optim.offload=cpu runs on one process; with data parallelism FSDP2 shards the optimizer "
+                "state over the ranks instead: set train.optim.offload=none (or cluster.num_train_workers=1)"
+            )
+        # what this process held on the device before the worker (e.g. a colocated rollout engine)
+        self._memory_base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        self.memory_plan = self._plan_memory(model)
+        log.info("%s", self.memory_plan.summary())
+        if not self.memory_plan.fits:
+            log.warning(
+                "the estimated peak memory (%.1f GiB) exceeds the usable %.1f GiB: expect an out-of-memory error; "
+                "lower train.microbatch.max_tokens_per_microbatch, turn on train.speed.activation_checkpointing%s",
+                self.memory_plan.estimate.peak / GiB,
+                (self.memory_plan.usable_bytes or 0) / GiB,
+                "" if offload or self.distributed else ", or set train.optim.offload=cpu",
+            )
+        if cfg.microbatch.max_tokens_per_microbatch == "auto":
+            budget = self.memory_plan.max_tokens_per_microbatch
+            cfg = self.config = cfg.model_copy(
+                update={"microbatch": cfg.microbatch.model_copy(update={"max_tokens_per_microbatch": budget})}
+            )
+        if offload:  # the parameters stay on the CPU as the fp32 masters
+            self.model = _buffers_to(model, self.device)
+        else:
+            self.model = model.to(self.device)
         apply_speed_config(
-            self.model, cfg.speed, self.device, self.distributed, cfg.microbatch.max_tokens_per_microbatch
+            self.model, cfg.speed, self.device, self.distributed, self.memory_plan.activation_checkpointing
         )
         if self.distributed:
             from splitrl.distributed.fsdp import apply_fsdp2
@@ -171,7 +221,10 @@ class TrainWorker:
             apply_fsdp2(self.model, cfg.precision, cfg.fsdp_reshard_after_forward)
         self.main_params = [(n, p) for n, p in self.model.main_named_parameters() if p.requires_grad]
         self.mtp_params = [(n, p) for n, p in self.model.mtp_named_parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.main_params, self.mtp_params, cfg.optim, fused=self.device.type == "cuda")
+        # the fused kernel on CUDA; with offload the fused CPU kernel (one pass, no temporaries)
+        self.optimizer = build_optimizer(
+            self.main_params, self.mtp_params, cfg.optim, fused=self.device.type == "cuda" or offload
+        )
         # this run's AdamW settings per group, put back over a checkpoint's (_apply_configured_optim)
         self._configured_optim = [
             {k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in self.optimizer.param_groups
@@ -179,8 +232,12 @@ class TrainWorker:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, cfg.optim.lr_factor)
         # one rank: low-precision compute weights made once per step (FSDP2 casts its gathers itself)
         self.compute_weights: ComputeWeights | None = None
-        if cfg.precision != "fp32" and not self.distributed and cfg.speed.compute_weight_copy:
-            dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float16
+        self.offload: HostOffload | None = None
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.precision]
+        if offload:
+            bucket = int(cfg.optim.offload_bucket_mb * 2**20)
+            self.offload = HostOffload(self.model, self.device, dtype, bucket)
+        elif cfg.precision != "fp32" and not self.distributed and cfg.speed.compute_weight_copy:
             self.compute_weights = ComputeWeights(self.model, dtype)
         self.scaler = (
             DynamicLossScaler(cfg.initial_loss_scale, growth_interval=cfg.loss_scale_growth_interval)
@@ -193,6 +250,66 @@ class TrainWorker:
         self._step: _StepState | None = None
         # sharded checkpoints (made here so that their imports happen at start-up, not in a save)
         self.checkpointer = ShardedCheckpointer(self.model, self.optimizer)
+
+    def _plan_memory(self, model: PolicyModel) -> MemoryPlan:
+        """The memory plan of this worker (before the model moves to the device)."""
+        cfg = self.config
+        dev = self.device
+        offload = cfg.optim.offload == "cpu"
+        # memory the model already occupies where the plan counts it (it is part of the estimate)
+        held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == dev.type)
+        if cfg.memory.device_memory_gib is not None:
+            available, source = int(cfg.memory.device_memory_gib * GiB), "train.memory.device_memory_gib"
+        elif dev.type == "cuda":
+            free, source = cuda_free_memory(dev.index if dev.index is not None else torch.cuda.current_device())
+            available = free + held
+        else:
+            free, source = host_available_memory()
+            available = None if free is None else free + held
+        host = None
+        if offload and dev.type == "cuda":  # the masters already in host memory count as available to them
+            free_host = host_available_memory()[0]
+            on_cpu = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
+            host = None if free_host is None else free_host + on_cpu
+        bucket = 0
+        if offload:  # the largest bucket HostOffload will stage (fp32 bytes)
+            numels = [p.numel() for p in model.parameters() if p.requires_grad]
+            groups = bucket_indices(numels, max(1, int(cfg.optim.offload_bucket_mb * 2**20) // 4))
+            bucket = 4 * max((sum(numels[i] for i in g) for g in groups), default=0)
+        packed_dense = (
+            cfg.microbatch.pack_sequences
+            and not model.capabilities.owns_sequence_packing
+            and (dev.type != "cuda" or cfg.speed.packed_attention == "dense")
+        )
+        return plan_memory(
+            ModelShape.from_hf_config(model.config, model.mtp_config),
+            precision=cfg.precision,
+            available_bytes=available,
+            available_source=source,
+            device=str(dev),
+            margin=cfg.memory.margin,
+            offload=cfg.optim.offload,
+            compute_weight_copy=cfg.speed.compute_weight_copy,
+            world_size=du.world_size(),
+            compiled=cfg.speed.compile_layers and dev.type == "cuda" and not self.distributed,
+            fused_head=cfg.speed.fused_head_kernels and dev.type == "cuda",
+            dense_mask=packed_dense,
+            checkpointing=cfg.speed.activation_checkpointing,
+            max_tokens=cfg.microbatch.max_tokens_per_microbatch,
+            micro_batch_size=cfg.microbatch.micro_batch_size,
+            max_auto_tokens=cfg.memory.max_auto_tokens,
+            min_tokens_without_checkpointing=cfg.memory.min_tokens_without_checkpointing,
+            offload_bucket_bytes=bucket,
+            host_available_bytes=host,
+        )
+
+    def _report_memory(self) -> None:
+        """Log the measured peak of the step just finished (steps 1 and 2, CUDA) next to the estimate."""
+        if self.device.type != "cuda" or self.steps_finished not in (1, 2):
+            return
+        measured = torch.cuda.max_memory_allocated(self.device) - self._memory_base
+        line, low = self.memory_plan.compare(measured, self.steps_finished)
+        (log.warning if low else log.info)("%s", line)
 
     # ------------------------------------------------------------------------------ properties
     @property
@@ -213,6 +330,14 @@ class TrainWorker:
     def _zero_grads(self) -> None:
         for p in self.model.parameters():
             p.grad = None
+        if self.offload is not None:
+            self.offload.zero_grads()
+
+    def _grads(self, params: list[tuple[str, torch.nn.Parameter]]) -> list[torch.Tensor | None]:
+        """The step's gradients of ``params``: ``.grad``, or with offload the device accumulators."""
+        if self.offload is not None:
+            return self.offload.grads([p for _, p in params])
+        return [p.grad for _, p in params]
 
     # ------------------------------------------------------------------------------ the step
     def begin_train_step(self, loss_fn: PolicyLoss, *, expected_num_tokens: int | None = None) -> None:
@@ -235,9 +360,19 @@ class TrainWorker:
         loss_type = LossType(loss_fn.loss_type)
         if expected_num_tokens is not None and expected_num_tokens <= 0:
             raise ValueError(f"expected_num_tokens must be > 0, got {expected_num_tokens}")
+        if self.offload is not None and needs_side_gradients(loss_type, self.model):
+            raise ValueError(
+                "train.optim.offload=cpu does not run the second backward of a SEQUENCE_LEVEL loss whose policy "
+                "gradient also gets N_t-normalized terms (attached MTP heads with mtp_loss_scaling_factor > 0, or a "
+                "MoE router loss): use a TOKEN_LEVEL loss, mtp_detach_heads=true, or train.optim.offload=none"
+            )
         self._zero_grads()
         if self.compute_weights is not None:
             self.compute_weights.refresh()  # the masters may have changed since (step, load)
+        if self.offload is not None:
+            self.offload.refresh()  # the masters written from outside since their last copy (a load)
+        if self.device.type == "cuda" and self.steps_finished < 2:
+            torch.cuda.reset_peak_memory_stats(self.device)  # for the comparison with the plan (_report_memory)
         D = self.model.num_mtp_depths
         zero = torch.zeros((), dtype=torch.float64)
         self._step = _StepState(
@@ -357,7 +492,8 @@ class TrainWorker:
             mb = mb.to(self.device)
         # The compute copies fold every backward into one fp32 accumulator, which would merge the
         # side pass into the main gradient: the side-gradient path runs on the masters (autocast).
-        cw = self.compute_weights if st.side is None else None
+        # (offload refuses that path at begin: its masters are on the host)
+        cw = self.offload or (self.compute_weights if st.side is None else None)
         with cw.active() if cw is not None else contextlib.nullcontext():
             self._forward_backward(mb, st)
 
@@ -475,10 +611,14 @@ class TrainWorker:
         self._step = None
 
     def _sq_norm(self, params: list[tuple[str, torch.nn.Parameter]]) -> torch.Tensor:
+        """Σ g² in fp64 over this rank's gradient elements, read in pieces of ``NORM_CHUNK``
+        elements (a whole fp64 copy and its square of the largest gradient, 16 bytes an element,
+        was the largest buffer of finish: 10 GB for the 8 B shape's embedding)."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for _, p in params:
-            if p.grad is not None:
-                total += _local(p.grad).detach().double().pow(2).sum()
+        for g in self._grads(params):
+            if g is not None:
+                for piece in _local(g).detach().reshape(-1).split(NORM_CHUNK):
+                    total += piece.double().pow(2).sum()
         return total.cpu()
 
     def finish_train_step(self) -> dict[str, float]:
@@ -506,8 +646,11 @@ class TrainWorker:
         if st is None:
             raise RuntimeError("finish_train_step() called with no open step; call begin_train_step(loss_fn) first")
         if st.warmup_chunks is not None:
-            return self._finish_warmup_in_slices(st)
-        return self._finish_update(st, advance=True)
+            metrics = self._finish_warmup_in_slices(st)
+        else:
+            metrics = self._finish_update(st, advance=True)
+        self._report_memory()
+        return metrics
 
     def _finish_update(self, st: _StepState, *, advance: bool) -> dict[str, float]:
         """The body of :meth:`finish_train_step`; ``advance=False`` (a warm-up slice) leaves the LR
@@ -630,12 +773,17 @@ class TrainWorker:
                 if c.warmup:  # MTP warmup: AdamW skips parameters without a gradient (no decay, no state)
                     for _, p in self.main_params:
                         p.grad = None
+                    if self.offload is not None:
+                        self.offload.drop_grads([p for _, p in self.main_params])
                 elif st.side is not None:
                     st.side.combine_into_grad(c.inv_main * c.main_coef, c.inv_mtp * c.main_coef)
                 else:
-                    _scale_grads(self.main_params, c.inv_main * c.main_coef)
-                _scale_grads(self.mtp_params, c.inv_mtp * c.mtp_coef)
-            self.optimizer.step()
+                    _scale_grads(self._grads(self.main_params), c.inv_main * c.main_coef)
+                _scale_grads(self._grads(self.mtp_params), c.inv_mtp * c.mtp_coef)
+            if self.offload is not None:
+                self.offload.step(self.optimizer)  # on the host, bucket by bucket; weights copied back
+            else:
+                self.optimizer.step()
             if advance:
                 self.scheduler.step()
             self.updates_applied += 1
@@ -773,6 +921,8 @@ class TrainWorker:
             options=opts,
         )
         self._load_extra_state(state)
+        if self.offload is not None:
+            self.offload.invalidate()
 
     # ------------------------------------------------------------------------------ sharded checkpoints
     def _extra_state(self) -> dict:
@@ -846,6 +996,8 @@ class TrainWorker:
         if self._step is not None:
             raise RuntimeError("load_checkpoint() during an open step; finish or abort it first")
         self._load_extra_state(self.checkpointer.load(directory))
+        if self.offload is not None:
+            self.offload.invalidate()
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded CPU tensors of the policy under ``PolicyModel`` names (for weight sync and saving)."""
@@ -875,7 +1027,16 @@ def _clip_coef(norm: float, limit: float | None) -> float:
     return min(1.0, limit / (norm + 1e-6))
 
 
-def _scale_grads(params: list[tuple[str, torch.nn.Parameter]], factor: float) -> None:
-    for _, p in params:
-        if p.grad is not None:
-            p.grad.mul_(factor)
+def _scale_grads(grads: list[torch.Tensor | None], factor: float) -> None:
+    for g in grads:
+        if g is not None:
+            g.mul_(factor)
+
+
+def _buffers_to(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Move ``module``'s buffers (rotary frequencies, ...) to ``device``; parameters stay where they are."""
+    for m in module.modules():
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = b.to(device)
+    return module
