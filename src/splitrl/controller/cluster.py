@@ -111,7 +111,7 @@ def start_cluster(config: RunConfig, backend: str) -> None:
     # CPUs beyond the physical ones (they may exceed the cores), or it waits forever
     need = config.cluster.num_generation_workers + config.cluster.num_train_workers + 4
     log.info("start-up: starting a local Ray cluster")
-    with children_ignore_sigint(), children_in_their_own_group(), loopback_only_ray():
+    with children_ignore_sigint(), children_in_their_own_group(), loopback_only_ray(), workers_at_our_priority():
         ray.init(num_cpus=max(8, need), include_dashboard=False, log_to_driver=True, runtime_env=runtime_env)
 
 
@@ -275,6 +275,24 @@ def children_in_their_own_group():
             os.setpgid(0, own)
         except OSError as err:  # the old group is gone (its other members exited): stay where we are
             log.warning("could not return to process group %d (%s); signals to that group miss this run", own, err)
+
+
+@contextlib.contextmanager
+def workers_at_our_priority():
+    """The local cluster's workers run at this process's niceness instead of Ray's default 15
+    (``RAY_worker_niceness``, read when the raylet starts; a value the user set is kept). At
+    niceness 15 the workers get about 1/28 of the CPU share of an ordinary process (the kernel's
+    weights 36 vs 1024), so on a busy machine the run's workers starved behind any other load
+    (bench/RESULTS.md, "CPU timings")."""
+    key = "RAY_worker_niceness"
+    old = os.environ.get(key)
+    if old is None:
+        os.environ[key] = str(os.nice(0))
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
 
 
 @contextlib.contextmanager
