@@ -243,9 +243,11 @@ def test_print_config_checks_the_model_keys(capsys):
 
 
 def test_a_number_yaml_reads_as_text_gets_a_hint(capsys, tmp_path):
-    """A new user wrote `num_steps: 1e3`: PyYAML reads it as the string "1e3", and the error only
-    said the string is not an integer. Now it says why and what to write."""
-    assert main(["train", "schedule.num_steps=2e3", "--print-config"]) == 2
+    """A new user wrote `num_steps: 1e3`: PyYAML (YAML 1.1) read it as the string "1e3". It now
+    reads as the number (YAML 1.2 floats); a quoted one is text and the error says what to write."""
+    assert main(["train", "schedule.num_steps=2e3", "--print-config"]) == 0
+    assert "num_steps: 2000" in capsys.readouterr().out
+    assert main(["train", 'schedule.num_steps="2e3"', "--print-config"]) == 2
     assert (
         "num_steps: Input should be a valid integer, unable to parse string as an integer (YAML reads 2e3 as text, not a number: write 2000)"
         in capsys.readouterr().err
@@ -272,3 +274,19 @@ def test_a_config_key_typed_as_a_flag_gets_the_key_value_form(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--bogus"])
     assert capsys.readouterr().err.rstrip().endswith("unrecognized arguments: --bogus")
+
+
+def test_floats_without_a_dot_are_floats_in_yaml_and_in_a_saved_run_config(tmp_path):
+    """PyYAML (YAML 1.1) reads ``1e-06`` as a string; json.dumps writes floats that way, so a
+    run_config.json read back gave model.backbone a string rms_norm_eps."""
+    import json
+
+    from splitrl.config import load_config
+
+    f = tmp_path / "run_config.json"
+    f.write_text(json.dumps({"model": {"backbone": {"rms_norm_eps": 1e-06}}, "train": {"optim": {"lr": 1e-05}}}))
+    cfg = load_config(str(f), ["preset=cpu_demo"])
+    assert cfg.model.backbone["rms_norm_eps"] == 1e-06 and isinstance(cfg.model.backbone["rms_norm_eps"], float)
+    assert cfg.train.optim.lr == 1e-05
+    cfg = load_config(None, ["model.backbone={rms_norm_eps: 1e-5}"])
+    assert isinstance(cfg.model.backbone["rms_norm_eps"], float)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 from pathlib import Path
 from typing import Any, get_args
 
@@ -361,6 +362,16 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     key_node.start_mark,
                 )
         return super().construct_mapping(node, deep=deep)
+
+
+# PyYAML reads YAML 1.1, where a float needs a dot: ``1e-06`` (what json.dumps writes into
+# run_config.json) and ``lr: 1e-5`` would be strings, and a string reaches model.backbone as is.
+# Floats of YAML 1.2's core schema resolve as floats here.
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?$|^[-+]?\.(inf|Inf|INF)$|^\.(nan|NaN|NAN)$"),
+    list("-+0123456789."),
+)
 
 
 def _load_yaml(text: str, source: str, column_offset: int = 0) -> Any:

@@ -278,7 +278,7 @@ def _key_path(loc: tuple, model_cls: type[BaseModel]) -> str:
 
 
 # pydantic's location tag of one member of a union of plain types (``float | Literal["auto"]``)
-# PyYAML (YAML 1.1) reads 1e3 and 5e-7 as text: a float needs a dot and a signed exponent (1.0e+3)
+# a number in exponent notation that stayed text (quoted: "1e3"); unquoted ones read as numbers (config.py)
 _YAML_TEXT_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+")
 
 
