@@ -1,19 +1,24 @@
 """The open step's state (:class:`StepState`): what a step accumulates between
 ``begin_train_step`` and ``finish_train_step`` of :class:`splitrl.train.worker.TrainWorker`.
 
-Per microbatch the counts and metrics stay on the device (``pending``); finish reads them back
-once and adds them into the host sums (:meth:`StepState.absorb_pending`).
+Per microbatch the counts and metrics stay on the device, one row each
+(:meth:`StepState.record_microbatch`); finish reads them back once and adds them into the host
+sums (:meth:`StepState.absorb_pending`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from splitrl.loss.base import Normalizer, PolicyLoss
+from splitrl.loss.base import Metric, Normalizer, PolicyLoss
 from splitrl.train.batch import TrainBatch
 from splitrl.train.side_grads import SideLossGradients
+
+if TYPE_CHECKING:
+    from splitrl.models.policy import PolicyOutput
 
 
 @dataclass
@@ -40,6 +45,30 @@ class StepState:
     expected_num_tokens: int | None = None
     # a heads-only warm-up step with ``mtp_warmup_update_samples``: its chunks, run at finish
     warmup_chunks: list[TrainBatch] | None = None
+
+    def record_microbatch(
+        self,
+        n_valid: torch.Tensor,
+        n_samples: torch.Tensor,
+        out: PolicyOutput,
+        metrics: dict[str, Metric],
+        num_mtp_depths: int,
+        is_moe: bool,
+    ) -> None:
+        """Queue a microbatch's counts and metrics as one device-side row (no sync: the host
+        queues the next microbatch while this one runs); :meth:`absorb_pending` reads them."""
+        D = num_mtp_depths
+        names = list(metrics)
+        parts = [n_valid, n_samples]
+        if is_moe:
+            parts += [n_valid * out.moe_aux, n_valid * out.moe_load_max]
+        if D > 0:
+            parts += [*out.mtp_loss_sums, *out.mtp_hit_sums, *out.mtp_counts]
+        parts += [metrics[k].value for k in names]
+        self.pending.append((torch.stack([p.detach().double().reshape(()) for p in parts]), names))
+        if not self.metric_specs:
+            self.metric_specs = {k: (m.normalizer, m.reduce) for k, m in metrics.items()}
+        self.num_microbatches += 1
 
     def absorb_pending(self, num_mtp_depths: int, is_moe: bool) -> None:
         """Add the microbatches' device-side counts and metrics into the step's host sums (one copy)."""

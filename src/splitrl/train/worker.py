@@ -35,22 +35,16 @@ from splitrl.train.batch import MicroBatch, TrainBatch
 from splitrl.train.checkpoint import ShardedCheckpointer
 from splitrl.train.config import TrainConfig  # noqa: F401 - defined there, torch-free
 from splitrl.train.finish import all_reduce_sums, apply_update, finish_metrics, norms_and_clip, sq_norm
-from splitrl.train.memory_plan import (
-    GiB,
-    MemoryPlan,
-    ModelShape,
-    cuda_free_memory,
-    host_available_memory,
-    plan_memory,
-)
+from splitrl.train.memory_plan import GiB
 from splitrl.train.microbatch import build_microbatches, build_ready_microbatches, empty_microbatch
 from splitrl.train.mixed_precision import ComputeWeights
-from splitrl.train.offload import HostOffload, bucket_indices
+from splitrl.train.offload import HostOffload
 from splitrl.train.optim import DynamicLossScaler, build_optimizer
 from splitrl.train.side_grads import SideLossGradients, needs_side_gradients
 from splitrl.train.speed import apply_speed_config
 from splitrl.train.step_state import StepState
 from splitrl.train.warmup import finish_warmup_in_slices, sliced_warmup
+from splitrl.train.worker_memory import plan_worker_memory, worker_device
 from splitrl.train.worker_state import WorkerState
 
 log = logging.getLogger(__name__)
@@ -85,12 +79,7 @@ class TrainWorker(WorkerState):
         problem = mtp_warmup_problem(cfg.mtp_warmup_steps, model.mtp_config)
         if problem:
             raise ValueError(problem)
-        if cfg.device == "auto":
-            self.device = (
-                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-            )
-        else:
-            self.device = torch.device(cfg.device)
+        self.device = worker_device(cfg.device)
         if cfg.precision != "fp32" and any(p.dtype != torch.float32 for p in model.parameters()):
             raise ValueError("mixed precision keeps fp32 master weights: build the model in fp32")
         self.distributed = du.is_distributed()
@@ -102,7 +91,7 @@ class TrainWorker(WorkerState):
             )
         # what this process held on the device before the worker (e.g. a colocated rollout engine)
         self._memory_base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        self.memory_plan = self._plan_memory(model)
+        self.memory_plan = plan_worker_memory(model, cfg, self.device, self.distributed)
         log.info("%s", self.memory_plan.summary())
         if not self.memory_plan.fits:
             log.warning(
@@ -159,58 +148,6 @@ class TrainWorker(WorkerState):
         self._step: StepState | None = None
         # sharded checkpoints (made here so that their imports happen at start-up, not in a save)
         self.checkpointer = ShardedCheckpointer(self.model, self.optimizer)
-
-    def _plan_memory(self, model: PolicyModel) -> MemoryPlan:
-        """The memory plan of this worker (before the model moves to the device)."""
-        cfg = self.config
-        dev = self.device
-        offload = cfg.optim.offload == "cpu"
-        # memory the model already occupies where the plan counts it (it is part of the estimate)
-        held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == dev.type)
-        if cfg.memory.device_memory_gib is not None:
-            available, source = int(cfg.memory.device_memory_gib * GiB), "train.memory.device_memory_gib"
-        elif dev.type == "cuda":
-            free, source = cuda_free_memory(dev.index if dev.index is not None else torch.cuda.current_device())
-            available = free + held
-        else:
-            free, source = host_available_memory()
-            available = None if free is None else free + held
-        host = None
-        if offload and dev.type == "cuda":  # the masters already in host memory count as available to them
-            free_host = host_available_memory()[0]
-            on_cpu = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
-            host = None if free_host is None else free_host + on_cpu
-        bucket = 0
-        if offload:  # the largest bucket HostOffload will stage (fp32 bytes)
-            numels = [p.numel() for p in model.parameters() if p.requires_grad]
-            groups = bucket_indices(numels, max(1, int(cfg.optim.offload_bucket_mb * 2**20) // 4))
-            bucket = 4 * max((sum(numels[i] for i in g) for g in groups), default=0)
-        packed_dense = (
-            cfg.microbatch.pack_sequences
-            and not model.capabilities.owns_sequence_packing
-            and (dev.type != "cuda" or cfg.speed.packed_attention == "dense")
-        )
-        return plan_memory(
-            ModelShape.from_hf_config(model.config, model.mtp_config),
-            precision=cfg.precision,
-            available_bytes=available,
-            available_source=source,
-            device=str(dev),
-            margin=cfg.memory.margin,
-            offload=cfg.optim.offload,
-            compute_weight_copy=cfg.speed.compute_weight_copy,
-            world_size=du.world_size(),
-            compiled=cfg.speed.compile_layers and dev.type == "cuda" and not self.distributed,
-            fused_head=cfg.speed.fused_head_kernels and dev.type == "cuda",
-            dense_mask=packed_dense,
-            checkpointing=cfg.speed.activation_checkpointing,
-            max_tokens=cfg.microbatch.max_tokens_per_microbatch,
-            micro_batch_size=cfg.microbatch.micro_batch_size,
-            max_auto_tokens=cfg.memory.max_auto_tokens,
-            min_tokens_without_checkpointing=cfg.memory.min_tokens_without_checkpointing,
-            offload_bucket_bytes=bucket,
-            host_available_bytes=host,
-        )
 
     def _report_memory(self) -> None:
         """Log the measured peak of the step just finished (steps 1 and 2, CUDA) next to the estimate."""
@@ -461,17 +398,7 @@ class TrainWorker(WorkerState):
 
         # every count and metric of the microbatch stays on the device until finish: no sync here,
         # so the host queues the next microbatch while this one runs
-        names = list(lo.metrics)
-        parts = [n_valid, mb.sample_mask.sum()]
-        if model.is_moe:
-            parts += [n_valid * out.moe_aux, n_valid * out.moe_load_max]
-        if D > 0:
-            parts += [*out.mtp_loss_sums, *out.mtp_hit_sums, *out.mtp_counts]
-        parts += [lo.metrics[k].value for k in names]
-        st.pending.append((torch.stack([p.detach().double().reshape(()) for p in parts]), names))
-        if not st.metric_specs:
-            st.metric_specs = {k: (m.normalizer, m.reduce) for k, m in lo.metrics.items()}
-        st.num_microbatches += 1
+        st.record_microbatch(n_valid, mb.sample_mask.sum(), out, lo.metrics, D, model.is_moe)
 
     def abort_train_step(self) -> None:
         """Drop the open step's gradients, counts and metrics; no optimizer step. Idempotent."""
