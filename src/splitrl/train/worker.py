@@ -18,6 +18,11 @@ and so does the router load-balancing loss of a MoE backbone (raw sum Î£_mb n_tÂ
 N_t; :mod:`splitrl.models.moe`): under TOKEN_LEVEL every part shares 1/N_t (one backward); under
 SEQUENCE_LEVEL the N_t-normalized part is accumulated apart and combined at finish
 (:mod:`splitrl.train.side_grads`, a second backward).
+
+The worker runs the microbatches; the rest sits next to it: the open step's sums
+(:mod:`~splitrl.train.step_state`), the finish arithmetic (:mod:`~splitrl.train.finish`), the
+heads-only warm-up in slices (:mod:`~splitrl.train.warmup`), state dicts and checkpoints
+(:mod:`~splitrl.train.worker_state`), the device and memory plan (:mod:`~splitrl.train.worker_memory`).
 """
 
 from __future__ import annotations
