@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+from typing import NoReturn
 
 from splitrl.logging.console import guard_console
 
@@ -84,6 +85,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    """Parse the command line and run its sub-command (the exit status)."""
+    parser, sub = _build_parser()
+    args, extra = parser.parse_known_args(argv)
+    command = sub.choices[args.command]  # its usage line and flags name what was wrong
+    if args.command == "config":
+        if extra:
+            _unrecognized(command, extra)
+        return _print_reference(args.filter)
+    if args.command != "train":  # generate / eval (splitrl.cli_eval)
+        bad = [x for x in extra if x.startswith("-") or "=" not in x]
+        if bad:
+            _unrecognized(command, bad)
+        args.overrides = list(args.overrides) + extra
+        return args.run(args)
+    unknown = [x for x in extra if x.startswith("-") or "=" not in x]
+    if unknown:
+        _unrecognized(command, unknown, _flag_hint(extra, sys.argv[1:] if argv is None else argv))
+    args.overrides = list(args.overrides) + extra
+    return _train(args)
+
+
+def _build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    """The ``splitrl`` parser and its sub-commands (train, config, and those of :mod:`splitrl.cli_eval`)."""
     from splitrl import __version__
     from splitrl.cli_eval import OnlyOnce, add_eval_commands
     from splitrl.config_help import TRAIN_EPILOG
@@ -105,22 +129,11 @@ def _main(argv: list[str] | None) -> int:
     c = sub.add_parser("config", allow_abbrev=False, help="print every config key with its type, default and meaning")
     c.add_argument("filter", nargs="?", help="only keys whose path contains this text, e.g. mtp")
     add_eval_commands(sub)
-    args, extra = parser.parse_known_args(argv)
-    command = sub.choices[args.command]  # its usage line and flags name what was wrong
-    if args.command == "config":
-        if extra:
-            _unrecognized(command, extra)
-        return _print_reference(args.filter)
-    if args.command != "train":  # generate / eval (splitrl.cli_eval)
-        bad = [x for x in extra if x.startswith("-") or "=" not in x]
-        if bad:
-            _unrecognized(command, bad)
-        args.overrides = list(args.overrides) + extra
-        return args.run(args)
-    unknown = [x for x in extra if x.startswith("-") or "=" not in x]
-    if unknown:
-        _unrecognized(command, unknown, _flag_hint(extra, sys.argv[1:] if argv is None else argv))
-    args.overrides = list(args.overrides) + extra
+    return parser, sub
+
+
+def _train(args: argparse.Namespace) -> int:
+    """``splitrl train``: load the run config (the CPU demo without one), then print it or run it."""
     # before logging and the progress bar capture the streams: a console whose reader died
     # (``| tee log`` + Ctrl-C) must not stop the final checkpoint
     guard_console()
@@ -143,18 +156,28 @@ def _main(argv: list[str] | None) -> int:
         print(f"splitrl: {e}", file=sys.stderr)
         return 2
     if args.print_config:
-        import yaml
+        return _print_config(config)
+    return _run(config)
 
-        from splitrl.controller.preflight import model_hf_config
 
-        try:  # the model's own keys too (transformers keeps a misspelt one silently)
-            model_hf_config(config)
-        except ValueError as e:
-            print(f"splitrl: {e}", file=sys.stderr)
-            return 2
+def _print_config(config) -> int:
+    """``splitrl train --print-config``: the resolved config as YAML, once the model's keys check out."""
+    import yaml
 
-        print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
-        return 0
+    from splitrl.controller.preflight import model_hf_config
+
+    try:  # the model's own keys too (transformers keeps a misspelt one silently)
+        model_hf_config(config)
+    except ValueError as e:
+        print(f"splitrl: {e}", file=sys.stderr)
+        return 2
+
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+    return 0
+
+
+def _run(config) -> int:
+    """Run ``config`` to its end; every way it can stop is one line on stderr and an exit status."""
     try:
         from splitrl.controller.controller import CheckpointError, StallError, StepFailed, train
     except ValueError as e:  # a setting read at import: SPLITRL_* environment variables
@@ -172,41 +195,58 @@ def _main(argv: list[str] | None) -> int:
         with logging_redirect_tqdm():  # log lines above the progress bar, not through it
             result = train(config)
     except KeyboardInterrupt:
-        # during start-up, or a second Ctrl-C after the run's handlers are gone (its shutdown,
-        # after the stop checkpoint was written): say what is on disk, not "nothing to save"
-        from splitrl.controller.run_checkpoint import complete_checkpoints
-
-        sig = _terminated.signum or signal.SIGINT
-        saved = complete_checkpoints(config.output_dir)
-        print(
-            f"splitrl: {signal.Signals(sig).name}: stopped; "
-            + (f"the newest checkpoint is {saved[-1]}" if saved else f"no checkpoint in {config.output_dir}"),
-            file=sys.stderr,
-        )
-        return 128 + int(sig)
+        return _report_interrupt(config.output_dir)
     except StallError as e:
-        print(f"splitrl: stopped: {e}", file=sys.stderr)
-        # a hung worker thread cannot be joined: leave without waiting for it
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(1)
+        _exit_stalled(e)
     except (StepFailed, CheckpointError) as e:
         print(f"splitrl: stopped: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # a full disk or lost permissions while writing metrics or logs
-        where = f" ({e.filename})" if e.filename else ""
-        print(
-            f"splitrl: stopped: cannot write the run's files: {e.strerror or e}{where}. Fix it and rerun the same "
-            "command: it resumes from the newest intact checkpoint",
-            file=sys.stderr,
-        )
-        return 1
+        return _report_unwritable(e)
     except ValueError as e:  # preflight: a data file, the tokenizer, a resume mismatch
         print(f"splitrl: {e}", file=sys.stderr)
         return 2
     finally:
         if old_sigterm is not None:
             signal.signal(signal.SIGTERM, old_sigterm)
+    return _report_result(result)
+
+
+def _report_interrupt(output_dir) -> int:
+    """Ctrl-C / SIGTERM during start-up, or a second one after the run's handlers are gone (its
+    shutdown, after the stop checkpoint was written): say what is on disk, not "nothing to save"."""
+    from splitrl.controller.run_checkpoint import complete_checkpoints
+
+    sig = _terminated.signum or signal.SIGINT
+    saved = complete_checkpoints(output_dir)
+    print(
+        f"splitrl: {signal.Signals(sig).name}: stopped; "
+        + (f"the newest checkpoint is {saved[-1]}" if saved else f"no checkpoint in {output_dir}"),
+        file=sys.stderr,
+    )
+    return 128 + int(sig)
+
+
+def _exit_stalled(e: Exception) -> NoReturn:
+    print(f"splitrl: stopped: {e}", file=sys.stderr)
+    # a hung worker thread cannot be joined: leave without waiting for it
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def _report_unwritable(e: OSError) -> int:
+    where = f" ({e.filename})" if e.filename else ""
+    print(
+        f"splitrl: stopped: cannot write the run's files: {e.strerror or e}{where}. Fix it and rerun the same "
+        "command: it resumes from the newest intact checkpoint",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def _report_result(result) -> int:
+    """The run's one summary line; the exit status (after a signal the shell's 128 + its number)."""
     last = result.metrics[-1] if result.metrics else {}
     print(
         f"splitrl: {result.steps_done} steps in {result.output_dir}"

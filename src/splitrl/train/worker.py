@@ -18,136 +18,44 @@ and so does the router load-balancing loss of a MoE backbone (raw sum Σ_mb n_t�
 N_t; :mod:`splitrl.models.moe`): under TOKEN_LEVEL every part shares 1/N_t (one backward); under
 SEQUENCE_LEVEL the N_t-normalized part is accumulated apart and combined at finish
 (:mod:`splitrl.train.side_grads`, a second backward).
+
+The worker runs the microbatches; the rest sits next to it: the open step's sums
+(:mod:`~splitrl.train.step_state`), the finish arithmetic (:mod:`~splitrl.train.finish`), the
+heads-only warm-up in slices (:mod:`~splitrl.train.warmup`), state dicts and checkpoints
+(:mod:`~splitrl.train.worker_state`), the device and memory plan (:mod:`~splitrl.train.worker_memory`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
-from dataclasses import dataclass, field
 
 import torch
 
 from splitrl.config_checks import mtp_warmup_problem
 from splitrl.distributed import utils as du
-from splitrl.loss.base import LossType, Normalizer, PolicyLoss
+from splitrl.loss.base import LossType, PolicyLoss
 from splitrl.models.policy import PolicyModel
 from splitrl.train.batch import MicroBatch, TrainBatch
 from splitrl.train.checkpoint import ShardedCheckpointer
 from splitrl.train.config import TrainConfig  # noqa: F401 - defined there, torch-free
-from splitrl.train.memory_plan import (
-    NORM_CHUNK,
-    GiB,
-    MemoryPlan,
-    ModelShape,
-    cuda_free_memory,
-    host_available_memory,
-    plan_memory,
-)
+from splitrl.train.finish import all_reduce_sums, apply_update, finish_metrics, norms_and_clip, sq_norm
+from splitrl.train.memory_plan import GiB
 from splitrl.train.microbatch import build_microbatches, build_ready_microbatches, empty_microbatch
 from splitrl.train.mixed_precision import ComputeWeights
-from splitrl.train.offload import HostOffload, bucket_indices
+from splitrl.train.offload import HostOffload
 from splitrl.train.optim import DynamicLossScaler, build_optimizer
 from splitrl.train.side_grads import SideLossGradients, needs_side_gradients
 from splitrl.train.speed import apply_speed_config
+from splitrl.train.step_state import StepState
+from splitrl.train.warmup import finish_warmup_in_slices, sliced_warmup
+from splitrl.train.worker_memory import plan_worker_memory, worker_device
+from splitrl.train.worker_state import WorkerState
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _StepState:
-    loss_fn: PolicyLoss
-    loss_multiplier: float
-    num_tokens: torch.Tensor  # float64 scalar, local N_t
-    num_samples: torch.Tensor  # local N_s
-    mtp_sums: torch.Tensor  # [3, D] float64: CE, hits, counts
-    moe_sums: torch.Tensor  # [2] float64: Σ n_t·L_aux, Σ n_t·expert_load_max
-    # SEQUENCE_LEVEL with N_t-normalized losses reaching the policy: their share, kept apart
-    side: SideLossGradients | None = None
-    metric_sums: dict[str, torch.Tensor] = field(default_factory=dict)
-    metric_specs: dict[str, tuple[Normalizer | None, str]] = field(default_factory=dict)
-    num_microbatches: int = 0
-    num_chunks: int = 0
-    # per microbatch: its counts and metrics, still on the device; read back once, at finish
-    pending: list[tuple[torch.Tensor, list[str]]] = field(default_factory=list)
-    # coalesce_chunks: the samples of the last, unfilled microbatch, and a chunk to shape empty ones
-    carry: TrainBatch | None = None
-    template: TrainBatch | None = None
-    expected_num_tokens: int | None = None
-    # a heads-only warm-up step with ``mtp_warmup_update_samples``: its chunks, run at finish
-    warmup_chunks: list[TrainBatch] | None = None
-
-
-def _combine_slice_metrics(slices: list[dict[str, float]], num_depths: int) -> dict[str, float]:
-    """One step's metrics from those of its warm-up slices (see ``_finish_warmup_in_slices``)."""
-
-    def weighted(key: str, weight_key: str) -> float:
-        pairs = [(r[key], r[weight_key]) for r in slices if r[weight_key] > 0 and math.isfinite(r[key])]
-        total = sum(w for _, w in pairs)
-        return sum(v * w for v, w in pairs) / total if total else float("nan")
-
-    out = dict(slices[-1])
-    summed = {"num_valid_tokens", "num_valid_samples"} | {f"mtp/mtp_{k}_num_tokens" for k in range(1, num_depths + 1)}
-    per_depth = {f"mtp/mtp_{k}_{x}": f"mtp/mtp_{k}_num_tokens" for k in range(1, num_depths + 1)
-                 for x in ("loss", "acceptance_rate")}  # fmt: skip
-    flags = {"skipped_step", "empty_step", "nonfinite_grad", "mtp_warmup", "lr", "loss_scale"}
-    for key in out:
-        if key in summed:
-            out[key] = sum(r[key] for r in slices)
-        elif key in per_depth:
-            out[key] = weighted(key, per_depth[key])
-        elif key not in flags:
-            out[key] = weighted(key, "num_valid_tokens")
-    out["skipped_step"] = float(all(r["skipped_step"] for r in slices))
-    out["empty_step"] = float(all(r["empty_step"] for r in slices))
-    out["nonfinite_grad"] = float(any(r["nonfinite_grad"] for r in slices))
-    out["mtp_warmup_updates"] = float(sum(1 for r in slices if not r["skipped_step"]))
-    return out
-
-
-@dataclass
-class _StepTotals:
-    """A finishing step's sums over every chunk and rank (floats; see ``_all_reduce_sums``)."""
-
-    n_tokens: float  # N_t
-    n_samples: float  # N_s
-    sq_main: float  # Σ g² of the policy parameters (one accumulator)
-    sq_mtp: float  # Σ g² of the MTP parameters
-    sq_a: float  # side gradients: Σ a², Σ b², Σ a·b of the two policy accumulators
-    sq_b: float
-    dot_ab: float
-    moe_aux_sum: float  # Σ n_t·L_aux
-    moe_load_sum: float  # Σ n_t·expert_load_max
-    mtp_sums: torch.Tensor  # [3, D]: CE, hits, counts
-    metric_sums: dict[str, float]  # summed metrics (raw)
-    extrema: dict[str, float]  # min / max metrics
-
-
-@dataclass
-class _Clipping:
-    """How a finishing step scales its gradients (see ``_norms_and_clip``)."""
-
-    main_denom: float  # N_t or N_s, the loss type's
-    empty: bool  # the denominator is 0: nothing to learn from
-    nonfinite: bool  # a squared norm is inf / NaN
-    warmup: bool  # an MTP warm-up step: only the heads train
-    inv_main: float  # 1 / (loss scale · multiplier · main_denom)
-    inv_mtp: float  # 1 / (loss scale · multiplier · N_t)
-    main_coef: float  # clip coefficients
-    mtp_coef: float
-    norm_metrics: dict[str, float]  # grad_norm (and mtp/grad_norm with detached heads)
-
-    @property
-    def skipped(self) -> bool:
-        return self.empty or self.nonfinite
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-class TrainWorker:
+class TrainWorker(WorkerState):
     """One data-parallel train worker (or the only one).
 
     With ``torch.distributed`` initialized the model is sharded with FSDP2 over the default group
@@ -176,12 +84,7 @@ class TrainWorker:
         problem = mtp_warmup_problem(cfg.mtp_warmup_steps, model.mtp_config)
         if problem:
             raise ValueError(problem)
-        if cfg.device == "auto":
-            self.device = (
-                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-            )
-        else:
-            self.device = torch.device(cfg.device)
+        self.device = worker_device(cfg.device)
         if cfg.precision != "fp32" and any(p.dtype != torch.float32 for p in model.parameters()):
             raise ValueError("mixed precision keeps fp32 master weights: build the model in fp32")
         self.distributed = du.is_distributed()
@@ -193,7 +96,7 @@ class TrainWorker:
             )
         # what this process held on the device before the worker (e.g. a colocated rollout engine)
         self._memory_base = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        self.memory_plan = self._plan_memory(model)
+        self.memory_plan = plan_worker_memory(model, cfg, self.device, self.distributed)
         log.info("%s", self.memory_plan.summary())
         if not self.memory_plan.fits:
             log.warning(
@@ -247,61 +150,9 @@ class TrainWorker:
         self.steps_finished = 0
         self._in_warmup_slice = False
         self.updates_applied = 0
-        self._step: _StepState | None = None
+        self._step: StepState | None = None
         # sharded checkpoints (made here so that their imports happen at start-up, not in a save)
         self.checkpointer = ShardedCheckpointer(self.model, self.optimizer)
-
-    def _plan_memory(self, model: PolicyModel) -> MemoryPlan:
-        """The memory plan of this worker (before the model moves to the device)."""
-        cfg = self.config
-        dev = self.device
-        offload = cfg.optim.offload == "cpu"
-        # memory the model already occupies where the plan counts it (it is part of the estimate)
-        held = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == dev.type)
-        if cfg.memory.device_memory_gib is not None:
-            available, source = int(cfg.memory.device_memory_gib * GiB), "train.memory.device_memory_gib"
-        elif dev.type == "cuda":
-            free, source = cuda_free_memory(dev.index if dev.index is not None else torch.cuda.current_device())
-            available = free + held
-        else:
-            free, source = host_available_memory()
-            available = None if free is None else free + held
-        host = None
-        if offload and dev.type == "cuda":  # the masters already in host memory count as available to them
-            free_host = host_available_memory()[0]
-            on_cpu = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cpu")
-            host = None if free_host is None else free_host + on_cpu
-        bucket = 0
-        if offload:  # the largest bucket HostOffload will stage (fp32 bytes)
-            numels = [p.numel() for p in model.parameters() if p.requires_grad]
-            groups = bucket_indices(numels, max(1, int(cfg.optim.offload_bucket_mb * 2**20) // 4))
-            bucket = 4 * max((sum(numels[i] for i in g) for g in groups), default=0)
-        packed_dense = (
-            cfg.microbatch.pack_sequences
-            and not model.capabilities.owns_sequence_packing
-            and (dev.type != "cuda" or cfg.speed.packed_attention == "dense")
-        )
-        return plan_memory(
-            ModelShape.from_hf_config(model.config, model.mtp_config),
-            precision=cfg.precision,
-            available_bytes=available,
-            available_source=source,
-            device=str(dev),
-            margin=cfg.memory.margin,
-            offload=cfg.optim.offload,
-            compute_weight_copy=cfg.speed.compute_weight_copy,
-            world_size=du.world_size(),
-            compiled=cfg.speed.compile_layers and dev.type == "cuda" and not self.distributed,
-            fused_head=cfg.speed.fused_head_kernels and dev.type == "cuda",
-            dense_mask=packed_dense,
-            checkpointing=cfg.speed.activation_checkpointing,
-            max_tokens=cfg.microbatch.max_tokens_per_microbatch,
-            micro_batch_size=cfg.microbatch.micro_batch_size,
-            max_auto_tokens=cfg.memory.max_auto_tokens,
-            min_tokens_without_checkpointing=cfg.memory.min_tokens_without_checkpointing,
-            offload_bucket_bytes=bucket,
-            host_available_bytes=host,
-        )
 
     def _report_memory(self) -> None:
         """Log the measured peak of the step just finished (steps 1 and 2, CUDA) next to the estimate."""
@@ -375,7 +226,7 @@ class TrainWorker:
             torch.cuda.reset_peak_memory_stats(self.device)  # for the comparison with the plan (_report_memory)
         D = self.model.num_mtp_depths
         zero = torch.zeros((), dtype=torch.float64)
-        self._step = _StepState(
+        self._step = StepState(
             loss_fn=loss_fn,
             loss_multiplier=1.0 / expected_num_tokens if expected_num_tokens else 1.0,
             num_tokens=zero.clone(),
@@ -388,17 +239,7 @@ class TrainWorker:
                 else None
             ),
             expected_num_tokens=expected_num_tokens,
-            warmup_chunks=[] if self._sliced_warmup() else None,
-        )
-
-    def _sliced_warmup(self) -> bool:
-        """This step is a heads-only warm-up step that applies one update per
-        ``mtp_warmup_update_samples`` of its samples (and no slice of it is running yet)."""
-        cfg = self.config
-        return (
-            cfg.mtp_warmup_update_samples is not None
-            and self.steps_finished < cfg.mtp_warmup_steps
-            and not self._in_warmup_slice
+            warmup_chunks=[] if sliced_warmup(self) else None,
         )
 
     def _validate_chunk(self, chunk: TrainBatch, loss_fn: PolicyLoss) -> None:
@@ -457,7 +298,7 @@ class TrainWorker:
         st.num_chunks += 1
         return {"num_microbatches": len(mbs), "num_samples": len(chunk), "num_tokens": chunk.num_tokens}
 
-    def _cut(self, chunk: TrainBatch, st: _StepState) -> list[MicroBatch]:
+    def _cut(self, chunk: TrainBatch, st: StepState) -> list[MicroBatch]:
         """The microbatches to run now (see ``MicrobatchConfig.coalesce_chunks``); no state changes on error."""
         cfg, caps = self.config.microbatch, self.model.capabilities
         if not cfg.coalesce_chunks:
@@ -472,7 +313,7 @@ class TrainWorker:
         st.carry, st.template = rest, chunk
         return mbs + ready
 
-    def _flush(self, st: _StepState) -> None:
+    def _flush(self, st: StepState) -> None:
         """Run the carried samples (collective: every rank agrees on the count, as per chunk)."""
         if not self.config.microbatch.coalesce_chunks:
             return
@@ -484,7 +325,7 @@ class TrainWorker:
         for mb in mbs:
             self._run_microbatch(mb, st)
 
-    def _run_microbatch(self, mb: MicroBatch, st: _StepState) -> None:
+    def _run_microbatch(self, mb: MicroBatch, st: StepState) -> None:
         if self.device.type == "cuda":
             # from pinned memory the copy is queued behind the running kernels instead of waiting for them
             mb = mb.pin_memory().to(self.device, non_blocking=True)
@@ -497,7 +338,7 @@ class TrainWorker:
         with cw.active() if cw is not None else contextlib.nullcontext():
             self._forward_backward(mb, st)
 
-    def _forward_backward(self, mb: MicroBatch, st: _StepState) -> None:
+    def _forward_backward(self, mb: MicroBatch, st: StepState) -> None:
         model = self.model
         D = model.num_mtp_depths
         # an MTP warm-up step drops the policy's gradients at finish; with detached heads on one
@@ -562,70 +403,18 @@ class TrainWorker:
 
         # every count and metric of the microbatch stays on the device until finish: no sync here,
         # so the host queues the next microbatch while this one runs
-        names = list(lo.metrics)
-        parts = [n_valid, mb.sample_mask.sum()]
-        if model.is_moe:
-            parts += [n_valid * out.moe_aux, n_valid * out.moe_load_max]
-        if D > 0:
-            parts += [*out.mtp_loss_sums, *out.mtp_hit_sums, *out.mtp_counts]
-        parts += [lo.metrics[k].value for k in names]
-        st.pending.append((torch.stack([p.detach().double().reshape(()) for p in parts]), names))
-        if not st.metric_specs:
-            st.metric_specs = {k: (m.normalizer, m.reduce) for k, m in lo.metrics.items()}
-        st.num_microbatches += 1
-
-    def _absorb_pending(self, st: _StepState) -> None:
-        """Add the microbatches' device-side counts and metrics into the step's host sums (one copy)."""
-        if not st.pending:
-            return
-        rows = torch.stack([v for v, _ in st.pending]).cpu()
-        names_of = [n for _, n in st.pending]
-        st.pending = []
-        D = self.model.num_mtp_depths
-        for host, names in zip(rows, names_of):
-            self._absorb(st, host, names, D, self.model.is_moe)
-
-    @staticmethod
-    def _absorb(st: _StepState, host: torch.Tensor, names: list[str], D: int, is_moe: bool) -> None:
-        st.num_tokens += host[0]
-        st.num_samples += host[1]
-        if is_moe:
-            st.moe_sums += host[2:4]
-            host = torch.cat([host[:2], host[4:]])
-        if D > 0:
-            st.mtp_sums += host[2 : 2 + 3 * D].reshape(3, D)
-        for k, v in zip(names, host[2 + 3 * D :]):
-            reduce = st.metric_specs[k][1]
-            if k not in st.metric_sums:
-                st.metric_sums[k] = v
-            elif reduce == "sum":
-                st.metric_sums[k] = st.metric_sums[k] + v
-            elif reduce == "min":
-                st.metric_sums[k] = torch.minimum(st.metric_sums[k], v)
-            else:
-                st.metric_sums[k] = torch.maximum(st.metric_sums[k], v)
+        st.record_microbatch(n_valid, mb.sample_mask.sum(), out, lo.metrics, D, model.is_moe)
 
     def abort_train_step(self) -> None:
         """Drop the open step's gradients, counts and metrics; no optimizer step. Idempotent."""
         self._zero_grads()
         self._step = None
 
-    def _sq_norm(self, params: list[tuple[str, torch.nn.Parameter]]) -> torch.Tensor:
-        """Σ g² in fp64 over this rank's gradient elements, read in pieces of ``NORM_CHUNK``
-        elements (a whole fp64 copy and its square of the largest gradient, 16 bytes an element,
-        was the largest buffer of finish: 10 GB for the 8 B shape's embedding)."""
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in self._grads(params):
-            if g is not None:
-                for piece in _local(g).detach().reshape(-1).split(NORM_CHUNK):
-                    total += piece.double().pow(2).sum()
-        return total.cpu()
-
     def finish_train_step(self) -> dict[str, float]:
         """All-reduce the counts, normalize and clip the gradients, step, and return metrics.
 
         A heads-only warm-up step with ``mtp_warmup_update_samples`` = m applies one update per
-        m samples instead (:meth:`_finish_warmup_in_slices`).
+        m samples instead (:func:`splitrl.train.warmup.finish_warmup_in_slices`).
 
         Returns:
             metrics (floats): the loss's metrics, each divided by its own denominator;
@@ -646,237 +435,37 @@ class TrainWorker:
         if st is None:
             raise RuntimeError("finish_train_step() called with no open step; call begin_train_step(loss_fn) first")
         if st.warmup_chunks is not None:
-            metrics = self._finish_warmup_in_slices(st)
+            metrics = finish_warmup_in_slices(self, st)
         else:
             metrics = self._finish_update(st, advance=True)
         self._report_memory()
         return metrics
 
-    def _finish_update(self, st: _StepState, *, advance: bool) -> dict[str, float]:
+    def _finish_update(self, st: StepState, *, advance: bool) -> dict[str, float]:
         """The body of :meth:`finish_train_step`; ``advance=False`` (a warm-up slice) leaves the LR
         schedule and the step count alone."""
+        D, is_moe = self.model.num_mtp_depths, self.model.is_moe
         self._flush(st)
-        self._absorb_pending(st)
-        totals = self._all_reduce_sums(st)
-        clip = self._norms_and_clip(st, totals)
+        st.absorb_pending(D, is_moe)
+        sq_mtp = sq_norm(self._grads(self.mtp_params), self.device)
+        sq_main = sq_norm(self._grads(self.main_params), self.device) if st.side is None else None
+        totals = all_reduce_sums(st, D, sq_main, sq_mtp)
+        clip = norms_and_clip(
+            st,
+            totals,
+            loss_scale=self.scaler.scale if self.scaler is not None else 1.0,
+            optim=self.config.optim,
+            detached_heads=self.detached_heads,
+            warmup=self.steps_finished < self.config.mtp_warmup_steps,
+        )
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer.param_groups else 0.0
-        self._update(st, clip, advance=advance)
-        metrics = self._finish_metrics(st, totals, clip, lr)
+        apply_update(self, st, clip, advance=advance)
+        loss_scale = None if self.scaler is None else self.scaler.scale  # after the update of the scale
+        metrics = finish_metrics(st, totals, clip, lr, num_mtp_depths=D, is_moe=is_moe, loss_scale=loss_scale)
         if advance:
             self.steps_finished += 1
         self._step = None
         return metrics
-
-    def _all_reduce_sums(self, st: _StepState) -> _StepTotals:
-        """The step's global counts, squared gradient norms and metric sums: one all-reduce for
-        every sum (counts, norms, the side-gradient terms, MoE and MTP sums, summed metrics), one
-        each for the min and the max metrics."""
-        D = self.model.num_mtp_depths
-        names = sorted(st.metric_specs)
-        sum_names = [k for k in names if st.metric_specs[k][1] == "sum"]
-        sq_mtp = self._sq_norm(self.mtp_params)
-        if st.side is None:
-            sq_main, sep = self._sq_norm(self.main_params), torch.zeros(3, dtype=torch.float64)
-        else:  # (Σa², Σb², Σa·b) of the two policy accumulators (see side_grads)
-            sq_main, sep = torch.zeros((), dtype=torch.float64), st.side.local_sq_terms()
-        sums = torch.cat(
-            [
-                torch.stack([st.num_tokens, st.num_samples, sq_main, sq_mtp]),
-                sep,
-                st.moe_sums,
-                st.mtp_sums.reshape(-1),
-                torch.stack([st.metric_sums[k] for k in sum_names])
-                if sum_names
-                else torch.zeros(0, dtype=torch.float64),
-            ]
-        )
-        du.all_reduce(sums, "sum")
-        extrema = {}
-        for op in ("min", "max"):
-            ks = [k for k in names if st.metric_specs[k][1] == op]
-            if ks:
-                vals = du.all_reduce(torch.stack([st.metric_sums[k] for k in ks]), op)
-                extrema.update(dict(zip(ks, vals.tolist())))
-        n_tokens, n_samples, sq_main, sq_mtp = sums[:4].tolist()
-        sq_a, sq_b, dot_ab = sums[4:7].tolist()
-        moe_aux_sum, moe_load_sum = sums[7:9].tolist()
-        return _StepTotals(
-            n_tokens=n_tokens,
-            n_samples=n_samples,
-            sq_main=sq_main,
-            sq_mtp=sq_mtp,
-            sq_a=sq_a,
-            sq_b=sq_b,
-            dot_ab=dot_ab,
-            moe_aux_sum=moe_aux_sum,
-            moe_load_sum=moe_load_sum,
-            mtp_sums=sums[9 : 9 + 3 * D].reshape(3, D),
-            metric_sums=dict(zip(sum_names, sums[9 + 3 * D :].tolist())),
-            extrema=extrema,
-        )
-
-    def _norms_and_clip(self, st: _StepState, t: _StepTotals) -> _Clipping:
-        """The loss denominator, the factors that normalize the gradients (and unscale the fp16
-        loss scale and the loss multiplier), the pre-clip norms and the clip coefficients:
-        policy and MTP groups apart with detached heads, one norm over both with attached ones."""
-        loss_type = LossType(st.loss_fn.loss_type)
-        main_denom = t.n_tokens if loss_type == LossType.TOKEN_LEVEL else t.n_samples
-        raw_scale = st.loss_multiplier * (self.scaler.scale if self.scaler is not None else 1.0)
-        empty = main_denom == 0
-        norm_metrics: dict[str, float] = {}
-
-        inv_main = 1.0 / (raw_scale * main_denom) if not empty else 0.0
-        inv_mtp = 1.0 / (raw_scale * t.n_tokens) if t.n_tokens > 0 else 0.0
-        mtp_norm = math.sqrt(t.sq_mtp) * inv_mtp
-        if st.side is not None:
-            # ‖a/N_s + b/N_t‖ of the combined policy gradient, from the all-reduced terms
-            sq = inv_main**2 * t.sq_a + inv_mtp**2 * t.sq_b + 2.0 * inv_main * inv_mtp * t.dot_ab
-            main_norm = math.sqrt(max(sq, 0.0)) if math.isfinite(sq) else sq
-            nonfinite = not all(math.isfinite(x) for x in (t.sq_a, t.sq_b, t.dot_ab, t.sq_mtp))
-        else:
-            main_norm = math.sqrt(t.sq_main) * inv_main
-            nonfinite = not (math.isfinite(t.sq_main) and math.isfinite(t.sq_mtp))
-        optim = self.config.optim
-        if self.detached_heads:
-            main_coef = _clip_coef(main_norm, optim.max_grad_norm)
-            mtp_limit = optim.mtp_max_grad_norm if optim.mtp_max_grad_norm is not None else optim.max_grad_norm
-            mtp_coef = _clip_coef(mtp_norm, mtp_limit)
-            norm_metrics["grad_norm"] = main_norm
-            norm_metrics["mtp/grad_norm"] = mtp_norm
-        else:
-            # attached heads: MTP parameters are part of the policy's norm and clip
-            total_norm = math.sqrt(main_norm**2 + mtp_norm**2)
-            main_coef = mtp_coef = _clip_coef(total_norm, optim.max_grad_norm)
-            norm_metrics["grad_norm"] = total_norm
-        warmup = self.steps_finished < self.config.mtp_warmup_steps
-        if warmup and not self.detached_heads:  # the heads' own norm: the policy's grads are dropped
-            mtp_limit = optim.mtp_max_grad_norm if optim.mtp_max_grad_norm is not None else optim.max_grad_norm
-            mtp_coef = _clip_coef(mtp_norm, mtp_limit)
-        return _Clipping(
-            main_denom=main_denom,
-            empty=empty,
-            nonfinite=nonfinite,
-            warmup=warmup,
-            inv_main=inv_main,
-            inv_mtp=inv_mtp,
-            main_coef=main_coef,
-            mtp_coef=mtp_coef,
-            norm_metrics=norm_metrics,
-        )
-
-    def _update(self, st: _StepState, c: _Clipping, *, advance: bool = True) -> None:
-        """Scale the gradients once (normalization × clip; an MTP warm-up drops the policy's),
-        step the optimizer and the LR schedule (``advance``) — neither on an empty or non-finite
-        step — update the fp16 loss scale and drop the gradients."""
-        if not c.skipped:
-            with torch.no_grad():
-                if c.warmup:  # MTP warmup: AdamW skips parameters without a gradient (no decay, no state)
-                    for _, p in self.main_params:
-                        p.grad = None
-                    if self.offload is not None:
-                        self.offload.drop_grads([p for _, p in self.main_params])
-                elif st.side is not None:
-                    st.side.combine_into_grad(c.inv_main * c.main_coef, c.inv_mtp * c.main_coef)
-                else:
-                    _scale_grads(self._grads(self.main_params), c.inv_main * c.main_coef)
-                _scale_grads(self._grads(self.mtp_params), c.inv_mtp * c.mtp_coef)
-            if self.offload is not None:
-                self.offload.step(self.optimizer)  # on the host, bucket by bucket; weights copied back
-            else:
-                self.optimizer.step()
-            if advance:
-                self.scheduler.step()
-            self.updates_applied += 1
-        if self.scaler is not None and not c.empty:
-            self.scaler.update(c.nonfinite)
-        self._zero_grads()
-
-    def _finish_metrics(self, st: _StepState, t: _StepTotals, c: _Clipping, lr: float) -> dict[str, float]:
-        """The step's metrics (see :meth:`finish_train_step`), each over its own denominator."""
-        D = self.model.num_mtp_depths
-        metrics = dict(c.norm_metrics)
-        denoms = {
-            Normalizer.TOKENS: t.n_tokens,
-            Normalizer.SEQUENCES: t.n_samples,
-            Normalizer.NONE: 1.0,
-            None: c.main_denom,
-        }
-        for k in sorted(st.metric_specs):
-            normalizer, reduce = st.metric_specs[k]
-            if reduce != "sum":
-                v = t.extrema[k]
-                metrics[k] = v if math.isfinite(v) else float("nan")
-            else:
-                d = denoms[normalizer]
-                metrics[k] = t.metric_sums[k] / d if d else float("nan")
-        for k in range(D):
-            ce, hit, cnt = t.mtp_sums[:, k].tolist()
-            metrics[f"mtp/mtp_{k + 1}_loss"] = ce / cnt if cnt else float("nan")
-            metrics[f"mtp/mtp_{k + 1}_acceptance_rate"] = 100.0 * hit / cnt if cnt else float("nan")
-            # the count explains a NaN loss: depth k had no target inside any kept response
-            metrics[f"mtp/mtp_{k + 1}_num_tokens"] = cnt
-        if self.model.is_moe:
-            metrics["moe/aux_loss"] = t.moe_aux_sum / t.n_tokens if t.n_tokens else float("nan")
-            metrics["moe/expert_load_max"] = t.moe_load_sum / t.n_tokens if t.n_tokens else float("nan")
-        metrics.update(
-            {
-                "lr": lr,
-                "num_valid_tokens": t.n_tokens,
-                "num_valid_samples": t.n_samples,
-                "skipped_step": float(c.skipped),
-                "empty_step": float(c.empty),
-                "nonfinite_grad": float(c.nonfinite),
-                "mtp_warmup": float(c.warmup),
-            }
-        )
-        if self.scaler is not None:
-            metrics["loss_scale"] = self.scaler.scale
-        return metrics
-
-    def _finish_warmup_in_slices(self, st: _StepState) -> dict[str, float]:
-        """A heads-only warm-up step as consecutive updates of m = ``mtp_warmup_update_samples``
-        samples each: this rank's samples in the order its chunks came, cut into slices of m, each
-        slice a step of its own (normalized by its own N_t, clipped, one AdamW update of the MTP
-        parameters). Every rank runs as many slices as the rank with the most (empty ones pad).
-        The LR schedule and the step count advance once, as for any step.
-
-        Returns:
-            the metrics of :meth:`finish_train_step`, combined over the slices: counts summed,
-            ``mtp/mtp_{k}_loss`` / ``_acceptance_rate`` weighted by the depth's counted targets
-            (each slice measured before its own update), other metrics weighted by N_t, the flags
-            of the last slice except ``skipped_step`` (1 only when no slice updated) and
-            ``nonfinite_grad`` (1 when any slice had one); ``mtp_warmup_updates`` = the slices.
-        """
-        chunks = st.warmup_chunks
-        full = [c for c in chunks if len(c)]
-        batch = TrainBatch.concat(full) if full else None
-        n, m = (len(batch) if batch is not None else 0), self.config.mtp_warmup_update_samples
-        count = int(du.all_reduce(torch.tensor([-(-n // m)], dtype=torch.float64), "max")[0])
-        template = chunks[0] if chunks else None
-        self._step = None
-        slices = []
-        self._in_warmup_slice = True
-        try:
-            for i in range(max(count, 1)):
-                if batch is not None and i * m < n:
-                    part = batch.select(list(range(i * m, min(n, (i + 1) * m))))
-                else:
-                    part = (batch or template).select([]) if (batch or template) is not None else None
-                self.begin_train_step(st.loss_fn, expected_num_tokens=st.expected_num_tokens)
-                try:
-                    if part is not None:
-                        self.train_microbatch(part)
-                    slices.append(self._finish_update(self._step, advance=False))
-                except BaseException:
-                    self.abort_train_step()
-                    raise
-        finally:
-            self._in_warmup_slice = False
-        applied = any(r["skipped_step"] == 0.0 for r in slices)
-        if applied:
-            self.scheduler.step()
-        self.steps_finished += 1
-        return _combine_slice_metrics(slices, self.model.num_mtp_depths)
 
     def train(
         self, batch: TrainBatch, loss_fn: PolicyLoss, *, expected_num_tokens: int | None = None
@@ -890,147 +479,10 @@ class TrainWorker:
             raise
         return self.finish_train_step()
 
-    # ------------------------------------------------------------------------------ state
-    def state_dict(self) -> dict:
-        """Full (unsharded, CPU) model + optimizer state, LR schedule, loss scaler, counters.
-
-        Collective under data parallelism: every rank must call it.
-        """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        if self._step is not None:
-            raise RuntimeError("state_dict() during an open step; finish or abort it first")
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=opts)
-        # on CPU these are the live tensors: snapshot them, or later steps would change the copy
-        model_sd, optim_sd = _snapshot(model_sd), _snapshot(optim_sd)
-        return {"model": model_sd, "optimizer": optim_sd, **self._extra_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` returned (collective under data parallelism)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        if self._step is not None:
-            raise RuntimeError("load_state_dict() during an open step; finish or abort it first")
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-            options=opts,
-        )
-        self._load_extra_state(state)
-        if self.offload is not None:
-            self.offload.invalidate()
-
-    # ------------------------------------------------------------------------------ sharded checkpoints
-    def _extra_state(self) -> dict:
-        return {
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": None if self.scaler is None else self.scaler.state_dict(),
-            "steps_finished": self.steps_finished,
-            "updates_applied": self.updates_applied,
-        }
-
-    def _load_extra_state(self, state: dict) -> None:
-        self.scheduler.load_state_dict(state["scheduler"])
-        self._apply_configured_optim()
-        if self.scaler is not None and state.get("scaler") is not None:
-            self.scaler.load_state_dict(state["scaler"])
-        self.steps_finished = int(state["steps_finished"])
-        self.updates_applied = int(state["updates_applied"])
-
-    def _apply_configured_optim(self) -> None:
-        """Put this run's learning rate, betas, eps and weight decay over those a checkpoint restored.
-
-        The optimizer and schedule state of a checkpoint carry the settings of the run that wrote
-        it, so a resumed run given a new learning rate trained on with the old one (a new user's
-        trial: the resume warning named the change, ``train/lr`` did not move). The current LR is
-        recomputed as LambdaLR does (base LR · factor(steps done)): unchanged settings give the
-        restored values bit for bit, so a resumed run still equals the uninterrupted one.
-        """
-        steps = self.scheduler.last_epoch
-        for group, conf, factor in zip(self.optimizer.param_groups, self._configured_optim, self.scheduler.lr_lambdas):
-            group.update(betas=conf["betas"], eps=conf["eps"], weight_decay=conf["weight_decay"], initial_lr=conf["lr"])
-            group["lr"] = conf["lr"] * factor(steps)
-        self.scheduler.base_lrs = [conf["lr"] for conf in self._configured_optim]
-        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
-
-    def save_checkpoint(self, directory: str, *, blocking: bool = False) -> float:
-        """Start writing this rank's shards of the model and optimizer, and the LR schedule,
-        loss scaler and counters, into ``directory`` (collective; see :mod:`splitrl.train.checkpoint`).
-
-        Returns once the tensors are staged in CPU memory (the files follow in the background;
-        :meth:`checkpoint_written` / :meth:`wait_checkpoint`); training may go on at once.
-
-        Returns:
-            seconds the call blocked.
-
-        Raises:
-            RuntimeError: a step is open, or the previous checkpoint is still being written.
-        """
-        if self._step is not None:
-            raise RuntimeError("save_checkpoint() during an open step; finish or abort it first")
-        return self.checkpointer.save(directory, self._extra_state(), blocking=blocking)
-
-    def checkpoint_written(self) -> bool:
-        """Whether the files of the last :meth:`save_checkpoint` are on disk (does not block).
-
-        Raises:
-            Exception: the background write failed (an ``OSError`` for a full disk, ...).
-        """
-        return self.checkpointer.done()
-
-    def wait_checkpoint(self) -> None:
-        """Block until the last :meth:`save_checkpoint` is on disk (raises its write's error)."""
-        self.checkpointer.wait()
-
-    def load_checkpoint(self, directory: str) -> None:
-        """Restore what :meth:`save_checkpoint` wrote, from any number of ranks (collective).
-
-        Raises:
-            RuntimeError: a step is open.
-            FileNotFoundError: ``directory`` holds no sharded trainer state.
-        """
-        if self._step is not None:
-            raise RuntimeError("load_checkpoint() during an open step; finish or abort it first")
-        self._load_extra_state(self.checkpointer.load(directory))
-        if self.offload is not None:
-            self.offload.invalidate()
-
-    def full_model_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded CPU tensors of the policy under ``PolicyModel`` names (for weight sync and saving)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
 
 def _same_fields(a: TrainBatch, b: TrainBatch) -> bool:
     names = ("generation_logprobs", "prev_logprobs", "reference_logprobs", "sample_ids")
     return all((getattr(a, n) is None) == (getattr(b, n) is None) for n in names)
-
-
-def _snapshot(tree):
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().clone()
-    if isinstance(tree, dict):
-        return {k: _snapshot(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_snapshot(v) for v in tree)
-    return tree
-
-
-def _clip_coef(norm: float, limit: float | None) -> float:
-    if limit is None or not math.isfinite(norm):
-        return 1.0
-    return min(1.0, limit / (norm + 1e-6))
-
-
-def _scale_grads(grads: list[torch.Tensor | None], factor: float) -> None:
-    for g in grads:
-        if g is not None:
-            g.mul_(factor)
 
 
 def _buffers_to(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
