@@ -594,3 +594,38 @@ def test_eval_greedy_alone_draws_one_sample_per_prompt(tmp_path, capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert "one response per prompt. Alone, that is the only pass" in help_text
     assert "``--greedy`` alone scores one greedy response (top_k=1) per prompt and nothing else" in help_text
+
+
+def test_generate_follows_the_tasks_chat_template_rule(tmp_path, capsys, monkeypatch):
+    """A new user's trial: `generate ... task.chat_template=false` still rendered the chat template
+    (and `=true` on a tokenizer without one ran). generate now encodes prompts by the task's rule."""
+    _checkpoint(tmp_path)
+    rc = main(["generate", str(tmp_path / "run"), "-p", "desc 5,2,7=", "--device", "cpu", "task.chat_template=true"])
+    assert rc == 2 and "task.chat_template=true but the tokenizer has no chat template" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path / "run"), "-p", "desc 5,2,7=", "--device", "cpu",
+                 "task.chat_template=false"]) == 0  # fmt: skip
+    # the rule reaches the prompt encoder (False: the plain text, True: the template)
+    import splitrl.evaluation as ev
+
+    rules = []
+    real = ev.encode_prompt
+    monkeypatch.setattr(ev, "encode_prompt", lambda p, t, chat=None: rules.append(chat) or real(p, t, chat))
+    config, model, tok = _setup(tmp_path)
+    for rule in (False, None):
+        next(iter(ev.stream_samples(model, tok, ["desc 5,2,7="], config.rollout, chat_template=rule)))
+    assert rules == [False, None]
+
+
+def test_generate_device_flag_wins_over_the_run_configs_device(tmp_path, capsys):
+    """A new user's trial: `generate PATH --config gpu_run.yaml --device cpu` stopped on the file's
+    cluster.device=cuda ("no CUDA GPU is visible") although --device said cpu."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    _checkpoint(tmp_path)
+    cfg = tmp_path / "cuda.yaml"
+    cfg.write_text("preset: cpu_demo\ncluster: {device: cuda}\n")
+    argv = ["generate", str(tmp_path / "run"), "-p", "desc 5,2,7=", "--config", str(cfg)]
+    assert main(argv) == 2 and "no CUDA GPU is visible" in capsys.readouterr().err
+    assert main(argv + ["--device", "cpu"]) == 0

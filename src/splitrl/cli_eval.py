@@ -169,6 +169,9 @@ def load_policy_and_config(args: argparse.Namespace):
     policy_dir, run_cfg = resolve_policy_dir(args.path)
     source = args.config or run_cfg
     extra = [] if source is not None else _hf_generation_overrides(policy_dir)
+    device = getattr(args, "device", "auto")
+    if device != "auto" and not any(o.startswith(("cluster.device=", "device=")) for o in args.overrides):
+        extra.append(f"cluster.device={device}")  # --device wins over the run config's (a GPU run read on a CPU)
     config = load_config(source, extra + list(args.overrides))
     trained = None
     for known in (run_cfg, args.config):  # what the run drew: its own record first
@@ -413,8 +416,9 @@ def run_generate(args: argparse.Namespace) -> int:
     # each response is written as soon as it and those before it are done (stdout is flushed), so
     # a long call shows its results as it goes and holds only the samples being generated
     responses: list[str] = []  # --json: the current prompt's, written with its last one
+    chat = getattr(config.task, "chat_template", None)  # the run's rule; task.chat_template=... changes it
     for i, j, text in stream_samples(model, tokenizer, prompts, gen, num_samples=n, seed=args.seed,
-                                     device=_device(args.device), progress=True):  # fmt: skip
+                                     device=_device(args.device), progress=True, chat_template=chat):  # fmt: skip
         if args.json:
             responses.append(text)
             if j == n - 1:

@@ -135,22 +135,24 @@ def stream_samples(
     seed: int = 0,
     device: str | None = None,
     progress: bool = False,
+    chat_template: bool | None = None,
 ) -> Iterator[tuple[int, int, str]]:
     """(prompt number i, sample number j, text) for ``num_samples`` responses to each prompt, in
     prompt-major order, each as soon as it and every sample before it are done, so a caller can
     write results while the rest are generated. The engine gets :data:`STREAM_CHUNK_SAMPLES`
     samples at a time, so the memory held stays bounded however many are asked for. Seeds as in
-    :func:`generate_samples`.
+    :func:`generate_samples`. ``chat_template``: as the task option (:func:`~splitrl.tasks.encode_prompt`:
+    True the tokenizer's template, False the plain text, None the template when there is one).
 
     Raises:
-        ValueError: (before anything is generated) ``num_samples`` < 1, or a prompt has
-            characters the tokenizer cannot spell.
+        ValueError: (before anything is generated) ``num_samples`` < 1, a prompt has characters
+            the tokenizer cannot spell, or ``chat_template=True`` and the tokenizer has none.
     """
     from tqdm.auto import tqdm
 
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    ids = [encode_prompt(TaskPrompt(index=i, text=p, answer=""), tokenizer) for i, p in enumerate(prompts)]
+    ids = [encode_prompt(TaskPrompt(index=i, text=p, answer=""), tokenizer, chat_template) for i, p in enumerate(prompts)]
     unk = getattr(tokenizer, "unk_token_id", None)
     for p, row in zip(prompts, ids):
         if unk is not None and unk in row:
