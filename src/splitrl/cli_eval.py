@@ -81,7 +81,7 @@ def resolve_policy_dir(path: str | Path) -> tuple[Path, Path | None]:
         run_cfg = p.parent / RUN_CONFIG
         return p, run_cfg if run_cfg.is_file() else None
     if not p.exists():
-        raise ValueError(f"{p} does not exist; give a run output dir, a checkpoint (step_*/) or a model directory")
+        raise ValueError(f"{p} does not exist; give a run output dir, a checkpoint (step_*/), a model directory or a .gguf file")
     raise ValueError(
         f"{p} is not a model directory: expected a run output dir, a checkpoint (step_*/policy/), a policy/ "
         "directory or a Hugging Face directory with config.json"
