@@ -500,7 +500,6 @@ def _preflight(config: RunConfig) -> int:
             config.faults.watchdog_timeout_s,
         )
     hf_cfg = model_hf_config(config)
-    check_memory(config, hf_cfg)  # from the shapes, before anything is built
     task = make_task(config.task)
     tok = load_checked_tokenizer(config)
     check_vocab(config, tok, hf_cfg)
@@ -508,6 +507,9 @@ def _preflight(config: RunConfig) -> int:
     if config.tokenizer.kind == "char":
         check_charset_covers_prompts(task, tok)
     task_config = fit_prompts_to_context(config, task, tok, hf_cfg)
+    # from the shapes, before anything is built; after the context check, whose message names the
+    # cause when rollout.max_new_tokens alone makes a microbatch absurd
+    check_memory(config, hf_cfg)
     num_prompts = task.num_prompts
     if task_config is not config.task:
         if num_prompts is not None:  # less the rows just left out
