@@ -277,6 +277,26 @@ def children_in_their_own_group():
             log.warning("could not return to process group %d (%s); signals to that group miss this run", own, err)
 
 
+def start_compile_workers_outside_our_group() -> None:
+    """Start torch inductor's compile worker pool now, in a process group of its own.
+
+    A local run (``cluster.backend: local``) on a GPU compiles in this process, and inductor
+    starts its pool of compile worker processes lazily, at the first compilation, in this
+    process's group. GNU ``timeout`` and schedulers signal the whole group: the workers died of
+    the SIGTERM that asked the run to finish its step and checkpoint, the step's next
+    compilation (a new shape, a graph capture) failed with ``BrokenPipeError`` and the stop
+    checkpoint was never written (one H200, 2026-12-02: 90 steps were trained again). Started
+    here, the pool stays alive until this process exits (its workers watch their parent).
+    Nothing happens without Triton (CPU builds) or when inductor's pool is off
+    (``TORCHINDUCTOR_COMPILE_THREADS=1``, ``TORCH_WARM_POOL=0``)."""
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:  # a torch without inductor
+        return
+    with children_in_their_own_group():
+        maybe_warm_pool()
+
+
 @contextlib.contextmanager
 def workers_at_our_priority():
     """The local cluster's workers run at this process's niceness instead of Ray's default 15

@@ -15,7 +15,12 @@ import time
 from pathlib import Path
 
 from splitrl.controller.buffer import ReplayBuffer
-from splitrl.controller.cluster import remove_stop_signals, shutdown, start_cluster
+from splitrl.controller.cluster import (
+    remove_stop_signals,
+    shutdown,
+    start_cluster,
+    start_compile_workers_outside_our_group,
+)
 from splitrl.controller.launch import launch_workers
 from splitrl.controller.policy_client import PolicyClient
 from splitrl.controller.run_checkpoint import CheckpointError
@@ -37,8 +42,12 @@ class RunControl:
 
     # ============================================== set-up, restore and checkpoint content
     def _start_cluster(self) -> None:
-        """Start a local Ray cluster or join the configured one (:func:`~splitrl.controller.cluster.start_cluster`)."""
+        """Start a local Ray cluster or join the configured one (:func:`~splitrl.controller.cluster.start_cluster`);
+        a local run on a GPU starts inductor's compile workers outside this process's group
+        (:func:`~splitrl.controller.cluster.start_compile_workers_outside_our_group`)."""
         start_cluster(self.config, self.backend)
+        if self.backend == "local" and self.device == "cuda":
+            start_compile_workers_outside_our_group()
 
     def _build(self) -> None:
         """Start the workers (:func:`~splitrl.controller.launch.launch_workers`) and the parts
