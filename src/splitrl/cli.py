@@ -236,6 +236,20 @@ def _exit_stalled(e: Exception) -> NoReturn:
 
 
 def _report_unwritable(e: OSError) -> int:
+    if isinstance(e, (BrokenPipeError, ConnectionError)) and not e.filename:
+        # not a file of the run: a pipe or socket to another process (torch's compile workers,
+        # a data-plane peer) whose other end died; say where, since nothing else will
+        import traceback
+
+        frame = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+        at = f" in {frame.filename}:{frame.lineno} ({frame.name})" if frame else ""
+        print(
+            f"splitrl: stopped: {type(e).__name__}: {e.strerror or e}{at}: the other end of a pipe or socket, "
+            "another process of this run, has died (a signal sent to the whole process group, or the process "
+            "crashed). Rerun the same command: it resumes from the newest intact checkpoint",
+            file=sys.stderr,
+        )
+        return 1
     where = f" ({e.filename})" if e.filename else ""
     print(
         f"splitrl: stopped: cannot write the run's files: {e.strerror or e}{where}. Fix it and rerun the same "

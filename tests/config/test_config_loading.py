@@ -185,6 +185,14 @@ def test_output_dir_filesystem_errors_are_one_line(tmp_path, capsys, monkeypatch
     assert err.startswith("splitrl: stopped:") and len(err.splitlines()) == 1
     assert "No space left on device" in err and str(tmp_path / "metrics.jsonl") in err
 
+    def dead_helper(config):  # a compile worker killed by a signal to the group: no file of the run
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(controller, "train", dead_helper)
+    err = _one_line_error(capsys, ["train", f"output_dir={tmp_path}", "cluster.backend=local"], 1)
+    assert err.startswith("splitrl: stopped: BrokenPipeError: Broken pipe in ") and "dead_helper" in err
+    assert "cannot write the run's files" not in err and "another process of this run" in err
+
 
 def test_a_key_written_twice_is_an_error_not_the_last_one_silently(tmp_path):
     """Kind: input silently ignored. PyYAML keeps the last of two equal keys, so `num_steps: 100`
