@@ -285,7 +285,7 @@ def start_compile_workers_outside_our_group() -> None:
     process's group. GNU ``timeout`` and schedulers signal the whole group: the workers died of
     the SIGTERM that asked the run to finish its step and checkpoint, the step's next
     compilation (a new shape, a graph capture) failed with ``BrokenPipeError`` and the stop
-    checkpoint was never written (one H200, 2026-12-02: 90 steps were trained again). Started
+    checkpoint was never written (one H200, 2026-12-02: 95 steps were trained again). Started
     here, the pool stays alive until this process exits (its workers watch their parent).
     Nothing happens without Triton (CPU builds) or when inductor's pool is off
     (``TORCHINDUCTOR_COMPILE_THREADS=1``, ``TORCH_WARM_POOL=0``)."""
