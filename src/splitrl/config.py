@@ -208,8 +208,10 @@ def _given(data: dict[str, Any], section: str, key: str, default: Any = None) ->
 
 def _is_old_key(key: str, value: Any) -> bool:
     """Whether top-level ``key: value`` is a flat key of earlier releases (:data:`MOVED_KEYS`);
-    ``schedule`` holding a mapping (or nothing) is the section of that name."""
-    return key in MOVED_KEYS and not (key == "schedule" and (value is None or isinstance(value, (dict, BaseModel))))
+    ``schedule`` is the old key only with a text value (``schedule: async``, as it was); a
+    mapping, nothing or any other value is the section of that name (a list is then reported as
+    not a mapping, not as a bad ``schedule.mode``)."""
+    return key in MOVED_KEYS and not (key == "schedule" and not isinstance(value, str))
 
 
 def _warn_moved(source: str, moved: list[str]) -> None:
@@ -598,7 +600,12 @@ def load_config(
     if path is not None:
         p = Path(path)
         what = f"config file {str(p)!r}"
-        loaded = _load_yaml(_read_config_file(p), what) or {}
+        loaded = _load_yaml(_read_config_file(p), what)
+        if loaded is None:  # an empty file (or only comments): a mistake, not "all defaults"
+            raise ValueError(
+                f"config file {str(p)!r} is empty (no keys): give it the run's keys (examples/*.yaml), or "
+                "'preset: cpu_demo' for the CPU demo; `splitrl train` without --config runs that demo"
+            )
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {str(p)!r} must hold a mapping at the top level")
         data = upgrade_layout(loaded, what)

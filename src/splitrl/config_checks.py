@@ -102,6 +102,12 @@ def check_combinations(config: RunConfig) -> None:
         raise ValueError(
             "cluster.backend=local runs one train worker; use cluster.backend=ray for cluster.num_train_workers > 1"
         )
+    if config.train.optim.offload == "cpu" and c.num_train_workers > 1:
+        raise ValueError(
+            f"train.optim.offload=cpu steps the optimizer of one process on the CPU, but cluster.num_train_workers="
+            f"{c.num_train_workers} shards the model over several (FSDP2); set cluster.num_train_workers=1, or "
+            "train.optim.offload=none"
+        )
     if c.backend == "local" and config.dataplane.kind == "transferqueue":
         raise ValueError(
             "dataplane.kind=transferqueue needs cluster.backend=ray (TransferQueue runs on Ray); use "

@@ -70,6 +70,12 @@ def test_an_old_flat_override_is_read_with_a_warning_naming_the_new_key(caplog, 
     with caplog.at_level(logging.WARNING, logger="splitrl.config"):
         assert demo_config(["schedule={mode: sync, num_steps: 2}"]).schedule.num_steps == 2
     assert not _moved_warnings(caplog)
+    # only a text value is the old key: a list is the section with the wrong type (it was read as
+    # the old key and reported as "schedule.mode: Input should be 'async' or 'sync'")
+    for bad in ("schedule=[1, 2]", "schedule=3"):
+        with pytest.raises(ValueError, match=r"schedule\n?.*valid dictionary") as err:
+            demo_config([bad])
+        assert "schedule.mode" not in str(err.value) and not _moved_warnings(caplog)
     # the CLI: the same, before anything runs
     assert main(["train", "num_steps=3", "--print-config"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["schedule"]["num_steps"] == 3

@@ -268,6 +268,11 @@ def test_a_config_from_a_pipe_is_read_and_other_odd_paths_are_named(tmp_path):
     (tmp_path / "dangling.yaml").symlink_to(tmp_path / "gone.yaml")
     with pytest.raises(ValueError, match=r"dangling.yaml' is a symbolic link to '.*gone.yaml', which does not exist"):
         load_config(str(tmp_path / "dangling.yaml"), [])
+    # an empty file (or comments only) ran the defaults silently, not the CPU demo of no --config
+    for text in ("", "# nothing yet\n"):
+        (tmp_path / "empty.yaml").write_text(text)
+        with pytest.raises(ValueError, match=r"empty.yaml' is empty \(no keys\): .*'preset: cpu_demo'"):
+            load_config(str(tmp_path / "empty.yaml"), [])
 
 
 def test_an_output_dir_that_is_a_link_loop_or_a_dangling_link_says_so(tmp_path, capsys):

@@ -308,6 +308,9 @@ def test_a_model_that_cannot_fit_is_refused_before_anything_is_built(tmp_path, m
     check_memory(cfg, model_hf_config(cfg))
 
 
-def test_offload_with_several_train_workers_is_refused_in_preflight(tmp_path):
-    with pytest.raises(ValueError, match=r"train.optim.offload=cpu runs on one process.*cluster.num_train_workers=2"):
-        preflight(_cfg(tmp_path, "cluster.backend=ray", "train.optim.offload=cpu", "cluster.num_train_workers=2"))
+def test_offload_with_several_train_workers_is_refused_when_the_config_loads(tmp_path):
+    """Kind: refused late. `--print-config` and every other command took the combination; only the
+    run's preflight refused it (a new user's trial)."""
+    with pytest.raises(ValueError, match=r"train.optim.offload=cpu steps the optimizer of one process.*"
+                       r"cluster.num_train_workers=2.*set cluster.num_train_workers=1, or train.optim.offload=none"):
+        _cfg(tmp_path, "cluster.backend=ray", "train.optim.offload=cpu", "cluster.num_train_workers=2")

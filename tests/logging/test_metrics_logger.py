@@ -242,6 +242,11 @@ def test_progress_postfix_shows_the_headline_metrics():
         "tok/s": "1520",
     }
     assert progress_postfix(0, {"train/reward": 0.25}) == {"step": "0", "reward": "0.25"}
+    # a NaN is left out (the bar showed tok/s=nan), or the next key of the field is shown
+    nan = float("nan")
+    assert progress_postfix(3, {"train/reward": 0.5, "rollout/tokens_per_s": nan, "train/mtp/mtp_1_acceptance_rate": nan}) == {
+        "step": "3", "reward": "0.5"}  # fmt: skip
+    assert progress_postfix(3, {"rollout/tokens_per_s": nan, "train/tokens_per_s": 900.0})["tok/s"] == "900"
 
 
 def test_progress_bar_counts_from_the_resume_step(tmp_path, capsys):

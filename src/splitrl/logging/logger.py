@@ -283,7 +283,8 @@ def progress_postfix(step: int, metrics: Mapping[str, float]) -> dict[str, str]:
     MTP acceptance (first depth, percent) and tokens/s that are present in ``metrics``."""
     fields = {"step": str(step)}
     for label, keys in _POSTFIX_FIELDS.items():
-        key = next((k for k in keys if k in metrics), None)
+        # a NaN (no rollout timed this step, no MTP targets) is left out, not shown as "nan"
+        key = next((k for k in keys if k in metrics and math.isfinite(float(metrics[k]))), None)
         if key is not None:
             fields[label] = _format_value(label, float(metrics[key]))
     return fields
