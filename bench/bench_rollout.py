@@ -60,6 +60,9 @@ from splitrl.models import ModelConfig, MTPConfig, PolicyModel
 from splitrl.rollout import GenerationConfig, RolloutEngine, kv
 from splitrl.rollout.spec_policy import SLOW_SPECULATION_WARNING
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/shapes.py, beside this script (tests load it by path)
+from shapes import QWEN3_SHAPES  # noqa: E402
+
 PRESETS = {
     "tiny": dict(
         vocab_size=128,
@@ -80,16 +83,7 @@ PRESETS = {
         head_dim=64,
     ),
     # the shape of Qwen3-0.6B (596 M parameters), as in bench/RESULTS.md's GPU figures
-    "qwen3-0.6b": dict(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        rope_theta=1_000_000.0,
-    ),
+    "qwen3-0.6b": dict(QWEN3_SHAPES["qwen3-0.6b"], rope_theta=1_000_000.0),
 }
 
 

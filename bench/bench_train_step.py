@@ -48,6 +48,7 @@ import shlex
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -66,6 +67,9 @@ from splitrl.train.memory_plan import GiB, ModelShape, estimate_peak
 from splitrl.train.microbatch import build_microbatches
 from splitrl.train.speed import compile_layers, set_activation_checkpointing
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/shapes.py, beside this script (tests load it by path)
+from shapes import QWEN3_SHAPES  # noqa: E402
+
 PRESETS = {
     "tiny": dict(
         vocab_size=128,
@@ -77,51 +81,11 @@ PRESETS = {
         head_dim=32,
         tie_word_embeddings=True,
     ),
-    "qwen3-0.6b": dict(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-    ),
     # the Qwen3 release shapes (random init; vocabulary and heads as released)
-    "qwen3-1.7b": dict(
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-    ),
-    "qwen3-4b": dict(
-        vocab_size=151936,
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-    ),
-    "qwen3-8b": dict(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=False,
-        max_position_embeddings=4096,
-    ),
+    **{
+        name: dict(shape, tie_word_embeddings=name != "qwen3-8b", max_position_embeddings=4096)
+        for name, shape in QWEN3_SHAPES.items()
+    },
 }
 # presets whose default is --mode planned (the full comparison would not fit or take too long)
 PLANNED_PRESETS = {"qwen3-1.7b", "qwen3-4b", "qwen3-8b"}
