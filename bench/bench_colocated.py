@@ -9,8 +9,10 @@ A colocated run trains and generates on one device. This times the rollout engin
    step of the Qwen3-1.7B shape);
 
 and then the large step again followed by ``torch.cuda.empty_cache()`` (``--empty-cache`` runs only
-that way), printing each call's seconds, its ratio to the warm call, and the CUDA allocator's
-reserved / allocated memory at each point. The baseline a user compares with is the warm call.
+that way), printing each call's seconds, its ratio to the warm call, the graphs torch.compile made
+during the calls (a slow call that compiled was recompiling, not waiting on memory) and the CUDA
+allocator's reserved / allocated memory at each point. ``--no-train-compile`` trains with eager
+layers (the train step's own compilation is then not paid: a shorter run; the engine's is). The baseline a user compares with is the warm call.
 Run from the repository root, on a GPU:
 
     python bench/bench_colocated.py --preset qwen3-1.7b
@@ -35,8 +37,9 @@ from bench_train_step import PRESETS  # noqa: E402 - the model shapes of the tra
 from splitrl.loss import ClippedPGLoss, GRPOLossConfig  # noqa: E402
 from splitrl.models import ModelConfig, MTPConfig, PolicyModel  # noqa: E402
 from splitrl.rollout import GenerationConfig, RolloutEngine  # noqa: E402
+from splitrl.rollout.spec_policy import _compilations  # noqa: E402 - Dynamo's count of graphs made
 from splitrl.train import TrainBatch, TrainConfig, TrainWorker  # noqa: E402
-from splitrl.train.config import MicrobatchConfig  # noqa: E402
+from splitrl.train.config import MicrobatchConfig, SpeedConfig  # noqa: E402
 
 
 def batch_of(n: int, length: int, prompt: int, vocab: int, seed: int) -> TrainBatch:
@@ -65,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-len", type=int, default=1516, help="tokens a training sample (32 x 1516 = 48.5 k)")
     ap.add_argument("--max-tokens-per-microbatch", type=int, default=16384)
     ap.add_argument("--empty-cache", action="store_true", help="only the large step followed by empty_cache()")
+    ap.add_argument("--no-train-compile", action="store_true", help="train with eager layers (train.speed.compile_layers=false)")
     args = ap.parse_args(argv)
     print("command: python bench/bench_colocated.py " + " ".join(sys.argv[1:] if argv is None else argv), flush=True)
     dev = args.device
@@ -80,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             precision="bf16" if cuda else "fp32",
             device=dev,
             microbatch=MicrobatchConfig(max_tokens_per_microbatch=args.max_tokens_per_microbatch, pack_sequences=True),
+            speed=SpeedConfig(compile_layers=not args.no_train_compile),
         ),
     )
     loss = ClippedPGLoss(GRPOLossConfig(temperature=1.0))
@@ -104,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def time_generate(label: str, base: dict[str, float] | None) -> dict[str, float]:
         out = {}
+        graphs = _compilations()
         for name, engine in engines.items():
             sync()
             t = time.perf_counter()
@@ -111,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
             sync()
             out[name] = time.perf_counter() - t
         ratios = "" if base is None else "  (" + ", ".join(f"{k} {out[k] / base[k]:.2f}x warm" for k in out) + ")"
-        print(f"{label:<44} " + "  ".join(f"{k} {v:.2f} s" for k, v in out.items()) + ratios + f"   [{mem()}]",
+        compiled = f", {_compilations() - graphs} graph(s) compiled" if _compilations() != graphs else ""
+        print(f"{label:<44} " + "  ".join(f"{k} {v:.2f} s" for k, v in out.items()) + ratios + f"   [{mem()}{compiled}]",
               flush=True)  # fmt: skip
         return out
 
