@@ -53,6 +53,12 @@ def test_suggest_key_rules():
     assert suggest_key("mtp_num_layers", valid) == "model.mtp.mtp_num_layers"
     assert suggest_key("bad", valid) is None  # 'bad' ~ 'backend' is too weak a match
     assert suggest_key("num_steps", valid) is None  # valid: nothing to suggest
+    # a short common name inside a real section: that section's keys only (a new user's trial:
+    # task.name was answered with logging.wandb.name)
+    valid = ["task.dataset", "task.seed", "task.path", "logging.wandb.name", "model.mtp.mtp_num_layers"]
+    assert suggest_key("task.name", valid) is None
+    assert suggest_key("task.seeds", valid) == "task.seed"
+    assert suggest_key("train.mtp_num_layers", valid) == "model.mtp.mtp_num_layers"  # a long name: misplaced
 
 
 def test_reference_lists_every_key_with_the_runs_default():

@@ -234,16 +234,28 @@ def format_reference(keys: Iterable[KeyDoc]) -> str:
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
+GENERIC_LEAF_LEN = 6
+
+
 def suggest_key(path: str, valid: Iterable[str]) -> str | None:
     """The valid key closest to a misspelled or misplaced ``path``, or None.
 
     A key whose last part matches exactly wins (``mtp_num_layers`` → ``model.mtp.mtp_num_layers``);
-    else the closest full path (difflib ratio ≥ 0.75); else the closest last part (≥ 0.75).
+    else the closest full path (difflib ratio ≥ 0.75); else the closest last part (≥ 0.75). A last
+    part shorter than ``GENERIC_LEAF_LEN`` characters under a section that exists (``task.name``)
+    is matched against that section's keys only: such names recur in many sections.
     """
     valid = sorted(set(valid))
     if path in valid:
         return None
     leaf = path.rsplit(".", 1)[-1]
+    section = path.rsplit(".", 1)[0] + "." if "." in path else ""
+    if section and any(v.startswith(section) for v in valid) and len(leaf) < GENERIC_LEAF_LEN:
+        # a short, common name (name, path, kind) inside a real section: only that section's
+        # own keys are suggested (task.name is not logging.wandb.name)
+        own = [v for v in valid if v.startswith(section)]
+        close = difflib.get_close_matches(path, own, n=1, cutoff=0.75)
+        return close[0] if close else None
     same_leaf = [v for v in valid if v.rsplit(".", 1)[-1] == leaf]
     if same_leaf:
         return max(same_leaf, key=lambda v: difflib.SequenceMatcher(None, path, v).ratio())

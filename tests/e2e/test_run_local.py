@@ -297,6 +297,12 @@ def test_fewer_steps_than_a_run_made_is_said_not_passed_for_a_finished_run(tmp_p
     [record] = [r for r in caplog.records if "nothing to do" in r.getMessage()]
     assert record.levelno == logging.WARNING
     assert "more than schedule.num_steps=2" in record.getMessage() and "checkpoint.resume=false" in record.getMessage()
+    # a finished run (as many steps as asked): how to go on is said too (a new user's trial)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="splitrl.controller.controller"):
+        assert train(_cfg(tmp_path / "run", "schedule.num_steps=3")).steps_done == 3
+    [record] = [r for r in caplog.records if "nothing to do" in r.getMessage()]
+    assert "a finished run (3 steps)" in record.getMessage() and "raise schedule.num_steps" in record.getMessage()
 
 
 def test_a_failed_chunk_is_retried_and_the_run_goes_on(tmp_path, monkeypatch):

@@ -132,6 +132,10 @@ def test_resume_says_which_steps_it_drops(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="splitrl.logging.logger"):
         MetricsLogger(tmp_path, total_steps=30, start_step=5, config=JSONL_ONLY).close()
     assert "dropping" not in caplog.text  # nothing past the resume step: nothing said
+    (tmp_path / "metrics.jsonl").write_text("".join(f'{{"step": {k}, "train/loss": 1.0}}\n' for k in range(1, 4)))
+    with caplog.at_level("WARNING", logger="splitrl.logging.logger"):
+        MetricsLogger(tmp_path, total_steps=30, start_step=3, config=JSONL_ONLY).close()
+    assert "dropping the records of step 3," in caplog.text  # one step: not "steps 3-3"
 
 
 def test_resume_rejects_a_corrupt_record_and_leaves_it_untouched(tmp_path):

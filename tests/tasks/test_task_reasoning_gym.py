@@ -103,6 +103,12 @@ def test_reasoning_gym_config_errors_are_clear():
         ReasoningGymTaskConfig(dataset="number_sorting", dataset_config={"seed": 1})
     with pytest.raises(ValueError, match="compact_prompts is not available"):
         ReasoningGymTaskConfig(dataset="letter_counting", compact_prompts=True)
+    # a misspelt compact generator: the spelling, not "compact_prompts is not available" (a new
+    # user's trial: the demo's compact prompts hid the typo until compact_prompts=false)
+    from splitrl._lazy import deferred_import_checks
+
+    with deferred_import_checks(), pytest.raises(ValueError, match=r"'number_sortin' .*did you mean 'number_sorting'\?"):
+        ReasoningGymTaskConfig(dataset="number_sortin", compact_prompts=True)
     with pytest.raises(ValueError, match="rejected dataset_config"):
         make_task({"kind": "reasoning_gym", "dataset": "number_sorting",
                    "dataset_config": {"bogus": 1}})

@@ -679,7 +679,11 @@ def nothing_to_do(config: RunConfig, done_before: int) -> bool:
         )  # fmt: skip
         return True
     if done_before == config.schedule.num_steps:
-        progress.info("%s already holds a finished run (%d steps); nothing to do", Path(config.output_dir), done_before)
+        progress.info(
+            "%s already holds a finished run (%d steps); nothing to do (raise schedule.num_steps to train it further, "
+            "or set checkpoint.resume=false to start over: the earlier run is set aside, not deleted)",
+            Path(config.output_dir), done_before,
+        )  # fmt: skip
         return True
     return False
 

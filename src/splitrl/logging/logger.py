@@ -364,10 +364,11 @@ def _lines_before_step(path: Path, start_step: int, quiet: bool = False) -> list
             dropped.append(record["step"])
     if dropped and not quiet:
         # say it: a user who stopped a run after its last checkpoint sees steps vanish from the record
+        lo, hi = min(dropped), max(dropped)
         log.warning(
-            "%s: dropping the records of steps %d-%d, logged after the checkpoint this run resumes from; "
+            "%s: dropping the records of %s, logged after the checkpoint this run resumes from; "
             "those steps run again from step %d",
-            path, min(dropped), max(dropped), start_step,
+            path, f"step {lo}" if lo == hi else f"steps {lo}-{hi}", start_step,
         )  # fmt: skip
     return kept
 

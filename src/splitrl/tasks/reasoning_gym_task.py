@@ -152,6 +152,12 @@ class ReasoningGymTaskConfig(TaskOptions):
                 "`seed` and `size` fields instead"
             )
         if self.compact_prompts and self.dataset not in _COMPACT_FORMATS:
+            # a misspelt name of a compact generator: the spelling first, not "not available"
+            close = difflib.get_close_matches(self.dataset, sorted(_COMPACT_FORMATS), n=1, cutoff=0.8)
+            if close:
+                raise ValueError(
+                    f"task.dataset={self.dataset!r} is no generator with compact prompts; did you mean {close[0]!r}?"
+                )
             raise ValueError(
                 f"compact_prompts is not available for {self.dataset!r}; it is for "
                 f"{sorted(_COMPACT_FORMATS)}. Set compact_prompts: false to use the "
