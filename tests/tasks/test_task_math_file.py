@@ -126,6 +126,12 @@ def test_every_bad_row_is_named_in_one_error_with_the_skip_rows_that_leaves_them
     # rows already skipped are not reported again, and the fix keeps them
     with pytest.raises(ValueError, match=r"5 of its 8 rows .*task\.skip_rows=\[1,2,3,4,5,6,7\]"):
         make_task(_config(path, skip_rows=[6, 7]))
+    # rows the file does not have, or negative ones, are refused (a new user's trial: [99, -1] on a
+    # 50-row file ran without a word, and a bad-rows message kept 99 in the fix it gave)
+    with pytest.raises(ValueError, match=r"skip_rows names rows it does not have: \[8, 99\] \(it has 8 rows, 0-7\); remove"):
+        make_task(_config(path, skip_rows=[1, 2, 3, 4, 5, 7, 8, 99]))
+    with pytest.raises(ValueError, match=r"skip_rows has negative row numbers \[-1\]: rows count from 0"):
+        make_task(_config(path, skip_rows=[-1, 2]))
 
 
 def test_bad_rows_of_parquet_and_saved_datasets_are_named_too(tmp_path):

@@ -66,6 +66,14 @@ class MathFileTaskConfig(TaskOptions):
     def _absolute(cls, path: str) -> str:
         return str(Path(path).expanduser().absolute())
 
+    @field_validator("skip_rows")
+    @classmethod
+    def _rows_from_zero(cls, rows: list[int]) -> list[int]:
+        negative = sorted({r for r in rows if r < 0})
+        if negative:
+            raise ValueError(f"skip_rows has negative row numbers {negative}: rows count from 0 in file order")
+        return rows
+
     @field_validator("prompt_template")
     @classmethod
     def _has_slot(cls, template: str) -> str:
@@ -80,7 +88,8 @@ class MathFileTask(Task):
     Raises:
         ValueError: at construction, when the path does not exist, its type is not supported,
             a column is missing (the message lists the columns found), a directory holds several
-            splits and ``split`` is not set, the file has no rows, or ``skip_rows`` leaves none;
+            splits and ``split`` is not set, the file has no rows, ``skip_rows`` leaves none or
+            names a row beyond the file's last;
             and when rows not in ``skip_rows`` are bad (a JSON-lines line that is not UTF-8,
             JSON or an object; a problem or answer missing, null, empty or not text — a number
             is fine as an answer): every such row in one message, with its line and the
@@ -163,6 +172,12 @@ def _load_columns(config: MathFileTaskConfig) -> tuple[list[str], list[str], lis
             )
     (prompts, answers), unreadable = read(columns)
     skip = set(config.skip_rows)
+    beyond = sorted(r for r in skip if r >= len(prompts))
+    if beyond:  # a row number for another file (or a typo): say it rather than skip nothing
+        raise ValueError(
+            f"{str(path)!r}: task.skip_rows names rows it does not have: {beyond[:_ROWS_SHOWN]} (it has "
+            f"{len(prompts)} rows, 0-{len(prompts) - 1}); remove them from task.skip_rows"
+        )
     bad: list[tuple[int, str]] = []  # (row, what is wrong), every bad row of the file in one pass
     texts, references = [], []
     for row, (prompt, answer) in enumerate(zip(prompts, answers)):
