@@ -544,7 +544,7 @@ def load_pretrained(
         if mtp.mtp_init == "random":
             log.warning(
                 "%s has no MTP tensors: the %d MTP depth(s) start from random init; train them first with "
-                "train.mtp_warmup_steps",
+                "train.mtp_warmup_steps (a resumed run loads its trained heads from the checkpoint next)",
                 path,
                 mtp.mtp_num_layers,
             )
@@ -552,7 +552,8 @@ def load_pretrained(
             warm_start_from_backbone(model.mtp, backbone, mtp.mtp_init)
             log.warning(
                 "%s has no MTP tensors: the %d MTP depth(s) start from the backbone's last layer (mtp_init=%s); "
-                "train them first with train.mtp_warmup_steps",
+                "train them first with train.mtp_warmup_steps (a resumed run loads its trained heads from the "
+                "checkpoint next)",
                 path,
                 mtp.mtp_num_layers,
                 mtp.mtp_init,
