@@ -351,3 +351,23 @@ def test_a_missing_pretrained_path_says_it_does_not_exist(tmp_path):
         ValueError, match=r"has no config.json \(not a Hugging Face model directory, nor a \.gguf file\)"
     ):
         demo_config([f"model.pretrained_path={tmp_path}"])
+
+
+def test_a_pretrained_path_of_the_wrong_kind_says_what_it_is(tmp_path):
+    """A new user's trial: a directory named *.gguf read "no such GGUF file", a file that is not
+    .gguf "has no config.json"; each now says what is at the path and what is expected."""
+    (tmp_path / "dir.gguf").mkdir()
+    (tmp_path / "notes.txt").write_text("not a model\n")
+    expected = r"; give a \.gguf file or a Hugging Face model directory \(one with config\.json\)"
+    with pytest.raises(
+        ValueError, match=r"model.pretrained_path='.*dir.gguf' is a directory, not a \.gguf file" + expected
+    ):
+        demo_config([f"model.pretrained_path={tmp_path / 'dir.gguf'}"])
+    with pytest.raises(
+        ValueError, match=r"model.pretrained_path='.*notes.txt' is a file but not a \.gguf file" + expected
+    ):
+        demo_config([f"model.pretrained_path={tmp_path / 'notes.txt'}"])
+    (tmp_path / "loop.gguf").symlink_to(tmp_path / "loop.gguf")
+    with pytest.raises(ValueError, match=r"loop.gguf' is a symbolic link that loops"):
+        demo_config([f"model.pretrained_path={tmp_path / 'loop.gguf'}"])
+
