@@ -371,3 +371,15 @@ def test_a_pretrained_path_of_the_wrong_kind_says_what_it_is(tmp_path):
     with pytest.raises(ValueError, match=r"loop.gguf' is a symbolic link that loops"):
         demo_config([f"model.pretrained_path={tmp_path / 'loop.gguf'}"])
 
+
+@pytest.mark.parametrize("value", ["", "''", "' '", "null"])
+def test_an_empty_output_dir_says_so(capsys, monkeypatch, tmp_path, value):
+    """A new user's trial: `splitrl train output_dir=` read "output_dir: Input should be a valid
+    string" (and `output_dir=''` trained the demo into the working directory: --print-config and
+    a scratch working directory keep a regression from running it)."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", f"output_dir={value}"] + (["--print-config"] if value else [])
+    err = _one_line_error(capsys, argv, 2)
+    problems = [line for line in err.splitlines() if "output_dir" in line]
+    assert problems == ["  output_dir is empty; give the directory the run writes to (e.g. output_dir=runs/my_run)"]
+    assert "valid string" not in err
