@@ -142,6 +142,7 @@ class RunConfig(BaseModel):
             return data
         data = upgrade_layout(dict(data), "RunConfig")  # a copy: the caller's data stays as it was
         _refuse_boolean_counts(cls, data)
+        _refuse_empty_output_dir(data)
         optim = _section(data, ("train", "optim"))
         if optim is not None and optim.get("schedule") == "cosine" and optim.get("total_steps") is None:
             optim["total_steps"] = _given(data, "schedule", "num_steps", ScheduleConfig().num_steps)
@@ -303,6 +304,18 @@ def _refuse_boolean_counts(cls: type[BaseModel], data: dict[str, Any], prefix: s
         if isinstance(value, dict):
             for section in _config_classes(field.annotation, value.get("kind")):
                 _refuse_boolean_counts(section, value, f"{prefix}{name}.")
+
+
+def _refuse_empty_output_dir(data: dict[str, Any]) -> None:
+    """Refuse an empty ``output_dir``: ``output_dir=`` on the command line (YAML null) read "Input
+    should be a valid string", and ``output_dir=''`` wrote the run into the working directory.
+
+    Raises:
+        ValueError: ``output_dir`` is given as null, an empty or a blank string.
+    """
+    value = data.get("output_dir", "runs")
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise ValueError("output_dir is empty; give the directory the run writes to (e.g. output_dir=runs/my_run)")
 
 
 def _section(data: dict[str, Any], path: tuple[str, ...]) -> dict[str, Any] | None:

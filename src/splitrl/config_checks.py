@@ -183,11 +183,19 @@ def check_paths(config: RunConfig) -> None:
 
     pretrained = config.model.pretrained_path
     gguf_file = str(pretrained or "").lower().endswith(".gguf")
+    expected = "give a .gguf file or a Hugging Face model directory (one with config.json)"
     if gguf_file and not Path(pretrained).is_file():
+        odd = path_problem(pretrained)  # a link that loops or points nowhere, a device
+        if odd:
+            raise ValueError(f"model.pretrained_path={pretrained!r} is {odd}; check the path")
+        if Path(pretrained).is_dir():
+            raise ValueError(f"model.pretrained_path={pretrained!r} is a directory, not a .gguf file; {expected}")
         raise ValueError(f"model.pretrained_path={pretrained!r}: no such GGUF file; check the path")
     if pretrained is not None and not gguf_file and not (Path(pretrained) / "config.json").is_file():
-        odd = path_problem(pretrained)  # a link that loops or points nowhere, a device
+        odd = path_problem(pretrained)
         missing = not Path(pretrained).exists()
+        if Path(pretrained).is_file():
+            raise ValueError(f"model.pretrained_path={pretrained!r} is a file but not a .gguf file; {expected}")
         raise ValueError(
             f"model.pretrained_path={pretrained!r} "
             + (

@@ -351,3 +351,35 @@ def test_a_missing_pretrained_path_says_it_does_not_exist(tmp_path):
         ValueError, match=r"has no config.json \(not a Hugging Face model directory, nor a \.gguf file\)"
     ):
         demo_config([f"model.pretrained_path={tmp_path}"])
+
+
+def test_a_pretrained_path_of_the_wrong_kind_says_what_it_is(tmp_path):
+    """A new user's trial: a directory named *.gguf read "no such GGUF file", a file that is not
+    .gguf "has no config.json"; each now says what is at the path and what is expected."""
+    (tmp_path / "dir.gguf").mkdir()
+    (tmp_path / "notes.txt").write_text("not a model\n")
+    expected = r"; give a \.gguf file or a Hugging Face model directory \(one with config\.json\)"
+    with pytest.raises(
+        ValueError, match=r"model.pretrained_path='.*dir.gguf' is a directory, not a \.gguf file" + expected
+    ):
+        demo_config([f"model.pretrained_path={tmp_path / 'dir.gguf'}"])
+    with pytest.raises(
+        ValueError, match=r"model.pretrained_path='.*notes.txt' is a file but not a \.gguf file" + expected
+    ):
+        demo_config([f"model.pretrained_path={tmp_path / 'notes.txt'}"])
+    (tmp_path / "loop.gguf").symlink_to(tmp_path / "loop.gguf")
+    with pytest.raises(ValueError, match=r"loop.gguf' is a symbolic link that loops"):
+        demo_config([f"model.pretrained_path={tmp_path / 'loop.gguf'}"])
+
+
+@pytest.mark.parametrize("value", ["", "''", "' '", "null"])
+def test_an_empty_output_dir_says_so(capsys, monkeypatch, tmp_path, value):
+    """A new user's trial: `splitrl train output_dir=` read "output_dir: Input should be a valid
+    string" (and `output_dir=''` trained the demo into the working directory: --print-config and
+    a scratch working directory keep a regression from running it)."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", f"output_dir={value}"] + (["--print-config"] if value else [])
+    err = _one_line_error(capsys, argv, 2)
+    problems = [line for line in err.splitlines() if "output_dir" in line]
+    assert problems == ["  output_dir is empty; give the directory the run writes to (e.g. output_dir=runs/my_run)"]
+    assert "valid string" not in err

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer  # noqa: E402
 import splitrl.models.gguf as gguf_module  # noqa: E402
 from _configs import demo_config
 from splitrl.models import MTPConfig, PolicyModel  # noqa: E402
+from splitrl.models.checkpoint import verify_pretrained  # noqa: E402
 from splitrl.models.gguf import gguf_model_dir, resolve_model_files  # noqa: E402
 
 
@@ -104,6 +105,89 @@ def test_a_conversion_of_an_older_format_is_redone(tmp_path):
     (out / "tokenizer_config.json").write_text("{}")
     assert gguf_model_dir(path) == out
     assert AutoTokenizer.from_pretrained(str(out)).eos_token_id == EOS_ID
+
+
+def _cut(name):
+    def damage(out):
+        f = out / name
+        with f.open("r+b") as fh:
+            fh.truncate(f.stat().st_size // 3)
+
+    return damage
+
+
+def _cut_under_an_old_marker(out):
+    """A conversion of this format written before CONVERTED listed the sizes: the safetensors
+    header check alone finds the cut."""
+    (out / "CONVERTED").write_text("splitrl-gguf 2\ntiny.gguf\n")
+    _cut("model.safetensors")(out)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _cut("model.safetensors"),
+        _cut_under_an_old_marker,
+        lambda out: (out / "tokenizer.json").unlink(),
+        lambda out: (out / "config.json").unlink(),
+    ],
+    ids=["weights-cut", "weights-cut-old-marker", "tokenizer-missing", "config-missing"],
+)
+def test_a_damaged_cached_conversion_is_converted_again_with_a_warning(tmp_path, caplog, damage):
+    """A new user's trial: after the cached model.safetensors was cut short, the conversion was
+    reused and the load said the file "is truncated ...; copy or download it again" (a directory the
+    user never downloaded). The entry is checked at reuse and converted again."""
+    path = write_gguf(tmp_path / "tiny.gguf")
+    out = gguf_model_dir(path)
+    whole = {f.name: f.read_bytes() for f in out.iterdir() if f.name != "CONVERTED"}
+    damage(out)
+    with caplog.at_level("WARNING", logger="splitrl.models.gguf"):
+        assert gguf_model_dir(path) == out
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and str(out) in warned[0] and "converting the file again" in warned[0]
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.name != "CONVERTED"} == whole
+    verify_pretrained(out)
+    caplog.clear()
+    assert gguf_model_dir(path) == out and not caplog.records  # whole again: reused silently
+
+
+@pytest.mark.parametrize("error", [ValueError("transformers cannot load 'x.gguf' (KeyError: 'y')"),
+                                   OSError(28, "No space left on device")])  # fmt: skip
+def test_a_failed_reconversion_names_the_file_and_the_cache_directory(tmp_path, monkeypatch, error):
+    path = write_gguf(tmp_path / "tiny.gguf")
+    convert = gguf_module._convert
+
+    def fail(*args):
+        raise error
+
+    def damaged():
+        monkeypatch.setattr(gguf_module, "_convert", convert)
+        _cut("model.safetensors")(out := gguf_model_dir(path))
+        monkeypatch.setattr(gguf_module, "_convert", fail)
+        return out
+
+    out = damaged()
+    with pytest.raises(ValueError) as e:
+        gguf_model_dir(path)
+    message = str(e.value)
+    assert "\n" not in message and str(path) in message and str(out) in message
+    assert "is damaged (model.safetensors is" in message and "can be deleted" in message
+    assert ("No space left on device" if isinstance(error, OSError) else "KeyError: 'y'") in message
+    cfg = demo_config([f"model.pretrained_path={path}", f"output_dir={tmp_path / 'run'}"])
+    out = damaged()  # the failed attempt removed the damaged entry: a later call is a first conversion
+    with pytest.raises(ValueError, match=rf"^model.pretrained_path: '{path}': its cached conversion {out} is damaged"):
+        resolve_model_files(cfg)  # what train's preflight reports
+
+
+def test_generate_converts_a_damaged_cached_conversion_again(tmp_path, capsys):
+    """The trial's command: `splitrl generate <the .gguf>` after the cached weights were cut short
+    (it stopped with rc=2 and the advice to download the cache directory again)."""
+    from splitrl.cli import main
+
+    path = write_gguf(tmp_path / "tiny.gguf")
+    _cut("model.safetensors")(gguf_model_dir(path))
+    rc = main(["generate", str(path), "-p", "Hi", "--greedy", "--device", "cpu", "rollout.max_new_tokens=4"])
+    assert rc == 0, capsys.readouterr().err
 
 
 def _not_gguf(tmp_path):

@@ -12,7 +12,10 @@ template included) are written as a plain safetensors directory under
 is the file's content, so a moved or renamed copy reuses the conversion and a changed file gets a
 new one. A conversion is written to a temporary directory and renamed when whole, under a lock,
 so concurrent processes (Ray workers, two runs) convert once and never read half a directory.
-Everything else in splitrl then sees an ordinary model directory.
+A cached conversion is checked each time it is reused (the sizes its ``CONVERTED`` file records,
+the safetensors headers: no weights are read); a damaged one (a full disk, a cut copy of the
+cache) is removed and converted again, with a warning. Everything else in splitrl then sees an
+ordinary model directory.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ GGUF_SUFFIX = ".gguf"
 # the GGUF architectures transformers converts whose family splitrl builds: those of the family
 # registry (splitrl.models.families) that name one
 READABLE_FAMILIES = GGUF_ARCHITECTURES
-_DONE = "CONVERTED"  # written last into a finished conversion: _FORMAT, then the source file's name
+# written last into a finished conversion: _FORMAT, the source file's name, then "<size> <name>"
+# per file of the conversion (what a reuse checks, see _damage)
+_DONE = "CONVERTED"
 # the version of what a conversion writes; a cached conversion of another version is redone
 _FORMAT = "splitrl-gguf 2"
 
@@ -161,17 +166,56 @@ def _convert(src: Path, out: Path, header: dict) -> None:
         verify_pretrained(out, key="converted")
     except ValueError as e:  # e.g. a config value transformers does not read from this file
         raise ValueError(f"{str(src)!r} converts to an inconsistent model, so it is not kept ({e})") from None
-    (out / _DONE).write_text(f"{_FORMAT}\n{src.name}\n")
+    files = "".join(f"{f.stat().st_size} {f.name}\n" for f in sorted(out.iterdir()) if f.is_file())
+    (out / _DONE).write_text(f"{_FORMAT}\n{src.name}\n{files}")
 
 
 def _finished(target: Path) -> bool:
     """``target`` holds a whole conversion of the current format."""
     done = target / _DONE
-    return done.is_file() and done.read_text().split("\n", 1)[0] == _FORMAT
+    try:
+        return done.is_file() and done.read_text().split("\n", 1)[0] == _FORMAT
+    except (OSError, UnicodeDecodeError):  # unreadable: converted again, as an unfinished one
+        return False
+
+
+def _damage(target: Path) -> str | None:
+    """What is wrong with the finished conversion in ``target`` (:func:`_finished`), or None.
+
+    Cheap, so it runs at every reuse: every file the ``CONVERTED`` file lists is there with the
+    size it was written with (conversions from before it listed them skip this), ``config.json``
+    is there, and every safetensors file holds the bytes its header promises
+    (:func:`~splitrl.models.checkpoint.safetensors_header`, which reads the headers only).
+    """
+    from splitrl.models.checkpoint import safetensors_header
+
+    for line in (target / _DONE).read_text().splitlines()[2:]:
+        size, _, name = line.partition(" ")
+        f = target / name
+        if not size.isdigit() or not name or "/" in name:
+            return f"its {_DONE} file is corrupt (line {line!r})"
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != int(size):
+            return f"{name} is {f.stat().st_size} bytes, it was written with {size}"
+    if not (target / "config.json").is_file():
+        return "config.json is missing"
+    weights = sorted(target.glob("*.safetensors"))
+    if not weights:
+        return "it holds no *.safetensors file"
+    for f in weights:
+        try:
+            safetensors_header(f)
+        except ValueError as e:  # the advice to copy the file again is not for a cache
+            return str(e).removesuffix("; copy or download it again")
+    return None
 
 
 def gguf_model_dir(path: str | os.PathLike) -> Path:
     """The cached Hugging Face directory of the GGUF file ``path``, converting it on first use.
+
+    A cached conversion is checked before it is reused (:func:`_damage`); a damaged one is
+    removed and converted again, with a warning naming the directory.
 
     Args:
         path: a ``.gguf`` file of a llama, qwen2 or qwen3 model.
@@ -182,23 +226,58 @@ def gguf_model_dir(path: str | os.PathLike) -> Path:
 
     Raises:
         ValueError: one line naming the file and why it cannot be used (missing, not GGUF, an
-            architecture outside ``READABLE_FAMILIES``, damaged, or the gguf package missing).
-        OSError: the cache directory cannot be written.
+            architecture outside ``READABLE_FAMILIES``, damaged, or the gguf package missing);
+            where a damaged cached conversion could not be converted again (this includes
+            an OSError), the line also names the cache directory and says it can be deleted.
+        OSError: the cache directory cannot be written (on a first conversion).
     """
     src = Path(path).expanduser().absolute()
     _check_magic(src)
     target = cache_root() / "gguf" / _sha256(src)[:16]
-    if _finished(target):
+    damage = _damage(target) if _finished(target) else None
+    if _finished(target) and damage is None:
         return target
+    try:
+        _convert_once(src, target)
+    except (OSError, ValueError) as e:
+        if damage is None:
+            raise
+        reason = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+        raise ValueError(
+            f"{str(src)!r}: its cached conversion {target} is damaged ({damage}) and converting the file again "
+            f"failed ({reason}); the cache directory can be deleted (it is converted again on the next use)"
+        ) from None
+    return target
+
+
+def _convert_once(src: Path, target: Path) -> None:
+    """Convert ``src`` into ``target`` under the cache's lock, unless another process has just
+    done so; a damaged or older conversion there is removed first (a damaged one with a warning).
+
+    Raises:
+        ValueError: from :func:`_read_header` and :func:`_convert`, naming ``src``.
+        OSError: the cache directory cannot be written, or the old conversion removed.
+    """
     header = _read_header(src)
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f"{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting the same file
         if _finished(target):
-            return target
+            damage = _damage(target)
+            if damage is None:
+                return
+            log.warning(
+                "the cached conversion %s of %s is damaged (%s); removing it and converting the file again",
+                target,
+                src,
+                damage,
+            )
         tmp = target.parent / f"{target.name}.tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(target, ignore_errors=True)  # a conversion killed before it finished
+        if target.is_symlink() or target.is_file():
+            target.unlink()
+        elif target.exists():  # damaged, or of an older format
+            shutil.rmtree(target)
         tmp.mkdir()
         log.info("converting %s to a Hugging Face directory in %s (once per file)", src, target)
         try:
@@ -206,7 +285,6 @@ def gguf_model_dir(path: str | os.PathLike) -> Path:
             tmp.rename(target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def resolve_model_path(path: str | os.PathLike | None) -> str | None:
