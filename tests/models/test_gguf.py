@@ -177,6 +177,14 @@ def test_a_failed_reconversion_names_the_file_and_the_cache_directory(tmp_path, 
     out = damaged()  # the failed attempt removed the damaged entry: a later call is a first conversion
     with pytest.raises(ValueError, match=rf"^model.pretrained_path: '{path}': its cached conversion {out} is damaged"):
         resolve_model_files(cfg)  # what train's preflight reports
+    # a first conversion that cannot write the cache: one line naming it and SPLITRL_CACHE_DIR
+    # (an OSError ended eval / generate in a traceback)
+    monkeypatch.setattr(gguf_module, "_convert", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)
+    with pytest.raises(ValueError, match=r"cannot convert it into .*No space left on device.*SPLITRL_CACHE_DIR"):
+        gguf_model_dir(path)
 
 
 def test_generate_converts_a_damaged_cached_conversion_again(tmp_path, capsys):

@@ -228,8 +228,9 @@ def gguf_model_dir(path: str | os.PathLike) -> Path:
         ValueError: one line naming the file and why it cannot be used (missing, not GGUF, an
             architecture outside ``READABLE_FAMILIES``, damaged, or the gguf package missing);
             where a damaged cached conversion could not be converted again (this includes
-            an OSError), the line also names the cache directory and says it can be deleted.
-        OSError: the cache directory cannot be written (on a first conversion).
+            an OSError), the line also names the cache directory and says it can be deleted; a
+            first conversion that cannot write the cache (an OSError) names the directory and
+            ``SPLITRL_CACHE_DIR``.
     """
     src = Path(path).expanduser().absolute()
     _check_magic(src)
@@ -241,6 +242,11 @@ def gguf_model_dir(path: str | os.PathLike) -> Path:
         _convert_once(src, target)
     except (OSError, ValueError) as e:
         if damage is None:
+            if isinstance(e, OSError):  # an unwritable or full cache: one line, not a traceback
+                raise ValueError(
+                    f"{str(src)!r}: cannot convert it into {target} ({type(e).__name__}: {e}); set "
+                    "SPLITRL_CACHE_DIR to a writable directory with room for the fp32 model"
+                ) from None
             raise
         reason = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
         raise ValueError(
