@@ -25,7 +25,9 @@ def test_logprobs_equal_teacher_forced_and_filters_hold(attn, family):
     for prompt, res in zip(prompts, results):
         assert len(res.response_ids) == len(res.logprobs) > 0
         ref_lp, logits = teacher_forced(model, prompt, res.response_ids, T)
-        torch.testing.assert_close(torch.tensor(res.logprobs), ref_lp, atol=1e-5, rtol=0)
+        # fp32: the padded, KV-cached batch and the one unpadded forward sum in different orders
+        # (1.4e-5 seen on the CI's CPU for llama); a wrong position, bias, mask or temperature is >= 1e-2
+        torch.testing.assert_close(torch.tensor(res.logprobs), ref_lp, atol=5e-5, rtol=0)
         for t, tok in enumerate(res.response_ids):
             # within the top-k, and within the smallest top-p nucleus of the top-k
             order = logits[t].argsort(descending=True)
