@@ -312,6 +312,7 @@ def measure_hf(model: PolicyModel, prompts, new_tokens: int, static: bool, repea
 
 # held-out samples of the MTP warm-up, on which its acceptance is measured
 HELD_OUT = 64
+MAX_CACHED_TOKENS = 2**20  # the warm-up's own samples, prompts included, held at once
 
 
 @torch.no_grad()
@@ -414,7 +415,7 @@ def train_mtp_heads(model: PolicyModel, args: argparse.Namespace) -> tuple[dict[
     AdamW (lr 2e-3, no weight decay), 20 warm-up steps then a cosine decay, batches of 32 sequences
     (fewer for responses over 128 tokens: the fp32 logits of a batch stay ~4 k tokens a depth).
     """
-    n = min(args.mtp_samples, max(32, 2**20 // (args.prompt_len + args.new_tokens)))  # cached tokens <= 1 M
+    n = min(args.mtp_samples, max(32, MAX_CACHED_TOKENS // (args.prompt_len + args.new_tokens)))
     seqs = _own_samples(model, args, n + HELD_OUT)
     data = _MTPWarmUp(model, seqs, args.prompt_len, args.temperature, args.top_k)
     if not data.has_targets():
@@ -483,7 +484,8 @@ def describe_warm_up(
 ) -> str:
     """The warm-up's line of the output: what it trained on and the held-out acceptance reached."""
     steps = f"{args.train_mtp_steps} step{'s' if args.train_mtp_steps != 1 else ''}"
-    capped = f" (capped from {args.mtp_samples}: at most 1 M cached tokens)" if samples < args.mtp_samples else ""
+    cap = f"{MAX_CACHED_TOKENS / 2**20:g} M" if MAX_CACHED_TOKENS >= 2**20 else f"{MAX_CACHED_TOKENS:,}"
+    capped = f" (capped from {args.mtp_samples}: at most {cap} cached tokens)" if samples < args.mtp_samples else ""
     if not acceptance:
         return (
             f"MTP warm-up: responses of {args.new_tokens} token(s) after {args.prompt_len}-token prompts give no "

@@ -109,8 +109,8 @@ def test_the_mtp_warm_up_lifts_held_out_acceptance_and_leaves_the_backbone():
         ),
         # more samples than the cached-token cap allows: said, not silently fewer
         (
-            ["--prompt-len", "512", "--new-tokens", "512", "--train-mtp-steps", "1", "--mtp-samples", "2000"],
-            "on 1024 of the model's own samples (capped from 2000",
+            ["--prompt-len", "8", "--new-tokens", "8", "--train-mtp-steps", "1", "--mtp-samples", "300"],
+            "on 256 of the model's own samples (capped from 300: at most 4,096 cached tokens)",
         ),
     ],
 )
@@ -121,6 +121,7 @@ def test_the_warm_up_line_says_what_happened(extra, line, capsys, monkeypatch):
     assert (br.parse_args([]).train_mtp_steps, br.parse_args([]).mtp_samples) == (200, 256)
     if "--mtp-samples" in extra:  # the cap is what is tested: keep the sampling itself small
         monkeypatch.setattr(br, "_own_samples", lambda model, args, n: _fake_samples(model, args, n))
+        monkeypatch.setattr(br, "MAX_CACHED_TOKENS", 2**12)  # 1 M tokens of samples took 50 s on 2 cores
     br.main(["--speculative", "--batch-sizes", "1", "--repeats", "1", "--no-graph-column"] + extra)
     out = capsys.readouterr().out
     assert line in out, out

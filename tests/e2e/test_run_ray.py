@@ -103,7 +103,8 @@ def test_two_train_workers_equal_one_and_resume_a_sharded_checkpoint_with_two_or
     a reordered fp32 reduction). The checkpoint of step 1 of the two-worker run (each worker wrote
     its FSDP2 shards, in the background while step 2 trained) resumes step 2 with two workers
     exactly as the uninterrupted run computed it (max_staleness 0), and with one worker
-    (resharded 2 -> 1) up to the reduction order of two ranks (rtol 1e-5)."""
+    (resharded 2 -> 1) up to the reduction order of two ranks (rtol 1e-5). The one-worker runs use
+    the local backend: the same trainer in this process, without two more actors to start."""
     import shutil
 
     base = TINY_STEP + ["cluster.backend=ray", "buffer.max_staleness=0", "checkpoint.every=1", "schedule.num_steps=2"]
@@ -112,7 +113,7 @@ def test_two_train_workers_equal_one_and_resume_a_sharded_checkpoint_with_two_or
         demo_config(
             base
             + [
-                "cluster.num_train_workers=1",
+                "cluster.backend=local",  # one train worker in this process: the same math, no actors to start
                 "checkpoint.every=0",
                 "schedule.num_steps=1",
                 f"output_dir={tmp_path / 'one'}",
@@ -136,7 +137,8 @@ def test_two_train_workers_equal_one_and_resume_a_sharded_checkpoint_with_two_or
     for n in (2, 1):
         out = tmp_path / f"resume{n}"
         shutil.copytree(step1, out / "checkpoints" / step1.name)
-        res = train(demo_config(base + [f"cluster.num_train_workers={n}", f"output_dir={out}"]))
+        workers = "cluster.num_train_workers=2" if n == 2 else "cluster.backend=local"
+        res = train(demo_config(base + [workers, f"output_dir={out}"]))
         assert res.steps_done == 2 and len(res.metrics) == 1
         resumed[n] = res.metrics[0]
     for k in (*keys, "train/num_valid_tokens", "train/reward"):
