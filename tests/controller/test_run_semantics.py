@@ -154,6 +154,18 @@ def test_health_repeats_a_persistent_warning_at_10_100_steps():
     assert health.check(122, bad) != []  # a new streak warns again
 
 
+def test_a_jump_of_the_logprob_gap_is_warned_about_once_and_noise_is_not():
+    """The CPU demo's reward collapse (0.36 -> 0.05 for good) came one step after
+    train/logprob_mismatch jumped from a median of 0.03 to 0.58; gaps of up to 0.16 in a run
+    that learned well, a first steps' gap and a NaN step are not jumps."""
+    health = RunHealth(reward_timeout_s=5.0)
+    gaps = [0.15] + [0.03, 0.02, 0.16, 0.03, 0.025, float("nan")] * 4 + [0.577, 0.06, 0.1]
+    warned = {s: w for s, g in enumerate(gaps, 1) if (w := health.check(s, dict(HEALTHY, **{"train/logprob_mismatch": g})))}
+    assert list(warned) == [len(gaps) - 2], warned
+    (msg,) = warned[len(gaps) - 2]
+    assert "0.577 nats a token" in msg and "median 0.030" in msg and "train.optim.lr" in msg
+
+
 def test_fp16_loss_scaling_skips_are_warned_only_when_they_persist():
     health = RunHealth(reward_timeout_s=5.0, loss_scaling=True)
     bad = dict(HEALTHY, **{"train/nonfinite_grad": 1.0})
