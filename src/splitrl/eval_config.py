@@ -110,5 +110,23 @@ def plan_eval(run_config) -> list[int]:
     from splitrl.tasks import make_task
 
     ecfg = run_config.eval
+    if ecfg.task is not None and _same_rows(ecfg.task, run_config.task):
+        source = getattr(ecfg.task, "path", None) or f"kind {ecfg.task.kind}"
+        split = getattr(ecfg.task, "split", None)
+        raise ValueError(
+            f"eval.task reads the prompts training draws from ({source}{f', split {split}' if split else ''}): "
+            "its scores would be on training prompts. Leave eval.task out (evaluation then uses the task's "
+            "prompts training never draws), or give a held-out file or split as eval.task"
+        )
     task = make_task(ecfg.task if ecfg.task is not None else run_config.task)
     return heldout_indices(ecfg, task.num_prompts, run_config.schedule.num_steps * run_config.schedule.groups_per_step)
+
+
+def _same_rows(eval_task, train_task) -> bool:
+    """Whether ``eval_task`` serves training's prompts: the same file (and split) of the same kind,
+    or, for a generated task, the same config (the same generator and seed make the same prompts)."""
+    if eval_task.kind != train_task.kind:
+        return False
+    if hasattr(eval_task, "path"):
+        return all(getattr(eval_task, f, None) == getattr(train_task, f, None) for f in ("path", "split"))
+    return eval_task == train_task

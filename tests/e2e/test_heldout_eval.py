@@ -82,3 +82,26 @@ def test_no_heldout_prompt_left_fails_before_anything_starts(tmp_path):
         train(cfg)
     # preflight may probe that output_dir is writable; nothing of a run is written
     assert not out.exists() or not any(out.iterdir())
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_an_eval_task_on_the_training_file_fails_before_anything_starts(tmp_path, same):
+    """A new user's eval.task naming the training file itself logged eval/pass@1 on training
+    prompts without a word; a separate file is fine (the check is on the source of the rows)."""
+    rows = lambda lo: "".join(json.dumps({"problem": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(lo, lo + 40))  # noqa: E731
+    (tmp_path / "train.jsonl").write_text(rows(0))
+    (tmp_path / "test.jsonl").write_text(rows(100))
+    eval_file = tmp_path / ("train.jsonl" if same else "test.jsonl")
+    task = f"{{kind: math_file, path: {tmp_path / 'train.jsonl'}}}"
+    cfg = demo_config(TINY + ["tokenizer.charset=null", "model.backbone.vocab_size=100", f"task={task}",
+                              "eval.at_end=true", f"eval.task={{kind: math_file, path: {eval_file}, prompt_template: 'Q {{prompt}}'}}"])
+    from splitrl.eval_config import plan_eval
+
+    if same:
+        with pytest.raises(ValueError, match=r"eval.task reads the prompts training draws from .*train.jsonl.*Leave eval.task out"):
+            plan_eval(cfg)
+    else:
+        assert plan_eval(cfg) == list(range(32))
+    same_generator = demo_config(TINY + ["eval.at_end=true", "eval.task={kind: reverse_digits}", "task={kind: reverse_digits}"])
+    with pytest.raises(ValueError, match="kind reverse_digits"):
+        plan_eval(same_generator)
