@@ -618,7 +618,8 @@ def test_generate_follows_the_tasks_chat_template_rule(tmp_path, capsys, monkeyp
 
 def test_generate_device_flag_wins_over_the_run_configs_device(tmp_path, capsys):
     """A new user's trial: `generate PATH --config gpu_run.yaml --device cpu` stopped on the file's
-    cluster.device=cuda ("no CUDA GPU is visible") although --device said cpu."""
+    cluster.device=cuda ("no CUDA GPU is visible") although --device said cpu; and without --device,
+    whose default (auto: a GPU if any) the help promises."""
     import torch
 
     if torch.cuda.is_available():
@@ -627,5 +628,6 @@ def test_generate_device_flag_wins_over_the_run_configs_device(tmp_path, capsys)
     cfg = tmp_path / "cuda.yaml"
     cfg.write_text("preset: cpu_demo\ncluster: {device: cuda}\n")
     argv = ["generate", str(tmp_path / "run"), "-p", "desc 5,2,7=", "--config", str(cfg)]
-    assert main(argv) == 2 and "no CUDA GPU is visible" in capsys.readouterr().err
+    assert main(argv + ["--device", "cuda"]) == 2 and "no CUDA GPU is visible" in capsys.readouterr().err
     assert main(argv + ["--device", "cpu"]) == 0
+    assert main(argv) == 0

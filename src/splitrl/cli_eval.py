@@ -170,8 +170,9 @@ def load_policy_and_config(args: argparse.Namespace):
     source = args.config or run_cfg
     extra = [] if source is not None else _hf_generation_overrides(policy_dir)
     device = getattr(args, "device", "auto")
-    if device != "auto" and not any(o.startswith(("cluster.device=", "device=")) for o in args.overrides):
-        extra.append(f"cluster.device={device}")  # --device wins over the run config's (a GPU run read on a CPU)
+    if not any(o.startswith(("cluster.device=", "device=")) for o in args.overrides):
+        # --device (default auto: a GPU if any) wins over the run config's: a GPU run read on a CPU
+        extra.append(f"cluster.device={device}")
     config = load_config(source, extra + list(args.overrides))
     trained = None
     for known in (run_cfg, args.config):  # what the run drew: its own record first
