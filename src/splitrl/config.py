@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any, get_args
@@ -419,6 +420,35 @@ def _load_yaml(text: str, source: str, column_offset: int = 0) -> Any:
 MAX_PIPED_CONFIG_BYTES = 16 * 1024 * 1024
 
 
+# how long a named pipe may wait for a process to write to it (a FIFO nobody writes to hung forever)
+PIPE_WRITER_WAIT_S = 60.0
+
+
+def _read_pipe(p: Path, what: str) -> bytes:
+    """Up to ``MAX_PIPED_CONFIG_BYTES + 1`` bytes of the pipe ``p``, read to its end. Opened without
+    blocking (a plain open waits for a writer forever), then waits up to ``PIPE_WRITER_WAIT_S`` for
+    the first data; raises ``ValueError`` when none comes."""
+    import select
+
+    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        if not poller.poll(PIPE_WRITER_WAIT_S * 1000):
+            raise ValueError(
+                f"{what} is a named pipe that no process wrote to within {PIPE_WRITER_WAIT_S:g} s; write the "
+                "config into it from another process, or give a YAML run config file"
+            )
+        os.set_blocking(fd, True)
+        chunks, size = [], 0
+        while size <= MAX_PIPED_CONFIG_BYTES and (chunk := os.read(fd, 1 << 16)):
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def _read_config_file(p: Path) -> str:
     """The text of a run config file, or of a pipe (process substitution, a named FIFO).
 
@@ -440,8 +470,7 @@ def _read_config_file(p: Path) -> str:
     if kind != "a pipe (FIFO)":
         raise ValueError(f"{what} is {kind}, not a file; give a YAML run config file (e.g. examples/cpu_demo.yaml)")
     try:  # a pipe: read what its writer sends (process substitution always has one)
-        with p.open("rb") as f:
-            raw = f.read(MAX_PIPED_CONFIG_BYTES + 1)
+        raw = _read_pipe(p, what)
     except OSError as e:
         raise ValueError(f"{what} (a pipe): cannot read it ({e.strerror or e})") from None
     if not raw:

@@ -8,6 +8,7 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
+import splitrl.config as config_module
 from _configs import demo_config
 from splitrl.cli import main
 from splitrl.config import RunConfig, load_config
@@ -225,7 +226,7 @@ def test_a_config_path_naming_a_directory_says_so(tmp_path):
         load_config(str(tmp_path / "nowhere.yaml"), [])
 
 
-def test_a_config_from_a_pipe_is_read_and_other_odd_paths_are_named(tmp_path):
+def test_a_config_from_a_pipe_is_read_and_other_odd_paths_are_named(tmp_path, monkeypatch):
     """Kind: an error that names the wrong cause (issue "Nothing lost, nothing silent", item 7).
     `--config <(cat f.yaml)` (a pipe, /dev/fd/63), a named FIFO or /dev/zero were reported as
     "does not exist"; a pipe is now read, a device named; a pipe that gives nothing (the command
@@ -259,6 +260,10 @@ def test_a_config_from_a_pipe_is_read_and_other_odd_paths_are_named(tmp_path):
     assert through_a_pipe(b"schedule: {num_steps: 4}\n", fifo).schedule.num_steps == 4  # a named FIFO
     with pytest.raises(ValueError, match=r"config file '/dev/fd/\d+' is a pipe that gave no data \(did the command"):
         through_a_pipe(b"")
+    # a named FIFO no process writes to hung the CLI forever, printing nothing (a new user's trial)
+    monkeypatch.setattr(config_module, "PIPE_WRITER_WAIT_S", 0.2)
+    with pytest.raises(ValueError, match=r"fifo' is a named pipe that no process wrote to within 0.2 s"):
+        load_config(str(fifo), [])
     with pytest.raises(ValueError, match=r"config file '/dev/zero' is a character device, not a file; give a YAML"):
         load_config("/dev/zero", [])
     loop = tmp_path / "loop.yaml"
