@@ -185,6 +185,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--mtp", type=int, default=None, help="MTP depths of the MTP runs (default: 2 full, 1 planned)")
     ap.add_argument("--samples", type=int, default=None, help="samples of a step (default: 16 full, 32 planned)")
+    ap.add_argument(
+        "--also-samples",
+        type=int,
+        nargs="*",
+        default=[],
+        help="planned mode: time steps of these sample counts too, with the same worker (after the --samples step)",
+    )
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--response", type=int, default=1792)
     ap.add_argument(
@@ -194,8 +201,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="token budget per microbatch, or auto (the planner's; default: 8192 full, auto planned)",
     )
     ap.add_argument("--ckpt", choices=["auto", "on", "off"], default="auto", help="activation checkpointing (planned)")
-    ap.add_argument("--offload", action="store_true", help="AdamW state and fp32 masters on the CPU (train.optim.offload)")
-    ap.add_argument("--memory-gib", type=float, default=None, help="plan against this memory (train.memory.device_memory_gib)")
+    ap.add_argument(
+        "--offload", action="store_true", help="AdamW state and fp32 masters on the CPU (train.optim.offload)"
+    )
+    ap.add_argument(
+        "--memory-gib", type=float, default=None, help="plan against this memory (train.memory.device_memory_gib)"
+    )
     ap.add_argument("--memory-budgets", type=int, nargs="*", default=[16384, 32768])
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled-layer runs (planned: eager layers)")
     ap.add_argument("--repeats", type=int, default=3)
@@ -234,15 +245,18 @@ def run_planned(args) -> None:
     dev = args.device
     precision = "bf16" if dev == "cuda" else "fp32"
     cfg = PRESETS[args.preset]
-    batch = make_batch(args.samples, args.prompt, args.response, cfg["vocab_size"])
     print(
-        f"{args.preset} + {args.mtp} MTP; {precision} on {dev}; step = {args.samples} samples, {batch.num_tokens} "
-        f"tokens (lengths {min(batch.lengths)}-{max(batch.lengths)}); packed rows; microbatch budget "
-        f"{args.max_tokens}, activation checkpointing {args.ckpt}, offload {'cpu' if args.offload else 'none'}",
+        f"{args.preset} + {args.mtp} MTP; {precision} on {dev}; packed rows; microbatch budget {args.max_tokens}, "
+        f"activation checkpointing {args.ckpt}, offload {'cpu' if args.offload else 'none'}",
         flush=True,
     )
     t0 = time.perf_counter()
-    model = PolicyModel.from_config(ModelConfig(backbone=cfg, mtp=MTPConfig(mtp_num_layers=args.mtp)))
+    # random init on the device (on a CPU the 8B shape's init took 141 s); offload wants the fp32
+    # masters on the host, so the initialized model goes there
+    with torch.device(dev):
+        model = PolicyModel.from_config(ModelConfig(backbone=cfg, mtp=MTPConfig(mtp_num_layers=args.mtp)))
+    if args.offload:
+        model = model.to("cpu")
     ckpt = {"auto": "auto", "on": True, "off": False}[args.ckpt]
     worker = TrainWorker(
         model,
@@ -258,25 +272,31 @@ def run_planned(args) -> None:
     plan = worker.memory_plan
     print(f"  built in {time.perf_counter() - t0:.1f} s; {plan.summary()}", flush=True)
     loss = make_loss(GRPOLossConfig())
-    for i in range(2):  # compilation and kernel selection; the AdamW state appears in the first
-        t = timed(lambda: worker.train(batch, loss), dev)
-        print(f"  warm-up step {i + 1}: {t:.2f} s", flush=True)
-        if i == 0:
-            print(peak_line(worker, dev, 1), flush=True)
-    if dev == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times = [timed(lambda: worker.train(batch, loss), dev) for _ in range(args.repeats)]
-    t = statistics.median(times)
-    tps = batch.num_tokens / t
-    line = f"splitrl, {args.mtp} MTP, packed, sync, planned: {t * 1e3:8.1f} ms/step {tps:9.0f} tokens/s"
-    peak_tf = PEAK_TFLOPS.get(dev)
-    if peak_tf:
-        line += f"  MFU {100 * model_flops(cfg, batch.lengths, args.mtp) / t / (peak_tf * 1e12):5.1f}%"
-    print(line, flush=True)
-    print(peak_line(worker, dev, 2), flush=True)
-    if worker.offload is not None:
-        phases = ", ".join(f"{k} {v:.2f} s" for k, v in worker.offload.timings.items())
-        print(f"  offloaded AdamW step (last step): {phases}; {len(worker.offload.buckets)} buckets", flush=True)
+    for k, samples in enumerate([args.samples, *args.also_samples]):
+        batch = make_batch(samples, args.prompt, args.response, cfg["vocab_size"], seed=k)
+        print(
+            f"step = {samples} samples, {batch.num_tokens} tokens (lengths {min(batch.lengths)}-{max(batch.lengths)})",
+            flush=True,
+        )
+        for i in range(2 if k == 0 else 1):  # compilation and kernel selection; the AdamW state appears in the first
+            t = timed(lambda: worker.train(batch, loss), dev)
+            print(f"  warm-up step {i + 1}: {t:.2f} s", flush=True)
+            if i == 0 and k == 0:
+                print(peak_line(worker, dev, 1), flush=True)
+        if dev == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        times = [timed(lambda: worker.train(batch, loss), dev) for _ in range(args.repeats)]
+        t = statistics.median(times)
+        tps = batch.num_tokens / t
+        line = f"splitrl, {args.mtp} MTP, packed, sync, planned, {samples} samples: {t * 1e3:8.1f} ms/step {tps:9.0f} tokens/s"
+        peak_tf = PEAK_TFLOPS.get(dev)
+        if peak_tf:
+            line += f"  MFU {100 * model_flops(cfg, batch.lengths, args.mtp) / t / (peak_tf * 1e12):5.1f}%"
+        print(line, flush=True)
+        print(peak_line(worker, dev, 2), flush=True)
+        if worker.offload is not None:
+            phases = ", ".join(f"{name} {v:.2f} s" for name, v in worker.offload.timings.items())
+            print(f"  offloaded AdamW step (last step): {phases}; {len(worker.offload.buckets)} buckets", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

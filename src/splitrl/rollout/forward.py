@@ -20,6 +20,14 @@ in-place update of q_proj.weight is an update of the fused tensor; biases (Qwen2
 the same way, into one bias tensor. Each output element is the same dot product (plus the same bias)
 as in the separate GEMMs.
 
+Skinny products. On CUDA in bf16 / fp16, a linear layer of the decode step whose input has at
+most :data:`~splitrl.rollout.skinny_gemm.MAX_ROWS` rows (the plain step up to 64 slots, a verify
+or a draft up to 64 rows × queries) runs on :func:`~splitrl.rollout.skinny_gemm.skinny_linear`,
+which streams the weights once at close to the memory bandwidth instead of cuBLAS's large-M tiles;
+each output is the same fp32 sum of the same products, rounded once, in another order (bf16
+rounding). Prefills, larger steps, fp32 and CPUs keep ``torch.nn.functional.linear``;
+``SPLITRL_SKINNY_GEMM=0`` turns it off.
+
 Rotary table. The backbone's ``rotary_emb`` computes cos/sin from the positions with ~8 small ops
 (a matmul, a transpose, a cat, cos, sin, scalings, casts) at every call: in every decode forward,
 the verify and each MTP depth. :meth:`DecoderForward.sync_rope_table` calls that module once for
@@ -37,12 +45,18 @@ h^k = norm(layer_k(fc(concat[enorm(Emb), hnorm(h^{k-1})]))), with the parts read
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
 from splitrl.models.policy import PolicyModel
+from splitrl.rollout import skinny_gemm
 from splitrl.rollout.fused import Kernels, split_heads
 from splitrl.rollout.kv import AttentionPlan, StaticKVCache, causal_attention
+
+# the skinny-product kernel for few-row decode products on CUDA (module docstring); read at call time
+SKINNY_GEMM = skinny_gemm.AVAILABLE and os.environ.get("SPLITRL_SKINNY_GEMM", "1") != "0"
 
 
 def mtp_parts(model: PolicyModel, depth: int) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module, nn.Module]:
@@ -106,9 +120,30 @@ def fuse_projections(model: PolicyModel) -> None:
             _fuse(mlp, ("gate_proj", "up_proj"))
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.nn.functional.linear``, on the skinny-product kernel where it applies (module docstring)."""
+    if (
+        SKINNY_GEMM
+        and x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.numel() <= skinny_gemm.MAX_ROWS * x.shape[-1]
+        and weight.dtype == x.dtype
+        and weight.stride(-1) == 1
+    ):
+        return skinny_gemm.skinny_linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def _module_linear(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` for an ``nn.Linear`` through :func:`linear`; any other module is called."""
+    if type(module) is nn.Linear:
+        return linear(x, module.weight, module.bias)
+    return module(x)
+
+
 def _fused_linear(owner: nn.Module, x: torch.Tensor) -> torch.Tensor:
     weight, bias = getattr(owner, _FUSED)
-    return torch.nn.functional.linear(x, weight, bias)
+    return linear(x, weight, bias)
 
 
 def check_supported(model: PolicyModel) -> None:
@@ -287,14 +322,14 @@ class DecoderForward:
                 cache.write(index, plan, k, v)
                 o = cache.attend(index, q, plan, attn.scaling)
         post = layer.post_attention_layernorm
-        h, x = self.k.add_rms_norm(attn.o_proj(o), h, post.weight, post.variance_epsilon)
+        h, x = self.k.add_rms_norm(_module_linear(attn.o_proj, o), h, post.weight, post.variance_epsilon)
         mlp = layer.mlp
         # dense SwiGLU (also the dense layers of an MoE family); MoE blocks route in their own forward
         if self.silu and hasattr(mlp, _FUSED):
             gate, up = _fused_linear(mlp, x).chunk(2, dim=-1)
-            return h, mlp.down_proj(self.k.silu_mul(gate, up))
+            return h, _module_linear(mlp.down_proj, self.k.silu_mul(gate, up))
         if self.silu and hasattr(mlp, "down_proj"):
-            return h, mlp.down_proj(self.k.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+            return h, _module_linear(mlp.down_proj, self.k.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
         return h, mlp(x)
 
     def _stack(self, h, cos, sin, cache, normed=None, **kw) -> torch.Tensor:

@@ -232,6 +232,41 @@ _NAMES = (
 _COMPILED: dict[str, object] = {}
 
 
+def _warm_up(fns: dict, device, dtype) -> None:
+    """One call of each compiled function on tiny inputs: a compiler failure shows here, at start-up."""
+    x = torch.randn(2, 3, 8, device=device, dtype=dtype)
+    w = torch.ones(8, device=device, dtype=dtype)
+    fns["rms_norm"](x, w, 1e-6)
+    fns["add_rms_norm"](x, x, w, 1e-6)
+    fns["rope"](x[:, :, None], x, x)
+    fns["qk_norm_rope"](x[:, :, None], x[:, :, None], w, w, 1e-6, x, x)
+    fns["qk_rope"](x[:, :, None], x[:, :, None], x, x)
+    fns["silu_mul"](x, x)
+    qkv = torch.randn(2, 3, 32, device=device, dtype=dtype)
+    fns["qkv_norm_rope"](qkv, 16, 8, 8, w, w, 1e-6, x, x)
+    fns["qkv_rope"](qkv, 16, 8, 8, x, x)
+    emb = torch.randn(5, 8, device=device, dtype=dtype)
+    ids = torch.zeros(2, 3, dtype=torch.int64, device=device)
+    fns["embed_rms_norm"](ids, emb, w, 1e-6)
+    fns["mtp_input"](x, [x], w, 1e-6, w, 1e-6)
+    fns["mtp_input"]([ids[:, :2], ids[:, :1]], [x[:, :1], x[:, :2]], w, 1e-6, w, 1e-6, emb)
+    # the step bookkeeping too, so that a compiler failure falls back here rather than
+    # raising inside a decode call (other shapes compile at their first use)
+    i = torch.zeros(2, dtype=torch.int64, device=device)
+    b = torch.zeros(2, dtype=torch.bool, device=device)
+    drafts, targets, stops = i[:, None].repeat(1, 2), i[:, None].repeat(1, 3), i[:1] + 5
+    fns["plain_commit"](i.clone(), i.clone(), i.clone(), b.clone(), b.clone(), i, stops, 8)
+    accepted = fns["spec_accept"](drafts, targets, i, b, stops, 8)
+    fns["spec_commit"](i.clone(), i.clone(), i.clone(), b.clone(), b.clone(), i.clone(), i.clone(),
+                       drafts.clone(), drafts.clone(), targets, *accepted)  # fmt: skip
+    pos, write, limit = fns["draft_window"](i + 4, i, i + 4, 2, 3, 15)
+    fns["draft_window"](i + 4, i, None, 2, 3, 15)
+    fns["plan_tensors"](write, pos, limit, i, 2, 16, 8, False)
+    fns["query_limits"](pos, limit, 8)
+    fns["verify_inputs"](i, drafts, i, i)
+    fns["output_index"](i, 8, 3)
+
+
 class Kernels:
     """The functions above, compiled with ``torch.compile`` when ``compiled`` (CUDA), else eager.
 
@@ -253,37 +288,10 @@ class Kernels:
                     n: serialized(torch.compile(globals()[n], dynamic=None if n.startswith("draw") else True))
                     for n in _NAMES
                 }
-                x = torch.randn(2, 3, 8, device=device, dtype=dtype)
-                w = torch.ones(8, device=device, dtype=dtype)
-                fns["rms_norm"](x, w, 1e-6)
-                fns["add_rms_norm"](x, x, w, 1e-6)
-                fns["rope"](x[:, :, None], x, x)
-                fns["qk_norm_rope"](x[:, :, None], x[:, :, None], w, w, 1e-6, x, x)
-                fns["qk_rope"](x[:, :, None], x[:, :, None], x, x)
-                fns["silu_mul"](x, x)
-                qkv = torch.randn(2, 3, 32, device=device, dtype=dtype)
-                fns["qkv_norm_rope"](qkv, 16, 8, 8, w, w, 1e-6, x, x)
-                fns["qkv_rope"](qkv, 16, 8, 8, x, x)
-                emb = torch.randn(5, 8, device=device, dtype=dtype)
-                ids = torch.zeros(2, 3, dtype=torch.int64, device=device)
-                fns["embed_rms_norm"](ids, emb, w, 1e-6)
-                fns["mtp_input"](x, [x], w, 1e-6, w, 1e-6)
-                fns["mtp_input"]([ids[:, :2], ids[:, :1]], [x[:, :1], x[:, :2]], w, 1e-6, w, 1e-6, emb)
-                # the step bookkeeping too, so that a compiler failure falls back here rather than
-                # raising inside a decode call (other shapes compile at their first use)
-                i = torch.zeros(2, dtype=torch.int64, device=device)
-                b = torch.zeros(2, dtype=torch.bool, device=device)
-                drafts, targets, stops = i[:, None].repeat(1, 2), i[:, None].repeat(1, 3), i[:1] + 5
-                fns["plain_commit"](i.clone(), i.clone(), i.clone(), b.clone(), b.clone(), i, stops, 8)
-                accepted = fns["spec_accept"](drafts, targets, i, b, stops, 8)
-                fns["spec_commit"](i.clone(), i.clone(), i.clone(), b.clone(), b.clone(), i.clone(), i.clone(),
-                                   drafts.clone(), drafts.clone(), targets, *accepted)  # fmt: skip
-                pos, write, limit = fns["draft_window"](i + 4, i, i + 4, 2, 3, 15)
-                fns["draft_window"](i + 4, i, None, 2, 3, 15)
-                fns["plan_tensors"](write, pos, limit, i, 2, 16, 8, False)
-                fns["query_limits"](pos, limit, 8)
-                fns["verify_inputs"](i, drafts, i, i)
-                fns["output_index"](i, 8, 3)
+                # under inference mode, as generate runs them: Dynamo guards on the grad mode, and a
+                # warm-up with gradients on made every function compile again at its first real call
+                with torch.inference_mode():
+                    _warm_up(fns, device, dtype)
                 # the samplers compile at their first call (one graph per vocabulary size)
                 _COMPILED.update(fns)
             except Exception as err:  # noqa: BLE001 - any compiler failure: fall back to eager

@@ -182,6 +182,7 @@ class ModelRunner:
         self._pool = self._prefill_pool = None  # CUDA graph memory pools: decode steps, prefills
         self._step_times: dict[tuple[int, int], float] = {}
         self.captures = 0
+        self._small_buckets_warmed: set[str] = set()  # step kinds whose 1- and 2-row graphs exist (graph())
         self.setup_s = 0.0  # seconds of graph captures and plain-step timings so far
         self._columns = column_keys(model.config.vocab_size, device)  # before any graph capture
 
@@ -294,6 +295,14 @@ class ModelRunner:
         graph = self.graphs.get(key)
         if graph is not None:
             return graph
+        if B > 2 and kind not in self._small_buckets_warmed:
+            # the compiled step kernels specialize a bucket of 1 row (and Dynamo's automatic dynamic
+            # shapes the samplers at their next row count): compile those now, with the first large
+            # bucket, not in the middle of a later call whose tail happens to reach one or two rows
+            # (after a train step a speculative call's first 1-row tail compiled 24 graphs: 23.6 s)
+            self._small_buckets_warmed.add(kind)
+            for small in (1, 2):
+                self.graph(kind, small, L)
         with self._setup_time():
             fn = self._step_fn(kind, B, L)
             saved = self.state.snapshot()

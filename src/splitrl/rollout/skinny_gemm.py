@@ -1,0 +1,152 @@
+"""The linear layers of a decode step with few rows, in one Triton kernel: y = x Wᵀ (+ b).
+
+Legend: M rows of x (decode: slots × queries a slot), K input features, N output features.
+
+Why a kernel of our own: at M ≤ 64 a decode step's matrix products read their weights once and
+do almost no arithmetic (2·M FLOP a weight byte pair), so their floor is the weight bytes over the
+memory bandwidth. cuBLAS picks tiles made for large M for these shapes; on an H200 the
+Qwen3-0.6B shape's four projections of a layer (31.5 MB of bf16 weights, 7.3 µs at 4.3 TB/s) took
+29 µs at M = 1 and 24 µs at M = 32 (``python bench/profile_rollout.py``, figures in
+bench/RESULTS.md). Here one program owns BLOCK_N output features and all M rows: it streams its
+BLOCK_N × K slab of W once in BLOCK_K-wide tiles (16-byte loads along K, ``num_stages`` tiles in
+flight) and accumulates x·Wᵀ in fp32 on the tensor cores (M padded to BLOCK_M ≥ 16 rows, the
+masked rows read as zeros). Too few output features to fill the chip are split along K into
+SPLIT_K programs whose fp32 partial sums a second kernel adds in a fixed order: no atomics, so a
+row's result is the same from run to run and does not depend on the other rows' values.
+
+The result is rounded once, from the fp32 sum, to x's dtype (cuBLAS rounds the same fp32 sum, in
+another order of the products): the two agree to the rounding of bf16 (tests/rollout/test_skinny_gemm.py).
+
+Triton is optional: :data:`AVAILABLE` says whether it imports; :func:`skinny_linear` is used only
+on CUDA (``TRITON_INTERPRET=1`` with Triton installed runs the kernel on the CPU in tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    AVAILABLE = True
+except ImportError:  # CPU installs: torch.nn.functional.linear is used
+    AVAILABLE = False
+
+MAX_ROWS = 64  # rows (M) up to which a decode step's linear layers take this kernel
+SMS_TO_FILL = 132  # H200 / H100 SXM multiprocessors: programs wanted per launch, at least
+
+
+if AVAILABLE:
+
+    @triton.jit
+    def _skinny_gemm_kernel(
+        x_ptr, w_ptr, b_ptr, y_ptr,
+        M, N, K,
+        sx_m, sw_n, sy_s, sy_m,
+        K_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        pid_n = tl.program_id(0)
+        split = tl.program_id(1)
+        rm = tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < N
+        k_begin = split * K_PER_SPLIT
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+            kk = k_begin + k0 + rk
+            k_ok = kk < K
+            x = tl.load(x_ptr + rm[:, None] * sx_m + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptr + rn[:, None] * sw_n + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+        if HAS_BIAS:
+            if split == 0:
+                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        out = y_ptr + split * sy_s + rm[:, None] * sy_m + rn[None, :]
+        tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _sum_splits_kernel(p_ptr, y_ptr, total, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < total
+        acc = tl.load(p_ptr + i, mask=ok, other=0.0)
+        for s in tl.static_range(1, SPLIT_K):  # fixed order: the same sum on every run
+            acc += tl.load(p_ptr + s * total + i, mask=ok, other=0.0)
+        tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def plan(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps) for an [M, K] × [N, K]ᵀ product, M ≤ 64.
+
+    BLOCK_M is M rounded up to a power of two (16 at least: the tensor cores' smallest tile).
+    BLOCK_N is 32 when N / 32 programs fill the chip, else 16; SPLIT_K (1, 2, 4 or 8, each split a
+    multiple of BLOCK_K) raises the programs to ``SMS_TO_FILL`` or more where K allows it.
+    """
+    block_m = max(16, triton_next_power_of_2(M))
+    block_n = 32 if N // 32 >= SMS_TO_FILL else 16
+    block_k = 256 if block_m <= 32 else 128
+    programs = -(-N // block_n)
+    split = 1
+    while programs * split < SMS_TO_FILL and split < 8 and K % (2 * split * block_k) == 0:
+        split *= 2
+    return block_m, block_n, block_k, split, 4
+
+
+def triton_next_power_of_2(n: int) -> int:
+    """The least power of two ≥ n (n ≥ 1)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None) -> torch.Tensor:
+    """``torch.nn.functional.linear(x, weight, bias)`` for x with at most :data:`MAX_ROWS` rows.
+
+    Args:
+        x: [..., K], rows = the product of the leading dims (≤ MAX_ROWS), any float dtype; its
+            last dim need not be contiguous with the rows (a row stride is passed).
+        weight: [N, K], the dtype of x, contiguous along K.
+        bias: [N] or None.
+        config: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps) instead of :func:`plan`'s (benches).
+
+    Returns:
+        [..., N] in x's dtype, rounded once from the fp32 sum.
+
+    Raises:
+        ValueError: more than MAX_ROWS rows, mismatched K or dtypes, or Triton missing.
+    """
+    if not AVAILABLE:
+        raise ValueError("skinny_linear needs Triton; use torch.nn.functional.linear")
+    *lead, K = x.shape
+    N = weight.shape[0]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    if M > MAX_ROWS or weight.shape[1] != K or weight.dtype != x.dtype or weight.stride(1) != 1:
+        raise ValueError(
+            f"skinny_linear takes ≤ {MAX_ROWS} rows of x [..., K] and a weight [N, K] of x's dtype, contiguous "
+            f"along K; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype} "
+            f"strides {weight.stride()}"
+        )
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    block_m, block_n, block_k, split, warps = config or plan(M, N, K)
+    k_per_split = -(-K // split)
+    k_per_split = -(-k_per_split // block_k) * block_k
+    if split == 1:
+        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+        y_stride_s = 0
+    else:
+        y = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+        y_stride_s = y.stride(0)
+    grid = (triton.cdiv(N, block_n), split)
+    _skinny_gemm_kernel[grid](
+        x2, weight, bias if bias is not None else weight, y,
+        M, N, K,
+        x2.stride(0), weight.stride(0), y_stride_s, N,
+        K_PER_SPLIT=k_per_split, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=3,
+    )  # fmt: skip
+    if split > 1:
+        partials, y = y, torch.empty(M, N, dtype=x.dtype, device=x.device)
+        _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](partials, y, M * N, SPLIT_K=split, BLOCK=1024)
+    return y.view(*lead, N)

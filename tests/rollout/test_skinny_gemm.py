@@ -1,0 +1,129 @@
+"""The skinny-product kernel of the decode step's linear layers (splitrl.rollout.skinny_gemm):
+its tile plan (CPU), the dispatch of splitrl.rollout.forward.linear, and the kernel's products
+against an fp32 reference (Triton's interpreter on the CPU where it runs; CUDA in bf16)."""
+
+import math
+
+import pytest
+import torch
+
+from splitrl.rollout import forward as forward_mod
+from splitrl.rollout import skinny_gemm as sg
+
+needs_cuda_triton = pytest.mark.skipif(not (torch.cuda.is_available() and sg.AVAILABLE), reason="needs CUDA and Triton")
+# the Qwen3-0.6B decode projections (N, K): q/k/v fused, o, gate/up fused, down
+SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
+
+
+@pytest.mark.parametrize("M", [1, 3, 16, 17, 32, 33, 64])
+@pytest.mark.parametrize("N,K", SHAPES + [(48, 96), (100, 1000)])
+def test_the_plan_covers_every_row_and_feature_once(M, N, K):
+    block_m, block_n, block_k, split, warps = sg.plan(M, N, K)
+    assert block_m >= max(16, M) and block_m & (block_m - 1) == 0 and block_m < 2 * max(16, M)
+    assert block_n in (16, 32) and block_k in (128, 256) and warps == 4
+    assert split in (1, 2, 4, 8)
+    # each split is a whole number of BLOCK_K tiles, and together they cover K exactly
+    assert split == 1 or K % (split * block_k) == 0
+    programs = math.ceil(N / block_n) * split
+    # the plan raises the programs to the chip's multiprocessors where K allows another split
+    assert programs >= sg.SMS_TO_FILL or split == 8 or K % (2 * split * block_k) != 0
+
+
+def test_linear_is_torch_linear_off_cuda_and_for_many_rows():
+    torch.manual_seed(0)
+    w, b = torch.randn(24, 16), torch.randn(24)
+    for x in (torch.randn(2, 3, 16), torch.randn(70, 16)):
+        assert torch.equal(forward_mod.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+    lin = torch.nn.Linear(16, 24)
+    x = torch.randn(5, 16)
+    assert torch.equal(forward_mod._module_linear(lin, x), lin(x))
+
+
+@pytest.mark.skipif(sg.AVAILABLE, reason="Triton is installed: the kernel runs")
+def test_skinny_linear_without_triton_says_so():
+    with pytest.raises(ValueError, match="needs Triton"):
+        sg.skinny_linear(torch.randn(1, 8), torch.randn(8, 8))
+
+
+_INTERPRETED = r"""
+import torch
+from splitrl.rollout import skinny_gemm as sg
+torch.manual_seed(0)
+worst = 0.0
+for M, N, K, bias in [(1, 64, 512, False), (3, 48, 256, True), (20, 40, 1024, False), (64, 16, 512, True), (5, 33, 300, True)]:
+    x, w = torch.randn(M, K), torch.randn(N, K)
+    b = torch.randn(N) if bias else None
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    for split in (1, 2, 4):
+        y = sg.skinny_linear(x, w, b, config=(max(16, sg.triton_next_power_of_2(M)), 16, 128, split, 4))
+        assert y.shape == (M, N) and y.dtype == x.dtype
+        worst = max(worst, float((y.double() - ref).norm() / ref.norm()))
+print(worst)
+"""
+
+
+@pytest.mark.skipif(not sg.AVAILABLE, reason="needs Triton (its interpreter runs the kernel on the CPU)")
+def test_the_kernel_under_the_interpreter_is_the_fp32_product():
+    """fp32 on the CPU: K not a multiple of the tile (masked tail), split K, bias, 1..64 rows."""
+    import os
+    import subprocess
+    import sys
+
+    import splitrl
+
+    src = os.path.dirname(os.path.dirname(splitrl.__file__))
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+    }
+    res = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
+    if "only 0-dimensional arrays can be converted" in res.stderr:
+        pytest.skip("Triton's interpreter does not run with this numpy (>= 2.3); the CUDA tests run the kernel")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert float(res.stdout.split()[-1]) < 1e-6
+
+
+@needs_cuda_triton
+@pytest.mark.parametrize("M", [1, 3, 8, 32, 64])
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_bf16_products_match_fp32_as_closely_as_cublas(M, N, K):
+    torch.manual_seed(M * 7 + N)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(N, K, device="cuda") / K**0.5).to(torch.bfloat16)
+    b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    err = {}
+    for name, fn in (("ours", sg.skinny_linear), ("cublas", torch.nn.functional.linear)):
+        y = fn(x, w, b)
+        assert y.shape == (M, N) and y.dtype == torch.bfloat16
+        err[name] = float((y.float() - ref).norm() / ref.norm())
+    # both round one fp32 sum to bf16 (relative rounding 2^-9): errors near 1e-3, never far apart
+    assert err["ours"] < 4e-3 and err["ours"] < 2 * err["cublas"] + 1e-3, err
+
+
+@needs_cuda_triton
+def test_rows_are_independent_deterministic_and_the_same_in_a_graph():
+    torch.manual_seed(0)
+    N, K = 1024, 3072  # split along K: the partial sums' order must be fixed
+    assert sg.plan(8, N, K)[3] > 1
+    x = torch.randn(8, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+    y = sg.skinny_linear(x, w)
+    assert torch.equal(y, sg.skinny_linear(x, w))
+    other = x.clone()
+    other[1:] = torch.randn(7, K, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(sg.skinny_linear(other, w)[0], y[0])  # row 0 does not see rows 1..7
+    out = torch.empty_like(y)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out.copy_(sg.skinny_linear(x, w))
+    out.zero_()
+    g.replay()
+    assert torch.equal(out, y)
+    # a strided row layout (a view of a wider tensor) reads the right elements
+    wide = torch.randn(8, 2 * K, device="cuda", dtype=torch.bfloat16)
+    wide[:, :K] = x
+    assert torch.equal(sg.skinny_linear(wide[:, :K], w), y)
+    with pytest.raises(ValueError, match="rows"):
+        sg.skinny_linear(torch.randn(65, K, device="cuda", dtype=torch.bfloat16), w)
