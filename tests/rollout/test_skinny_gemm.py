@@ -127,3 +127,12 @@ def test_rows_are_independent_deterministic_and_the_same_in_a_graph():
     assert torch.equal(sg.skinny_linear(wide[:, :K], w), y)
     with pytest.raises(ValueError, match="rows"):
         sg.skinny_linear(torch.randn(65, K, device="cuda", dtype=torch.bfloat16), w)
+
+
+def test_the_decode_forward_takes_the_kernel_only_for_the_narrow_products():
+    """The H200 measurement behind sg.preferred: the kernel wins where it splits K (o_proj,
+    down_proj of the 0.6B shape) and loses on the wide products (q/k/v, gate/up), at any M <= 64."""
+    for M in (1, 3, 8, 32, 64):
+        assert sg.preferred(M, 1024, 2048) and sg.preferred(M, 1024, 3072)  # o, down
+        assert not sg.preferred(M, 4096, 1024) and not sg.preferred(M, 6144, 1024)  # qkv, gate/up
+    assert not sg.preferred(65, 1024, 2048)

@@ -22,11 +22,12 @@ as in the separate GEMMs.
 
 Skinny products. On CUDA in bf16 / fp16, a linear layer of the decode step whose input has at
 most :data:`~splitrl.rollout.skinny_gemm.MAX_ROWS` rows (the plain step up to 64 slots, a verify
-or a draft up to 64 rows × queries) runs on :func:`~splitrl.rollout.skinny_gemm.skinny_linear`,
-which streams the weights once at close to the memory bandwidth instead of cuBLAS's large-M tiles;
-each output is the same fp32 sum of the same products, rounded once, in another order (bf16
-rounding). Prefills, larger steps, fp32 and CPUs keep ``torch.nn.functional.linear``;
-``SPLITRL_SKINNY_GEMM=0`` turns it off.
+or a draft up to 64 rows × queries) and too few output features to fill the chip (o_proj,
+down_proj: :func:`~splitrl.rollout.skinny_gemm.preferred`) runs on
+:func:`~splitrl.rollout.skinny_gemm.skinny_linear`, which splits the inner dimension over more
+programs where cuBLAS's tiles left most of the chip idle; each output is the same fp32 sum of the
+same products, rounded once, in another order (bf16 rounding). Prefills, larger steps, the wide
+products, fp32 and CPUs keep ``torch.nn.functional.linear``; ``SPLITRL_SKINNY_GEMM=0`` turns it off.
 
 Rotary table. The backbone's ``rotary_emb`` computes cos/sin from the positions with ~8 small ops
 (a matmul, a transpose, a cat, cos, sin, scalings, casts) at every call: in every decode forward,
@@ -129,6 +130,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and x.numel() <= skinny_gemm.MAX_ROWS * x.shape[-1]
         and weight.dtype == x.dtype
         and weight.stride(-1) == 1
+        and skinny_gemm.preferred(x.numel() // x.shape[-1], weight.shape[0], x.shape[-1])
     ):
         return skinny_gemm.skinny_linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)

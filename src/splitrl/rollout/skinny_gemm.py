@@ -4,15 +4,20 @@ Legend: M rows of x (decode: slots × queries a slot), K input features, N outpu
 
 Why a kernel of our own: at M ≤ 64 a decode step's matrix products read their weights once and
 do almost no arithmetic (2·M FLOP a weight byte pair), so their floor is the weight bytes over the
-memory bandwidth. cuBLAS picks tiles made for large M for these shapes; on an H200 the
-Qwen3-0.6B shape's four projections of a layer (31.5 MB of bf16 weights, 7.3 µs at 4.3 TB/s) took
-29 µs at M = 1 and 24 µs at M = 32 (``python bench/profile_rollout.py``, figures in
-bench/RESULTS.md). Here one program owns BLOCK_N output features and all M rows: it streams its
-BLOCK_N × K slab of W once in BLOCK_K-wide tiles (16-byte loads along K, ``num_stages`` tiles in
-flight) and accumulates x·Wᵀ in fp32 on the tensor cores (M padded to BLOCK_M ≥ 16 rows, the
-masked rows read as zeros). Too few output features to fill the chip are split along K into
-SPLIT_K programs whose fp32 partial sums a second kernel adds in a fixed order: no atomics, so a
-row's result is the same from run to run and does not depend on the other rows' values.
+memory bandwidth. On an H200 the Qwen3-0.6B shape's four projections of a layer (31.5 MB of bf16
+weights, 7.3 µs at 4.3 TB/s) took 30 µs on cuBLAS at M = 1 and 24 µs at M = 32
+(``python bench/bench_skinny_gemm.py``, figures in bench/RESULTS.md): each product is a few MB,
+and a launch of that size stays near 5 µs whatever its bytes. The worst case was a narrow one:
+o_proj (N = 1024 features) at M = 1, 12.6 µs, where cuBLAS's tiles ran too few programs to keep
+the memory system busy.
+
+Here one program owns BLOCK_N output features and all M rows: it streams its BLOCK_N × K slab of
+W once in BLOCK_K-wide tiles (``num_stages`` tiles in flight) and accumulates x·Wᵀ in fp32 on the
+tensor cores (M padded to BLOCK_M ≥ 16 rows, the masked rows read as zeros). Too few output
+features to fill the chip are split along K into SPLIT_K programs whose fp32 partial sums a
+second kernel adds in a fixed order: no atomics, so a row's result is the same from run to run and
+does not depend on the other rows' values. The decode forward uses it only for such narrow
+products (:func:`preferred`); on the wide ones it was 5–11 % slower than cuBLAS.
 
 The result is rounded once, from the fp32 sum, to x's dtype (cuBLAS rounds the same fp32 sum, in
 another order of the products): the two agree to the rounding of bf16 (tests/rollout/test_skinny_gemm.py).
@@ -92,6 +97,16 @@ def plan(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     while programs * split < SMS_TO_FILL and split < 8 and K % (2 * split * block_k) == 0:
         split *= 2
     return block_m, block_n, block_k, split, 4
+
+
+def preferred(M: int, N: int, K: int) -> bool:
+    """Whether the decode forward takes this kernel for an [M, K] × [N, K]ᵀ product: at most
+    :data:`MAX_ROWS` rows and too few output features to fill the chip, so that :func:`plan` splits
+    K. Measured on an H200 with the Qwen3-0.6B shapes (``bench/bench_skinny_gemm.py``,
+    bench/RESULTS.md): there it matched or beat cuBLAS (o_proj at M = 1: 4.8 against 12.6 µs),
+    while on the wide products (q/k/v, gate/up: one program per 16 or 32 features, no split) it
+    was 5–11 % slower than cuBLAS, which keeps those."""
+    return M <= MAX_ROWS and plan(M, N, K)[3] > 1
 
 
 def triton_next_power_of_2(n: int) -> int:
