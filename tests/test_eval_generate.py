@@ -321,8 +321,9 @@ def test_sampling_flags_are_validated_like_the_run_config(tmp_path):
     from splitrl.config import RunConfig
 
     flags = dict(top_k=None, top_p=None, max_new_tokens=None)
-    with pytest.raises(ValueError, match=r"--temperature: .*temperature must be > 0"):
+    with pytest.raises(ValueError, match=r"--temperature: .*temperature must be > 0") as refused:
         _sampling(RunConfig(), argparse.Namespace(temperature=0.0, **flags), tmp_path)
+    assert "--greedy" in str(refused.value) and "training" not in str(refused.value)  # eval's fix, not train's
     ok = _sampling(RunConfig(), argparse.Namespace(temperature=0.7, **flags), tmp_path)
     assert ok.temperature == 0.7
 

@@ -272,8 +272,12 @@ def _sampling(config, args: argparse.Namespace, policy_dir: Path):
     try:
         return type(gen).model_validate({**gen.model_dump(), **update})
     except ValidationError as e:
+        # the validator's clause about training (T > 0, top_k != 1 for groups) is not about eval / generate
         raise ValueError(
-            "; ".join(f"--{'-'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg']}" for err in e.errors())
+            "; ".join(
+                f"--{'-'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg'].split('; training needs')[0]}"
+                for err in e.errors()
+            )
         ) from None
 
 

@@ -20,7 +20,8 @@ class ModelCapabilities(BaseModel):
 
     Attributes:
         owns_sequence_packing: the model takes unpacked, padded samples and packs them itself.
-        owns_mtp_loss_mask_packing: the model also packs the MTP loss mask (needs the above).
+        owns_mtp_loss_mask_packing: the model also packs the MTP loss mask (only together with
+            owns_sequence_packing: a model that packs its samples packs their masks too).
         slices_context_parallel_inputs: the model takes packed, unsharded rows and shards them.
 
     These flags travel unchanged through the synchronous and the split path.
