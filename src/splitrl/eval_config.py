@@ -110,7 +110,7 @@ def plan_eval(run_config) -> list[int]:
     from splitrl.tasks import make_task
 
     ecfg = run_config.eval
-    if ecfg.task is not None and _same_rows(ecfg.task, run_config.task):
+    if ecfg.task is not None and not hasattr(ecfg.task, "path") and _same_rows(ecfg.task, run_config.task):
         source = getattr(ecfg.task, "path", None) or f"kind {ecfg.task.kind}"
         split = getattr(ecfg.task, "split", None)
         raise ValueError(
@@ -119,14 +119,33 @@ def plan_eval(run_config) -> list[int]:
             "prompts training never draws), or give a held-out file or split as eval.task"
         )
     task = make_task(ecfg.task if ecfg.task is not None else run_config.task)
-    return heldout_indices(ecfg, task.num_prompts, run_config.schedule.num_steps * run_config.schedule.groups_per_step)
+    drawn = run_config.schedule.num_steps * run_config.schedule.groups_per_step
+    indices = heldout_indices(ecfg, task.num_prompts, drawn)
+    if ecfg.task is not None and task.source_of(indices[0]) is not None:
+        _refuse_training_rows(task, make_task(run_config.task), indices, drawn)
+    return indices
+
+
+def _refuse_training_rows(task, train_task, indices: list[int], drawn: int) -> None:
+    """Raise ValueError when eval prompts come from rows training draws (the same file rows under
+    another split, template or order: e.g. ASDiv ``split: all`` beside training's ``split: train``)."""
+    n = train_task.num_prompts
+    if train_task.source_of(0) is None:
+        return
+    trained = {train_task.source_of(i) for i in range(min(drawn, n) if n is not None else drawn)}
+    shared = [i for i in indices if task.source_of(i) in trained]
+    if shared:
+        path, where = task.source_of(shared[0])
+        raise ValueError(
+            f"{len(shared)} of the {len(indices)} eval prompts are rows training draws (e.g. eval prompt "
+            f"{shared[0]}: {path}, {where}): their scores "
+            "would be on training prompts. Give eval.task rows training never draws (ASDiv: split: test beside "
+            "training's split: train; a file: a held-out file), or leave eval.task out"
+        )
 
 
 def _same_rows(eval_task, train_task) -> bool:
-    """Whether ``eval_task`` serves training's prompts: the same file (and split) of the same kind,
-    or, for a generated task, the same config (the same generator and seed make the same prompts)."""
-    if eval_task.kind != train_task.kind:
-        return False
-    if hasattr(eval_task, "path"):
-        return all(getattr(eval_task, f, None) == getattr(train_task, f, None) for f in ("path", "split"))
-    return eval_task == train_task
+    """Whether a generated ``eval_task`` serves training's prompts: the same config (the same
+    generator and seed make the same prompts). File tasks compare their rows instead
+    (:func:`_refuse_training_rows`)."""
+    return eval_task.kind == train_task.kind and eval_task == train_task

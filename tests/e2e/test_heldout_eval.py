@@ -98,10 +98,48 @@ def test_an_eval_task_on_the_training_file_fails_before_anything_starts(tmp_path
     from splitrl.eval_config import plan_eval
 
     if same:
-        with pytest.raises(ValueError, match=r"eval.task reads the prompts training draws from .*train.jsonl.*Leave eval.task out"):
+        with pytest.raises(ValueError, match=r"16 of the 32 eval prompts are rows training draws .*train.jsonl, line 1\).*leave eval.task out"):
             plan_eval(cfg)
     else:
         assert plan_eval(cfg) == list(range(32))
     same_generator = demo_config(TINY + ["eval.at_end=true", "eval.task={kind: reverse_digits}", "task={kind: reverse_digits}"])
     with pytest.raises(ValueError, match="kind reverse_digits"):
         plan_eval(same_generator)
+
+
+def test_an_eval_task_serving_training_rows_under_another_split_is_refused(tmp_path):
+    """Kind: scores on training prompts, silently. ASDiv's `split: all` as eval.task beside
+    training's `split: train` shares every training row without being the same split; a shuffled
+    copy of the training file's config too. Refused before anything starts, naming a shared row;
+    the test split (or a file training never reads) is accepted."""
+    from splitrl.eval_config import plan_eval
+
+    rows = [{"passage": f"P{i}.", "question": f"Q{i}?", "answer": f"{i} cats"} for i in range(80)]
+    asdiv = tmp_path / "asdiv.jsonl"
+    asdiv.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train_task = f"{{kind: asdiv, path: {asdiv}, split: train, num_test: 20}}"
+
+    def cfg(eval_task, num_prompts=20):
+        return demo_config(TINY + ["tokenizer.charset=null", "model.backbone.vocab_size=100", f"task={train_task}",
+                                   "eval.at_end=true", f"eval.num_prompts={num_prompts}", f"eval.task={eval_task}"])  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"of the 20 eval prompts are rows training draws .*asdiv.jsonl, line \d+"):
+        plan_eval(cfg(f"{{kind: asdiv, path: {asdiv}, split: all, num_test: 20, shuffle: true}}"))
+    assert plan_eval(cfg(f"{{kind: asdiv, path: {asdiv}, split: test, num_test: 20}}")) == list(range(20))
+    # a test split larger than training's held-out part reaches into the rows training draws
+    with pytest.raises(ValueError, match=r"of the 30 eval prompts are rows training draws"):
+        plan_eval(cfg(f"{{kind: asdiv, path: {asdiv}, split: test, num_test: 30}}", num_prompts=30))
+    # math_file: the training file shuffled (another order, the same rows) is refused too, and the
+    # same file with disjoint skip_rows (a held-out part of one file) is accepted
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(40)))
+    shuffled = demo_config(TINY + ["tokenizer.charset=null", "model.backbone.vocab_size=100",
+                                   f"task={{kind: math_file, path: {data}}}", "eval.at_end=true",
+                                   f"eval.task={{kind: math_file, path: {data}, shuffle: true, seed: 3}}"])  # fmt: skip
+    with pytest.raises(ValueError, match=r"eval prompts are rows training draws .*train.jsonl, line \d+"):
+        plan_eval(shuffled)
+    halves = demo_config(TINY + ["tokenizer.charset=null", "model.backbone.vocab_size=100",
+                                 f"task={{kind: math_file, path: {data}, skip_rows: {list(range(30, 40))}}}",
+                                 "eval.at_end=true", "eval.num_prompts=10",
+                                 f"eval.task={{kind: math_file, path: {data}, skip_rows: {list(range(30))}}}"])  # fmt: skip
+    assert plan_eval(halves) == list(range(10))

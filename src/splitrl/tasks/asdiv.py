@@ -138,12 +138,17 @@ class AsdivTask(Task):
         if not rows:
             raise ValueError(f"{path}: the {config.split} split (num_test={config.num_test}) holds no rows")
         self._rows = rows
+        self._path = str(path.resolve())
         order = np.arange(len(rows))
         self._order = np.random.default_rng(config.seed).permutation(order) if config.shuffle else order
 
     @property
     def num_prompts(self) -> int:
         return len(self._rows)
+
+    def source_of(self, index: int) -> tuple[str, str]:
+        """(the file's resolved path, ``line N``) of prompt ``index``: the same row in every split."""
+        return (self._path, self.row_label(int(self._order[index])))
 
     def row_label(self, row: int) -> str:
         """The file line of row ``row`` of this split, for messages."""

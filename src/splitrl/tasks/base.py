@@ -81,6 +81,13 @@ class Task(ABC):
         :class:`splitrl.tasks.RewardScorer` wherever a check could hang.
         """
 
+    def source_of(self, index: int) -> tuple | None:
+        """Where prompt ``index`` comes from, as a key equal for two prompts made from the same
+        source row whatever their template or split (e.g. (file, "line 12")); None where prompts have no
+        such source (generated tasks). Held-out evaluation compares these to refuse an
+        ``eval.task`` that serves training rows (:func:`splitrl.eval_config.plan_eval`)."""
+        return None
+
     def get_prompt(self, index: int) -> TaskPrompt:
         """Prompt number ``index``; the same index and config always give the same prompt.
 

@@ -121,6 +121,10 @@ class MathFileTask(Task):
     def num_prompts(self) -> int:
         return len(self._order)
 
+    def source_of(self, index: int) -> tuple[str, str]:
+        """(the file's resolved path, :meth:`row_label` of its row) of prompt ``index``."""
+        return (str(Path(self.config.path).resolve()), self.row_label(int(self._order[index])))
+
     def _make_prompt(self, index: int) -> TaskPrompt:
         row = int(self._order[index])
         text = self.config.prompt_template.replace(_PROMPT_SLOT, self._prompts[row])
