@@ -45,10 +45,12 @@ def test_planned_mode_runs_tiny_on_cpu_with_offload(capsys):
     here) and the offloaded AdamW step's phases."""
     bench = load_bench("bench_train_step")
     argv = ["--device", "cpu", "--preset", "tiny", "--mode", "planned", "--offload", "--repeats", "1"]
-    bench.main(argv + ["--samples", "2", "--prompt", "8", "--response", "8", "--max-tokens", "64"])
+    bench.main(argv + ["--samples", "2", "--also-samples", "3", "--prompt", "8", "--response", "8", "--max-tokens", "64"])
     out = capsys.readouterr().out
     assert "memory plan:" in out and "host: fp32 masters 4 + AdamW 8" in out
     assert "microbatch budget 64 tokens" in out
-    assert "splitrl, 1 MTP, packed, sync, planned:" in out and "tokens/s" in out
+    # one timed line per step size, the --also-samples step with the same worker
+    assert "splitrl, 1 MTP, packed, sync, planned, 2 samples:" in out and "tokens/s" in out
+    assert "splitrl, 1 MTP, packed, sync, planned, 3 samples:" in out
     assert "peak memory: not measured on cpu" in out
     assert "offloaded AdamW step (last step): wait_grads" in out
