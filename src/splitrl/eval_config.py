@@ -105,24 +105,25 @@ def plan_eval(run_config) -> list[int]:
     Builds the evaluated task, so a missing test file fails here, before any worker starts.
 
     Raises:
-        ValueError: the task cannot be built, or no held-out index is left.
+        ValueError: the task cannot be built, no held-out index is left, or eval.task serves prompts
+            training draws (the same generated config, or rows of the same file).
     """
     from splitrl.tasks import make_task
 
     ecfg = run_config.eval
-    if ecfg.task is not None and not hasattr(ecfg.task, "path") and _same_rows(ecfg.task, run_config.task):
-        source = getattr(ecfg.task, "path", None) or f"kind {ecfg.task.kind}"
-        split = getattr(ecfg.task, "split", None)
-        raise ValueError(
-            f"eval.task reads the prompts training draws from ({source}{f', split {split}' if split else ''}): "
-            "its scores would be on training prompts. Leave eval.task out (evaluation then uses the task's "
-            "prompts training never draws), or give a held-out file or split as eval.task"
-        )
     task = make_task(ecfg.task if ecfg.task is not None else run_config.task)
     drawn = run_config.schedule.num_steps * run_config.schedule.groups_per_step
     indices = heldout_indices(ecfg, task.num_prompts, drawn)
-    if ecfg.task is not None and task.source_of(indices[0]) is not None:
+    if ecfg.task is None:
+        return indices
+    if task.source_of(indices[0]) is not None:  # rows of a file: compare them with training's
         _refuse_training_rows(task, make_task(run_config.task), indices, drawn)
+    elif ecfg.task == run_config.task:  # a generated task: the same config makes the same prompts
+        raise ValueError(
+            f"eval.task reads the prompts training draws from (kind {ecfg.task.kind}): its scores would be on "
+            "training prompts. Leave eval.task out (evaluation then uses the task's prompts training never "
+            "draws), or give a held-out file or split as eval.task"
+        )
     return indices
 
 
@@ -142,10 +143,3 @@ def _refuse_training_rows(task, train_task, indices: list[int], drawn: int) -> N
             "would be on training prompts. Give eval.task rows training never draws (ASDiv: split: test beside "
             "training's split: train; a file: a held-out file), or leave eval.task out"
         )
-
-
-def _same_rows(eval_task, train_task) -> bool:
-    """Whether a generated ``eval_task`` serves training's prompts: the same config (the same
-    generator and seed make the same prompts). File tasks compare their rows instead
-    (:func:`_refuse_training_rows`)."""
-    return eval_task.kind == train_task.kind and eval_task == train_task

@@ -56,7 +56,7 @@ from splitrl.rollout import skinny_gemm
 from splitrl.rollout.fused import Kernels, split_heads
 from splitrl.rollout.kv import AttentionPlan, StaticKVCache, causal_attention
 
-# the skinny-product kernel for few-row decode products on CUDA (module docstring); read at call time
+# the skinny-product kernel for few-row decode products on CUDA (module docstring); set at import
 SKINNY_GEMM = skinny_gemm.AVAILABLE and os.environ.get("SPLITRL_SKINNY_GEMM", "1") != "0"
 
 
@@ -127,10 +127,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         SKINNY_GEMM
         and x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16)
-        and x.numel() <= skinny_gemm.MAX_ROWS * x.shape[-1]
         and weight.dtype == x.dtype
         and weight.stride(-1) == 1
-        and skinny_gemm.preferred(x.numel() // x.shape[-1], weight.shape[0], x.shape[-1])
+        and skinny_gemm.preferred(x.numel() // x.shape[-1], weight.shape[0], x.shape[-1])  # rows <= MAX_ROWS too
     ):
         return skinny_gemm.skinny_linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
