@@ -121,3 +121,31 @@ def scripted_draw(ref: dict[int, list[int]], wrong: set[tuple[int, int]], vocab:
         return torch.tensor(out)
 
     return draw
+
+
+def run_python(code: str, **env_vars):
+    """``python -c code`` in a subprocess with ``env_vars`` set, importing the splitrl this test
+    imported (environment switches are read at import: a subprocess sees them)."""
+    import os
+    import subprocess
+    import sys
+
+    import splitrl
+
+    src = os.path.dirname(os.path.dirname(splitrl.__file__))
+    env = {**os.environ, **env_vars, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def run_interpreted(code: str, **env_vars) -> list[str]:
+    """The words ``code`` prints when run under Triton's interpreter (``TRITON_INTERPRET=1``: the
+    kernels run on the CPU, in fp32; its bf16 is not faithful); skips where the interpreter cannot
+    run, fails on any error."""
+    import pytest
+
+    res = run_python(code, TRITON_INTERPRET="1", **env_vars)
+    if "only 0-dimensional arrays can be converted" in res.stderr:
+        # Triton's interpreter takes int() of 1-element arrays, which some numpy versions refuse
+        pytest.skip("Triton's interpreter does not run with this numpy; the CUDA tests run the kernel")
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout.split()

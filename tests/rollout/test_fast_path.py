@@ -81,6 +81,7 @@ def test_results_do_not_depend_on_slots_refills_or_compaction(monkeypatch, model
     seeds = list(range(8))
     moves = []
     original = scheduler_mod.Scheduler.compact
+
     def recording(self, active, *a):
         moves.append(list(active))
         return original(self, active, *a)
@@ -182,6 +183,52 @@ def test_bf16_cuda_path_logprobs_match_a_full_forward(monkeypatch, caplog, specu
         results = engine.generate(prompts, list(range(7)))
     assert not [r for r in caplog.records if "capture" in r.getMessage()], caplog.text
     assert any(k[0] == "prefill" for k in engine.runner.graphs)
+    errors = []
+    for prompt, res in zip(prompts, results):
+        lp, _ = teacher_forced(model, prompt, res.response_ids, 1.0)
+        errors.append((torch.tensor(res.logprobs) - lp.float().cpu()).abs())
+    errors = torch.cat(errors)
+    assert errors.max() < 0.25 and errors.mean() < 0.05, (errors.max(), errors.mean())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the bf16 CUDA path: run with a GPU (the device machine)")
+@pytest.mark.parametrize("speculative", [False, True])
+def test_bf16_fused_decode_kernels_logprobs_match_a_full_forward(monkeypatch, speculative):
+    """A shape on which the decode step takes its Triton kernels (o_proj and down_proj split along K,
+    so their add + norm epilogue and the gated silu · up input; the q/k norm + rotary + cache write
+    kernel): they run (counted), and each emitted logprob matches a full bf16 forward as on the torch
+    path (test above)."""
+    from _rollout_helpers import teacher_forced
+
+    from splitrl.rollout import forward as forward_mod
+    from splitrl.rollout import rope_write, skinny_gemm
+
+    if not (forward_mod.SKINNY_GEMM and forward_mod.ROPE_WRITE):
+        pytest.skip("needs Triton and the kernels switched on (SPLITRL_SKINNY_GEMM, SPLITRL_ROPE_WRITE)")
+    calls = {"epilogue": 0, "gated": 0, "rope_write": 0}
+
+    def counted(fn, key):
+        def wrapper(*args, **kwargs):
+            calls[key] += 1
+            if kwargs.get("gated"):
+                calls["gated"] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(
+        skinny_gemm, "skinny_linear_add_rms_norm", counted(skinny_gemm.skinny_linear_add_rms_norm, "epilogue")
+    )
+    monkeypatch.setattr(rope_write, "norm_rope_write", counted(rope_write.norm_rope_write, "rope_write"))
+    shape = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
+    model = make_model(vocab=VOCAB, depths=2, seed=5, init=0.05, **shape).to("cuda", torch.bfloat16)
+    assert skinny_gemm.plan(4, 512, 512)[3] > 1 and skinny_gemm.plan(4, 512, 1536)[3] > 1
+    cfg = GenerationConfig(speculative=speculative, temperature=1.0, max_new_tokens=24, batch_size=4)
+    prompts = random_prompts(7, VOCAB, (3, 40), seed=37)
+    engine = RolloutEngine(model, cfg, "cuda")
+    engine.speculative_switch_off = False
+    results = engine.generate(prompts, list(range(7)))
+    assert calls["epilogue"] > 0 and calls["gated"] > 0 and calls["rope_write"] > 0, calls
     errors = []
     for prompt, res in zip(prompts, results):
         lp, _ = teacher_forced(model, prompt, res.response_ids, 1.0)

@@ -5,6 +5,7 @@ forward per token)."""
 
 import pytest
 import torch
+from _rollout_helpers import run_interpreted, run_python
 
 from splitrl.rollout import decode_attention as decode_mod
 from splitrl.rollout import kv as kv_mod
@@ -245,7 +246,7 @@ def test_the_fold_mode_is_read_or_refused(mode, min_q):
     """Kind: bad input taken silently. A misspelt SPLITRL_FLASH_FOLD ran the default fold under
     the name the bench user gave it; now the import says which values exist. Case and spaces do
     not matter, and an empty value means unset (a new user found ``ALL`` and ``''`` refused)."""
-    res = _run_python("from splitrl.rollout import kv; print(kv.FLASH_FOLD_MIN_Q)", SPLITRL_FLASH_FOLD=mode)
+    res = run_python("from splitrl.rollout import kv; print(kv.FLASH_FOLD_MIN_Q)", SPLITRL_FLASH_FOLD=mode)
     if min_q is None:
         assert res.returncode != 0 and "SPLITRL_FLASH_FOLD='folded': use one of verify, all, none" in res.stderr
     else:
@@ -282,27 +283,8 @@ print(worst, shifted)
 """
 
 
-def _run_python(code: str, **env_vars):
-    import os
-    import subprocess
-    import sys
-
-    import splitrl
-
-    src = os.path.dirname(os.path.dirname(splitrl.__file__))  # the splitrl this test imported
-    env = {**os.environ, **env_vars, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-
-
 def _run_interpreted(code: str) -> list[str]:
-    """The words ``code`` prints when run with the Triton kernel under Triton's interpreter (fp32 on
-    the CPU); skips where the interpreter cannot run, fails on any error."""
-    res = _run_python(code, TRITON_INTERPRET="1", SPLITRL_DECODE_ATTENTION="triton")
-    if "only 0-dimensional arrays can be converted" in res.stderr:
-        # Triton's interpreter takes int() of 1-element arrays, which some numpy versions (>= 2.3) refuse
-        pytest.skip("Triton's interpreter does not run with this numpy (>= 2.3); the CUDA tests run the kernel")
-    assert res.returncode == 0, res.stderr[-3000:]
-    return res.stdout.split()
+    return run_interpreted(code, SPLITRL_DECODE_ATTENTION="triton")
 
 
 @pytest.mark.skipif(not decode_mod.AVAILABLE, reason="needs Triton (its interpreter runs the kernel on the CPU)")
@@ -321,7 +303,7 @@ def test_the_decode_kernel_mode_is_read_or_refused(mode):
     """Kind: bad input taken silently. A misspelt SPLITRL_DECODE_ATTENTION must not measure the
     default under the name the bench user gave it; case, spaces and an empty value (unset) are
     not mistakes."""
-    res = _run_python("from splitrl.rollout import kv; print(kv.DECODE_KERNEL)", SPLITRL_DECODE_ATTENTION=mode)
+    res = run_python("from splitrl.rollout import kv; print(kv.DECODE_KERNEL)", SPLITRL_DECODE_ATTENTION=mode)
     if mode == "cuda":
         assert res.returncode != 0 and "SPLITRL_DECODE_ATTENTION='cuda': use one of triton, flash" in res.stderr
     else:

@@ -52,12 +52,14 @@ import torch
 from torch import nn
 
 from splitrl.models.policy import PolicyModel
-from splitrl.rollout import skinny_gemm
+from splitrl.rollout import rope_write, skinny_gemm
 from splitrl.rollout.fused import Kernels, split_heads
 from splitrl.rollout.kv import AttentionPlan, StaticKVCache, causal_attention
 
 # the skinny-product kernel for few-row decode products on CUDA (module docstring); set at import
 SKINNY_GEMM = skinny_gemm.AVAILABLE and os.environ.get("SPLITRL_SKINNY_GEMM", "1") != "0"
+# q/k norms, rotary embedding and the cache write of a decode step in one kernel on CUDA (module docstring)
+ROPE_WRITE = rope_write.AVAILABLE and os.environ.get("SPLITRL_ROPE_WRITE", "1") != "0"
 
 
 def mtp_parts(model: PolicyModel, depth: int) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module, nn.Module]:
@@ -121,16 +123,23 @@ def fuse_projections(model: PolicyModel) -> None:
             _fuse(mlp, ("gate_proj", "up_proj"))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``torch.nn.functional.linear``, on the skinny-product kernel where it applies (module docstring)."""
-    if (
+def _skinny(x: torch.Tensor, weight: torch.Tensor, k: int | None = None) -> bool:
+    """Whether the product of x's rows with ``weight`` [N, K] runs on the skinny-product kernel
+    (module docstring); ``k``: its inner dimension when x is not [..., K] (a gated [gate | up] input)."""
+    k = x.shape[-1] if k is None else k
+    return (
         SKINNY_GEMM
         and x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and weight.stride(-1) == 1
-        and skinny_gemm.preferred(x.numel() // x.shape[-1], weight.shape[0], x.shape[-1])  # rows <= MAX_ROWS too
-    ):
+        and skinny_gemm.preferred(x.numel() // x.shape[-1], weight.shape[0], k)  # rows <= MAX_ROWS too
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.nn.functional.linear``, on the skinny-product kernel where it applies (module docstring)."""
+    if _skinny(x, weight):
         return skinny_gemm.skinny_linear(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
 
@@ -265,7 +274,8 @@ class DecoderForward:
         self,
         layer: nn.Module,
         h: torch.Tensor,
-        delta: torch.Tensor | None,
+        x: torch.Tensor,
+        next_norm: nn.Module,
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache: StaticKVCache,
@@ -273,35 +283,36 @@ class DecoderForward:
         *,
         prefill_slots: torch.Tensor | None = None,
         plan: AttentionPlan | None = None,
-        normed: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decoder layer on the residual stream h + delta (delta: the previous layer's MLP
-        output, added here so that the add and this layer's input norm are one fused op).
-        ``normed``: the input norm of h (delta None), already computed by the caller.
+        """One decoder layer on the residual stream h, whose input norm x = input_layernorm(h)
+        the caller computed; ``next_norm``: the RMSNorm applied to this layer's output (the next
+        layer's input norm, or the final norm), so that the residual add and that norm are one
+        fused op (on the skinny path, the epilogue of the layer's last product).
 
-        Returns (residual stream after attention, MLP output): the layer's output is their sum.
+        Returns (h', next_norm(h')), h' = the layer's output [B, M, H].
         """
         attn = layer.self_attn
         B, M, _ = h.shape
         d = attn.head_dim
-        norm = layer.input_layernorm
-        if normed is not None:
-            x = normed
-        elif delta is None:
-            x = self.k.rms_norm(h, norm.weight, norm.variance_epsilon)
-        else:
-            h, x = self.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)
         qk_norm = self.qk_norm
         if hasattr(attn, _FUSED) and prefill_slots is None:
             # decode: split, norms, rotary and keys + values stacked (one cache write) in one function
             nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
             qkv = _fused_linear(attn, x)
-            if qk_norm:
-                eps = attn.q_norm.variance_epsilon
-                q, kv = self.k.qkv_norm_rope(qkv, nq, nk, d, attn.q_norm.weight, attn.k_norm.weight, eps, cos, sin)
+            if ROPE_WRITE and qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16):
+                # ... or in one kernel that also writes the cache (splitrl.rollout.rope_write)
+                qw, kw = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm else (None, None)
+                eps = attn.q_norm.variance_epsilon if qk_norm else 0.0
+                q = rope_write.norm_rope_write(
+                    qkv, nq, nk, d, qw, kw, eps, cos, sin, cache.kv[:, index], plan.flat_index
+                )
             else:
-                q, kv = self.k.qkv_rope(qkv, nq, nk, d, cos, sin)
-            cache.write_kv(index, plan, kv)
+                if qk_norm:
+                    eps = attn.q_norm.variance_epsilon
+                    q, kv = self.k.qkv_norm_rope(qkv, nq, nk, d, attn.q_norm.weight, attn.k_norm.weight, eps, cos, sin)
+                else:
+                    q, kv = self.k.qkv_rope(qkv, nq, nk, d, cos, sin)
+                cache.write_kv(index, plan, kv)
             o = cache.attend(index, q, plan, attn.scaling)
         else:
             if hasattr(attn, _FUSED):
@@ -322,24 +333,43 @@ class DecoderForward:
             else:
                 cache.write(index, plan, k, v)
                 o = cache.attend(index, q, plan, attn.scaling)
-        post = layer.post_attention_layernorm
-        h, x = self.k.add_rms_norm(_module_linear(attn.o_proj, o), h, post.weight, post.variance_epsilon)
+        h, x = self._add_norm(attn.o_proj, o, h, layer.post_attention_layernorm)
         mlp = layer.mlp
         # dense SwiGLU (also the dense layers of an MoE family); MoE blocks route in their own forward
         if self.silu and hasattr(mlp, _FUSED):
-            gate, up = _fused_linear(mlp, x).chunk(2, dim=-1)
-            return h, _module_linear(mlp.down_proj, self.k.silu_mul(gate, up))
-        if self.silu and hasattr(mlp, "down_proj"):
-            return h, _module_linear(mlp.down_proj, self.k.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
-        return h, mlp(x)
+            gate_up = _fused_linear(mlp, x)
+            down = mlp.down_proj
+            if type(down) is nn.Linear and _skinny(gate_up, down.weight, gate_up.shape[-1] // 2):
+                return skinny_gemm.skinny_linear_add_rms_norm(
+                    gate_up, down.weight, h, next_norm.weight, next_norm.variance_epsilon, down.bias, gated=True
+                )
+            gate, up = gate_up.chunk(2, dim=-1)
+            delta = _module_linear(down, self.k.silu_mul(gate, up))
+        elif self.silu and hasattr(mlp, "down_proj"):
+            delta = _module_linear(mlp.down_proj, self.k.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+        else:
+            delta = mlp(x)
+        return self.k.add_rms_norm(delta, h, next_norm.weight, next_norm.variance_epsilon)
 
-    def _stack(self, h, cos, sin, cache, normed=None, **kw) -> torch.Tensor:
-        """The backbone's layers, then its final norm (``normed``: the first layer's input norm of h)."""
-        delta = None
-        for i, layer in enumerate(self.layers):
-            h, delta = self._layer(layer, h, delta, cos, sin, cache, i, normed=normed if i == 0 else None, **kw)
-        norm = self.final_norm
-        return self.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)[1]
+    def _add_norm(self, proj: nn.Module, x: torch.Tensor, h: torch.Tensor, norm: nn.Module):
+        """(h + proj(x), norm(h + proj(x))): the skinny product with its add + norm epilogue where
+        it applies, else the product and the fused add + norm."""
+        if type(proj) is nn.Linear and _skinny(x, proj.weight):
+            return skinny_gemm.skinny_linear_add_rms_norm(
+                x, proj.weight, h, norm.weight, norm.variance_epsilon, proj.bias
+            )
+        return self.k.add_rms_norm(_module_linear(proj, x), h, norm.weight, norm.variance_epsilon)
+
+    def _stack(self, h, x, cos, sin, cache, **kw) -> torch.Tensor:
+        """The backbone's layers on h (x: the first layer's input norm of h), then its final norm."""
+        nexts = [layer.input_layernorm for layer in self.layers[1:]] + [self.final_norm]
+        for i, (layer, next_norm) in enumerate(zip(self.layers, nexts)):
+            h, x = self._layer(layer, h, x, next_norm, cos, sin, cache, i, **kw)
+        return x
+
+    def _input_norm(self, layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        norm = layer.input_layernorm
+        return self.k.rms_norm(h, norm.weight, norm.variance_epsilon)
 
     # ------------------------------------------------------------------------------ backbone
     def head_logits(self, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -355,21 +385,22 @@ class DecoderForward:
         B, M = ids_BM.shape
         h = self.model.embed_tokens(ids_BM)
         cos, sin = self._rope_prefix(h, B, M)
-        return self._stack(h, cos, sin, cache, prefill_slots=slots_B)
+        return self._stack(h, self._input_norm(self.layers[0], h), cos, sin, cache, prefill_slots=slots_B)
 
     def backbone_decode(
         self, ids_BQ: torch.Tensor, positions_BQ: torch.Tensor, cache: StaticKVCache, length: int
     ) -> torch.Tensor:
         """h⁰ [B, Q, H] of Q new tokens per slot 0..B-1 (causal among them and over the cache)."""
-        emb_weight, normed = self.plain_embedding, None
+        emb_weight = self.plain_embedding
         if emb_weight is not None:  # the lookup and the first layer's input norm: one fused function
             norm = self.layers[0].input_layernorm
             h, normed = self.k.embed_rms_norm(ids_BQ, emb_weight, norm.weight, norm.variance_epsilon)
         else:
             h = self.model.embed_tokens(ids_BQ)
+            normed = self._input_norm(self.layers[0], h)
         cos, sin = self.rope(h, positions_BQ)
         plan = cache.plan(positions_BQ, positions_BQ, positions_BQ, length, causal=True, kernels=self.k)  # all layers
-        return self._stack(h, cos, sin, cache, normed=normed, plan=plan)
+        return self._stack(h, normed, cos, sin, cache, plan=plan)
 
     # ------------------------------------------------------------------------------ MTP
     @property
@@ -409,8 +440,9 @@ class DecoderForward:
         x = self._mtp_input(depth, embeds_BMH, hidden_BMH)
         B, M, _ = x.shape
         cos, sin = self._rope_prefix(x, B, M)
-        h, delta = self._layer(layer, x, None, cos, sin, cache, depth - 1, prefill_slots=slots_B)
-        return self.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)[1]
+        return self._layer(
+            layer, x, self._input_norm(layer, x), norm, cos, sin, cache, depth - 1, prefill_slots=slots_B
+        )[1]
 
     def mtp_decode(
         self,
@@ -431,5 +463,4 @@ class DecoderForward:
         x = self._mtp_input(depth, embeds_BQH, hidden_BQH)
         cos, sin = self.rope(x, positions_BQ)
         plan = cache.plan(write_pos_BQ, write_pos_BQ, limit_BQ, length, slots_B, kernels=self.k)
-        h, delta = self._layer(layer, x, None, cos, sin, cache, depth - 1, plan=plan)
-        return self.k.add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)[1]
+        return self._layer(layer, x, self._input_norm(layer, x), norm, cos, sin, cache, depth - 1, plan=plan)[1]

@@ -49,7 +49,8 @@ if AVAILABLE:
         x_ptr, w_ptr, b_ptr, y_ptr,
         M, N, K,
         sx_m, sw_n, sy_s, sy_m,
-        K_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        K_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
@@ -63,7 +64,13 @@ if AVAILABLE:
         for k0 in range(0, K_PER_SPLIT, BLOCK_K):
             kk = k_begin + k0 + rk
             k_ok = kk < K
-            x = tl.load(x_ptr + rm[:, None] * sx_m + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            xk = x_ptr + rm[:, None] * sx_m + kk[None, :]
+            x = tl.load(xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if GATED:  # x holds [gate | up]: the product's input is silu(gate) * up, rounded as torch's two ops
+                up = tl.load(xk + K, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                gate = x.to(tl.float32)
+                silu = (gate * tl.sigmoid(gate)).to(x.dtype).to(tl.float32)
+                x = (silu * up).to(x.dtype)
             w = tl.load(w_ptr + rn[:, None] * sw_n + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)
         if HAS_BIAS:
@@ -80,6 +87,30 @@ if AVAILABLE:
         for s in tl.static_range(1, SPLIT_K):  # fixed order: the same sum on every run
             acc += tl.load(p_ptr + s * total + i, mask=ok, other=0.0)
         tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _sum_add_rms_norm_kernel(
+        p_ptr, r_ptr, w_ptr, h_ptr, o_ptr,
+        N, total, sr_m, sh_m, so_m, eps,
+        SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # one program a row: y = the fixed-order sum of its partials (rounded), h = y + residual,
+        # out = weight * rms_norm(h), each rounded where the torch ops of fused.add_rms_norm round
+        m = tl.program_id(0)
+        n = tl.arange(0, BLOCK)
+        ok = n < N
+        acc = tl.load(p_ptr + m * N + n, mask=ok, other=0.0)
+        for s in tl.static_range(1, SPLIT_K):
+            acc += tl.load(p_ptr + s * total + m * N + n, mask=ok, other=0.0)
+        dtype = h_ptr.dtype.element_ty
+        res = tl.load(r_ptr + m * sr_m + n, mask=ok, other=0.0).to(tl.float32)
+        h = (acc.to(dtype).to(tl.float32) + res).to(dtype)
+        hf = h.to(tl.float32)
+        var = tl.sum(hf * hf, axis=0) / N
+        normed = (hf * tl.math.rsqrt(var + eps)).to(dtype).to(tl.float32)
+        w = tl.load(w_ptr + n, mask=ok, other=0.0).to(tl.float32)
+        tl.store(h_ptr + m * sh_m + n, h, mask=ok)
+        tl.store(o_ptr + m * so_m + n, (w * normed).to(dtype), mask=ok)
 
 
 def plan(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
@@ -114,6 +145,48 @@ def triton_next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _check(x: torch.Tensor, weight: torch.Tensor, K: int, what: str) -> torch.Tensor:
+    """x as [M, x's last dim] with unit column stride; raises ValueError (module docs) before any launch."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] > MAX_ROWS or weight.shape[1] != K or weight.dtype != x.dtype or weight.stride(1) != 1:
+        raise ValueError(
+            f"{what} takes ≤ {MAX_ROWS} rows of x [..., K] and a weight [N, K] of x's dtype, contiguous "
+            f"along K; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype} "
+            f"strides {weight.stride()}"
+        )
+    return x2 if x2.stride(1) == 1 else x2.contiguous()
+
+
+def _require_triton(what: str) -> None:
+    if not AVAILABLE:
+        raise ValueError(f"{what} needs Triton; use torch.nn.functional.linear")
+
+
+def _launch(x2: torch.Tensor, weight: torch.Tensor, bias, gated: bool, config, out_dtype=None) -> torch.Tensor:
+    """The product kernel on x2 [M, K] (or [M, 2K] gated); returns y [M, N] (SPLIT_K 1) or the fp32
+    partial sums [SPLIT_K, M, N]."""
+    M = x2.shape[0]
+    N, K = weight.shape
+    block_m, block_n, block_k, split, warps = config or plan(M, N, K)
+    k_per_split = -(-K // split)
+    k_per_split = -(-k_per_split // block_k) * block_k
+    if split == 1:
+        y = torch.empty(M, N, dtype=out_dtype or x2.dtype, device=x2.device)
+        y_stride_s = 0
+    else:
+        y = torch.empty(split, M, N, dtype=torch.float32, device=x2.device)
+        y_stride_s = y.stride(0)
+    grid = (triton.cdiv(N, block_n), split)
+    _skinny_gemm_kernel[grid](
+        x2, weight, bias if bias is not None else weight, y,
+        M, N, K,
+        x2.stride(0), weight.stride(0), y_stride_s, N,
+        K_PER_SPLIT=k_per_split, HAS_BIAS=bias is not None, GATED=gated,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3,
+    )  # fmt: skip
+    return y
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None) -> torch.Tensor:
     """``torch.nn.functional.linear(x, weight, bias)`` for x with at most :data:`MAX_ROWS` rows.
 
@@ -130,38 +203,80 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     Raises:
         ValueError: more than MAX_ROWS rows, mismatched K or dtypes, or Triton missing.
     """
-    if not AVAILABLE:
-        raise ValueError("skinny_linear needs Triton; use torch.nn.functional.linear")
     *lead, K = x.shape
-    N = weight.shape[0]
-    x2 = x.reshape(-1, K)
-    M = x2.shape[0]
-    if M > MAX_ROWS or weight.shape[1] != K or weight.dtype != x.dtype or weight.stride(1) != 1:
-        raise ValueError(
-            f"skinny_linear takes ≤ {MAX_ROWS} rows of x [..., K] and a weight [N, K] of x's dtype, contiguous "
-            f"along K; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype} "
-            f"strides {weight.stride()}"
-        )
-    if x2.stride(1) != 1:
-        x2 = x2.contiguous()
-    block_m, block_n, block_k, split, warps = config or plan(M, N, K)
-    k_per_split = -(-K // split)
-    k_per_split = -(-k_per_split // block_k) * block_k
-    if split == 1:
-        y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-        y_stride_s = 0
-    else:
-        y = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-        y_stride_s = y.stride(0)
-    grid = (triton.cdiv(N, block_n), split)
-    _skinny_gemm_kernel[grid](
-        x2, weight, bias if bias is not None else weight, y,
-        M, N, K,
-        x2.stride(0), weight.stride(0), y_stride_s, N,
-        K_PER_SPLIT=k_per_split, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=3,
-    )  # fmt: skip
-    if split > 1:
+    x2 = _check(x, weight, K, "skinny_linear")
+    _require_triton("skinny_linear")
+    M, N = x2.shape[0], weight.shape[0]
+    y = _launch(x2, weight, bias, False, config)
+    if y.dim() == 3:
         partials, y = y, torch.empty(M, N, dtype=x.dtype, device=x.device)
-        _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](partials, y, M * N, SPLIT_K=split, BLOCK=1024)
+        _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](partials, y, M * N, SPLIT_K=partials.shape[0], BLOCK=1024)
     return y.view(*lead, N)
+
+
+def skinny_linear_add_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    bias: torch.Tensor | None = None,
+    gated: bool = False,
+    config=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode layer's product and what follows it, in two launches: h = residual + y with
+    y = x Wᵀ (+ b), or with ``gated`` y = (silu(gate) · up) Wᵀ where x = [gate | up]; then
+    (h, ``norm_weight`` · rms_norm(h)), the values of
+    ``fused.add_rms_norm(linear(fused.silu_mul(gate, up)), residual, norm_weight, eps)``.
+
+    The gated input is formed tile by tile inside the product (no [M, K] tensor of silu · up),
+    and the split-K partial sums are added in :func:`skinny_linear`'s fixed order by the kernel
+    that also adds the residual and normalizes (one program a row): the silu · mul and the
+    add + RMSNorm launches of the torch path are gone. Rounded where the torch ops round: silu,
+    its product with up, y, h and the normalized h before and after the weight; the variance in
+    fp32 (RMSNorm: Zhang & Sennrich, 2019).
+
+    Args:
+        x: [..., K] (gated: [..., 2K], gate first), at most :data:`MAX_ROWS` rows, bf16 / fp16.
+        weight: [N, K], x's dtype, contiguous along K; only products :func:`plan` splits along K.
+        residual: [..., N], x's dtype, the leading dims of x, contiguous along N.
+        norm_weight: [N]; eps: the norm's epsilon.
+        bias: [N] or None.
+        config: a :func:`plan` tuple with SPLIT_K > 1 instead of its own (tests).
+
+    Returns:
+        (h, normed), both [..., N] in x's dtype, new tensors.
+
+    Raises:
+        ValueError: as :func:`skinny_linear`, and for a product that is not split along K, a
+            residual of another shape or a norm weight of another size.
+    """
+    *lead, Kx = x.shape
+    K = Kx // 2 if gated else Kx
+    if gated and Kx % 2:
+        raise ValueError(f"a gated input holds [gate | up]: its last dim must be even, got {Kx}")
+    x2 = _check(x, weight, K, "skinny_linear_add_rms_norm")
+    M, N = x2.shape[0], weight.shape[0]
+    cfg = config or plan(M, N, K)
+    if cfg[3] == 1:
+        raise ValueError(
+            f"skinny_linear_add_rms_norm serves products split along K; plan({M}, {N}, {K}) does not split"
+        )
+    if tuple(residual.shape) != (*lead, N) or residual.dtype != x.dtype or residual.stride(-1) != 1:
+        raise ValueError(
+            f"residual must be {(*lead, N)} {x.dtype}, contiguous along N; got {tuple(residual.shape)} {residual.dtype}"
+        )
+    if norm_weight.shape != (N,):
+        raise ValueError(f"norm_weight must be [{N}], got {tuple(norm_weight.shape)}")
+    _require_triton("skinny_linear_add_rms_norm")
+    partials = _launch(x2, weight, bias, gated, cfg)
+    r2 = residual.reshape(M, N)
+    h = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    block = triton_next_power_of_2(N)
+    _sum_add_rms_norm_kernel[(M,)](
+        partials, r2, norm_weight, h, out,
+        N, M * N, r2.stride(0), N, N, float(eps),
+        SPLIT_K=cfg[3], BLOCK=block, num_warps=4 if block <= 2048 else 8,
+    )  # fmt: skip
+    return h.view(*lead, N), out.view(*lead, N)
