@@ -81,7 +81,9 @@ def resolve_policy_dir(path: str | Path) -> tuple[Path, Path | None]:
         run_cfg = p.parent / RUN_CONFIG
         return p, run_cfg if run_cfg.is_file() else None
     if not p.exists():
-        raise ValueError(f"{p} does not exist; give a run output dir, a checkpoint (step_*/), a model directory or a .gguf file")
+        raise ValueError(
+            f"{p} does not exist; give a run output dir, a checkpoint (step_*/), a model directory or a .gguf file"
+        )
     raise ValueError(
         f"{p} is not a model directory: expected a run output dir, a checkpoint (step_*/policy/), a policy/ "
         "directory or a Hugging Face directory with config.json"
@@ -254,31 +256,94 @@ def heldout_start(num_task_prompts: int | None, config, trained, start_index: in
     )
 
 
+# the sampling flags of eval / generate, as GenerationConfig fields
+_SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "max_new_tokens")
+
+# what each flag accepts, said in its message (GenerationConfig decides what is valid)
+_FLAG_RANGES = {
+    "top_k": "must be an integer >= 0 (0 = off: every token is kept; k keeps the k most likely)",
+    "top_p": "must be in (0, 1] (1.0 = off)",
+    "max_new_tokens": "must be an integer >= 1",
+}
+
+
+def _flag_problem(name: str, value: Any, err: dict[str, Any]) -> str:
+    """One clause of a refused sampling flag: the flag and the value given, what it accepts and,
+    for ``--temperature``, the fix eval / generate accept (``--greedy``; ``rollout.top_k=1``
+    is refused there like in training)."""
+    flag = f"--{name.replace('_', '-')}"
+    shown = f"{value:g}" if isinstance(value, float) else str(value)
+    if name == "temperature":
+        if value == math.inf:
+            return (
+                f"--temperature {shown}: the temperature must be finite (softmax(logits / inf) is uniform over "
+                "the vocabulary: the model plays no part); give a finite T > 0 such as 1.0"
+            )
+        return (
+            f"--temperature {shown}: the temperature must be > 0 (tokens are drawn from softmax(logits / T)), "
+            "such as 1.0; for greedy decoding drop --temperature and pass --greedy"
+        )
+    if name in _FLAG_RANGES:
+        return f"{flag} {shown}: {_FLAG_RANGES[name]}"
+    return f"{flag} {shown}: {_validator_words(err)}"  # a rule added later
+
+
+def _validator_words(err: dict[str, Any]) -> str:
+    """A pydantic error's message without pydantic's "Value error, " prefix: our validators' own words."""
+    return str(err.get("ctx", {}).get("error", err["msg"].removeprefix("Value error, ")))
+
+
+def check_sampling_flags(args: argparse.Namespace) -> None:
+    """Refuse an invalid ``--temperature``, ``--top-k``, ``--top-p`` or ``--max-new-tokens`` at
+    once, from the flags alone: before the model directory is resolved (a ``.gguf`` is converted
+    there), stdin is read or any weights load. ``splitrl eval --temperature 0`` used to be refused
+    only after the weights had loaded (seconds to minutes), with pydantic's "Value error, " in front.
+
+    Raises:
+        ValueError: one line naming each bad flag, its valid range and (``--temperature 0``) the fix.
+    """
+    from pydantic import ValidationError
+
+    from splitrl.rollout.config import GenerationConfig  # torch-free
+
+    given = {n: getattr(args, n) for n in _SAMPLING_FLAGS if getattr(args, n, None) is not None}
+    try:
+        GenerationConfig.model_validate(given)  # the fields not given keep their (valid) defaults
+    except ValidationError as e:
+        problems = {}
+        for err in e.errors():
+            name = str(err["loc"][0])
+            problems.setdefault(name, _flag_problem(name, given.get(name), err))
+        raise ValueError("; ".join(problems.values())) from None
+
+
 def _sampling(config, args: argparse.Namespace, policy_dir: Path):
     from splitrl.models.hf_files import model_eos_token_ids
 
+    check_sampling_flags(args)  # run_eval / run_generate checked them before loading; cheap
     gen = config.rollout
     # the directory's own stop tokens (end-of-turn of a chat model, those a run saved)
     update: dict[str, Any] = {
         "stop_token_ids": list(dict.fromkeys(gen.stop_token_ids + model_eos_token_ids(policy_dir)))
     }
-    for name in ("temperature", "top_k", "top_p", "max_new_tokens"):
+    for name in _SAMPLING_FLAGS:
         value = getattr(args, name, None)
         if value is not None:
             update[name] = value
-    # validated like the run config (model_copy would not): --temperature 0 gets train's error
+    # validated like the run config (model_copy would not); the flags alone are valid (above)
     from pydantic import ValidationError
 
     try:
         return type(gen).model_validate({**gen.model_dump(), **update})
     except ValidationError as e:
-        # the validator's clause about training (T > 0, top_k != 1 for groups) is not about eval / generate
-        raise ValueError(
-            "; ".join(
-                f"--{'-'.join(map(str, err['loc'])).replace('_', '-')}: {err['msg'].split('; training needs')[0]}"
-                for err in e.errors()
+        problems = []
+        for err in e.errors():
+            name = str(err["loc"][0])
+            given = name in _SAMPLING_FLAGS and getattr(args, name, None) is not None
+            problems.append(
+                _flag_problem(name, update[name], err) if given else f"rollout.{name}: {_validator_words(err)}"
             )
-        ) from None
+        raise ValueError("; ".join(problems)) from None
 
 
 # eval's samples per prompt when --num-samples is not given (and sampling is asked for)
@@ -319,6 +384,8 @@ def _check_sample_count(num_prompts: int, num_samples: int, flag: str) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    # first, before torch is imported and the weights load (`--temperature 0` was refused after)
+    check_sampling_flags(args)
     from splitrl.evaluation import evaluate
     from splitrl.tasks import make_task
 
@@ -385,8 +452,6 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from splitrl.evaluation import stream_samples
-
     if args.greedy and args.num_samples > 1:  # checked before stdin is read and the model loaded
         raise ValueError(
             f"--greedy gives one response per prompt (greedy decoding is deterministic), not "
@@ -399,6 +464,9 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--greedy decodes the most likely token, so {', '.join(ignored)} would have no effect; drop one"
         )
+    check_sampling_flags(args)  # before torch is imported, stdin is read and the weights load
+    from splitrl.evaluation import stream_samples
+
     _check_sample_count(1, args.num_samples, "--num-samples")  # before stdin is read
     prompts = list(args.prompt or [])
     if not prompts:
