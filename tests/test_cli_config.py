@@ -218,6 +218,31 @@ def test_a_key_of_several_forms_is_one_line_without_pydantic_tags(capsys):
     assert "  train.optim.betas.1: Field required" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "override,line",
+    [
+        # a field validator of a section (GenerationConfig)
+        ("rollout.stop_strings=['']", "  rollout.stop_strings: stop_strings [''] has an empty string, which every"),
+        ("rollout.temperature=0", "  rollout.temperature: temperature must be > 0"),
+        # a before-validator of a tagged section (the loss registry)
+        ("loss.kind=nosuch", "  loss: kind 'nosuch' is not a known loss; known kinds: 'grpo'"),
+        # the run's own checks (config_checks)
+        (
+            "model.pretrained_path=nowhere.gguf",
+            "  model.pretrained_path='nowhere.gguf': no such GGUF file; check the path",
+        ),
+    ],
+)
+def test_a_validators_own_words_come_without_pydantics_value_error_prefix(capsys, override, line):
+    """`splitrl eval --temperature 0` printed "--temperature: Value error, temperature must be > 0
+    ..." (a new user's trial); train's config errors name the key and then the validator's own
+    words, each a line of its own: this keeps them so, whichever kind of validator refused."""
+    assert main(["train", override, "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert "Value error" not in err and "validation error" not in err, err
+    assert err.startswith("splitrl: invalid config:\n" + line), err
+
+
 def test_a_misspelt_environment_setting_is_a_one_line_error(tmp_path):
     """SPLITRL_DECODE_ATTENTION is read when the rollout code is imported; a typo was a traceback
     from inside the import chain. Now: exit 2, one line naming the choices, nothing written."""
