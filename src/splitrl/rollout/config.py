@@ -56,9 +56,10 @@ class GenerationConfig(BaseModel):
     def _positive_temperature(cls, value: float) -> float:
         if not value > 0.0:
             raise ValueError(
-                f"temperature must be > 0 (logprobs are of softmax(logits / T)), got {value}; "
-                "for greedy decoding use `splitrl generate/eval --greedy` (or top_k=1 with any temperature > 0); "
-                "training needs T > 0 and top_k != 1 (else every sample of a group is the same response)"
+                f"temperature must be > 0 (logprobs are of softmax(logits / T)), got {value}; use a T such as 1.0 "
+                "(training also needs top_k != 1, else every sample of a group is the same response); for greedy "
+                "responses pass `--greedy` to `splitrl generate` / `splitrl eval` (in Python: GenerationConfig("
+                "top_k=1) with a T > 0)"
             )
         if value == float("inf"):
             # logits / inf = 0: every token equally likely whatever the model says, and every
