@@ -12,6 +12,14 @@ Timing: 8 weight copies used in turn (more bytes than the 50 MB L2), 32 products
 CUDA graph (as the engine replays its steps), the median of 20 replays / 32.
 
     python bench/bench_skinny_gemm.py --preset qwen3-0.6b --rows 1,3,8,32,64 --sweep 1,32
+
+``--fused``: also the decode layer's fused pieces against the launches they replace, µs each at
+each M (and at ``--rope-rows`` for the rotary one): o_proj + add + RMSNorm
+(:func:`~splitrl.rollout.skinny_gemm.skinny_linear_add_rms_norm` vs ``skinny_linear`` and the
+compiled ``add_rms_norm``), down_proj with its gated input (vs the compiled ``silu_mul``,
+``skinny_linear``, ``add_rms_norm``), and q/k norm + rotary + cache write
+(:func:`splitrl.rollout.rope_write.norm_rope_write` vs the compiled ``qkv_norm_rope`` and
+``StaticKVCache.write_kv``).
 """
 
 from __future__ import annotations
@@ -55,6 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--preset", default="qwen3-0.6b", choices=sorted(QWEN3_SHAPES))
     ap.add_argument("--rows", default="1,3,8,32,64", help="comma list of row counts M (each <= 64)")
     ap.add_argument("--sweep", default="", help="comma list of row counts at which alternative tiles are timed too")
+    ap.add_argument("--fused", action="store_true", help="also time the fused pieces of a decode layer (docstring)")
+    ap.add_argument("--rope-rows", default="1,32,256", help="rows at which the rotary + cache write piece is timed")
     args = ap.parse_args(argv)
     print(
         "command: python bench/bench_skinny_gemm.py " + shlex.join(sys.argv[1:] if argv is None else argv), flush=True
@@ -104,6 +114,61 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"    best of the sweep: {best[0]:.2f} us {best[1]}", flush=True)
     print("a layer's four products (us), cuBLAS / ours: "
           + ", ".join(f"M={M} {total['cublas'][M]:.1f} / {total['skinny'][M]:.1f}" for M in rows), flush=True)  # fmt: skip
+    if args.fused:
+        fused_pieces(c, rows, [int(r) for r in args.rope_rows.split(",")])
+
+
+def fused_pieces(c: dict, rows: list[int], rope_rows: list[int]) -> None:
+    """The --fused table (module docstring)."""
+    from splitrl.rollout import rope_write
+    from splitrl.rollout.fused import Kernels
+    from splitrl.rollout.kv import StaticKVCache
+
+    k = Kernels(True, torch.device("cuda"), torch.bfloat16)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    H, F, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    hq, hk = c["num_attention_heads"], c["num_key_value_heads"]
+    nq, nk = hq * d, hk * d
+    nw = torch.ones(H, device=dev, dtype=dt)
+    print(f"{'piece':<22} {'M':>4} {'torch path us':>13} {'fused us':>9} {'ratio':>6}", flush=True)
+    for name, (N, K), gated in (("o_proj + add_norm", (H, nq), False), ("down(silu*up) + add_norm", (H, F), True)):
+        ws = [torch.randn(N, K, device=dev, dtype=dt) / K**0.5 for _ in range(8)]
+        for M in rows:
+            if not skinny_gemm.preferred(M, N, K):
+                continue
+            x = torch.randn(M, 2 * K if gated else K, device=dev, dtype=dt)
+            r = torch.randn(M, N, device=dev, dtype=dt)
+
+            def torch_path(i, x=x, r=r):
+                xin = k.silu_mul(*x.chunk(2, dim=-1)) if gated else x
+                return k.add_rms_norm(skinny_gemm.skinny_linear(xin, ws[i]), r, nw, 1e-6)
+
+            t_t = time_us(torch_path)
+            t_f = time_us(
+                lambda i, x=x, r=r: skinny_gemm.skinny_linear_add_rms_norm(x, ws[i], r, nw, 1e-6, gated=gated)
+            )
+            print(f"{name:<22} {M:>4} {t_t:13.2f} {t_f:9.2f} {t_t / t_f:6.2f}", flush=True)
+    qw = torch.ones(d, device=dev, dtype=dt)
+    for M in rope_rows:
+        cache = StaticKVCache(1, M, hk, 512, d, dt, dev, flash=True)
+        qkv = torch.randn(M, 1, nq + 2 * nk, device=dev, dtype=dt)
+        pos = torch.randint(0, 500, (M, 1), device=dev)
+        table = torch.randn(512, 2, d, device=dev, dtype=dt)
+        cos, sin = table[pos].unbind(2)
+        plan = cache.plan(pos, pos, pos, 512, causal=True, kernels=k)
+
+        def torch_rope(i):
+            q, kv = k.qkv_norm_rope(qkv, nq, nk, d, qw, qw, 1e-6, cos, sin)
+            cache.write_kv(0, plan, kv)
+            return q
+
+        t_t = time_us(torch_rope)
+        t_f = time_us(
+            lambda i: rope_write.norm_rope_write(
+                qkv, nq, nk, d, qw, qw, 1e-6, cos, sin, cache.kv[:, 0], plan.flat_index
+            )
+        )
+        print(f"{'qk norm+rope+kv write':<22} {M:>4} {t_t:13.2f} {t_f:9.2f} {t_t / t_f:6.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,15 @@ down_proj: :func:`~splitrl.rollout.skinny_gemm.preferred`) runs on
 programs where cuBLAS's tiles left most of the chip idle; each output is the same fp32 sum of the
 same products, rounded once, in another order (bf16 rounding). Prefills, larger steps, the wide
 products, fp32 and CPUs keep ``torch.nn.functional.linear``; ``SPLITRL_SKINNY_GEMM=0`` turns it off.
+What follows such a product runs inside it (:func:`~splitrl.rollout.skinny_gemm.skinny_linear_add_rms_norm`):
+the residual add and the next RMSNorm in its split-K reduction, and down_proj's input silu(gate) · up
+formed tile by tile from the gate/up output, so a layer (:meth:`DecoderForward._layer`) returns its
+output together with the next norm of it (``SPLITRL_SKINNY_EPILOGUE=0``: the products alone).
+
+Attention input. A decode step's q/k norms, rotary embedding and cache write run as one Triton kernel
+on CUDA in bf16 / fp16 (:func:`~splitrl.rollout.rope_write.norm_rope_write`; ``SPLITRL_ROPE_WRITE=0``:
+the compiled torch function and one ``index_copy_``). Both round where the torch ops round; the
+choice changes bf16 rounding only, as the products' shapes already do.
 
 Rotary table. The backbone's ``rotary_emb`` computes cos/sin from the positions with ~8 small ops
 (a matmul, a transpose, a cat, cos, sin, scalings, casts) at every call: in every decode forward,
@@ -58,6 +67,9 @@ from splitrl.rollout.kv import AttentionPlan, StaticKVCache, causal_attention
 
 # the skinny-product kernel for few-row decode products on CUDA (module docstring); set at import
 SKINNY_GEMM = skinny_gemm.AVAILABLE and os.environ.get("SPLITRL_SKINNY_GEMM", "1") != "0"
+# the skinny products' fused add + RMSNorm epilogue and gated (silu · up) input (module docstring);
+# SPLITRL_SKINNY_EPILOGUE=0 keeps the kernel for the products only
+SKINNY_EPILOGUE = SKINNY_GEMM and os.environ.get("SPLITRL_SKINNY_EPILOGUE", "1") != "0"
 # q/k norms, rotary embedding and the cache write of a decode step in one kernel on CUDA (module docstring)
 ROPE_WRITE = rope_write.AVAILABLE and os.environ.get("SPLITRL_ROPE_WRITE", "1") != "0"
 
@@ -339,7 +351,7 @@ class DecoderForward:
         if self.silu and hasattr(mlp, _FUSED):
             gate_up = _fused_linear(mlp, x)
             down = mlp.down_proj
-            if type(down) is nn.Linear and _skinny(gate_up, down.weight, gate_up.shape[-1] // 2):
+            if SKINNY_EPILOGUE and type(down) is nn.Linear and _skinny(gate_up, down.weight, gate_up.shape[-1] // 2):
                 return skinny_gemm.skinny_linear_add_rms_norm(
                     gate_up, down.weight, h, next_norm.weight, next_norm.variance_epsilon, down.bias, gated=True
                 )
@@ -354,7 +366,7 @@ class DecoderForward:
     def _add_norm(self, proj: nn.Module, x: torch.Tensor, h: torch.Tensor, norm: nn.Module):
         """(h + proj(x), norm(h + proj(x))): the skinny product with its add + norm epilogue where
         it applies, else the product and the fused add + norm."""
-        if type(proj) is nn.Linear and _skinny(x, proj.weight):
+        if SKINNY_EPILOGUE and type(proj) is nn.Linear and _skinny(x, proj.weight):
             return skinny_gemm.skinny_linear_add_rms_norm(
                 x, proj.weight, h, norm.weight, norm.variance_epsilon, proj.bias
             )
