@@ -49,21 +49,25 @@ def _init_rank(rank, world, store):
     )
 
 
-def _rank_main(rank, world, store, case, out):
+def _rank_main(rank, world, store, cases, out):
+    """Every case of ``cases`` in turn, in one process group (spawning the two ranks costs
+    seconds of start-up on 2 cores; each case builds its own model and worker)."""
     _init_rank(rank, world, store)
     try:
-        loss_type, D, detach, pack, moe = case
-        w = make_worker(_model(D, detach, moe), lr=LR, mbs=1 if moe else 2, pack=pack)
-        grads = capture_grads(w)
-        metrics = []
-        for batch, chunks in _steps():
-            w.begin_train_step(make_loss(loss_type))
-            for split in chunks:
-                w.train_microbatch(batch.select(split[rank]))
-            metrics.append(w.finish_train_step())
-        state = w.state_dict()
+        results = {}
+        for name, (loss_type, D, detach, pack, moe) in cases.items():
+            w = make_worker(_model(D, detach, moe), lr=LR, mbs=1 if moe else 2, pack=pack)
+            grads = capture_grads(w)
+            metrics = []
+            for batch, chunks in _steps():
+                w.begin_train_step(make_loss(loss_type))
+                for split in chunks:
+                    w.train_microbatch(batch.select(split[rank]))
+                metrics.append(w.finish_train_step())
+            state = w.state_dict()
+            results[name] = {"metrics": metrics, "grads": grads, "params": state["model"]}
         if rank == 0:
-            torch.save({"metrics": metrics, "grads": grads, "params": state["model"]}, out)
+            torch.save(results, out)
     finally:
         dist.destroy_process_group()
 
@@ -74,29 +78,38 @@ def _model(D, detach, moe):
     return make_model(D=D, detach=detach)
 
 
-CASES = [
-    (LossType.SEQUENCE_LEVEL, 2, True, True, False),
-    (LossType.TOKEN_LEVEL, 1, False, False, False),
+CASES = {
+    "seq-D2-detached-packed": (LossType.SEQUENCE_LEVEL, 2, True, True, False),
+    "tok-D1-attached-padded": (LossType.TOKEN_LEVEL, 1, False, False, False),
     # two gradient accumulators, both reduce-scattered by FSDP2 (splitrl.train.side_grads)
-    (LossType.SEQUENCE_LEVEL, 2, False, True, False),
+    "seq-D2-attached-packed": (LossType.SEQUENCE_LEVEL, 2, False, True, False),
     # router aux loss: one sample per microbatch fixes the routing statistics' composition
-    (LossType.SEQUENCE_LEVEL, 1, True, False, True),
-]
+    "seq-D1-moe-aux": (LossType.SEQUENCE_LEVEL, 1, True, False, True),
+}
+
+
+def _needs_two_devices():
+    if DEVICE == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory):
+    """Rank 0's results of every case of ``CASES``, from one spawn of the two ranks."""
+    _needs_two_devices()
+    tmp = tmp_path_factory.mktemp("two_ranks")
+    out = tmp / "rank0.pt"
+    mp.start_processes(
+        _rank_main, args=(2, str(tmp / "store"), CASES, str(out)), nprocs=2, join=True, start_method="spawn"
+    )
+    return torch.load(out, weights_only=False)
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize(
-    "case", CASES, ids=["seq-D2-detached-packed", "tok-D1-attached-padded", "seq-D2-attached-packed", "seq-D1-moe-aux"]
-)
-def test_two_ranks_equal_one_process(tmp_path, case):
-    if DEVICE == "cuda" and torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    loss_type, D, detach, pack, moe = case
-    out = tmp_path / "rank0.pt"
-    mp.start_processes(
-        _rank_main, args=(2, str(tmp_path / "store"), case, str(out)), nprocs=2, join=True, start_method="spawn"
-    )
-    res = torch.load(out, weights_only=False)
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_ranks_equal_one_process(two_rank_results, name):
+    loss_type, D, detach, pack, moe = CASES[name]
+    res = two_rank_results[name]
 
     ref = make_worker(_model(D, detach, moe), lr=LR, mbs=1 if moe else 16)
     ref_grads = capture_grads(ref)
@@ -125,42 +138,55 @@ class _FailOnRank1:
         return self.inner(output, mb)
 
 
-def _rank_failure_main(rank, world, store, out, where):
-    """Rank 1 fails (``prepare``: while preparing its share; ``loss``: in the loss, after the
-    forward); then both ranks abort and run one more step."""
+def _rank_failure_main(rank, world, store, out, wheres):
+    """For each of ``wheres`` in turn, in one process group: rank 1 fails (``prepare``: while
+    preparing its share; ``loss``: in the loss, after the forward); then both ranks abort and run
+    one more step (which also leaves the group ready for the next case)."""
     _init_rank(rank, world, store)
     try:
-        w = make_worker(make_model(D=1), lr=LR, mbs=2)
-        share = make_batch(8, seed=30).select([0, 1, 2, 3] if rank == 0 else [4, 5, 6, 7])
-        w.begin_train_step(_FailOnRank1(make_loss()) if where == "loss" else make_loss())
-        raised = None
-        try:
-            if where == "prepare" and rank == 1:
-                w.train_microbatch(None, error=KeyError("sample not in the data plane"))
-            else:
-                w.train_microbatch(share)
-        except Exception as e:  # noqa: BLE001
-            raised = type(e).__name__
-        w.abort_train_step()
-        m = w.train(share, make_loss())
-        torch.save({"raised": raised, "loss": m["loss"]}, f"{out}.{rank}")
+        results = {}
+        for where in wheres:
+            w = make_worker(make_model(D=1), lr=LR, mbs=2)
+            share = make_batch(8, seed=30).select([0, 1, 2, 3] if rank == 0 else [4, 5, 6, 7])
+            w.begin_train_step(_FailOnRank1(make_loss()) if where == "loss" else make_loss())
+            raised = None
+            try:
+                if where == "prepare" and rank == 1:
+                    w.train_microbatch(None, error=KeyError("sample not in the data plane"))
+                else:
+                    w.train_microbatch(share)
+            except Exception as e:  # noqa: BLE001
+                raised = type(e).__name__
+            w.abort_train_step()
+            m = w.train(share, make_loss())
+            results[where] = {"raised": raised, "loss": m["loss"]}
+        torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.dist
-@pytest.mark.parametrize("where,error", [("prepare", "KeyError"), ("loss", "FloatingPointError")])
-def test_a_failure_on_one_rank_makes_every_rank_raise_instead_of_hanging(tmp_path, where, error):
-    if DEVICE == "cuda" and torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    out = tmp_path / "res"
+FAILURES = [("prepare", "KeyError"), ("loss", "FloatingPointError")]
+
+
+@pytest.fixture(scope="module")
+def failure_results(tmp_path_factory):
+    """Both ranks' results of every case of ``FAILURES``, from one spawn of the two ranks."""
+    _needs_two_devices()
+    tmp = tmp_path_factory.mktemp("rank_failure")
+    out = tmp / "res"
     mp.start_processes(
         _rank_failure_main,
-        args=(2, str(tmp_path / "store"), str(out), where),
+        args=(2, str(tmp / "store"), str(out), [where for where, _ in FAILURES]),
         nprocs=2,
         join=True,
         start_method="spawn",
     )
-    r0, r1 = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    return torch.load(f"{out}.0"), torch.load(f"{out}.1")
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("where,error", FAILURES)
+def test_a_failure_on_one_rank_makes_every_rank_raise_instead_of_hanging(failure_results, where, error):
+    r0, r1 = (r[where] for r in failure_results)
     assert r0["raised"] == "RuntimeError" and r1["raised"] == error
     assert r0["loss"] == r1["loss"]  # the next step ran on both ranks, after the abort
