@@ -148,6 +148,13 @@ def fused_pieces(c: dict, rows: list[int], rope_rows: list[int]) -> None:
                 lambda i, x=x, r=r: skinny_gemm.skinny_linear_add_rms_norm(x, ws[i], r, nw, 1e-6, gated=gated)
             )
             print(f"{name:<22} {M:>4} {t_t:13.2f} {t_f:9.2f} {t_t / t_f:6.2f}", flush=True)
+            if gated:  # the epilogue alone, silu · up by its own kernel: what the gated input costs
+                t_a = time_us(
+                    lambda i, x=x, r=r: skinny_gemm.skinny_linear_add_rms_norm(
+                        k.silu_mul(*x.chunk(2, dim=-1)), ws[i], r, nw, 1e-6
+                    )
+                )
+                print(f"{'  silu_mul apart':<22} {M:>4} {t_t:13.2f} {t_a:9.2f} {t_t / t_a:6.2f}", flush=True)
     qw = torch.ones(d, device=dev, dtype=dt)
     for M in rope_rows:
         cache = StaticKVCache(1, M, hk, 512, d, dt, dev, flash=True)
