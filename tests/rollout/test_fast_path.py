@@ -228,7 +228,8 @@ def test_bf16_fused_decode_kernels_logprobs_match_a_full_forward(monkeypatch, sp
     engine = RolloutEngine(model, cfg, "cuda")
     engine.speculative_switch_off = False
     results = engine.generate(prompts, list(range(7)))
-    assert calls["epilogue"] > 0 and calls["gated"] > 0 and calls["rope_write"] > 0, calls
+    assert calls["epilogue"] > 0 and calls["rope_write"] > 0, calls
+    assert (calls["gated"] > 0) == forward_mod.SKINNY_GATED, calls
     errors = []
     for prompt, res in zip(prompts, results):
         lp, _ = teacher_forced(model, prompt, res.response_ids, 1.0)

@@ -70,6 +70,8 @@ SKINNY_GEMM = skinny_gemm.AVAILABLE and os.environ.get("SPLITRL_SKINNY_GEMM", "1
 # the skinny products' fused add + RMSNorm epilogue and gated (silu · up) input (module docstring);
 # SPLITRL_SKINNY_EPILOGUE=0 keeps the kernel for the products only
 SKINNY_EPILOGUE = SKINNY_GEMM and os.environ.get("SPLITRL_SKINNY_EPILOGUE", "1") != "0"
+# down_proj's input silu(gate) · up formed inside its product; SPLITRL_SKINNY_GATED=0: by its own kernel
+SKINNY_GATED = SKINNY_EPILOGUE and os.environ.get("SPLITRL_SKINNY_GATED", "1") != "0"
 # q/k norms, rotary embedding and the cache write of a decode step in one kernel on CUDA (module docstring)
 ROPE_WRITE = rope_write.AVAILABLE and os.environ.get("SPLITRL_ROPE_WRITE", "1") != "0"
 
@@ -352,9 +354,13 @@ class DecoderForward:
             gate_up = _fused_linear(mlp, x)
             down = mlp.down_proj
             if SKINNY_EPILOGUE and type(down) is nn.Linear and _skinny(gate_up, down.weight, gate_up.shape[-1] // 2):
-                return skinny_gemm.skinny_linear_add_rms_norm(
-                    gate_up, down.weight, h, next_norm.weight, next_norm.variance_epsilon, down.bias, gated=True
-                )
+                eps = next_norm.variance_epsilon
+                if SKINNY_GATED:
+                    return skinny_gemm.skinny_linear_add_rms_norm(
+                        gate_up, down.weight, h, next_norm.weight, eps, down.bias, gated=True
+                    )
+                act = self.k.silu_mul(*gate_up.chunk(2, dim=-1))
+                return skinny_gemm.skinny_linear_add_rms_norm(act, down.weight, h, next_norm.weight, eps, down.bias)
             gate, up = gate_up.chunk(2, dim=-1)
             delta = _module_linear(down, self.k.silu_mul(gate, up))
         elif self.silu and hasattr(mlp, "down_proj"):
