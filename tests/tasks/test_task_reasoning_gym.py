@@ -53,6 +53,32 @@ def test_number_sorting_strict_partial_and_own_scoring():
     assert partial.score(prompt, "") == 0.0
 
 
+def test_a_scoring_process_imports_reasoning_gym_only_for_the_generators_own_scoring():
+    """Kind: a start-up cost paid for nothing. Every reward worker (a spawned process) unpickles
+    the task; rebuilt there in full it imported reasoning-gym (matplotlib, sympy and every
+    generator) for ~1 s of CPU at each worker start, although a strict or partial score never
+    reads the generator. The unpickled task builds it on first use: ``own`` scoring there still
+    gives the generator's score (2,2,8 for 1,2,8 is within its ±1)."""
+    import pickle
+    import subprocess
+    import sys
+
+    code = (
+        "import pickle, sys\n"
+        "task, prompt, response = pickle.loads(sys.stdin.buffer.read())\n"
+        "loaded = 'reasoning_gym' in sys.modules\n"
+        "score = task.score(prompt, response)\n"
+        "print(loaded, 'reasoning_gym' in sys.modules, score)\n"
+    )
+    for scoring, want in (("partial", "False False 0.6666666666666666"), ("own", "False True 1.0")):
+        task = _sorting(scoring=scoring)
+        prompt = next(p for p in map(task.get_prompt, range(100)) if p.text == "asc 1,8,2=")
+        run = subprocess.run([sys.executable, "-c", code], input=pickle.dumps((task, prompt, "2,2,8")),
+                             capture_output=True, timeout=120)  # fmt: skip
+        assert run.returncode == 0, run.stderr.decode()[-2000:]
+        assert run.stdout.decode().split() == want.split(), (scoring, run.stdout, run.stderr.decode()[-2000:])
+
+
 def test_spell_backward_and_basic_arithmetic_compact_prompts():
     spell = make_task({"kind": "reasoning_gym", "dataset": "spell_backward",
                        "compact_prompts": True, "scoring": "own",

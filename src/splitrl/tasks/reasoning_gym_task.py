@@ -202,29 +202,32 @@ class ReasoningGymTask(Task):
     """
 
     def __init__(self, config: ReasoningGymTaskConfig):
-        import reasoning_gym
-
-        kwargs = dict(config.dataset_config, seed=config.seed)
-        if config.size is not None:
-            kwargs["size"] = config.size
-        try:
-            self._generator = reasoning_gym.create_dataset(config.dataset, **kwargs)
-        except (TypeError, AssertionError, ValueError) as exc:
-            raise ValueError(
-                f"reasoning-gym generator {config.dataset!r} rejected dataset_config "
-                f"{config.dataset_config}: {exc or type(exc).__name__}{_unknown_fields_hint(config)}"
-            ) from exc
+        self._generator = _create_generator(config)  # here: a rejected dataset_config fails now
         self.config = config
         self._format = (
             _COMPACT_FORMATS[config.dataset] if config.compact_prompts else _SOURCE_FORMAT
         )
+
+    def __reduce__(self):
+        # A scoring process gets the config and builds the generator only when it needs it
+        # (scoring: source): importing reasoning-gym (matplotlib, sympy and every generator's
+        # module with it) cost ~1 s of CPU at every scoring worker's start, and a strict or
+        # partial score never reads the generator. The config was checked where it was built.
+        return (_unbuilt, (type(self), self.config))
+
+    @property
+    def generator(self) -> Any:
+        """The reasoning-gym dataset (built on first use in a process that unpickled the task)."""
+        if self._generator is None:
+            self._generator = _create_generator(self.config)
+        return self._generator
 
     @property
     def num_prompts(self) -> int | None:
         return self.config.size
 
     def _make_prompt(self, index: int) -> TaskPrompt:
-        item = self._generator[index]
+        item = self.generator[index]
         return TaskPrompt(
             index=index,
             text=self._format.prompt(item),
@@ -252,4 +255,34 @@ class ReasoningGymTask(Task):
             "answer": prompt.metadata["source_answer"],
             "metadata": prompt.metadata["source_metadata"],
         }
-        return float(self._generator.score_answer(self._format.to_source_answer(response), entry))
+        return float(self.generator.score_answer(self._format.to_source_answer(response), entry))
+
+
+def _create_generator(config: ReasoningGymTaskConfig) -> Any:
+    """reasoning-gym's dataset for ``config``.
+
+    Raises:
+        ValueError: when the generator rejects ``dataset_config`` (unknown field or a value its own
+            validation refuses).
+    """
+    import reasoning_gym
+
+    kwargs = dict(config.dataset_config, seed=config.seed)
+    if config.size is not None:
+        kwargs["size"] = config.size
+    try:
+        return reasoning_gym.create_dataset(config.dataset, **kwargs)
+    except (TypeError, AssertionError, ValueError) as exc:
+        raise ValueError(
+            f"reasoning-gym generator {config.dataset!r} rejected dataset_config "
+            f"{config.dataset_config}: {exc or type(exc).__name__}{_unknown_fields_hint(config)}"
+        ) from exc
+
+
+def _unbuilt(cls: type, config: ReasoningGymTaskConfig) -> ReasoningGymTask:
+    """A task of ``config`` whose generator is built on first use (:meth:`ReasoningGymTask.__reduce__`)."""
+    task = cls.__new__(cls)
+    task._generator = None
+    task.config = config
+    task._format = _COMPACT_FORMATS[config.dataset] if config.compact_prompts else _SOURCE_FORMAT
+    return task
