@@ -203,8 +203,12 @@ def test_bf16_fused_decode_kernels_logprobs_match_a_full_forward(monkeypatch, sp
     from splitrl.rollout import forward as forward_mod
     from splitrl.rollout import rope_write, skinny_gemm
 
-    if not (forward_mod.SKINNY_GEMM and forward_mod.ROPE_WRITE):
-        pytest.skip("needs Triton and the kernels switched on (SPLITRL_SKINNY_GEMM, SPLITRL_ROPE_WRITE)")
+    if not (forward_mod.SKINNY_GEMM and rope_write.AVAILABLE):
+        pytest.skip("needs Triton and the skinny kernel switched on (SPLITRL_SKINNY_GEMM)")
+    # on at every size whatever the defaults (forward_mod's note on them): this tests their values
+    monkeypatch.setattr(forward_mod, "SKINNY_EPILOGUE", True)
+    monkeypatch.setattr(forward_mod, "SKINNY_GATED", True)
+    monkeypatch.setattr(forward_mod, "ROPE_WRITE_MIN_ROWS", 1)
     calls = {"epilogue": 0, "gated": 0, "rope_write": 0}
 
     def counted(fn, key):
@@ -229,7 +233,7 @@ def test_bf16_fused_decode_kernels_logprobs_match_a_full_forward(monkeypatch, sp
     engine.speculative_switch_off = False
     results = engine.generate(prompts, list(range(7)))
     assert calls["epilogue"] > 0 and calls["rope_write"] > 0, calls
-    assert (calls["gated"] > 0) == forward_mod.SKINNY_GATED, calls
+    assert calls["gated"] > 0, calls
     errors = []
     for prompt, res in zip(prompts, results):
         lp, _ = teacher_forced(model, prompt, res.response_ids, 1.0)

@@ -31,11 +31,12 @@ products, fp32 and CPUs keep ``torch.nn.functional.linear``; ``SPLITRL_SKINNY_GE
 What follows such a product runs inside it (:func:`~splitrl.rollout.skinny_gemm.skinny_linear_add_rms_norm`):
 the residual add and the next RMSNorm in its split-K reduction, and down_proj's input silu(gate) · up
 formed tile by tile from the gate/up output, so a layer (:meth:`DecoderForward._layer`) returns its
-output together with the next norm of it (``SPLITRL_SKINNY_EPILOGUE=0``: the products alone).
+output together with the next norm of it (opt-in, ``SPLITRL_SKINNY_EPILOGUE=1``: see the note on defaults below).
 
 Attention input. A decode step's q/k norms, rotary embedding and cache write run as one Triton kernel
-on CUDA in bf16 / fp16 (:func:`~splitrl.rollout.rope_write.norm_rope_write`; ``SPLITRL_ROPE_WRITE=0``:
-the compiled torch function and one ``index_copy_``). Both round where the torch ops round; the
+on CUDA in bf16 / fp16 (:func:`~splitrl.rollout.rope_write.norm_rope_write`; on steps of more than
+64 rows by default, ``SPLITRL_ROPE_WRITE=1`` at any size; else the compiled torch function and one
+``index_copy_``). Both round where the torch ops round; the
 choice changes bf16 rounding only, as the products' shapes already do.
 
 Rotary table. The backbone's ``rotary_emb`` computes cos/sin from the positions with ~8 small ops
@@ -67,13 +68,22 @@ from splitrl.rollout.kv import AttentionPlan, StaticKVCache, causal_attention
 
 # the skinny-product kernel for few-row decode products on CUDA (module docstring); set at import
 SKINNY_GEMM = skinny_gemm.AVAILABLE and os.environ.get("SPLITRL_SKINNY_GEMM", "1") != "0"
-# the skinny products' fused add + RMSNorm epilogue and gated (silu · up) input (module docstring);
-# SPLITRL_SKINNY_EPILOGUE=0 keeps the kernel for the products only
-SKINNY_EPILOGUE = SKINNY_GEMM and os.environ.get("SPLITRL_SKINNY_EPILOGUE", "1") != "0"
-# down_proj's input silu(gate) · up formed inside its product; SPLITRL_SKINNY_GATED=0: by its own kernel
+# The fused pieces (module docstring) run by default only where measured faster (bench/RESULTS.md,
+# rollout decoding): the rotary kernel on steps of more than ROPE_WRITE_MIN_ROWS rows; the products'
+# epilogue is opt-in. With both on at every size, batches 1 and 32 decoded slower than without them,
+# and the two were not yet timed apart. SPLITRL_SKINNY_EPILOGUE=1 turns the epilogue on (with down_proj's
+# gated input silu(gate) · up formed inside its product; SPLITRL_SKINNY_GATED=0: by its own kernel);
+# SPLITRL_ROPE_WRITE=1 runs the rotary kernel at any row count, 0 never.
+SKINNY_EPILOGUE = SKINNY_GEMM and os.environ.get("SPLITRL_SKINNY_EPILOGUE", "0") == "1"
 SKINNY_GATED = SKINNY_EPILOGUE and os.environ.get("SPLITRL_SKINNY_GATED", "1") != "0"
-# q/k norms, rotary embedding and the cache write of a decode step in one kernel on CUDA (module docstring)
-ROPE_WRITE = rope_write.AVAILABLE and os.environ.get("SPLITRL_ROPE_WRITE", "1") != "0"
+_ROPE_WRITE = os.environ.get("SPLITRL_ROPE_WRITE", "auto")
+ROPE_WRITE_MIN_ROWS = (
+    float("inf")
+    if not rope_write.AVAILABLE or _ROPE_WRITE == "0"
+    else 1
+    if _ROPE_WRITE == "1"
+    else skinny_gemm.MAX_ROWS + 1
+)
 
 
 def mtp_parts(model: PolicyModel, depth: int) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module, nn.Module]:
@@ -313,7 +323,8 @@ class DecoderForward:
             # decode: split, norms, rotary and keys + values stacked (one cache write) in one function
             nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
             qkv = _fused_linear(attn, x)
-            if ROPE_WRITE and qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16):
+            rows = qkv.numel() // qkv.shape[-1]
+            if rows >= ROPE_WRITE_MIN_ROWS and qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16):
                 # ... or in one kernel that also writes the cache (splitrl.rollout.rope_write)
                 qw, kw = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm else (None, None)
                 eps = attn.q_norm.variance_epsilon if qk_norm else 0.0
