@@ -12,8 +12,8 @@ def _ray_cluster_and_transferqueue():
     and attaches to that TransferQueue (a run starts one only where none is running; a run that
     starts its own is tested by test_ray_join.py, in a process of its own). Starting a cluster
     costs ~20 s on the 2-core CI machine and a TransferQueue ~9 s (three actors), so a module
-    pays each once. Logical CPUs: those of 2 + 2 workers and a TransferQueue of their own (a run
-    counts one as it starts, whether or not it then attaches), plus the 3 of the module's."""
+    pays each once. Logical CPUs: those of 2 + 2 workers and of one TransferQueue (the module's;
+    a run that attaches to it does not count its CPUs: splitrl.controller.launch)."""
     ray = pytest.importorskip("ray")
     from _configs import demo_config
     from splitrl.controller.controller import SingleController
@@ -22,7 +22,7 @@ def _ray_cluster_and_transferqueue():
     if ray.is_initialized():
         ray.shutdown()
     cfg = demo_config(
-        TINY_STEP + ["cluster.backend=ray", "cluster.num_generation_workers=5", "cluster.num_train_workers=2"]
+        TINY_STEP + ["cluster.backend=ray", "cluster.num_generation_workers=2", "cluster.num_train_workers=2"]
     )
     SingleController(cfg)._start_cluster()
     plane = make_data_plane(cfg.dataplane)

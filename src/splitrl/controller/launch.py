@@ -63,7 +63,11 @@ def launch_workers(cfg: RunConfig, backend: str, device: str) -> Workers:
         # before any worker (or the data plane) starts: a clear error instead of actors that
         # wait forever for CPUs or GPUs
         actors = T if placement == "colocated" else G + T
-        need = actors + (3 if cfg.dataplane.kind == "transferqueue" else 0)
+        need = actors
+        if cfg.dataplane.kind == "transferqueue":  # its actors, unless one already runs (it attaches)
+            from splitrl.dataplane.transferqueue import cpus_to_start
+
+            need += cpus_to_start(cfg.dataplane.transferqueue)
         wait_for_free_cpus(need, CPU_WAIT_S)
         if gpu:
             check_cluster_gpus(placement, G, T, ray.cluster_resources())

@@ -182,6 +182,15 @@ def _controller_running(ray: Any) -> bool:
     return True
 
 
+def cpus_to_start(config: TransferQueueConfig) -> int:
+    """Logical Ray CPUs that creating a :class:`TransferQueueDataPlane` from ``config`` will take
+    now: its actors' (``config.num_actor_cpus``), or 0 when a TransferQueue already runs on this
+    Ray cluster (the data plane attaches to it). Needs ``ray.init`` first."""
+    ray = _require_ray()
+    _forget_stale_transferqueue(ray)
+    return 0 if _controller_running(ray) else config.num_actor_cpus
+
+
 def _start_or_attach(config: TransferQueueConfig) -> bool:
     """Start TransferQueue, or attach to the running one; True when this call started it."""
     ray = _require_ray()
