@@ -14,10 +14,9 @@ CUDA graph (as the engine replays its steps), the median of 20 replays / 32.
     python bench/bench_skinny_gemm.py --preset qwen3-0.6b --rows 1,3,8,32,64 --sweep 1,32
 
 ``--fused``: also the decode layer's fused pieces against the launches they replace, µs each at
-each M (and at ``--rope-rows`` for the rotary one): o_proj + add + RMSNorm
+each M (and at ``--rope-rows`` for the rotary one): o_proj and down_proj with their add + RMSNorm
 (:func:`~splitrl.rollout.skinny_gemm.skinny_linear_add_rms_norm` vs ``skinny_linear`` and the
-compiled ``add_rms_norm``), down_proj with its gated input (vs the compiled ``silu_mul``,
-``skinny_linear``, ``add_rms_norm``), and q/k norm + rotary + cache write
+compiled ``add_rms_norm``), and q/k norm + rotary + cache write
 (:func:`splitrl.rollout.rope_write.norm_rope_write` vs the compiled ``qkv_norm_rope`` and
 ``StaticKVCache.write_kv``).
 """
@@ -131,30 +130,16 @@ def fused_pieces(c: dict, rows: list[int], rope_rows: list[int]) -> None:
     nq, nk = hq * d, hk * d
     nw = torch.ones(H, device=dev, dtype=dt)
     print(f"{'piece':<22} {'M':>4} {'torch path us':>13} {'fused us':>9} {'ratio':>6}", flush=True)
-    for name, (N, K), gated in (("o_proj + add_norm", (H, nq), False), ("down(silu*up) + add_norm", (H, F), True)):
+    for name, (N, K) in (("o_proj + add_norm", (H, nq)), ("down_proj + add_norm", (H, F))):
         ws = [torch.randn(N, K, device=dev, dtype=dt) / K**0.5 for _ in range(8)]
         for M in rows:
             if not skinny_gemm.preferred(M, N, K):
                 continue
-            x = torch.randn(M, 2 * K if gated else K, device=dev, dtype=dt)
+            x = torch.randn(M, K, device=dev, dtype=dt)
             r = torch.randn(M, N, device=dev, dtype=dt)
-
-            def torch_path(i, x=x, r=r):
-                xin = k.silu_mul(*x.chunk(2, dim=-1)) if gated else x
-                return k.add_rms_norm(skinny_gemm.skinny_linear(xin, ws[i]), r, nw, 1e-6)
-
-            t_t = time_us(torch_path)
-            t_f = time_us(
-                lambda i, x=x, r=r: skinny_gemm.skinny_linear_add_rms_norm(x, ws[i], r, nw, 1e-6, gated=gated)
-            )
+            t_t = time_us(lambda i, x=x, r=r: k.add_rms_norm(skinny_gemm.skinny_linear(x, ws[i]), r, nw, 1e-6))
+            t_f = time_us(lambda i, x=x, r=r: skinny_gemm.skinny_linear_add_rms_norm(x, ws[i], r, nw, 1e-6))
             print(f"{name:<22} {M:>4} {t_t:13.2f} {t_f:9.2f} {t_t / t_f:6.2f}", flush=True)
-            if gated:  # the epilogue alone, silu · up by its own kernel: what the gated input costs
-                t_a = time_us(
-                    lambda i, x=x, r=r: skinny_gemm.skinny_linear_add_rms_norm(
-                        k.silu_mul(*x.chunk(2, dim=-1)), ws[i], r, nw, 1e-6
-                    )
-                )
-                print(f"{'  silu_mul apart':<22} {M:>4} {t_t:13.2f} {t_a:9.2f} {t_t / t_a:6.2f}", flush=True)
     qw = torch.ones(d, device=dev, dtype=dt)
     for M in rope_rows:
         cache = StaticKVCache(1, M, hk, 512, d, dt, dev, flash=True)

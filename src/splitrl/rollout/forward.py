@@ -28,15 +28,14 @@ down_proj: :func:`~splitrl.rollout.skinny_gemm.preferred`) runs on
 programs where cuBLAS's tiles left most of the chip idle; each output is the same fp32 sum of the
 same products, rounded once, in another order (bf16 rounding). Prefills, larger steps, the wide
 products, fp32 and CPUs keep ``torch.nn.functional.linear``; ``SPLITRL_SKINNY_GEMM=0`` turns it off.
-What follows such a product runs inside it (:func:`~splitrl.rollout.skinny_gemm.skinny_linear_add_rms_norm`):
-the residual add and the next RMSNorm in its split-K reduction, and down_proj's input silu(gate) · up
-formed tile by tile from the gate/up output, so a layer (:meth:`DecoderForward._layer`) returns its
-output together with the next norm of it (opt-in, ``SPLITRL_SKINNY_EPILOGUE=1``: see the note on defaults below).
+The residual add and the RMSNorm that follow such a product run in its split-K reduction
+(:func:`~splitrl.rollout.skinny_gemm.skinny_linear_add_rms_norm`; ``SPLITRL_SKINNY_EPILOGUE=0``: the
+product alone), so a layer (:meth:`DecoderForward._layer`) returns its output together with the next
+norm of it.
 
 Attention input. A decode step's q/k norms, rotary embedding and cache write run as one Triton kernel
-on CUDA in bf16 / fp16 (:func:`~splitrl.rollout.rope_write.norm_rope_write`; on steps of more than
-64 rows by default, ``SPLITRL_ROPE_WRITE=1`` at any size; else the compiled torch function and one
-``index_copy_``). Both round where the torch ops round; the
+on CUDA in bf16 / fp16 (:func:`~splitrl.rollout.rope_write.norm_rope_write`; ``SPLITRL_ROPE_WRITE=0``:
+the compiled torch function and one ``index_copy_``). Both round where the torch ops round; the
 choice changes bf16 rounding only, as the products' shapes already do.
 
 Rotary table. The backbone's ``rotary_emb`` computes cos/sin from the positions with ~8 small ops
@@ -68,22 +67,10 @@ from splitrl.rollout.kv import AttentionPlan, StaticKVCache, causal_attention
 
 # the skinny-product kernel for few-row decode products on CUDA (module docstring); set at import
 SKINNY_GEMM = skinny_gemm.AVAILABLE and os.environ.get("SPLITRL_SKINNY_GEMM", "1") != "0"
-# The fused pieces (module docstring) run by default only where measured faster (bench/RESULTS.md,
-# rollout decoding): the rotary kernel on steps of more than ROPE_WRITE_MIN_ROWS rows; the products'
-# epilogue is opt-in. With both on at every size, batches 1 and 32 decoded slower than without them,
-# and the two were not yet timed apart. SPLITRL_SKINNY_EPILOGUE=1 turns the epilogue on (with down_proj's
-# gated input silu(gate) · up formed inside its product; SPLITRL_SKINNY_GATED=0: by its own kernel);
-# SPLITRL_ROPE_WRITE=1 runs the rotary kernel at any row count, 0 never.
-SKINNY_EPILOGUE = SKINNY_GEMM and os.environ.get("SPLITRL_SKINNY_EPILOGUE", "0") == "1"
-SKINNY_GATED = SKINNY_EPILOGUE and os.environ.get("SPLITRL_SKINNY_GATED", "1") != "0"
-_ROPE_WRITE = os.environ.get("SPLITRL_ROPE_WRITE", "auto")
-ROPE_WRITE_MIN_ROWS = (
-    float("inf")
-    if not rope_write.AVAILABLE or _ROPE_WRITE == "0"
-    else 1
-    if _ROPE_WRITE == "1"
-    else skinny_gemm.MAX_ROWS + 1
-)
+# The fused pieces (module docstring), each measured faster than the launches it replaces
+# (bench/RESULTS.md, rollout decoding); SPLITRL_SKINNY_EPILOGUE=0 / SPLITRL_ROPE_WRITE=0 turn one off.
+SKINNY_EPILOGUE = SKINNY_GEMM and os.environ.get("SPLITRL_SKINNY_EPILOGUE", "1") != "0"
+ROPE_WRITE = rope_write.AVAILABLE and os.environ.get("SPLITRL_ROPE_WRITE", "1") != "0"
 
 
 def mtp_parts(model: PolicyModel, depth: int) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module, nn.Module]:
@@ -147,17 +134,16 @@ def fuse_projections(model: PolicyModel) -> None:
             _fuse(mlp, ("gate_proj", "up_proj"))
 
 
-def _skinny(x: torch.Tensor, weight: torch.Tensor, k: int | None = None) -> bool:
-    """Whether the product of x's rows with ``weight`` [N, K] runs on the skinny-product kernel
-    (module docstring); ``k``: its inner dimension when x is not [..., K] (a gated [gate | up] input)."""
-    k = x.shape[-1] if k is None else k
+def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the product of x [..., K] with ``weight`` [N, K] runs on the skinny-product kernel
+    (module docstring)."""
     return (
         SKINNY_GEMM
         and x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16)
         and weight.dtype == x.dtype
         and weight.stride(-1) == 1
-        and skinny_gemm.preferred(x.numel() // x.shape[-1], weight.shape[0], k)  # rows <= MAX_ROWS too
+        and skinny_gemm.preferred(x.numel() // x.shape[-1], weight.shape[0], x.shape[-1])  # rows <= MAX_ROWS too
     )
 
 
@@ -323,8 +309,7 @@ class DecoderForward:
             # decode: split, norms, rotary and keys + values stacked (one cache write) in one function
             nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
             qkv = _fused_linear(attn, x)
-            rows = qkv.numel() // qkv.shape[-1]
-            if rows >= ROPE_WRITE_MIN_ROWS and qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16):
+            if ROPE_WRITE and qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16):
                 # ... or in one kernel that also writes the cache (splitrl.rollout.rope_write)
                 qw, kw = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm else (None, None)
                 eps = attn.q_norm.variance_epsilon if qk_norm else 0.0
@@ -362,23 +347,11 @@ class DecoderForward:
         mlp = layer.mlp
         # dense SwiGLU (also the dense layers of an MoE family); MoE blocks route in their own forward
         if self.silu and hasattr(mlp, _FUSED):
-            gate_up = _fused_linear(mlp, x)
-            down = mlp.down_proj
-            if SKINNY_EPILOGUE and type(down) is nn.Linear and _skinny(gate_up, down.weight, gate_up.shape[-1] // 2):
-                eps = next_norm.variance_epsilon
-                if SKINNY_GATED:
-                    return skinny_gemm.skinny_linear_add_rms_norm(
-                        gate_up, down.weight, h, next_norm.weight, eps, down.bias, gated=True
-                    )
-                act = self.k.silu_mul(*gate_up.chunk(2, dim=-1))
-                return skinny_gemm.skinny_linear_add_rms_norm(act, down.weight, h, next_norm.weight, eps, down.bias)
-            gate, up = gate_up.chunk(2, dim=-1)
-            delta = _module_linear(down, self.k.silu_mul(gate, up))
-        elif self.silu and hasattr(mlp, "down_proj"):
-            delta = _module_linear(mlp.down_proj, self.k.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
-        else:
-            delta = mlp(x)
-        return self.k.add_rms_norm(delta, h, next_norm.weight, next_norm.variance_epsilon)
+            gate, up = _fused_linear(mlp, x).chunk(2, dim=-1)
+            return self._add_norm(mlp.down_proj, self.k.silu_mul(gate, up), h, next_norm)
+        if self.silu and hasattr(mlp, "down_proj"):
+            return self._add_norm(mlp.down_proj, self.k.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)), h, next_norm)
+        return self.k.add_rms_norm(mlp(x), h, next_norm.weight, next_norm.variance_epsilon)
 
     def _add_norm(self, proj: nn.Module, x: torch.Tensor, h: torch.Tensor, norm: nn.Module):
         """(h + proj(x), norm(h + proj(x))): the skinny product with its add + norm epilogue where

@@ -19,6 +19,11 @@ second kernel adds in a fixed order: no atomics, so a row's result is the same f
 does not depend on the other rows' values. The decode forward uses it only for such narrow
 products (:func:`preferred`); on the wide ones it was 5–11 % slower than cuBLAS.
 
+What follows o_proj and down_proj in a decoder layer, the residual add and the next RMSNorm, can
+run in the kernel that adds the split partial sums (:func:`skinny_linear_add_rms_norm`): one launch
+a product fewer. (Forming down_proj's input silu(gate) · up inside its product too was tried and
+measured 2× slower than a separate kernel: every program recomputed it for the same input tiles.)
+
 The result is rounded once, from the fp32 sum, to x's dtype (cuBLAS rounds the same fp32 sum, in
 another order of the products): the two agree to the rounding of bf16 (tests/rollout/test_skinny_gemm.py).
 
@@ -49,8 +54,7 @@ if AVAILABLE:
         x_ptr, w_ptr, b_ptr, y_ptr,
         M, N, K,
         sx_m, sw_n, sy_s, sy_m,
-        K_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        K_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
@@ -64,13 +68,7 @@ if AVAILABLE:
         for k0 in range(0, K_PER_SPLIT, BLOCK_K):
             kk = k_begin + k0 + rk
             k_ok = kk < K
-            xk = x_ptr + rm[:, None] * sx_m + kk[None, :]
-            x = tl.load(xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            if GATED:  # x holds [gate | up]: the product's input is silu(gate) * up, rounded as torch's two ops
-                up = tl.load(xk + K, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-                gate = x.to(tl.float32)
-                silu = (gate * tl.sigmoid(gate)).to(x.dtype).to(tl.float32)
-                x = (silu * up).to(x.dtype)
+            x = tl.load(x_ptr + rm[:, None] * sx_m + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptr + rn[:, None] * sw_n + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)
         if HAS_BIAS:
@@ -145,10 +143,10 @@ def triton_next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, K: int, what: str) -> torch.Tensor:
-    """x as [M, x's last dim] with unit column stride; raises ValueError (module docs) before any launch."""
+def _check(x: torch.Tensor, weight: torch.Tensor, what: str) -> torch.Tensor:
+    """x as [M, K] with unit column stride; raises ValueError (module docs) before any launch."""
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] > MAX_ROWS or weight.shape[1] != K or weight.dtype != x.dtype or weight.stride(1) != 1:
+    if x2.shape[0] > MAX_ROWS or weight.shape[1] != x.shape[-1] or weight.dtype != x.dtype or weight.stride(1) != 1:
         raise ValueError(
             f"{what} takes ≤ {MAX_ROWS} rows of x [..., K] and a weight [N, K] of x's dtype, contiguous "
             f"along K; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype} "
@@ -162,16 +160,16 @@ def _require_triton(what: str) -> None:
         raise ValueError(f"{what} needs Triton; use torch.nn.functional.linear")
 
 
-def _launch(x2: torch.Tensor, weight: torch.Tensor, bias, gated: bool, config, out_dtype=None) -> torch.Tensor:
-    """The product kernel on x2 [M, K] (or [M, 2K] gated); returns y [M, N] (SPLIT_K 1) or the fp32
-    partial sums [SPLIT_K, M, N]."""
+def _launch(x2: torch.Tensor, weight: torch.Tensor, bias, config) -> torch.Tensor:
+    """The product kernel on x2 [M, K]; returns y [M, N] (SPLIT_K 1) or the fp32 partial sums
+    [SPLIT_K, M, N]."""
     M = x2.shape[0]
     N, K = weight.shape
     block_m, block_n, block_k, split, warps = config or plan(M, N, K)
     k_per_split = -(-K // split)
     k_per_split = -(-k_per_split // block_k) * block_k
     if split == 1:
-        y = torch.empty(M, N, dtype=out_dtype or x2.dtype, device=x2.device)
+        y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
         y_stride_s = 0
     else:
         y = torch.empty(split, M, N, dtype=torch.float32, device=x2.device)
@@ -181,8 +179,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias, gated: bool, config, o
         x2, weight, bias if bias is not None else weight, y,
         M, N, K,
         x2.stride(0), weight.stride(0), y_stride_s, N,
-        K_PER_SPLIT=k_per_split, HAS_BIAS=bias is not None, GATED=gated,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3,
+        K_PER_SPLIT=k_per_split, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=3,
     )  # fmt: skip
     return y
 
@@ -204,10 +202,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         ValueError: more than MAX_ROWS rows, mismatched K or dtypes, or Triton missing.
     """
     *lead, K = x.shape
-    x2 = _check(x, weight, K, "skinny_linear")
+    x2 = _check(x, weight, "skinny_linear")
     _require_triton("skinny_linear")
     M, N = x2.shape[0], weight.shape[0]
-    y = _launch(x2, weight, bias, False, config)
+    y = _launch(x2, weight, bias, config)
     if y.dim() == 3:
         partials, y = y, torch.empty(M, N, dtype=x.dtype, device=x.device)
         _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](partials, y, M * N, SPLIT_K=partials.shape[0], BLOCK=1024)
@@ -221,23 +219,20 @@ def skinny_linear_add_rms_norm(
     norm_weight: torch.Tensor,
     eps: float,
     bias: torch.Tensor | None = None,
-    gated: bool = False,
     config=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A decode layer's product and what follows it, in two launches: h = residual + y with
-    y = x Wᵀ (+ b), or with ``gated`` y = (silu(gate) · up) Wᵀ where x = [gate | up]; then
-    (h, ``norm_weight`` · rms_norm(h)), the values of
-    ``fused.add_rms_norm(linear(fused.silu_mul(gate, up)), residual, norm_weight, eps)``.
+    """A decode layer's product and the residual add + RMSNorm after it, in two launches:
+    h = residual + x Wᵀ (+ b), returned with ``norm_weight`` · rms_norm(h): the values of
+    ``fused.add_rms_norm(linear(x, weight, bias), residual, norm_weight, eps)``.
 
-    The gated input is formed tile by tile inside the product (no [M, K] tensor of silu · up),
-    and the split-K partial sums are added in :func:`skinny_linear`'s fixed order by the kernel
-    that also adds the residual and normalizes (one program a row): the silu · mul and the
-    add + RMSNorm launches of the torch path are gone. Rounded where the torch ops round: silu,
-    its product with up, y, h and the normalized h before and after the weight; the variance in
-    fp32 (RMSNorm: Zhang & Sennrich, 2019).
+    The split-K partial sums are added in :func:`skinny_linear`'s fixed order by the kernel that
+    also adds the residual and normalizes (one program a row), so the add + RMSNorm launch of the
+    torch path is gone. Rounded where the torch ops round: the product, h, and the normalized h
+    before and after the weight; the variance in fp32 (RMSNorm: Zhang & Sennrich, 2019).
 
     Args:
-        x: [..., K] (gated: [..., 2K], gate first), at most :data:`MAX_ROWS` rows, bf16 / fp16.
+        x: [..., K], at most :data:`MAX_ROWS` rows, bf16 / fp16 (any float dtype under Triton's
+            interpreter).
         weight: [N, K], x's dtype, contiguous along K; only products :func:`plan` splits along K.
         residual: [..., N], x's dtype, the leading dims of x, contiguous along N.
         norm_weight: [N]; eps: the norm's epsilon.
@@ -249,13 +244,10 @@ def skinny_linear_add_rms_norm(
 
     Raises:
         ValueError: as :func:`skinny_linear`, and for a product that is not split along K, a
-            residual of another shape or a norm weight of another size.
+            residual of another shape or a norm weight of another size (before any launch).
     """
-    *lead, Kx = x.shape
-    K = Kx // 2 if gated else Kx
-    if gated and Kx % 2:
-        raise ValueError(f"a gated input holds [gate | up]: its last dim must be even, got {Kx}")
-    x2 = _check(x, weight, K, "skinny_linear_add_rms_norm")
+    *lead, K = x.shape
+    x2 = _check(x, weight, "skinny_linear_add_rms_norm")
     M, N = x2.shape[0], weight.shape[0]
     cfg = config or plan(M, N, K)
     if cfg[3] == 1:
@@ -269,7 +261,7 @@ def skinny_linear_add_rms_norm(
     if norm_weight.shape != (N,):
         raise ValueError(f"norm_weight must be [{N}], got {tuple(norm_weight.shape)}")
     _require_triton("skinny_linear_add_rms_norm")
-    partials = _launch(x2, weight, bias, gated, cfg)
+    partials = _launch(x2, weight, bias, cfg)
     r2 = residual.reshape(M, N)
     h = torch.empty(M, N, dtype=x.dtype, device=x.device)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
