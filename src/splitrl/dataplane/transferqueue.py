@@ -185,8 +185,11 @@ def _controller_running(ray: Any) -> bool:
 def cpus_to_start(config: TransferQueueConfig) -> int:
     """Logical Ray CPUs that creating a :class:`TransferQueueDataPlane` from ``config`` will take
     now: its actors' (``config.num_actor_cpus``), or 0 when a TransferQueue already runs on this
-    Ray cluster (the data plane attaches to it). Needs ``ray.init`` first."""
-    ray = _require_ray()
+    Ray cluster (the data plane attaches to it; without ``ray.init`` none can be running)."""
+    import ray
+
+    if not ray.is_initialized():
+        return config.num_actor_cpus
     _forget_stale_transferqueue(ray)
     return 0 if _controller_running(ray) else config.num_actor_cpus
 
