@@ -528,7 +528,7 @@ def test_eval_count_flags_and_output_path_are_checked_before_sampling(tmp_path, 
 
     monkeypatch.setattr(cli_eval, "load_policy_and_config", must_not_load)
     (tmp_path / "a_file").write_text("x")
-    for bad, why in ((tmp_path, "is a directory"), (tmp_path / "a_file" / "e.jsonl", "cannot write there")):
+    for bad, why in ((tmp_path, "is a directory"), (tmp_path / "a_file" / "e.jsonl", "a_file is a file, not a folder")):
         assert main(["eval", str(tmp_path / "run"), "--output", str(bad)]) == 2
         assert why in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # no probe file left behind
@@ -536,6 +536,23 @@ def test_eval_count_flags_and_output_path_are_checked_before_sampling(tmp_path, 
     assert main(["eval", str(tmp_path / "run"), "--output", str(tmp_path / "a_file")]) == 2
     assert "exists; give a new file name, or pass --overwrite" in capsys.readouterr().err
     assert (tmp_path / "a_file").read_text() == "x"
+
+
+def test_eval_top_k_1_with_several_samples_is_refused_before_loading(tmp_path, capsys, monkeypatch):
+    """A new user's trial: `eval --top-k 1` drew 8 identical (greedy) samples a prompt and reported
+    pass@8 = pass@1 without a word. Refused before the model loads, naming --greedy; one sample a
+    prompt at top-k 1 is still allowed."""
+    import splitrl.cli_eval as cli_eval
+
+    def must_not_load(args):
+        raise AssertionError("loaded the model before refusing --top-k 1")
+
+    monkeypatch.setattr(cli_eval, "load_policy_and_config", must_not_load)
+    assert main(["eval", str(tmp_path / "run"), "--top-k", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "--top-k 1 makes all 8 samples of a prompt the same (greedy) response" in err and "--greedy" in err
+    with pytest.raises(AssertionError, match="loaded the model"):  # one sample: past the check
+        main(["eval", str(tmp_path / "run"), "--top-k", "1", "--num-samples", "1"])
 
 
 def test_config_given_twice_is_refused(capsys):
@@ -728,6 +745,8 @@ def test_generate_device_flag_wins_over_the_run_configs_device(tmp_path, capsys)
     cfg = tmp_path / "cuda.yaml"
     cfg.write_text("preset: cpu_demo\ncluster: {device: cuda}\n")
     argv = ["generate", str(tmp_path / "run"), "-p", "desc 5,2,7=", "--config", str(cfg)]
-    assert main(argv + ["--device", "cuda"]) == 2 and "no CUDA GPU is visible" in capsys.readouterr().err
+    # the flag's own words (it said "cluster.device=cuda ...; set cluster.device=auto", a key not given)
+    assert main(argv + ["--device", "cuda"]) == 2
+    assert "--device cuda but no CUDA GPU is visible; use --device cpu or auto" in capsys.readouterr().err
     assert main(argv + ["--device", "cpu"]) == 0
     assert main(argv) == 0

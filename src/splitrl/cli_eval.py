@@ -174,6 +174,8 @@ def load_policy_and_config(args: argparse.Namespace):
     device = getattr(args, "device", "auto")
     if not any(o.startswith(("cluster.device=", "device=")) for o in args.overrides):
         # --device (default auto: a GPU if any) wins over the run config's: a GPU run read on a CPU
+        if device == "cuda":
+            _device(device)  # no GPU: the flag's own message, not the config key's it is passed as
         extra.append(f"cluster.device={device}")
     config = load_config(source, extra + list(args.overrides))
     trained = None
@@ -396,6 +398,12 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--k {','.join(map(str, too_big))} exceeds --num-samples {num_samples}: pass@k needs k samples per "
             "prompt; raise --num-samples or lower --k"
+        )
+    if getattr(args, "top_k", None) == 1 and num_samples > 1:
+        # every sample of a prompt would be its greedy response: pass@k = pass@1, silently
+        raise ValueError(
+            f"--top-k 1 makes all {num_samples} samples of a prompt the same (greedy) response, so pass@k would "
+            "equal pass@1; pass --greedy (one greedy response a prompt) or a --top-k of 0 (off) or >= 2"
         )
     _check_sample_count(args.num_prompts, num_samples + int(greedy), "--num-samples or --num-prompts")
     out = _writable_output(args.output, args.overwrite) if args.output else None  # before minutes of sampling
@@ -643,6 +651,9 @@ def _writable_output(path: str, overwrite: bool = False) -> Path:
         raise ValueError(f"--output {path} is a directory; give a file name (e.g. {out / 'eval.jsonl'})")
     if out.exists() and not overwrite:
         raise ValueError(f"--output {path} exists; give a new file name, or pass --overwrite to replace it")
+    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ValueError(f"--output {path}: {blocker} is a file, not a folder; choose a path under a folder")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"):
