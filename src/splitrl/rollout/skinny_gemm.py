@@ -22,7 +22,7 @@ products (:func:`preferred`); on the wide ones it was 5–11 % slower than cuBLA
 What follows o_proj and down_proj in a decoder layer, the residual add and the next RMSNorm, can
 run in the kernel that adds the split partial sums (:func:`skinny_linear_add_rms_norm`): one launch
 a product fewer. (Forming down_proj's input silu(gate) · up inside its product too was tried and
-measured 2× slower than a separate kernel: every program recomputed it for the same input tiles.)
+slower than a separate kernel, bench/RESULTS.md: every program recomputed it for the same input tiles.)
 
 The result is rounded once, from the fp32 sum, to x's dtype (cuBLAS rounds the same fp32 sum, in
 another order of the products): the two agree to the rounding of bf16 (tests/rollout/test_skinny_gemm.py).
