@@ -143,9 +143,7 @@ def _mtp_decode_from_input(fwd, depth, x, positions, write, limit, cache, length
     _, _, _, layer, norm = mtp_parts(fwd.model, depth)
     cos, sin = fwd.model.rotary_emb(x, positions)
     plan = cache.plan(write, write, limit, length, None, kernels=fwd.k)
-    ln = layer.input_layernorm
-    normed = fwd.k.rms_norm(x, ln.weight, ln.variance_epsilon)
-    return fwd._layer(layer, x, normed, norm, cos, sin, cache, depth - 1, plan=plan)[1]  # (h, norm(h))
+    return fwd._layer(layer, x, fwd._input_norm(layer, x), norm, cos, sin, cache, depth - 1, plan=plan)[1]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

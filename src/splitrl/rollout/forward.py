@@ -207,6 +207,8 @@ class DecoderForward:
         self.model = model
         self.layers = list(model.backbone.model.layers)
         self.final_norm = model.backbone.model.norm
+        # the norm each layer's output goes through: the next layer's input norm, the final norm last
+        self.next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.final_norm]
         self.k = Kernels(compiled, model.output_weight.device, model.output_weight.dtype)
         self.silu = model.config.hidden_act == "silu"
         self.qk_norm = model.family.qk_norm  # per-head q/k RMSNorm before the rotary embedding
@@ -364,8 +366,7 @@ class DecoderForward:
 
     def _stack(self, h, x, cos, sin, cache, **kw) -> torch.Tensor:
         """The backbone's layers on h (x: the first layer's input norm of h), then its final norm."""
-        nexts = [layer.input_layernorm for layer in self.layers[1:]] + [self.final_norm]
-        for i, (layer, next_norm) in enumerate(zip(self.layers, nexts)):
+        for i, (layer, next_norm) in enumerate(zip(self.layers, self.next_norms)):
             h, x = self._layer(layer, h, x, next_norm, cos, sin, cache, i, **kw)
         return x
 
