@@ -204,9 +204,6 @@ class ReasoningGymTask(Task):
     def __init__(self, config: ReasoningGymTaskConfig):
         self._generator = _create_generator(config)  # here: a rejected dataset_config fails now
         self.config = config
-        self._format = (
-            _COMPACT_FORMATS[config.dataset] if config.compact_prompts else _SOURCE_FORMAT
-        )
 
     def __reduce__(self):
         # A scoring process gets the config and builds the generator only when it needs it
@@ -214,6 +211,12 @@ class ReasoningGymTask(Task):
         # module with it) cost ~1 s of CPU at every scoring worker's start, and a strict or
         # partial score never reads the generator. The config was checked where it was built.
         return (_unbuilt, (type(self), self.config))
+
+    @property
+    def _format(self):
+        """The prompt and answer format: the generator's compact one, or the source's."""
+        config = self.config
+        return _COMPACT_FORMATS[config.dataset] if config.compact_prompts else _SOURCE_FORMAT
 
     @property
     def generator(self) -> Any:
@@ -284,5 +287,4 @@ def _unbuilt(cls: type, config: ReasoningGymTaskConfig) -> ReasoningGymTask:
     task = cls.__new__(cls)
     task._generator = None
     task.config = config
-    task._format = _COMPACT_FORMATS[config.dataset] if config.compact_prompts else _SOURCE_FORMAT
     return task
