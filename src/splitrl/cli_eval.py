@@ -287,12 +287,9 @@ def _flag_problem(name: str, value: Any, err: dict[str, Any]) -> str:
         )
     if name in _FLAG_RANGES:
         return f"{flag} {shown}: {_FLAG_RANGES[name]}"
-    return f"{flag} {shown}: {_validator_words(err)}"  # a rule added later
+    from splitrl.config_help import validator_words
 
-
-def _validator_words(err: dict[str, Any]) -> str:
-    """A pydantic error's message without pydantic's "Value error, " prefix: our validators' own words."""
-    return str(err.get("ctx", {}).get("error", err["msg"].removeprefix("Value error, ")))
+    return f"{flag} {shown}: {validator_words(err)}"  # a rule added later
 
 
 def check_sampling_flags(args: argparse.Namespace) -> None:
@@ -338,12 +335,14 @@ def _sampling(config, args: argparse.Namespace, policy_dir: Path):
     try:
         return type(gen).model_validate({**gen.model_dump(), **update})
     except ValidationError as e:
+        from splitrl.config_help import validator_words
+
         problems = []
         for err in e.errors():
             name = str(err["loc"][0])
             given = name in _SAMPLING_FLAGS and getattr(args, name, None) is not None
             problems.append(
-                _flag_problem(name, update[name], err) if given else f"rollout.{name}: {_validator_words(err)}"
+                _flag_problem(name, update[name], err) if given else f"rollout.{name}: {validator_words(err)}"
             )
         raise ValueError("; ".join(problems)) from None
 

@@ -306,6 +306,11 @@ def _number_hint(value: object) -> str:
 _SCALAR_UNION_MEMBER = re.compile(r"constrained-\w+|literal\[.*\]|bool|int|float|str|none|(list|dict|tuple|set)\[.*\]")
 
 
+def validator_words(err: dict[str, Any]) -> str:
+    """A pydantic error's message without pydantic's "Value error, " prefix: our validators' own words."""
+    return str(err.get("ctx", {}).get("error", err["msg"].removeprefix("Value error, ")))
+
+
 def explain_validation_error(error: ValidationError, model_cls: type[BaseModel]) -> str:
     """The message of a config error: one line per problem, named by its dotted key, unknown keys
     with the closest valid one ("did you mean model.mtp.mtp_num_layers?"), and where to look."""
@@ -325,8 +330,7 @@ def explain_validation_error(error: ValidationError, model_cls: type[BaseModel])
                 continue
             scalar_union[path] = len(lines)
         if err["type"] == "value_error":
-            # our validators' own messages, without pydantic's "Value error, " prefix
-            msg = str(err.get("ctx", {}).get("error", msg.removeprefix("Value error, ")))
+            msg = validator_words(err)
         msg += _number_hint(err.get("input"))
         if err["type"] == "missing" and len(loc) > 1:
             # the key has a run default (`splitrl config` lists it), but a section given whole
