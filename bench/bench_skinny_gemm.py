@@ -13,6 +13,19 @@ CUDA graph (as the engine replays its steps), the median of 20 replays / 32.
 
     python bench/bench_skinny_gemm.py --preset qwen3-0.6b --rows 1,3,8,32,64 --sweep 1,32
 
+Rows above 64 run in tiles of 64 rows (the kernel takes up to ``skinny_gemm.MAX_ROWS``; the engine
+uses it up to ``PREFERRED_ROWS``): a verify of 32 slots has 96.
+
+``--gated``: the MLP's gate/up product with silu(gate) · up in its epilogue
+(:func:`~splitrl.rollout.skinny_gemm.skinny_linear_silu_mul`) against cuBLAS's gate/up product and the
+compiled ``silu_mul`` (the engine's two launches before), µs each at each M, and at the
+``--gated-sweep`` rows its alternative tiles.
+
+``--attention R1,R2``: one layer's decode attention (:mod:`splitrl.rollout.decode_attention`) of R
+rows, one query each and 1 + 2 (a verify of 2 drafts), at ``--context`` entries a row, with the
+kernel's tiles and each alternative (BLOCK_N, stages, warps); 8 layers' caches used in turn, as the
+products' weights are.
+
 ``--fused``: also the decode layer's fused pieces against the launches they replace, µs each at
 each M (and at ``--rope-rows`` for the rotary one): o_proj and down_proj with their add + RMSNorm
 (:func:`~splitrl.rollout.skinny_gemm.skinny_linear_add_rms_norm` vs ``skinny_linear`` and the
@@ -60,7 +73,11 @@ def time_us(fn, copies: int = 8, per_graph: int = 32, replays: int = 20) -> floa
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-0.6b", choices=sorted(QWEN3_SHAPES))
-    ap.add_argument("--rows", default="1,3,8,32,64", help="comma list of row counts M (each <= 64)")
+    ap.add_argument("--rows", default="1,3,8,32,64", help="comma list of row counts M (each <= 256)")
+    ap.add_argument("--gated", action="store_true", help="also time gate/up + silu · mul in one launch (docstring)")
+    ap.add_argument("--gated-sweep", default="", help="comma list of rows at which --gated times alternative tiles")
+    ap.add_argument("--attention", default="", help="comma list of rows at which decode attention tiles are timed")
+    ap.add_argument("--context", type=int, default=192, help="entries a row for --attention (prompt + half the new)")
     ap.add_argument("--sweep", default="", help="comma list of row counts at which alternative tiles are timed too")
     ap.add_argument("--fused", action="store_true", help="also time the fused pieces of a decode layer (docstring)")
     ap.add_argument("--rope-rows", default="1,32,256", help="rows at which the rotary + cache write piece is timed")
@@ -113,8 +130,80 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"    best of the sweep: {best[0]:.2f} us {best[1]}", flush=True)
     print("a layer's four products (us), cuBLAS / ours: "
           + ", ".join(f"M={M} {total['cublas'][M]:.1f} / {total['skinny'][M]:.1f}" for M in rows), flush=True)  # fmt: skip
+    if args.gated:
+        gated_product(c, rows, {int(r) for r in args.gated_sweep.split(",") if r})
+    if args.attention:
+        attention_tiles(c, [int(r) for r in args.attention.split(",")], args.context)
     if args.fused:
         fused_pieces(c, rows, [int(r) for r in args.rope_rows.split(",")])
+
+
+def gated_product(c: dict, rows: list[int], sweep: set[int]) -> None:
+    """The --gated table (module docstring)."""
+    from splitrl.rollout.fused import Kernels
+
+    k = Kernels(True, torch.device("cuda"), torch.bfloat16)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    H, F = c["hidden_size"], c["intermediate_size"]
+    ws = [torch.randn(2 * F, H, device=dev, dtype=dt) / H**0.5 for _ in range(8)]
+    print(f"{'gate/up + silu*mul':<20} {'M':>4} {'cuBLAS+silu us':>14} {'fused us':>9} {'ratio':>6} "
+          f"{'err torch':>9} {'err fused':>9}  plan (BM, BN, BK, warps)", flush=True)  # fmt: skip
+    for M in rows:
+        x = torch.randn(M, H, device=dev, dtype=dt)
+        g, u = (x.float() @ ws[0].float().T).chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(g) * u
+        errs = []
+        for y in (k.silu_mul(*torch.nn.functional.linear(x, ws[0]).chunk(2, dim=-1)),
+                  skinny_gemm.skinny_linear_silu_mul(x, ws[0])):  # fmt: skip
+            errs.append(((y.float() - ref).norm() / ref.norm()).item())
+        t_t = time_us(lambda i, x=x: k.silu_mul(*torch.nn.functional.linear(x, ws[i]).chunk(2, dim=-1)))
+        t_f = time_us(lambda i, x=x: skinny_gemm.skinny_linear_silu_mul(x, ws[i]))
+        print(f"{'':<20} {M:>4} {t_t:14.2f} {t_f:9.2f} {t_t / t_f:6.2f} {errs[0]:9.2e} {errs[1]:9.2e}  "
+              f"{skinny_gemm.gated_plan(M, F, H)}", flush=True)  # fmt: skip
+        if M in sweep:
+            best = None
+            bm0 = skinny_gemm.gated_plan(M, F, H)[0]
+            for bm, bn, bk, warps in itertools.product(sorted({bm0, 64}), (16, 32), (64, 128, 256), (4, 8)):
+                if bm < min(16, bm0) or (bm * bk + 2 * bn * bk) * 2 * 3 > 200 * 1024:
+                    continue
+                cfg = (bm, bn, bk, warps)
+                try:
+                    t = time_us(lambda i, x=x, cfg=cfg: skinny_gemm.skinny_linear_silu_mul(x, ws[i], config=cfg), replays=5)
+                except Exception as e:  # noqa: BLE001 - a tile set the compiler refuses
+                    print(f"    {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, cfg)
+            print(f"    best of the sweep: {best[0]:.2f} us {best[1]}", flush=True)
+
+
+def attention_tiles(c: dict, rows: list[int], context: int) -> None:
+    """The --attention table (module docstring)."""
+    from splitrl.rollout import decode_attention as da
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    H, Hk, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    configs = [None] + list(itertools.product((16, 32, 64, 128), (1, 2, 3, 4), (2, 4, 8)))
+    for R in rows:
+        caches = [torch.randn(2, R, context, Hk, d, device=dev, dtype=dt) for _ in range(8)]
+        for Q in (1, 3):
+            q = torch.randn(R, Q, H, d, device=dev, dtype=dt)
+            used = torch.full((R,), context, dtype=torch.int32, device=dev)
+            cells = []
+            for cfg in configs:
+                try:
+                    t = time_us(lambda i, cfg=cfg: da.decode_attention(q, caches[i][0], caches[i][1], used, d**-0.5, config=cfg),
+                                replays=5 if cfg else 20)  # fmt: skip
+                except Exception as e:  # noqa: BLE001 - a tile set the compiler refuses (shared memory)
+                    cells.append((float("inf"), cfg, type(e).__name__))
+                    continue
+                cells.append((t, cfg, ""))
+            default = cells[0][0]
+            default_tiles = da.tiles(d, R * Hk, da._shared_memory(dev))
+            best = sorted(cell for cell in cells[1:] if cell[0] < float("inf"))[:5]
+            gbs = 2 * R * context * Hk * d * 2 / (default * 1e-6) / 1e9
+            print(f"attention rows {R:>4} Q={Q} {context} entries: default {default_tiles} {default:.2f} us "
+                  f"({gbs:.0f} GB/s); best " + ", ".join(f"{cfg} {t:.2f}" for t, cfg, _ in best), flush=True)  # fmt: skip
 
 
 def fused_pieces(c: dict, rows: list[int], rope_rows: list[int]) -> None:
@@ -133,7 +222,7 @@ def fused_pieces(c: dict, rows: list[int], rope_rows: list[int]) -> None:
     for name, (N, K) in (("o_proj + add_norm", (H, nq)), ("down_proj + add_norm", (H, F))):
         ws = [torch.randn(N, K, device=dev, dtype=dt) / K**0.5 for _ in range(8)]
         for M in rows:
-            if not skinny_gemm.preferred(M, N, K):
+            if skinny_gemm.plan(M, N, K)[3] == 1:
                 continue
             x = torch.randn(M, K, device=dev, dtype=dt)
             r = torch.randn(M, N, device=dev, dtype=dt)

@@ -201,7 +201,7 @@ def test_bf16_cuda_path_logprobs_match_a_full_forward(monkeypatch, caplog, specu
 @pytest.mark.parametrize("speculative", [False, True])
 def test_bf16_fused_decode_kernels_logprobs_match_a_full_forward(monkeypatch, speculative):
     """A shape on which the decode step takes its Triton kernels (o_proj and down_proj split along K,
-    so their add + norm epilogue; the q/k norm + rotary + cache write
+    so their add + norm epilogue; gate/up with silu · mul; the q/k norm + rotary + cache write
     kernel): they run (counted), and each emitted logprob matches a full bf16 forward as on the torch
     path (test above)."""
     from splitrl.rollout import forward as forward_mod
@@ -212,7 +212,8 @@ def test_bf16_fused_decode_kernels_logprobs_match_a_full_forward(monkeypatch, sp
     # on whatever the environment says: this tests their values
     monkeypatch.setattr(forward_mod, "SKINNY_EPILOGUE", True)
     monkeypatch.setattr(forward_mod, "ROPE_WRITE", True)
-    calls = {"epilogue": 0, "rope_write": 0}
+    monkeypatch.setattr(forward_mod, "SKINNY_GATED", True)
+    calls = {"epilogue": 0, "rope_write": 0, "gated": 0}
 
     def counted(fn, key):
         def wrapper(*args, **kwargs):
@@ -225,6 +226,7 @@ def test_bf16_fused_decode_kernels_logprobs_match_a_full_forward(monkeypatch, sp
         skinny_gemm, "skinny_linear_add_rms_norm", counted(skinny_gemm.skinny_linear_add_rms_norm, "epilogue")
     )
     monkeypatch.setattr(rope_write, "norm_rope_write", counted(rope_write.norm_rope_write, "rope_write"))
+    monkeypatch.setattr(skinny_gemm, "skinny_linear_silu_mul", counted(skinny_gemm.skinny_linear_silu_mul, "gated"))
     shape = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
     model = make_model(vocab=VOCAB, depths=2, seed=5, init=0.05, **shape).to("cuda", torch.bfloat16)
     assert skinny_gemm.plan(4, 512, 512)[3] > 1 and skinny_gemm.plan(4, 512, 1536)[3] > 1
@@ -233,7 +235,7 @@ def test_bf16_fused_decode_kernels_logprobs_match_a_full_forward(monkeypatch, sp
     engine = RolloutEngine(model, cfg, "cuda")
     engine.speculative_switch_off = False
     results = engine.generate(prompts, list(range(7)))
-    assert calls["epilogue"] > 0 and calls["rope_write"] > 0, calls
+    assert calls["epilogue"] > 0 and calls["rope_write"] > 0 and calls["gated"] > 0, calls
     _assert_logprobs_match_a_full_forward(model, prompts, results)
 
 

@@ -587,3 +587,16 @@ def test_a_failing_per_query_kernel_falls_back_to_the_masked_path(monkeypatch, c
     assert "masked SDPA path for the MTP" in caplog.text
     torch.testing.assert_close(out, masked.attend(0, q, masked.plan(write, write, limit, 32), 0.3), atol=1e-12, rtol=0)
     assert kv_mod.DECODE_KERNEL == "flash" and kern.plan(write, write, limit, 32).limits is None
+
+
+def test_the_decode_kernel_takes_a_third_stage_only_for_few_programs_and_enough_shared_memory():
+    """The tile rule measured on an H200 (decode_attention.tiles): 3 stages of 64 entries (96 KiB
+    of K/V tiles at d = 128) for few programs on devices that give a block >= 128 KiB; 2 stages
+    for many programs or sm86 / sm89-sized budgets; wide heads 32 entries, one stage."""
+    h200 = 227 * 1024
+    assert decode_mod.tiles(128, 8, h200) == (64, 3, 4)  # batch 1, 8 kv heads
+    assert decode_mod.tiles(128, decode_mod.STAGES_3_PROGRAMS, h200) == (64, 3, 4)
+    assert decode_mod.tiles(128, decode_mod.STAGES_3_PROGRAMS + 1, h200) == (64, 2, 4)
+    assert decode_mod.tiles(128, 8, 99 * 1024) == (64, 2, 4)  # sm86 / sm89
+    assert decode_mod.tiles(64, 8, 0) == (64, 2, 4)
+    assert decode_mod.tiles(256, 8, h200) == (32, 1, 4)

@@ -16,18 +16,24 @@ needs_cuda_triton = pytest.mark.skipif(not (torch.cuda.is_available() and sg.AVA
 SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
 
 
-@pytest.mark.parametrize("M", [1, 3, 16, 17, 32, 33, 64])
+@pytest.mark.parametrize("M", [1, 3, 16, 17, 32, 33, 64, 65, 96, 256])
 @pytest.mark.parametrize("N,K", SHAPES + [(48, 96), (100, 1000)])
 def test_the_plan_covers_every_row_and_feature_once(M, N, K):
     block_m, block_n, block_k, split, warps = sg.plan(M, N, K)
-    assert block_m >= max(16, M) and block_m & (block_m - 1) == 0 and block_m < 2 * max(16, M)
+    # one tile of rows up to 64 (a power of two, >= 16, < 2M), tiles of 64 rows above
+    if M <= 64:
+        assert block_m >= max(16, M) and block_m & (block_m - 1) == 0 and block_m < 2 * max(16, M)
+    else:
+        assert block_m == 64
     assert block_n in (16, 32) and block_k in (128, 256) and warps == 4
     assert split in (1, 2, 4, 8)
     # each split is a whole number of BLOCK_K tiles, and together they cover K exactly
     assert split == 1 or K % (split * block_k) == 0
-    programs = math.ceil(N / block_n) * split
+    programs = math.ceil(N / block_n) * split * math.ceil(M / block_m)
     # the plan raises the programs to the chip's multiprocessors where K allows another split
     assert programs >= sg.SMS_TO_FILL or split == 8 or K % (2 * split * block_k) != 0
+    gm, gn, gk, gw = sg.gated_plan(M, N // 2, K)
+    assert gm == block_m and gn in (16, 32) and gk == 128 and gw == 4
 
 
 def test_linear_is_torch_linear_off_cuda_and_for_many_rows():
@@ -51,12 +57,13 @@ import torch
 from splitrl.rollout import skinny_gemm as sg
 torch.manual_seed(0)
 worst = 0.0
-for M, N, K, bias in [(1, 64, 512, False), (3, 48, 256, True), (20, 40, 1024, False), (64, 16, 512, True), (5, 33, 300, True)]:
+for M, N, K, bias in [(1, 64, 512, False), (3, 48, 256, True), (20, 40, 1024, False), (64, 16, 512, True),
+                      (5, 33, 300, True), (70, 24, 256, True)]:
     x, w = torch.randn(M, K), torch.randn(N, K)
     b = torch.randn(N) if bias else None
     ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
     for split in (1, 2, 4):
-        y = sg.skinny_linear(x, w, b, config=(max(16, sg.triton_next_power_of_2(M)), 16, 128, split, 4))
+        y = sg.skinny_linear(x, w, b, config=(min(64, max(16, sg.triton_next_power_of_2(M))), 16, 128, split, 4))
         assert y.shape == (M, N) and y.dtype == x.dtype
         worst = max(worst, float((y.double() - ref).norm() / ref.norm()))
 print(worst)
@@ -65,7 +72,8 @@ print(worst)
 
 @pytest.mark.skipif(not sg.AVAILABLE, reason="needs Triton (its interpreter runs the kernel on the CPU)")
 def test_the_kernel_under_the_interpreter_is_the_fp32_product():
-    """fp32 on the CPU: K not a multiple of the tile (masked tail), split K, bias, 1..64 rows."""
+    """fp32 on the CPU: K not a multiple of the tile (masked tail), split K, bias, 1..64 rows and
+    70 (two tiles of rows, the second masked)."""
     assert float(run_interpreted(_INTERPRETED)[-1]) < 1e-6
 
 
@@ -112,7 +120,7 @@ def test_the_epilogue_refuses_what_it_does_not_serve_before_any_launch():
         sg.skinny_linear_add_rms_norm(x, w, r, nw[:8], 1e-6, config=(16, 16, 128, 2, 4))
     with pytest.raises(ValueError, match="rows of x"):
         sg.skinny_linear_add_rms_norm(
-            torch.randn(65, 256), w, torch.randn(65, 16), nw, 1e-6, config=(16, 16, 128, 2, 4)
+            torch.randn(257, 256), w, torch.randn(257, 16), nw, 1e-6, config=(16, 16, 128, 2, 4)
         )
     if not sg.AVAILABLE:
         with pytest.raises(ValueError, match="needs Triton"):
@@ -120,7 +128,7 @@ def test_the_epilogue_refuses_what_it_does_not_serve_before_any_launch():
 
 
 @needs_cuda_triton
-@pytest.mark.parametrize("M", [1, 3, 8, 32, 64])
+@pytest.mark.parametrize("M", [1, 3, 8, 32, 64, 96, 256])
 @pytest.mark.parametrize("N,K", SHAPES)
 def test_bf16_products_match_fp32_as_closely_as_cublas(M, N, K):
     torch.manual_seed(M * 7 + N)
@@ -161,7 +169,7 @@ def test_rows_are_independent_deterministic_and_the_same_in_a_graph():
     wide[:, :K] = x
     assert torch.equal(sg.skinny_linear(wide[:, :K], w), y)
     with pytest.raises(ValueError, match="rows"):
-        sg.skinny_linear(torch.randn(65, K, device="cuda", dtype=torch.bfloat16), w)
+        sg.skinny_linear(torch.randn(sg.MAX_ROWS + 1, K, device="cuda", dtype=torch.bfloat16), w)
 
 
 def test_the_decode_forward_takes_the_kernel_only_for_the_narrow_products():
@@ -174,7 +182,7 @@ def test_the_decode_forward_takes_the_kernel_only_for_the_narrow_products():
 
 
 @needs_cuda_triton
-@pytest.mark.parametrize("M", [1, 3, 32, 64])
+@pytest.mark.parametrize("M", [1, 3, 32, 64, 96, 128])  # 256 rows: plan() does not split these
 @pytest.mark.parametrize("N,K", [(1024, 2048), (1024, 3072)])  # o_proj, down_proj of the 0.6B shape
 def test_bf16_epilogue_matches_fp32_as_closely_as_the_torch_path(M, N, K):
     """The fused product + add + norm against the torch path it replaces (the product, then
@@ -221,3 +229,87 @@ def test_the_epilogue_in_a_cuda_graph_and_row_independent():
     out_h.zero_(), out_n.zero_()
     g.replay()
     assert torch.equal(out_h, h) and torch.equal(out_n, n)
+
+
+_INTERPRETED_GATED = r"""
+import torch
+from splitrl.rollout import skinny_gemm as sg
+torch.manual_seed(0)
+worst = 0.0
+for M, F, K, bias in [(1, 32, 512, False), (3, 24, 256, True), (20, 40, 300, False), (70, 16, 256, True)]:
+    x, w = torch.randn(M, K), torch.randn(2 * F, K) / K**0.5
+    b = torch.randn(2 * F) if bias else None
+    g, u = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double()).chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(g) * u
+    for bn, bk in ((16, 128), (32, 64)):
+        y = sg.skinny_linear_silu_mul(x, w, b, config=(min(64, max(16, sg.triton_next_power_of_2(M))), bn, bk, 4))
+        assert y.shape == (M, F) and y.dtype == x.dtype
+        worst = max(worst, float((y.double() - ref).abs().max()))
+# leading dims and a strided row layout
+x = torch.randn(2, 3, 2 * 128)[..., :128]
+w = torch.randn(64, 128) / 128**0.5
+g, u = torch.nn.functional.linear(x.double(), w.double()).chunk(2, dim=-1)
+y = sg.skinny_linear_silu_mul(x, w)
+assert y.shape == (2, 3, 32)
+worst = max(worst, float((y.double() - torch.nn.functional.silu(g) * u).abs().max()))
+print(worst)
+"""
+
+
+@pytest.mark.skipif(not sg.AVAILABLE, reason="needs Triton (its interpreter runs the kernel on the CPU)")
+def test_the_gated_kernel_under_the_interpreter_is_silu_gate_times_up():
+    """fp32 on the CPU: silu(gate) · up of the fused gate/up product (gate rows first) against the
+    torch ops in fp64; K not a multiple of the tile, bias, 1..70 rows (two row tiles), leading dims."""
+    assert float(run_interpreted(_INTERPRETED_GATED)[-1]) < 1e-5
+
+
+def test_the_gated_kernel_refuses_what_it_does_not_serve_before_any_launch():
+    with pytest.raises(ValueError, match="even number of rows"):
+        sg.skinny_linear_silu_mul(torch.randn(2, 16), torch.randn(15, 16))
+    with pytest.raises(ValueError, match="bias"):
+        sg.skinny_linear_silu_mul(torch.randn(2, 16), torch.randn(16, 16), torch.randn(8))
+    with pytest.raises(ValueError, match="rows of x"):
+        sg.skinny_linear_silu_mul(torch.randn(sg.MAX_ROWS + 1, 16), torch.randn(16, 16))
+    if not sg.AVAILABLE:
+        with pytest.raises(ValueError, match="needs Triton"):
+            sg.skinny_linear_silu_mul(torch.randn(2, 16), torch.randn(16, 16))
+
+
+def test_the_decode_forward_takes_the_gated_kernel_up_to_its_rows():
+    assert sg.gated_preferred(1) and sg.gated_preferred(sg.GATED_ROWS)
+    assert not sg.gated_preferred(sg.GATED_ROWS + 1)
+    w = torch.randn(32, 16)
+    assert not forward_mod._gated(torch.randn(3, 16), w)  # CPU fp32: the torch ops
+
+
+@needs_cuda_triton
+@pytest.mark.parametrize("M", [1, 3, 32, 64, 96, 256])
+def test_bf16_gated_kernel_matches_fp32_as_closely_as_the_torch_path(M):
+    """silu(gate) · up in one launch against cuBLAS's product + the compiled silu_mul, both
+    against fp32 (the 0.6B shape's gate/up: F = 3072, K = 1024); deterministic, rows independent,
+    the same in a CUDA graph."""
+    from splitrl.rollout.fused import Kernels
+
+    k = Kernels(True, torch.device("cuda"), torch.bfloat16)
+    torch.manual_seed(M)
+    F, K = 3072, 1024
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(2 * F, K, device="cuda") / K**0.5).to(torch.bfloat16)
+    g, u = (x.float() @ w.float().T).chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(g) * u
+    ours = sg.skinny_linear_silu_mul(x, w)
+    theirs = k.silu_mul(*torch.nn.functional.linear(x, w).chunk(2, dim=-1))
+    assert ours.shape == (M, F) and ours.dtype == torch.bfloat16
+    err, base_err = (float((t.float() - ref).norm() / ref.norm()) for t in (ours, theirs))
+    assert err < 6e-3 and err < 2 * base_err + 1e-3, (err, base_err)
+    assert torch.equal(ours, sg.skinny_linear_silu_mul(x, w))
+    other = x.clone()
+    other[1:] = torch.randn(M - 1, K, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(sg.skinny_linear_silu_mul(other, w)[0], ours[0])
+    out = torch.empty_like(ours)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(sg.skinny_linear_silu_mul(x, w))
+    out.zero_()
+    graph.replay()
+    assert torch.equal(out, ours)

@@ -119,6 +119,37 @@ def preferred(rows: int, kv_heads: int, length: int, queries: int = 1) -> bool:
     return queries > 1 or rows * kv_heads >= FEW_PROGRAMS or length <= LONG_ROW
 
 
+# Programs (rows x kv heads) up to which a third pipeline stage pays: on an H200 at 192 entries a
+# row (``bench/bench_skinny_gemm.py --attention``, bench/RESULTS.md) 3 stages of 64 entries took
+# 9.2 µs at 32 rows against 10.7 with 2, and 4.8 against 5.0 at 1 row; at 96 and 256 rows (768,
+# 2,048 programs) the choice moved the time by less than 2 %.
+STAGES_3_PROGRAMS = 512
+_SHARED_MEMORY: dict[int, int] = {}  # device index -> bytes of shared memory a block may opt into
+
+
+def _shared_memory(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SHARED_MEMORY:
+        props = torch.cuda.get_device_properties(index)
+        _SHARED_MEMORY[index] = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+    return _SHARED_MEMORY[index]
+
+
+def tiles(block_d: int, programs: int = 0, shared_memory: int = 0) -> tuple[int, int, int]:
+    """(BLOCK_N, num_stages, num_warps) for heads padded to ``block_d``, ``programs`` = rows x kv
+    heads, on a device whose blocks may use ``shared_memory`` bytes. Shared memory holds K and V
+    tiles of BLOCK_N x block_d per stage: 32 KiB at 64 x 128 in bf16. Two stages of 64 entries fit
+    every sm80+ GPU at d <= 128; a third (96 KiB) is taken for few programs
+    (:data:`STAGES_3_PROGRAMS`) where the device allows 128 KiB or more (sm80 / sm90; sm86 / sm89
+    give ~99 KiB). At d = 256 two stages of 64 entries (128 KiB) exceed the sm86 / sm89 budget,
+    so wide heads take 32 entries and one stage."""
+    if block_d > 128:
+        return 32, 1, 4
+    if programs <= STAGES_3_PROGRAMS and shared_memory >= 128 * 1024:
+        return 64, 3, 4
+    return 64, 2, 4
+
+
 def decode_attention(
     q_BQHd: torch.Tensor,
     k_SMHd: torch.Tensor,
@@ -127,6 +158,7 @@ def decode_attention(
     scale: float,
     limits_BQ: torch.Tensor | None = None,
     own_BQ: torch.Tensor | None = None,
+    config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of Q consecutive queries a row over the row's cache prefix, or (with
     ``limits_BQ``) any queries with a limit each: the MTP depths' draft windows.
@@ -142,6 +174,7 @@ def decode_attention(
         limits_BQ, own_BQ: int32 [B, Q], contiguous, both or neither: query (b, i) reads the
             entries j <= ``limits_BQ[b, i]`` and j = ``own_BQ[b, i]`` (its own entry; -1: none),
             the rule of :meth:`splitrl.rollout.kv.StaticKVCache.plan` for any mask; j < seqused.
+        config: (BLOCK_N entries a tile, num_stages, num_warps) instead of :func:`tiles`' (benches).
 
     Returns:
         [B, Q, H * d] in the query dtype.
@@ -174,9 +207,7 @@ def decode_attention(
     out = torch.empty(B, Q, H, d, dtype=q_BQHd.dtype, device=q_BQHd.device)
     block_m = max(16, triton.next_power_of_2(Q * G))
     block_d = max(16, triton.next_power_of_2(d))
-    # shared memory: K and V tiles of block_n x block_d per stage; at d = 256 two stages of 64 entries
-    # (128 KiB) exceed what sm86 / sm89 GPUs give a block (~99 KiB), so wide heads take 32 and one
-    block_n, stages = (64, 2) if block_d <= 128 else (32, 1)
+    block_n, stages, warps = config or tiles(block_d, B * Hk, _shared_memory(q_BQHd.device) if q_BQHd.is_cuda else 0)
     _decode_attention_kernel[(B, Hk)](
         q_BQHd, k_SMHd, v_SMHd, out, seqused_B,
         limits_BQ if per_query else seqused_B, own_BQ if per_query else seqused_B,  # unread without PER_QUERY
@@ -188,6 +219,6 @@ def decode_attention(
         # fp32 products stay fp32 (Triton's default for fp32 is TF32); only the interpreter tests pass
         # fp32 (a flash cache is fp16 / bf16), for which the setting has no effect
         PRECISION="ieee" if q_BQHd.dtype == torch.float32 else "tf32",
-        PER_QUERY=per_query, num_warps=4, num_stages=stages,
+        PER_QUERY=per_query, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out.view(B, Q, H * d)

@@ -31,7 +31,9 @@ products, fp32 and CPUs keep ``torch.nn.functional.linear``; ``SPLITRL_SKINNY_GE
 The residual add and the RMSNorm that follow such a product run in its split-K reduction
 (:func:`~splitrl.rollout.skinny_gemm.skinny_linear_add_rms_norm`; ``SPLITRL_SKINNY_EPILOGUE=0``: the
 product alone), so a layer (:meth:`DecoderForward._layer`) returns its output together with the next
-norm of it.
+norm of it. The MLP's gate/up product and silu(gate) · up are one launch as well at the same row
+counts (:func:`~splitrl.rollout.skinny_gemm.skinny_linear_silu_mul`; ``SPLITRL_SKINNY_GATED=0``:
+cuBLAS and the compiled silu_mul).
 
 Attention input. A decode step's q/k norms, rotary embedding and cache write run as one Triton kernel
 on CUDA in bf16 / fp16 (:func:`~splitrl.rollout.rope_write.norm_rope_write`; ``SPLITRL_ROPE_WRITE=0``:
@@ -68,8 +70,10 @@ from splitrl.rollout.kv import AttentionPlan, StaticKVCache, causal_attention
 # the skinny-product kernel for few-row decode products on CUDA (module docstring); set at import
 SKINNY_GEMM = skinny_gemm.AVAILABLE and os.environ.get("SPLITRL_SKINNY_GEMM", "1") != "0"
 # The fused pieces (module docstring), each measured faster than the launches it replaces
-# (bench/RESULTS.md, rollout decoding); SPLITRL_SKINNY_EPILOGUE=0 / SPLITRL_ROPE_WRITE=0 turn one off.
+# (bench/RESULTS.md, rollout decoding); SPLITRL_SKINNY_EPILOGUE=0 / SPLITRL_SKINNY_GATED=0 /
+# SPLITRL_ROPE_WRITE=0 turn one off.
 SKINNY_EPILOGUE = SKINNY_GEMM and os.environ.get("SPLITRL_SKINNY_EPILOGUE", "1") != "0"
+SKINNY_GATED = SKINNY_GEMM and os.environ.get("SPLITRL_SKINNY_GATED", "1") != "0"
 ROPE_WRITE = rope_write.AVAILABLE and os.environ.get("SPLITRL_ROPE_WRITE", "1") != "0"
 
 
@@ -134,17 +138,30 @@ def fuse_projections(model: PolicyModel) -> None:
             _fuse(mlp, ("gate_proj", "up_proj"))
 
 
+def _triton_operands(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """x and ``weight`` are operands the skinny kernels take: CUDA, bf16 / fp16, one dtype, K contiguous."""
+    return (
+        x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and weight.stride(-1) == 1
+    )
+
+
 def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the product of x [..., K] with ``weight`` [N, K] runs on the skinny-product kernel
     (module docstring)."""
     return (
         SKINNY_GEMM
-        and x.is_cuda
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and weight.dtype == x.dtype
-        and weight.stride(-1) == 1
+        and _triton_operands(x, weight)
         and skinny_gemm.preferred(x.numel() // x.shape[-1], weight.shape[0], x.shape[-1])  # rows <= MAX_ROWS too
     )
+
+
+def _gated(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether silu(gate) · up of x [..., K] and the fused gate/up ``weight`` [2F, K] is one
+    skinny-kernel launch (module docstring)."""
+    return SKINNY_GATED and _triton_operands(x, weight) and skinny_gemm.gated_preferred(x.numel() // x.shape[-1])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -349,8 +366,12 @@ class DecoderForward:
         mlp = layer.mlp
         # dense SwiGLU (also the dense layers of an MoE family); MoE blocks route in their own forward
         if self.silu and hasattr(mlp, _FUSED):
-            gate, up = _fused_linear(mlp, x).chunk(2, dim=-1)
-            return self._add_norm(mlp.down_proj, self.k.silu_mul(gate, up), h, next_norm)
+            weight, bias = getattr(mlp, _FUSED)
+            if _gated(x, weight):
+                act = skinny_gemm.skinny_linear_silu_mul(x, weight, bias)
+            else:
+                act = self.k.silu_mul(*linear(x, weight, bias).chunk(2, dim=-1))
+            return self._add_norm(mlp.down_proj, act, h, next_norm)
         if self.silu and hasattr(mlp, "down_proj"):
             return self._add_norm(mlp.down_proj, self.k.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)), h, next_norm)
         return self.k.add_rms_norm(mlp(x), h, next_norm.weight, next_norm.variance_epsilon)

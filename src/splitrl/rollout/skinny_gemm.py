@@ -43,7 +43,9 @@ try:
 except ImportError:  # CPU installs: torch.nn.functional.linear is used
     AVAILABLE = False
 
-MAX_ROWS = 64  # rows (M) up to which a decode step's linear layers take this kernel
+MAX_ROWS = 256  # rows (M) the kernels take (over 64 rows in tiles of 64)
+PREFERRED_ROWS = 64  # rows up to which the decode forward takes the split products (:func:`preferred`)
+GATED_ROWS = 64  # rows up to which it takes the gate/up product with silu · mul (:func:`gated_preferred`)
 SMS_TO_FILL = 132  # H200 / H100 SXM multiprocessors: programs wanted per launch, at least
 
 
@@ -58,7 +60,7 @@ if AVAILABLE:
     ):  # fmt: skip
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
-        rm = tl.arange(0, BLOCK_M)
+        rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         m_ok = rm < M
@@ -111,31 +113,90 @@ if AVAILABLE:
         tl.store(o_ptr + m * so_m + n, (w * normed).to(dtype), mask=ok)
 
 
-def plan(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps) for an [M, K] × [N, K]ᵀ product, M ≤ 64.
+    @triton.jit
+    def _gate_up_silu_kernel(
+        x_ptr, w_ptr, b_ptr, y_ptr,
+        M, F, K,
+        sx_m, sw_n, sy_m,
+        HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # one program: BLOCK_N features f of gate (weight rows f) and of up (rows F + f) for
+        # BLOCK_M rows, the whole of K; silu(gate) * up in the epilogue
+        pid_n = tl.program_id(0)
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < F
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            k_ok = kk < K
+            x = tl.load(x_ptr + rm[:, None] * sx_m + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w_ok = n_ok[:, None] & k_ok[None, :]
+            wg = tl.load(w_ptr + rn[:, None] * sw_n + kk[None, :], mask=w_ok, other=0.0)
+            wu = tl.load(w_ptr + (F + rn)[:, None] * sw_n + kk[None, :], mask=w_ok, other=0.0)
+            acc_g = tl.dot(x, tl.trans(wg), acc_g)
+            acc_u = tl.dot(x, tl.trans(wu), acc_u)
+        if HAS_BIAS:
+            acc_g += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(b_ptr + F + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        dtype = y_ptr.dtype.element_ty
+        # the products rounded as the fused product's output is; silu and the product in fp32,
+        # rounded once (the compiled silu_mul's arithmetic)
+        g = acc_g.to(dtype).to(tl.float32)
+        u = acc_u.to(dtype).to(tl.float32)
+        y = g / (1.0 + tl.exp(-g)) * u
+        out = y_ptr + rm[:, None] * sy_m + rn[None, :]
+        tl.store(out, y.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
 
-    BLOCK_M is M rounded up to a power of two (16 at least: the tensor cores' smallest tile).
-    BLOCK_N is 32 when N / 32 programs fill the chip, else 16; SPLIT_K (1, 2, 4 or 8, each split a
-    multiple of BLOCK_K) raises the programs to ``SMS_TO_FILL`` or more where K allows it.
+
+def plan(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps) for an [M, K] × [N, K]ᵀ product, M ≤ MAX_ROWS.
+
+    BLOCK_M is M rounded up to a power of two (16 at least: the tensor cores' smallest tile), 64
+    above 64 rows (tiles of 64 rows, one program each). BLOCK_N is 32 when N / 32 programs fill
+    the chip, else 16; SPLIT_K (1, 2, 4 or 8, each split a multiple of BLOCK_K) raises the programs
+    to ``SMS_TO_FILL`` or more where K allows it.
     """
-    block_m = max(16, triton_next_power_of_2(M))
-    block_n = 32 if N // 32 >= SMS_TO_FILL else 16
+    block_m = min(64, max(16, triton_next_power_of_2(M)))
+    m_tiles = -(-M // block_m)
+    block_n = 32 if N // 32 * m_tiles >= SMS_TO_FILL else 16
     block_k = 256 if block_m <= 32 else 128
-    programs = -(-N // block_n)
+    programs = -(-N // block_n) * m_tiles
     split = 1
     while programs * split < SMS_TO_FILL and split < 8 and K % (2 * split * block_k) == 0:
         split *= 2
     return block_m, block_n, block_k, split, 4
 
 
+def gated_plan(M: int, F: int, K: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of :func:`skinny_linear_silu_mul` for M rows, F
+    features of gate and of up, K inputs: BLOCK_M as :func:`plan`'s; BLOCK_N 16 (each program
+    reads 2 × 16 weight rows: the count of :func:`plan`'s wide tiles) unless F / 32 programs fill
+    the chip; no split along K (the epilogue needs the whole sum)."""
+    block_m = min(64, max(16, triton_next_power_of_2(M)))
+    m_tiles = -(-M // block_m)
+    block_n = 32 if F // 32 * m_tiles >= SMS_TO_FILL else 16
+    return block_m, block_n, 128, 4
+
+
 def preferred(M: int, N: int, K: int) -> bool:
     """Whether the decode forward takes this kernel for an [M, K] × [N, K]ᵀ product: at most
-    :data:`MAX_ROWS` rows and too few output features to fill the chip, so that :func:`plan` splits
-    K. Measured on an H200 with the Qwen3-0.6B shapes (``bench/bench_skinny_gemm.py``,
+    :data:`PREFERRED_ROWS` rows and too few output features to fill the chip, so that :func:`plan`
+    splits K. Measured on an H200 with the Qwen3-0.6B shapes (``bench/bench_skinny_gemm.py``,
     bench/RESULTS.md): there it matched or beat cuBLAS (o_proj at M = 1: 4.8 against 12.6 µs),
     while on the wide products (q/k/v, gate/up: one program per 16 or 32 features, no split) it
     was 5–11 % slower than cuBLAS, which keeps those."""
-    return M <= MAX_ROWS and plan(M, N, K)[3] > 1
+    return M <= PREFERRED_ROWS and plan(M, N, K)[3] > 1
+
+
+def gated_preferred(M: int) -> bool:
+    """Whether the decode forward forms silu(gate) · up with :func:`skinny_linear_silu_mul` (one
+    launch) rather than cuBLAS's gate/up product and the compiled silu_mul (two): at most
+    :data:`GATED_ROWS` rows (bench/RESULTS.md)."""
+    return M <= GATED_ROWS
 
 
 def triton_next_power_of_2(n: int) -> int:
@@ -174,7 +235,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias, config) -> torch.Tenso
     else:
         y = torch.empty(split, M, N, dtype=torch.float32, device=x2.device)
         y_stride_s = y.stride(0)
-    grid = (triton.cdiv(N, block_n), split)
+    grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
     _skinny_gemm_kernel[grid](
         x2, weight, bias if bias is not None else weight, y,
         M, N, K,
@@ -272,3 +333,51 @@ def skinny_linear_add_rms_norm(
         SPLIT_K=cfg[3], BLOCK=block, num_warps=4 if block <= 2048 else 8,
     )  # fmt: skip
     return h.view(*lead, N), out.view(*lead, N)
+
+
+def skinny_linear_silu_mul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config=None
+) -> torch.Tensor:
+    """A SwiGLU MLP's input to down_proj in one launch: silu(gate) · up, where gate and up are
+    the two halves of ``linear(x, weight, bias)`` (the fused gate/up weight of
+    :func:`splitrl.rollout.forward.fuse_projections`: gate rows first).
+
+    One program computes the same BLOCK_N features of gate and of up over the whole of K (fp32
+    accumulators on the tensor cores), rounds each to x's dtype as the product's output is, and
+    writes silu(gate) · up computed in fp32 and rounded once, the arithmetic of the compiled
+    ``silu_mul`` it replaces (SwiGLU: Shazeer, 2020). The gate/up intermediate [M, 2F] is
+    neither written nor read back.
+
+    Args:
+        x: [..., K], at most :data:`MAX_ROWS` rows, bf16 / fp16 (any float dtype under Triton's
+            interpreter); its last dim contiguous with a row stride.
+        weight: [2F, K], x's dtype, contiguous along K; rows 0..F-1 gate, F..2F-1 up.
+        bias: [2F] or None.
+        config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) instead of :func:`gated_plan`'s (benches, tests).
+
+    Returns:
+        [..., F] in x's dtype, a new tensor.
+
+    Raises:
+        ValueError: as :func:`skinny_linear`, for an odd number of weight rows or a bias that is
+            not [2F] (before any launch), or Triton missing.
+    """
+    *lead, K = x.shape
+    x2 = _check(x, weight, "skinny_linear_silu_mul")
+    if weight.shape[0] % 2 or (bias is not None and tuple(bias.shape) != (weight.shape[0],)):
+        raise ValueError(
+            "skinny_linear_silu_mul takes the fused gate/up weight [2F, K] (an even number of rows) and a bias "
+            f"[2F] or None; got weight {tuple(weight.shape)}, bias {None if bias is None else tuple(bias.shape)}"
+        )
+    _require_triton("skinny_linear_silu_mul")
+    M, F = x2.shape[0], weight.shape[0] // 2
+    block_m, block_n, block_k, warps = config or gated_plan(M, F, K)
+    y = torch.empty(M, F, dtype=x.dtype, device=x.device)
+    _gate_up_silu_kernel[(triton.cdiv(F, block_n), triton.cdiv(M, block_m))](
+        x2, weight, bias if bias is not None else weight, y,
+        M, F, K,
+        x2.stride(0), weight.stride(0), F,
+        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=3,
+    )  # fmt: skip
+    return y.view(*lead, F)
