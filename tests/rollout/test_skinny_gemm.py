@@ -313,3 +313,48 @@ def test_bf16_gated_kernel_matches_fp32_as_closely_as_the_torch_path(M):
     out.zero_()
     graph.replay()
     assert torch.equal(out, ours)
+
+
+@needs_cuda_triton
+def test_pdl_launches_compute_the_same_bits_in_a_cuda_graph(monkeypatch):
+    """A chain of the decode layer's kernels (gate/up + silu · mul, down_proj + add + norm, o_proj
+    alone, the attention) launched with programmatic dependent launch inside a CUDA graph gives
+    the bits of the plain launches: each kernel's wait holds its reads of the previous result."""
+    from splitrl.rollout import decode_attention as da
+    from splitrl.rollout import pdl
+
+    if not pdl.SUPPORTED or torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm90+ and a Triton with grid dependency control")
+    torch.manual_seed(3)
+    dev, dt = "cuda", torch.bfloat16
+    x = torch.randn(32, 1024, device=dev, dtype=dt)
+    wgu = (torch.randn(2 * 3072, 1024, device=dev) / 32).to(dt)
+    wd = (torch.randn(1024, 3072, device=dev) / 55).to(dt)
+    wo = (torch.randn(2048, 1024, device=dev) / 32).to(dt)
+    r, nw = torch.randn(32, 1024, device=dev, dtype=dt), torch.ones(1024, device=dev, dtype=dt)
+    k, v = torch.randn(2, 32, 192, 8, 128, device=dev, dtype=dt).unbind(0)
+    used = torch.full((32,), 192, dtype=torch.int32, device=dev)
+
+    def chain():
+        act = sg.skinny_linear_silu_mul(x, wgu)
+        h, n = sg.skinny_linear_add_rms_norm(act, wd, r, nw, 1e-6)
+        q = sg.skinny_linear(n, wo).view(32, 1, 16, 128)
+        return h, da.decode_attention(q, k, v, used, 128**-0.5)
+
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    ref = chain()
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert pdl.active(x)
+    outs = [torch.empty_like(t) for t in ref]
+    chain()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for out, t in zip(outs, chain()):
+            out.copy_(t)
+    for _ in range(3):
+        for out in outs:
+            out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(outs, ref))

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from splitrl.rollout import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -48,7 +50,7 @@ if AVAILABLE:
         scale_log2e,
         Q: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-        PER_QUERY: tl.constexpr,
+        PER_QUERY: tl.constexpr, USE_PDL: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -59,6 +61,8 @@ if AVAILABLE:
         head = kvh * G + g
         dd = tl.arange(0, BLOCK_D)
         d_ok = dd < D
+        if USE_PDL:  # q and this step's cache entries come from the previous kernel (splitrl.rollout.pdl)
+            pdl.gdc_wait()
         used = tl.load(seqused_ptr + b)
         # inclusive last entry each query reads; >= 0 so that a stale slot's row (used < Q, its output
         # discarded by the engine) never softmaxes an empty set, which would be NaN
@@ -97,6 +101,8 @@ if AVAILABLE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
+        if USE_PDL:
+            pdl.gdc_launch_dependents()
         tl.store(
             out_ptr + b * so_b + i[:, None] * so_q + head[:, None] * so_h + dd[None, :],
             out.to(out_ptr.dtype.element_ty),
@@ -207,6 +213,7 @@ def decode_attention(
     out = torch.empty(B, Q, H, d, dtype=q_BQHd.dtype, device=q_BQHd.device)
     block_m = max(16, triton.next_power_of_2(Q * G))
     block_d = max(16, triton.next_power_of_2(d))
+    on = pdl.active(q_BQHd)
     block_n, stages, warps = config or tiles(block_d, B * Hk, _shared_memory(q_BQHd.device) if q_BQHd.is_cuda else 0)
     _decode_attention_kernel[(B, Hk)](
         q_BQHd, k_SMHd, v_SMHd, out, seqused_B,
@@ -219,6 +226,6 @@ def decode_attention(
         # fp32 products stay fp32 (Triton's default for fp32 is TF32); only the interpreter tests pass
         # fp32 (a flash cache is fp16 / bf16), for which the setting has no effect
         PRECISION="ieee" if q_BQHd.dtype == torch.float32 else "tf32",
-        PER_QUERY=per_query, num_warps=warps, num_stages=stages,
+        PER_QUERY=per_query, USE_PDL=on, num_warps=warps, num_stages=stages, **pdl.options(on),
     )  # fmt: skip
     return out.view(B, Q, H * d)

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from splitrl.rollout import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -65,12 +67,15 @@ if AVAILABLE:
         qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, index_ptr,
         s_qkv, s_cos, s_sin, v_offset, eps,
         HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
-        NORM: tl.constexpr,
+        NORM: tl.constexpr, USE_PDL: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0)  # token b·Q + q
         h = tl.program_id(1)  # query heads 0..HQ-1, then key heads (each with its value head)
         i = tl.arange(0, BLOCK)
         ok = i < HALF
+        if USE_PDL:  # a tiny kernel: its successor may start as soon as every program has waited
+            pdl.gdc_wait()
+            pdl.gdc_launch_dependents()
         src = qkv_ptr + t * s_qkv + h * D
         cos = cos_ptr + t * s_cos
         sin = sin_ptr + t * s_sin
@@ -156,9 +161,11 @@ def norm_rope_write(
     q = torch.empty(B, Q, hq, d, dtype=qkv.dtype, device=qkv.device)
     half = d // 2
     weight = q_weight if norm else qkv  # an unused pointer where there is no norm
+    on = pdl.active(qkv)
     _norm_rope_write_kernel[(B * Q, hq + hk)](
         qkv, weight, k_weight if norm else qkv, cos, sin, q, kv_layer, flat_index,
         qkv.stride(1), cos.stride(1), sin.stride(1), kv_layer.stride(0), float(eps),
-        HQ=hq, HK=hk, D=d, HALF=half, BLOCK=triton.next_power_of_2(half), NORM=norm, num_warps=1,
+        HQ=hq, HK=hk, D=d, HALF=half, BLOCK=triton.next_power_of_2(half), NORM=norm, USE_PDL=on, num_warps=1,
+        **pdl.options(on),
     )  # fmt: skip
     return q

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import torch
 
+from splitrl.rollout import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -57,6 +59,7 @@ if AVAILABLE:
         M, N, K,
         sx_m, sw_n, sy_s, sy_m,
         K_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):  # fmt: skip
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
@@ -67,12 +70,16 @@ if AVAILABLE:
         n_ok = rn < N
         k_begin = split * K_PER_SPLIT
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if USE_PDL:  # x is the previous kernel's output (splitrl.rollout.pdl)
+            pdl.gdc_wait()
         for k0 in range(0, K_PER_SPLIT, BLOCK_K):
             kk = k_begin + k0 + rk
             k_ok = kk < K
             x = tl.load(x_ptr + rm[:, None] * sx_m + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptr + rn[:, None] * sw_n + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)
+        if USE_PDL:
+            pdl.gdc_launch_dependents()
         if HAS_BIAS:
             if split == 0:
                 acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -80,25 +87,32 @@ if AVAILABLE:
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _sum_splits_kernel(p_ptr, y_ptr, total, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    def _sum_splits_kernel(p_ptr, y_ptr, total, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < total
+        if USE_PDL:
+            pdl.gdc_wait()
         acc = tl.load(p_ptr + i, mask=ok, other=0.0)
         for s in tl.static_range(1, SPLIT_K):  # fixed order: the same sum on every run
             acc += tl.load(p_ptr + s * total + i, mask=ok, other=0.0)
+        if USE_PDL:
+            pdl.gdc_launch_dependents()
         tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _sum_add_rms_norm_kernel(
         p_ptr, r_ptr, w_ptr, h_ptr, o_ptr,
         N, total, sr_m, sh_m, so_m, eps,
-        SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+        SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
     ):  # fmt: skip
         # one program a row: y = the fixed-order sum of its partials (rounded), h = y + residual,
         # out = weight * rms_norm(h), each rounded where the torch ops of fused.add_rms_norm round
         m = tl.program_id(0)
         n = tl.arange(0, BLOCK)
         ok = n < N
+        w = tl.load(w_ptr + n, mask=ok, other=0.0).to(tl.float32)  # a weight: no earlier kernel writes it
+        if USE_PDL:
+            pdl.gdc_wait()
         acc = tl.load(p_ptr + m * N + n, mask=ok, other=0.0)
         for s in tl.static_range(1, SPLIT_K):
             acc += tl.load(p_ptr + s * total + m * N + n, mask=ok, other=0.0)
@@ -108,7 +122,8 @@ if AVAILABLE:
         hf = h.to(tl.float32)
         var = tl.sum(hf * hf, axis=0) / N
         normed = (hf * tl.math.rsqrt(var + eps)).to(dtype).to(tl.float32)
-        w = tl.load(w_ptr + n, mask=ok, other=0.0).to(tl.float32)
+        if USE_PDL:
+            pdl.gdc_launch_dependents()
         tl.store(h_ptr + m * sh_m + n, h, mask=ok)
         tl.store(o_ptr + m * so_m + n, (w * normed).to(dtype), mask=ok)
 
@@ -119,6 +134,7 @@ if AVAILABLE:
         M, F, K,
         sx_m, sw_n, sy_m,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        USE_PDL: tl.constexpr,
     ):  # fmt: skip
         # one program: BLOCK_N features f of gate (weight rows f) and of up (rows F + f) for
         # BLOCK_M rows, the whole of K; silu(gate) * up in the epilogue
@@ -130,6 +146,8 @@ if AVAILABLE:
         n_ok = rn < F
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if USE_PDL:
+            pdl.gdc_wait()
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
             k_ok = kk < K
@@ -139,6 +157,8 @@ if AVAILABLE:
             wu = tl.load(w_ptr + (F + rn)[:, None] * sw_n + kk[None, :], mask=w_ok, other=0.0)
             acc_g = tl.dot(x, tl.trans(wg), acc_g)
             acc_u = tl.dot(x, tl.trans(wu), acc_u)
+        if USE_PDL:
+            pdl.gdc_launch_dependents()
         if HAS_BIAS:
             acc_g += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             acc_u += tl.load(b_ptr + F + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -236,12 +256,13 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias, config) -> torch.Tenso
         y = torch.empty(split, M, N, dtype=torch.float32, device=x2.device)
         y_stride_s = y.stride(0)
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
+    use_pdl = pdl.active(x2)
     _skinny_gemm_kernel[grid](
         x2, weight, bias if bias is not None else weight, y,
         M, N, K,
         x2.stride(0), weight.stride(0), y_stride_s, N,
         K_PER_SPLIT=k_per_split, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=3,
+        USE_PDL=use_pdl, num_warps=warps, num_stages=3, **pdl.options(use_pdl),
     )  # fmt: skip
     return y
 
@@ -269,7 +290,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = _launch(x2, weight, bias, config)
     if y.dim() == 3:
         partials, y = y, torch.empty(M, N, dtype=x.dtype, device=x.device)
-        _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](partials, y, M * N, SPLIT_K=partials.shape[0], BLOCK=1024)
+        on = pdl.active(x)
+        _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](
+            partials, y, M * N, SPLIT_K=partials.shape[0], BLOCK=1024, USE_PDL=on, **pdl.options(on)
+        )
     return y.view(*lead, N)
 
 
@@ -327,10 +351,11 @@ def skinny_linear_add_rms_norm(
     h = torch.empty(M, N, dtype=x.dtype, device=x.device)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     block = triton_next_power_of_2(N)
+    on = pdl.active(x)
     _sum_add_rms_norm_kernel[(M,)](
         partials, r2, norm_weight, h, out,
         N, M * N, r2.stride(0), N, N, float(eps),
-        SPLIT_K=cfg[3], BLOCK=block, num_warps=4 if block <= 2048 else 8,
+        SPLIT_K=cfg[3], BLOCK=block, num_warps=4 if block <= 2048 else 8, USE_PDL=on, **pdl.options(on),
     )  # fmt: skip
     return h.view(*lead, N), out.view(*lead, N)
 
@@ -373,11 +398,12 @@ def skinny_linear_silu_mul(
     M, F = x2.shape[0], weight.shape[0] // 2
     block_m, block_n, block_k, warps = config or gated_plan(M, F, K)
     y = torch.empty(M, F, dtype=x.dtype, device=x.device)
+    on = pdl.active(x)
     _gate_up_silu_kernel[(triton.cdiv(F, block_n), triton.cdiv(M, block_m))](
         x2, weight, bias if bias is not None else weight, y,
         M, F, K,
         x2.stride(0), weight.stride(0), F,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=3,
+        USE_PDL=on, num_warps=warps, num_stages=3, **pdl.options(on),
     )  # fmt: skip
     return y.view(*lead, F)

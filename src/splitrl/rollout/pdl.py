@@ -1,0 +1,53 @@
+"""Programmatic dependent launch (PDL) of the decode step's Triton kernels, on sm90+ GPUs.
+
+A decode step at small batch is a chain of small dependent kernels (:mod:`splitrl.rollout.forward`),
+and between two of them the GPU drains one grid and ramps up the next. With PDL (CUDA's
+programmatic stream serialization, kept as programmatic edges when a CUDA graph is captured) a
+kernel may be launched while its predecessor still runs: it starts, does the work that needs no
+result of that predecessor (index arithmetic, constants), then waits (``griddepcontrol.wait``: the
+predecessor has completed and its writes are visible) before it reads or writes anything the
+predecessor may touch. Each kernel signals (``griddepcontrol.launch_dependents``) after its main
+loop, before its final stores, so that its successor's start overlaps this kernel's tail and a
+waiting successor does not take multiprocessors from a grid with waves still to run.
+
+The rule every kernel launched this way follows: no global read of a tensor an earlier kernel of
+the step writes, and no global write at all, before its wait. Only our Triton kernels take part;
+a cuBLAS or compiled kernel before one of them never signals, so the dependent kernel starts when
+it completes (as without PDL).
+
+Switch: ``SPLITRL_PDL`` (``1`` on, ``0`` off; the default is in :data:`ENABLED`). Off, or under
+Triton's interpreter, or before sm90, the kernels are launched as before and the waits are not
+compiled in (a constexpr).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    SUPPORTED = True
+except ImportError:  # no Triton, or a Triton without grid dependency control
+    SUPPORTED = False
+    gdc_launch_dependents = gdc_wait = None
+
+ENABLED = SUPPORTED and os.environ.get("SPLITRL_PDL", "0") != "0"
+_SM90: dict[int, bool] = {}
+
+
+def active(t: torch.Tensor) -> bool:
+    """Whether a kernel whose operands live where ``t`` does is launched with PDL."""
+    if not ENABLED or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    if index not in _SM90:
+        _SM90[index] = torch.cuda.get_device_capability(index)[0] >= 9
+    return _SM90[index]
+
+
+def options(on: bool) -> dict:
+    """The launch options of a kernel launched with PDL (``on``), else none."""
+    return {"launch_pdl": True} if on else {}
