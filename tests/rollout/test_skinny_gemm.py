@@ -344,7 +344,7 @@ def test_pdl_launches_compute_the_same_bits_in_a_cuda_graph(monkeypatch):
     monkeypatch.setattr(pdl, "ENABLED", False)
     ref = chain()
     monkeypatch.setattr(pdl, "ENABLED", True)
-    assert pdl.active(x)
+    assert pdl.active(x, 32) and not pdl.active(x, pdl.MAX_ROWS + 1)
     outs = [torch.empty_like(t) for t in ref]
     chain()  # compile outside the capture
     torch.cuda.synchronize()
@@ -358,3 +358,18 @@ def test_pdl_launches_compute_the_same_bits_in_a_cuda_graph(monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(outs, ref))
+
+
+def test_pdl_is_for_small_cuda_launches_only(monkeypatch):
+    """splitrl.rollout.pdl.active: never on CPU tensors (nor under the interpreter), never above
+    MAX_ROWS rows (measured slower at batch 256), never when switched off."""
+    from splitrl.rollout import pdl
+
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert not pdl.active(torch.zeros(1), 1)
+    assert pdl.options(False) == {} and pdl.options(True) == {"launch_pdl": True}
+    if torch.cuda.is_available():
+        x = torch.zeros(1, device="cuda")
+        assert not pdl.active(x, pdl.MAX_ROWS + 1)
+        monkeypatch.setattr(pdl, "ENABLED", False)
+        assert not pdl.active(x, 1)

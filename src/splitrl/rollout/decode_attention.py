@@ -213,7 +213,7 @@ def decode_attention(
     out = torch.empty(B, Q, H, d, dtype=q_BQHd.dtype, device=q_BQHd.device)
     block_m = max(16, triton.next_power_of_2(Q * G))
     block_d = max(16, triton.next_power_of_2(d))
-    on = pdl.active(q_BQHd)
+    on = pdl.active(q_BQHd, B * Q)
     block_n, stages, warps = config or tiles(block_d, B * Hk, _shared_memory(q_BQHd.device) if q_BQHd.is_cuda else 0)
     _decode_attention_kernel[(B, Hk)](
         q_BQHd, k_SMHd, v_SMHd, out, seqused_B,

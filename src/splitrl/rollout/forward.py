@@ -40,6 +40,11 @@ on CUDA in bf16 / fp16 (:func:`~splitrl.rollout.rope_write.norm_rope_write`; ``S
 the compiled torch function and one ``index_copy_``). Both round where the torch ops round; the
 choice changes bf16 rounding only, as the products' shapes already do.
 
+Launches. On sm90+ GPUs the Triton kernels above (products, epilogues, rotary + cache write,
+decode attention) of steps of up to 64 tokens are launched with programmatic dependent launch
+(:mod:`splitrl.rollout.pdl`; ``SPLITRL_PDL=0``: plain launches), so that each starts while the one
+before it drains; the values are the same bits.
+
 Rotary table. The backbone's ``rotary_emb`` computes cos/sin from the positions with ~8 small ops
 (a matmul, a transpose, a cat, cos, sin, scalings, casts) at every call: in every decode forward,
 the verify and each MTP depth. :meth:`DecoderForward.sync_rope_table` calls that module once for
@@ -70,7 +75,8 @@ from splitrl.rollout.kv import AttentionPlan, StaticKVCache, causal_attention
 # the skinny-product kernel for few-row decode products on CUDA (module docstring); set at import
 SKINNY_GEMM = skinny_gemm.AVAILABLE and os.environ.get("SPLITRL_SKINNY_GEMM", "1") != "0"
 # The fused pieces (module docstring), each measured faster than the launches it replaces
-# (bench/RESULTS.md, rollout decoding); SPLITRL_SKINNY_EPILOGUE=0 / SPLITRL_SKINNY_GATED=0 /
+# (bench/RESULTS.md, rollout decoding; the gated one alone within the run-to-run spread, and on in
+# the fastest configuration measured, with PDL); SPLITRL_SKINNY_EPILOGUE=0 / SPLITRL_SKINNY_GATED=0 /
 # SPLITRL_ROPE_WRITE=0 turn one off.
 SKINNY_EPILOGUE = SKINNY_GEMM and os.environ.get("SPLITRL_SKINNY_EPILOGUE", "1") != "0"
 SKINNY_GATED = SKINNY_GEMM and os.environ.get("SPLITRL_SKINNY_GATED", "1") != "0"

@@ -15,9 +15,14 @@ the step writes, and no global write at all, before its wait. Only our Triton ke
 a cuBLAS or compiled kernel before one of them never signals, so the dependent kernel starts when
 it completes (as without PDL).
 
-Switch: ``SPLITRL_PDL`` (``1`` on, ``0`` off; the default is in :data:`ENABLED`). Off, or under
-Triton's interpreter, or before sm90, the kernels are launched as before and the waits are not
-compiled in (a constexpr).
+Where: launches of at most :data:`MAX_ROWS` rows (tokens), where a kernel is a few microseconds
+and its launch and ramp are a large part of it. Measured on an H200 (Qwen3-0.6B shape, prompt
+128 + 128, bench/RESULTS.md): plain decoding 991 / 24,350 tokens/s at batch 1 / 32 with PDL against
+940–951 / 23,531–23,629 without it, one session; at batch 256, where a layer's kernels run several
+waves, 66,428 against 68,504, so larger launches keep the plain launch.
+
+Switch: ``SPLITRL_PDL=0`` turns it off (:data:`ENABLED`). Off, or under Triton's interpreter, or
+before sm90, the kernels are launched as before and the waits are not compiled in (a constexpr).
 """
 
 from __future__ import annotations
@@ -34,13 +39,16 @@ except ImportError:  # no Triton, or a Triton without grid dependency control
     SUPPORTED = False
     gdc_launch_dependents = gdc_wait = None
 
-ENABLED = SUPPORTED and os.environ.get("SPLITRL_PDL", "0") != "0"
+ENABLED = SUPPORTED and os.environ.get("SPLITRL_PDL", "1") != "0"
+MAX_ROWS = 64  # rows (tokens) of a launch up to which it takes PDL (module docstring)
 _SM90: dict[int, bool] = {}
 
 
-def active(t: torch.Tensor) -> bool:
-    """Whether a kernel whose operands live where ``t`` does is launched with PDL."""
-    if not ENABLED or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+def active(t: torch.Tensor, rows: int) -> bool:
+    """Whether a kernel of ``rows`` rows (tokens) whose operands live where ``t`` does is launched
+    with PDL: enabled, at most :data:`MAX_ROWS` rows, a CUDA tensor on an sm90+ device, not
+    under Triton's interpreter."""
+    if not ENABLED or rows > MAX_ROWS or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     if index not in _SM90:

@@ -161,7 +161,7 @@ def norm_rope_write(
     q = torch.empty(B, Q, hq, d, dtype=qkv.dtype, device=qkv.device)
     half = d // 2
     weight = q_weight if norm else qkv  # an unused pointer where there is no norm
-    on = pdl.active(qkv)
+    on = pdl.active(qkv, B * Q)
     _norm_rope_write_kernel[(B * Q, hq + hk)](
         qkv, weight, k_weight if norm else qkv, cos, sin, q, kv_layer, flat_index,
         qkv.stride(1), cos.stride(1), sin.stride(1), kv_layer.stride(0), float(eps),

@@ -256,7 +256,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias, config) -> torch.Tenso
         y = torch.empty(split, M, N, dtype=torch.float32, device=x2.device)
         y_stride_s = y.stride(0)
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, block_m))
-    use_pdl = pdl.active(x2)
+    use_pdl = pdl.active(x2, M)
     _skinny_gemm_kernel[grid](
         x2, weight, bias if bias is not None else weight, y,
         M, N, K,
@@ -290,7 +290,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     y = _launch(x2, weight, bias, config)
     if y.dim() == 3:
         partials, y = y, torch.empty(M, N, dtype=x.dtype, device=x.device)
-        on = pdl.active(x)
+        on = pdl.active(x, M)
         _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](
             partials, y, M * N, SPLIT_K=partials.shape[0], BLOCK=1024, USE_PDL=on, **pdl.options(on)
         )
@@ -351,7 +351,7 @@ def skinny_linear_add_rms_norm(
     h = torch.empty(M, N, dtype=x.dtype, device=x.device)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     block = triton_next_power_of_2(N)
-    on = pdl.active(x)
+    on = pdl.active(x, M)
     _sum_add_rms_norm_kernel[(M,)](
         partials, r2, norm_weight, h, out,
         N, M * N, r2.stride(0), N, N, float(eps),
@@ -398,7 +398,7 @@ def skinny_linear_silu_mul(
     M, F = x2.shape[0], weight.shape[0] // 2
     block_m, block_n, block_k, warps = config or gated_plan(M, F, K)
     y = torch.empty(M, F, dtype=x.dtype, device=x.device)
-    on = pdl.active(x)
+    on = pdl.active(x, M)
     _gate_up_silu_kernel[(triton.cdiv(F, block_n), triton.cdiv(M, block_m))](
         x2, weight, bias if bias is not None else weight, y,
         M, F, K,
