@@ -165,6 +165,26 @@ def test_a_checkpoint_without_an_export_is_passed_over_or_named(tmp_path):
         resolve_policy_dir(tmp_path / "run")
 
 
+def test_an_incomplete_or_damaged_checkpoint_is_refused_in_one_line(tmp_path, capsys):
+    """A checkpoint given directly whose COMPLETE marker is missing (its run stopped while writing
+    it) is refused as the run directory would pass it over; a policy/ whose config.json is not
+    JSON gives eval and generate one line naming the file, not a traceback."""
+    config, model, tok, step = _checkpoint(tmp_path)
+    (step / "COMPLETE").unlink()
+    with pytest.raises(ValueError, match="incomplete .no COMPLETE marker"):
+        resolve_policy_dir(step)
+    (step / "COMPLETE").write_text(json.dumps({"step": 3}))
+    (step / "policy" / "config.json").write_text("garbage\n")
+    for argv in (["generate", str(step), "-p", "1", "--device", "cpu"], ["eval", str(step), "--device", "cpu"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "config.json cannot be read" in err and "Traceback" not in err, err
+    (step / "run_config.json").write_text('{"seed": 1,\n  "x": [}')
+    assert main(["eval", str(step), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "not valid JSON" in err and "run_config.json is damaged: pass --config" in err, err
+
+
 def test_cli_eval_and_generate_on_a_checkpoint(tmp_path, capsys):
     config, model, tok, step = _checkpoint(tmp_path)
     assert resolve_policy_dir(tmp_path / "run") == (step / "policy", step / "run_config.json")

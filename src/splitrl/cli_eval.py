@@ -69,6 +69,12 @@ def resolve_policy_dir(path: str | Path) -> tuple[Path, Path | None]:
         p = _newest_intact_export(exported)
     if (p / "policy" / "config.json").is_file():
         run_cfg = p / RUN_CONFIG
+        if run_cfg.is_file() and not (p / COMPLETE).is_file():
+            # a checkpoint of a run (its run config beside policy/) whose writing never finished
+            raise ValueError(
+                f"checkpoint {p} is incomplete (no {COMPLETE} marker: its run stopped while writing it); give "
+                "the run's output directory (its newest complete checkpoint is taken) or another checkpoint"
+            )
         return p / "policy", run_cfg if run_cfg.is_file() else None
     if (p / COMPLETE).is_file() and (p / RUN_CONFIG).is_file():
         others = sorted(c.name for c in p.parent.glob("step_*") if (c / "policy" / "config.json").is_file())
@@ -177,7 +183,14 @@ def load_policy_and_config(args: argparse.Namespace):
         if device == "cuda":
             _device(device)  # no GPU: the flag's own message, not the config key's it is passed as
         extra.append(f"cluster.device={device}")
-    config = load_config(source, extra + list(args.overrides))
+    try:
+        config = load_config(source, extra + list(args.overrides))
+    except ValueError as e:
+        if source is run_cfg and run_cfg is not None and "not valid" in str(e):
+            raise ValueError(
+                f"{e}; the checkpoint's {RUN_CONFIG} is damaged: pass --config with the run's config file"
+            ) from None
+        raise
     trained = None
     for known in (run_cfg, args.config):  # what the run drew: its own record first
         if known is not None:
@@ -192,6 +205,10 @@ def load_policy_and_config(args: argparse.Namespace):
             f"{policy_dir} has no tokenizer files and no run config beside it; pass --config with the run's "
             "config or tokenizer.* overrides"
         )
+
+    from splitrl.models.checkpoint import verify_pretrained
+
+    verify_pretrained(policy_dir, key="PATH")  # a damaged config.json or weight file: one line, before loading
 
     import torch
 

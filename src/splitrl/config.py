@@ -412,7 +412,8 @@ def _load_yaml(text: str, source: str, column_offset: int = 0) -> Any:
         context, start = getattr(e, "context", None), getattr(e, "context_mark", None)
         if context and start is not None and start is not mark:
             what += f"; {context} at {at(start)}"
-        raise ValueError(f"{source}{where}: not valid YAML ({what})") from None
+        kind = "JSON" if ".json'" in source or source.endswith(".json") else "YAML"  # JSON files are read as YAML
+        raise ValueError(f"{source}{where}: not valid {kind} ({what})") from None
 
 
 # A run config read from a pipe (``--config <(cat run.yaml)``) is read up to this size: a pipe that

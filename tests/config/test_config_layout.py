@@ -150,7 +150,8 @@ def test_the_defaults_are_a_real_runs_and_the_demo_is_a_preset():
     assert demo.output_dir == "runs/demo" and demo.task.scoring == "partial_chars"
     # the example is the preset plus a held-out evaluation
     example = load_config("examples/cpu_demo.yaml")
-    assert example.model_copy(update={"eval": demo.eval}) == demo and example.eval.eval_every == 50
+    assert example.model_copy(update={"eval": demo.eval, "output_dir": demo.output_dir}) == demo
+    assert example.eval.eval_every == 50 and example.output_dir == "runs/demo_eval"
 
 
 def test_a_file_on_a_preset_merges_into_it_and_overrides_name_presets(tmp_path):

@@ -3,6 +3,7 @@ interrupt still checkpoints, a damaged or unwritable checkpoint is handled. Loca
 
 import asyncio
 import contextlib
+import logging
 import signal
 import threading
 from pathlib import Path
@@ -507,7 +508,7 @@ def test_resume_false_sets_the_earlier_run_aside_and_starts_over(tmp_path, caplo
     assert C.preflight(_cfg(tmp_path, "schedule.num_steps=3")) == 2  # the next start resumes this run
 
 
-def test_a_damaged_checkpoint_is_no_keeper_when_old_ones_are_pruned(tmp_path):
+def test_a_damaged_checkpoint_is_no_keeper_when_old_ones_are_pruned(tmp_path, caplog):
     """Kind: output lost. Resuming past a damaged newest checkpoint (a truncated shard) from the
     intact one before it, the end-of-run prune kept "the two newest": the damaged one and the new
     one, and deleted the intact checkpoint the run had resumed from (a new user's trial)."""
@@ -519,9 +520,11 @@ def test_a_damaged_checkpoint_is_no_keeper_when_old_ones_are_pruned(tmp_path):
     shard = next((ckpts / "step_000003" / "trainer").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:100])
     run_checkpoint._verified.clear()  # a new process
-    res = C.train(_cfg(tmp_path, "schedule.num_steps=4", "checkpoint.every=0"))
+    with caplog.at_level(logging.INFO, logger="splitrl"):
+        res = C.train(_cfg(tmp_path, "schedule.num_steps=4", "checkpoint.every=0"))
     assert res.steps_done == 4
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000002", "step_000004"]
+    assert "removed the damaged checkpoint step_000003" in caplog.text  # not without a word
     assert run_checkpoint.damage(ckpts / "step_000002") is None
 
 

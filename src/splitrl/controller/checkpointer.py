@@ -274,6 +274,8 @@ class RunCheckpointer:
             keep.add(exported[-1])
         for old in done:
             if old not in keep:
+                if known_damaged(old):  # the others are routine rotation; this one the user was warned about
+                    log.info("removed the damaged checkpoint %s (a newer intact one is kept)", old.name)
                 shutil.rmtree(old, ignore_errors=True)
 
     def failure(self, step: int, path: Path, e: BaseException) -> str:
