@@ -70,6 +70,21 @@ def time_us(fn, copies: int = 8, per_graph: int = 32, replays: int = 20) -> floa
     return statistics.median(times)
 
 
+def sweep(configs: list[tuple], fn) -> None:
+    """Time ``fn(i, cfg)`` for each tile set of ``configs`` and print the fastest (µs, tiles)."""
+    best = None
+    for cfg in configs:
+        try:
+            t = time_us(lambda i, cfg=cfg: fn(i, cfg), replays=5)
+        except Exception as e:  # noqa: BLE001 - a tile set the compiler refuses
+            print(f"    {cfg}: {type(e).__name__}", flush=True)
+            continue
+        if best is None or t < best[0]:
+            best = (t, cfg)
+    if best is not None:
+        print(f"    best of the sweep: {best[0]:.2f} us {best[1]}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-0.6b", choices=sorted(QWEN3_SHAPES))
@@ -114,20 +129,13 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name:<8} {f'{N}x{K}':>12} {M:>3} {t_c:10.2f} {t_s:8.2f} {t_c / t_s:6.2f} {tbs:9.2f} "
                   f"{err['cublas']:10.2e} {err['skinny']:9.2e}  {skinny_gemm.plan(M, N, K)}", flush=True)  # fmt: skip
             if str(M) in args.sweep.split(","):
-                best = None
                 bm = skinny_gemm.plan(M, N, K)[0]
-                for bn, bk, split, warps in itertools.product((16, 32), (128, 256), (1, 2, 4, 8), (4,)):
-                    if K % (split * bk) or bm * bk + bn * bk > 64 * 512:
-                        continue
-                    cfg = (bm, bn, bk, split, warps)
-                    try:
-                        t = time_us(lambda i, cfg=cfg: skinny_gemm.skinny_linear(x, ws[i], config=cfg), replays=5)
-                    except Exception as e:  # noqa: BLE001 - a tile set the compiler refuses
-                        print(f"    {cfg}: {type(e).__name__}", flush=True)
-                        continue
-                    if best is None or t < best[0]:
-                        best = (t, cfg)
-                print(f"    best of the sweep: {best[0]:.2f} us {best[1]}", flush=True)
+                configs = [
+                    (bm, bn, bk, split, warps)
+                    for bn, bk, split, warps in itertools.product((16, 32), (128, 256), (1, 2, 4, 8), (4,))
+                    if not K % (split * bk) and bm * bk + bn * bk <= 64 * 512
+                ]
+                sweep(configs, lambda i, cfg, x=x: skinny_gemm.skinny_linear(x, ws[i], config=cfg))
     print("a layer's four products (us), cuBLAS / ours: "
           + ", ".join(f"M={M} {total['cublas'][M]:.1f} / {total['skinny'][M]:.1f}" for M in rows), flush=True)  # fmt: skip
     if args.gated:
@@ -161,20 +169,13 @@ def gated_product(c: dict, rows: list[int], sweep: set[int]) -> None:
         print(f"{'':<20} {M:>4} {t_t:14.2f} {t_f:9.2f} {t_t / t_f:6.2f} {errs[0]:9.2e} {errs[1]:9.2e}  "
               f"{skinny_gemm.gated_plan(M, F, H)}", flush=True)  # fmt: skip
         if M in sweep:
-            best = None
             bm0 = skinny_gemm.gated_plan(M, F, H)[0]
-            for bm, bn, bk, warps in itertools.product(sorted({bm0, 64}), (16, 32), (64, 128, 256), (4, 8)):
-                if bm < min(16, bm0) or (bm * bk + 2 * bn * bk) * 2 * 3 > 200 * 1024:
-                    continue
-                cfg = (bm, bn, bk, warps)
-                try:
-                    t = time_us(lambda i, x=x, cfg=cfg: skinny_gemm.skinny_linear_silu_mul(x, ws[i], config=cfg), replays=5)
-                except Exception as e:  # noqa: BLE001 - a tile set the compiler refuses
-                    print(f"    {cfg}: {type(e).__name__}", flush=True)
-                    continue
-                if best is None or t < best[0]:
-                    best = (t, cfg)
-            print(f"    best of the sweep: {best[0]:.2f} us {best[1]}", flush=True)
+            configs = [
+                cfg
+                for cfg in itertools.product(sorted({bm0, 64}), (16, 32), (64, 128, 256), (4, 8))
+                if (cfg[0] * cfg[2] + 2 * cfg[1] * cfg[2]) * 2 * 3 <= 200 * 1024  # 3 stages of tiles in shared memory
+            ]
+            sweep(configs, lambda i, cfg, x=x: skinny_gemm.skinny_linear_silu_mul(x, ws[i], config=cfg))
 
 
 def attention_tiles(c: dict, rows: list[int], context: int) -> None:

@@ -145,6 +145,24 @@ def test_bf16_products_match_fp32_as_closely_as_cublas(M, N, K):
     assert err["ours"] < 4e-3 and err["ours"] < 2 * err["cublas"] + 1e-3, err
 
 
+def _deterministic_row_independent_and_the_same_in_a_graph(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x), after checking that a second call gives the same bits, that row 0's result does not
+    depend on the other rows' values, and that a captured CUDA graph replays the same result."""
+    y = fn(x)
+    assert torch.equal(y, fn(x))
+    other = x.clone()
+    other[1:] = torch.randn_like(x[1:])
+    assert torch.equal(fn(other)[0], y[0])  # row 0 does not see rows 1..
+    out = torch.empty_like(y)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(fn(x))
+    out.zero_()
+    graph.replay()
+    assert torch.equal(out, y)
+    return y
+
+
 @needs_cuda_triton
 def test_rows_are_independent_deterministic_and_the_same_in_a_graph():
     torch.manual_seed(0)
@@ -152,18 +170,7 @@ def test_rows_are_independent_deterministic_and_the_same_in_a_graph():
     assert sg.plan(8, N, K)[3] > 1
     x = torch.randn(8, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
-    y = sg.skinny_linear(x, w)
-    assert torch.equal(y, sg.skinny_linear(x, w))
-    other = x.clone()
-    other[1:] = torch.randn(7, K, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(sg.skinny_linear(other, w)[0], y[0])  # row 0 does not see rows 1..7
-    out = torch.empty_like(y)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out.copy_(sg.skinny_linear(x, w))
-    out.zero_()
-    g.replay()
-    assert torch.equal(out, y)
+    y = _deterministic_row_independent_and_the_same_in_a_graph(lambda t: sg.skinny_linear(t, w), x)
     # a strided row layout (a view of a wider tensor) reads the right elements
     wide = torch.randn(8, 2 * K, device="cuda", dtype=torch.bfloat16)
     wide[:, :K] = x
@@ -302,17 +309,9 @@ def test_bf16_gated_kernel_matches_fp32_as_closely_as_the_torch_path(M):
     assert ours.shape == (M, F) and ours.dtype == torch.bfloat16
     err, base_err = (float((t.float() - ref).norm() / ref.norm()) for t in (ours, theirs))
     assert err < 6e-3 and err < 2 * base_err + 1e-3, (err, base_err)
-    assert torch.equal(ours, sg.skinny_linear_silu_mul(x, w))
-    other = x.clone()
-    other[1:] = torch.randn(M - 1, K, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(sg.skinny_linear_silu_mul(other, w)[0], ours[0])
-    out = torch.empty_like(ours)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out.copy_(sg.skinny_linear_silu_mul(x, w))
-    out.zero_()
-    graph.replay()
-    assert torch.equal(out, ours)
+    assert torch.equal(ours, _deterministic_row_independent_and_the_same_in_a_graph(
+        lambda t: sg.skinny_linear_silu_mul(t, w), x
+    ))  # fmt: skip
 
 
 @needs_cuda_triton
