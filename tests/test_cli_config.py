@@ -243,6 +243,22 @@ def test_a_validators_own_words_come_without_pydantics_value_error_prefix(capsys
     assert err.startswith("splitrl: invalid config:\n" + line), err
 
 
+@pytest.mark.parametrize(
+    "override,line",
+    [
+        ("logging.wandb=yes", "  logging.wandb: is a section: give a mapping of its keys (e.g. logging.wandb='{key: value}'"),
+        ("schedule=5", "  schedule: is a section: give a mapping of its keys"),
+        ("train.optim.lr=nan", "  train.optim.lr: Input should be greater than 0 (got 'nan', which is not a number)"),
+    ],
+)
+def test_a_section_given_a_scalar_or_a_nan_is_said_in_the_users_words(capsys, override, line):
+    """"Input should be a valid dictionary or instance of WandbConfig" named a class the user never
+    wrote, and lr=nan read "should be greater than 0" (a new user's trial)."""
+    assert main(["train", override, "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("splitrl: invalid config:\n" + line) and "Config" not in err.splitlines()[1], err
+
+
 def test_a_misspelt_environment_setting_is_a_one_line_error(tmp_path):
     """SPLITRL_DECODE_ATTENTION is read when the rollout code is imported; a typo was a traceback
     from inside the import chain. Now: exit 2, one line naming the choices, nothing written."""

@@ -306,6 +306,17 @@ def _number_hint(value: object) -> str:
 _SCALAR_UNION_MEMBER = re.compile(r"constrained-\w+|literal\[.*\]|bool|int|float|str|none|(list|dict|tuple|set)\[.*\]")
 
 
+def _is_nan(value: object) -> bool:
+    """``value`` is NaN or text that reads as NaN (pydantic turns "nan" into a float NaN, which no
+    bound accepts)."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return False
+    return isinstance(value, float) and value != value  # NaN compares unequal to itself
+
+
 def validator_words(err: dict[str, Any]) -> str:
     """A pydantic error's message without pydantic's "Value error, " prefix: our validators' own words."""
     return str(err.get("ctx", {}).get("error", err["msg"].removeprefix("Value error, ")))
@@ -332,6 +343,16 @@ def explain_validation_error(error: ValidationError, model_cls: type[BaseModel])
         if err["type"] == "value_error":
             msg = validator_words(err)
         msg += _number_hint(err.get("input"))
+        value = err.get("input")
+        if _is_nan(value):
+            msg += f" (got {value!r}, which is not a number)"
+        if err["type"] == "model_type":
+            # "Input should be a valid dictionary or instance of WandbConfig": a class name the
+            # user never wrote; say what the key takes instead
+            msg = (
+                f"is a section: give a mapping of its keys (e.g. {path}='{{key: value}}' or {path}.<key>=value; "
+                f"`splitrl config {path}` lists them), got {value!r}"
+            )
         if err["type"] == "missing" and len(loc) > 1:
             # the key has a run default (`splitrl config` lists it), but a section given whole
             # starts from its class, which has none
