@@ -73,7 +73,7 @@ def test_an_old_flat_override_is_read_with_a_warning_naming_the_new_key(caplog, 
     # only a text value is the old key: a list is the section with the wrong type (it was read as
     # the old key and reported as "schedule.mode: Input should be 'async' or 'sync'")
     for bad in ("schedule=[1, 2]", "schedule=3"):
-        with pytest.raises(ValueError, match=r"schedule\n?.*valid dictionary") as err:
+        with pytest.raises(ValueError, match=r"schedule\n?.*a section: give a mapping of its keys") as err:
             demo_config([bad])
         assert "schedule.mode" not in str(err.value) and not _moved_warnings(caplog)
     # the CLI: the same, before anything runs
@@ -191,3 +191,25 @@ def test_the_config_checks_run_on_load_and_on_their_own():
         check_run_config(bad)
     with pytest.raises(ValueError, match="schedule.min_groups_per_chunk=99 > schedule.groups_per_step=16"):
         demo_config(["schedule.min_groups_per_chunk=99"])
+
+
+def test_a_longer_run_that_trains_on_the_earlier_heldout_prompts_says_so(tmp_path, caplog):
+    """Raising schedule.num_steps on resume moves training into the prompt indices the earlier run
+    held out for its evaluation (its default start): the eval/ figures it logged are no longer
+    held out from this run (a new user's trial). A separate eval.task, or no evaluation, is quiet."""
+    def resume(saved_overrides, now_overrides):
+        ckpt = tmp_path / "step_000300"
+        ckpt.mkdir(exist_ok=True)
+        saved = demo_config([f"output_dir={tmp_path}", "schedule.num_steps=300", *saved_overrides])
+        (ckpt / RUN_CONFIG).write_text(json.dumps(saved.model_dump(mode="json")))
+        write_complete(ckpt, 300)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            check_resume_config(demo_config([f"output_dir={tmp_path}", "schedule.num_steps=310", *now_overrides]), ckpt)
+        return caplog.text
+
+    text = resume(["eval.at_end=true"], ["eval.at_end=true"])
+    assert "schedule.num_steps 300 -> 310: training now draws prompt indices 4800..4959" in text, text
+    assert "starts at index 4960" in text
+    assert "training now draws" not in resume([], [])  # the earlier run did not evaluate
+    assert "training now draws" not in resume(["eval.at_end=true", "eval.start_index=100000"], ["eval.at_end=true"])

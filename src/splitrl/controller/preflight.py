@@ -737,6 +737,7 @@ def check_resume_config(config: RunConfig, ckpt: Path) -> None:
             f"step, so set schedule.groups_per_step={was} (or use a new output_dir, or checkpoint.resume=false to "
             "start over in this one)"
         )
+    _warn_if_training_reaches_the_earlier_heldout(saved, config, ckpt)
     # other settings may change on resume (a longer run, a new learning rate), but not silently: a
     # user's resume with group_size=4 over a group_size=8 run, or a new temperature, said nothing
     changed = [(k.lstrip("."), a, b) for k, a, b in _differences(saved, now, "")]
@@ -748,6 +749,29 @@ def check_resume_config(config: RunConfig, ckpt: Path) -> None:
             "; ".join(f"{k}: {a!r} -> {b!r}" for k, a, b in changed[:8])
             + (f" (and {len(changed) - 8} more)" if len(changed) > 8 else ""),
         )  # fmt: skip
+
+
+def _warn_if_training_reaches_the_earlier_heldout(saved: dict, config: RunConfig, ckpt: Path) -> None:
+    """A longer run (schedule.num_steps raised on resume) draws the prompt indices right after the
+    earlier run's last: where the earlier run evaluated on the training task from its default start
+    (indices from its num_steps x groups_per_step on), those prompts are trained on now, so its
+    eval/ figures (and `splitrl eval` of its checkpoints) were held out from a range this run uses."""
+    steps_was = (saved.get("schedule") or {}).get("num_steps")
+    ev = saved.get("eval") or {}
+    evaluated = ev.get("eval_every", 0) > 0 or ev.get("at_end", False)
+    if not (isinstance(steps_was, int) and steps_was < config.schedule.num_steps and evaluated):
+        return
+    if ev.get("task") is not None or ev.get("start_index") is not None:
+        return  # a separate test set, or a start of the user's own (checked against this run's draw)
+    per_step = config.schedule.groups_per_step
+    first, last = steps_was * per_step, config.schedule.num_steps * per_step - 1
+    log.warning(
+        "schedule.num_steps %d -> %d: training now draws prompt indices %d..%d, which the run that wrote %s "
+        "held out for its evaluation (its default start, index %d); eval/ figures of its steps, and `splitrl "
+        "eval` of its checkpoints, scored prompts this run trains on. The evaluation of this run starts at "
+        "index %d. A separate eval.task keeps one test set across extensions",
+        steps_was, config.schedule.num_steps, first, last, ckpt.name, first, last + 1,
+    )  # fmt: skip
 
 
 # run-config keys (and sections: a dotted prefix) a resumed run is expected to change: how long,
