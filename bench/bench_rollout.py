@@ -23,9 +23,11 @@ Reading the output:
   roofline (on CUDA, or with ``--hbm-tb-s``). ``step reads``: the bytes of that roofline's step.
 - ``spec Nx plain``: speculative over plain tokens/s in the same run. ``acceptance``: accepted
   drafts / drafted (per depth: of the drafts that depth made). ``switch-off rule estimate``: the
-  engine's in-call estimate of that ratio (below 1 a run switches speculation off); ``with the
-  rules on``: what a run gets after four calls, the in-call rule and the measured choice between
-  calls deciding. ``(N s)``: the row's wall time, setup included.
+  engine's in-call estimate of that ratio (below 1 a run switches speculation off); ``N drafts a
+  verify``: speculation drafting fewer tokens than the MTP depths (one kind the measured choice
+  tries); ``with the rules on``: what a run gets once the measured choice between calls has tried
+  every kind (plain, and 1 .. D drafts a verify) and the in-call rule is on. ``(N s)``: the row's
+  wall time, setup included.
 - ``MTP warm-up``: per depth, on held-out samples (teacher-forced), the acceptance standard
   speculative sampling would reach with these heads (``rejection rule``) against ours (``coupled
   Gumbel rule``), which keeps a sample's tokens the same with speculation on or off (DESIGN.md §5,
@@ -799,15 +801,28 @@ def main(argv: list[str] | None = None) -> None:
                 f"spec {spec.tokens_per_s / plain.tokens_per_s:.2f}x plain, acceptance {accepted}, "
                 f"switch-off rule estimate {est}" + (f", switched off at iteration {off}" if off else "")
             )
+            for fewer in range(spec_engine.num_drafts - 1, 0, -1):  # the kinds the measured choice also tries
+                fewer_cfg = spec_cfg.model_copy(update={"num_draft_tokens": fewer})
+                fewer_engine = RolloutEngine(model, fewer_cfg, args.device)
+                fewer_engine.speculative_switch_off = False
+                few = measure_engine(fewer_engine, prompts, seeds, args.repeats)
+                notes.append(
+                    f"{fewer} draft{'s' if fewer > 1 else ''} a verify: {few.tokens_per_s:.0f} tok/s = "
+                    f"{few.tokens_per_s / plain.tokens_per_s:.2f}x plain, acceptance {few.acceptance_rate:.1f}%"
+                )
+                del fewer_engine
+            del spec_engine
             # what a run gets: the in-call rule and the measured choice between calls decide
             ruled = RolloutEngine(model, spec_cfg, args.device)
-            for _ in range(4):  # warm-up, a speculative call, a plain one, then the choice
+            for _ in range(len(ruled.policy.kinds()) + 2):  # warm-up, each kind once, then the choice
                 ruled.generate(prompts, seeds)
             last = ruled.last_stats
+            kind = f"speculative calls of {last.num_drafts} draft(s)" if last.speculative_active else "plain calls"
             notes.append(
-                f"with the rules on: {'speculative' if last.speculative_active else 'plain'} calls, "
+                f"with the rules on: {kind}, "
                 f"{last.tokens_per_s:.0f} tok/s = {last.tokens_per_s / plain.tokens_per_s:.2f}x plain"
             )
+            del ruled
         cells = " ".join(f"{figures[c]:>13.0f} ({_percent(figures[c], roof)})    " for c in cols)
         print(
             f"{batch:>5} {'n/a' if roof is None else f'{roof:.0f}':>9} {cells}  step reads {step_bytes / 1e9:.2f} GB"

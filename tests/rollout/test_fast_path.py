@@ -139,24 +139,31 @@ def test_refills_padded_to_graph_buckets_sample_as_the_reference(monkeypatch, sp
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: run with a GPU (the device machine)")
-@pytest.mark.parametrize("speculative", [False, True])
-def test_refills_run_as_cuda_graphs_and_sample_as_the_reference(monkeypatch, caplog, speculative):
+@pytest.mark.parametrize("drafts", [0, 1, 2])
+def test_refills_run_as_cuda_graphs_and_sample_as_the_reference(monkeypatch, caplog, drafts):
     """On CUDA every small refill is captured as a graph (a capture failure only warns and falls
     back to eager prefills, so it must be checked here: the first version's captures all failed on
-    the H200 unnoticed) and the samples still equal the step-by-step reference (fp32)."""
+    the H200 unnoticed) and the samples still equal the step-by-step reference (fp32); with 0
+    (plain), 1 (fewer than the heads: the measured choice's other kind, its own graphs) and 2 drafts
+    a verify."""
     model = make_model(vocab=VOCAB, depths=2, seed=3).to("cuda")
     cfg = GenerationConfig(
-        speculative=speculative, temperature=0.9, max_new_tokens=10, stop_token_ids=[1, 2, 3], batch_size=4
+        speculative=drafts > 0, temperature=0.9, max_new_tokens=10, stop_token_ids=[1, 2, 3], batch_size=4
     )
     prompts = random_prompts(9, VOCAB, (1, 20), seed=24)
     seeds = [500 + i for i in range(9)]
     monkeypatch.setattr(scheduler_mod, "REFILL_MIN_FRACTION", 0.0)  # refills of 1..4 rows
     engine = RolloutEngine(model, cfg, "cuda")
+    engine.speculative_switch_off = False
+    monkeypatch.setattr(engine.policy, "choose", lambda bucket, peek=False: drafts)
     assert engine.use_cuda_graphs and engine.prefill_buckets
     with caplog.at_level("WARNING", logger="splitrl.rollout.runner"):
         results = engine.generate(prompts, seeds)
     assert not [r for r in caplog.records if "capture" in r.getMessage()], caplog.text
     assert sum(k[0] == "prefill" for k in engine.runner.graphs) >= 2, list(engine.runner.graphs)
+    kind = runner_mod.step_kind(drafts, engine.num_drafts)
+    assert any(k[0] == kind for k in engine.runner.graphs) and engine.last_stats.num_drafts == drafts
+    assert all(k[3] == drafts for k in engine.runner.graphs if k[0] == "prefill")
     _check_against_reference(model, cfg, prompts, seeds, results)
     again = engine.generate(prompts, seeds)  # the graphs replayed on other inputs
     assert [r.response_ids for r in again] == [r.response_ids for r in results]
@@ -198,12 +205,12 @@ def test_bf16_cuda_path_logprobs_match_a_full_forward(monkeypatch, caplog, specu
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the bf16 CUDA path: run with a GPU (the device machine)")
-@pytest.mark.parametrize("speculative", [False, True])
-def test_bf16_fused_decode_kernels_logprobs_match_a_full_forward(monkeypatch, speculative):
+@pytest.mark.parametrize("drafts", [0, 1, 2])
+def test_bf16_fused_decode_kernels_logprobs_match_a_full_forward(monkeypatch, drafts):
     """A shape on which the decode step takes its Triton kernels (o_proj and down_proj split along K,
     so their add + norm epilogue; gate/up with silu · mul; the q/k norm + rotary + cache write
     kernel): they run (counted), and each emitted logprob matches a full bf16 forward as on the torch
-    path (test above)."""
+    path (test above); plain, and verifies of 1 and 2 drafts of two MTP heads."""
     from splitrl.rollout import forward as forward_mod
     from splitrl.rollout import rope_write, skinny_gemm
 
@@ -230,11 +237,13 @@ def test_bf16_fused_decode_kernels_logprobs_match_a_full_forward(monkeypatch, sp
     shape = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
     model = make_model(vocab=VOCAB, depths=2, seed=5, init=0.05, **shape).to("cuda", torch.bfloat16)
     assert skinny_gemm.plan(4, 512, 512)[3] > 1 and skinny_gemm.plan(4, 512, 1536)[3] > 1
-    cfg = GenerationConfig(speculative=speculative, temperature=1.0, max_new_tokens=24, batch_size=4)
+    cfg = GenerationConfig(speculative=drafts > 0, temperature=1.0, max_new_tokens=24, batch_size=4)
     prompts = random_prompts(7, VOCAB, (3, 40), seed=37)
     engine = RolloutEngine(model, cfg, "cuda")
     engine.speculative_switch_off = False
+    monkeypatch.setattr(engine.policy, "choose", lambda bucket, peek=False: drafts)
     results = engine.generate(prompts, list(range(7)))
+    assert engine.last_stats.num_drafts == drafts
     assert calls["epilogue"] > 0 and calls["rope_write"] > 0 and calls["gated"] > 0, calls
     _assert_logprobs_match_a_full_forward(model, prompts, results)
 

@@ -229,8 +229,8 @@ def test_deterministic_rollouts_give_bit_identical_logprobs_whatever_the_timings
     prompts, seeds = random_prompts(9, 32, (1, 8), seed=12), [50 + i for i in range(9)]
     monkeypatch.setattr(spec_policy_mod, "SWITCH_MIN_ITERATIONS", 3)
     real_record = spec_policy_mod.SpecPolicy.record_call
-    plain_wins = (1e-9, {True: 50.0, False: 100.0})  # (plain step seconds, call tokens/s by kind)
-    spec_wins = (1e3, {True: 100.0, False: 50.0})
+    plain_wins = (1e-9, {2: 50.0, 1: 50.0, 0: 100.0})  # (plain step seconds, call tokens/s by drafts)
+    spec_wins = (1e3, {2: 100.0, 1: 100.0, 0: 50.0})
 
     def run(deterministic: bool, timings) -> list[tuple[list[int], torch.Tensor, bool, int | None]]:
         step_s, speed = timings
@@ -332,9 +332,9 @@ def test_every_mtp_cache_entry_matches_teacher_forcing(monkeypatch, family):
     original_prefill, original_step = MTPDrafter.prefill, MTPDrafter.step
     original_mtp_prefill, original_mtp_decode = DecoderForward.mtp_prefill, DecoderForward.mtp_decode
 
-    def prefill(self, h0, seq, n, slots, lo, hi):
+    def prefill(self, h0, seq, n, slots, lo, hi, **kw):
         context.update(seeds=lo.tolist(), n=n.tolist(), scratch=self.cache.scratch)
-        return original_prefill(self, h0, seq, n, slots, lo, hi)
+        return original_prefill(self, h0, seq, n, slots, lo, hi, **kw)
 
     def step(self, h0, t, a, p0, counter, carry, lo, hi, length, **kw):
         context.update(seeds=lo.tolist(), n=None, scratch=self.cache.scratch)
@@ -387,7 +387,7 @@ def test_switch_off_estimate_counts_the_host_time_of_each_chunk():
     model = make_model(vocab=VOCAB, depths=2)
     engine = RolloutEngine(model, GenerationConfig(speculative=True, max_new_tokens=8, batch_size=2), "cpu")
     engine.speculative_switch_off = False
-    stats = results_mod.RolloutStats(drafted_tokens=100, accepted_tokens=50)  # a = 1 + 2 · 0.5 = 2
+    stats = results_mod.RolloutStats(num_drafts=2, drafted_tokens=100, accepted_tokens=50)  # a = 1 + 2 · 0.5 = 2
     # 4 chunks of 8 iterations: device 4 ms per iteration, 10 ms host per chunk; plain step 2.5 ms
     timing = spec_policy_mod.SpecTiming(
         spec_s=32 * 4e-3, wall_s=32 * 4e-3 + 4 * 10e-3, plain_s=32 * 2.5e-3, chunks=4, iterations=32
@@ -400,39 +400,114 @@ def test_switch_off_estimate_counts_the_host_time_of_each_chunk():
     assert stats.speculative_speedup < device_only  # 1.19 vs 1.25
 
 
-def test_measured_choice_runs_the_faster_kind_and_revisits_the_slower(monkeypatch):
-    """Between calls the engine measures whole calls: after a speculative call it runs one plain
-    call, then the faster kind, the slower one every EXPLORE_EVERY calls; per row bucket. Guards
-    the 'never slower than plain once decided' rule against an in-call estimate that errs (it
-    said 1.15x where 0.94x was measured on an H200). The samples never change."""
+def _fixed_speeds(monkeypatch, speed: dict[int, float]) -> None:
+    """The measured choice fed fixed call speeds (tokens/s by drafts a verify, 0: plain)."""
+    real_record = spec_policy_mod.SpecPolicy.record_call
+    monkeypatch.setattr(
+        spec_policy_mod.SpecPolicy, "record_call", lambda self, drafts, b, rate: real_record(self, drafts, b, speed[drafts])
+    )
+    monkeypatch.setattr(spec_policy_mod.SpecPolicy, "should_switch_off", lambda *a: False)
+
+
+def test_measured_choice_runs_the_faster_kind_and_revisits_the_others(monkeypatch):
+    """Between calls the engine measures whole calls of each kind (drafts a verify: D, plain, then
+    D-1 .. 1), then runs the fastest, and every EXPLORE_EVERY calls the kind measured longest ago;
+    per row bucket. Guards the 'never slower than plain once decided' rule against an in-call
+    estimate that errs (it said 1.15x where 0.94x was measured on an H200). The samples never change."""
     model = make_model(vocab=VOCAB, depths=2)
     engine = RolloutEngine(model, GenerationConfig(speculative=True, max_new_tokens=12, batch_size=2), "cpu")
     prompts, seeds = [[1, 2], [3]], [0, 1]
-    monkeypatch.setattr(spec_policy_mod.SpecPolicy, "should_switch_off", lambda *a: False)
-    speed = {True: 50.0, False: 100.0}  # plain is faster
-
-    def record(self, speculative, bucket, tokens_per_s):  # the real one, fed fixed speeds
-        real_record(self, speculative, bucket, speed[speculative])
-
-    real_record = spec_policy_mod.SpecPolicy.record_call
-    monkeypatch.setattr(spec_policy_mod.SpecPolicy, "record_call", record)
+    _fixed_speeds(monkeypatch, {2: 50.0, 1: 70.0, 0: 100.0})  # plain is fastest, then one draft
     kinds, outs = [], []
-    for _ in range(spec_policy_mod.EXPLORE_EVERY + 4):
-        outs.append([r.response_ids for r in engine.generate(prompts, seeds)])
-        kinds.append(engine.last_stats.speculative_active)
     E = spec_policy_mod.EXPLORE_EVERY
-    assert kinds[:2] == [True, False]  # measure both
-    assert kinds[2 : 2 + E] == [False] * E  # the faster one
-    assert kinds[2 + E] is True  # the slower one, once
-    assert kinds[3 + E] is False
+    for _ in range(2 * E + 5):
+        outs.append([r.response_ids for r in engine.generate(prompts, seeds)])
+        kinds.append(engine.last_stats.num_drafts)
+        assert engine.last_stats.speculative_active == (kinds[-1] > 0)
+    assert kinds[:3] == [2, 0, 1]  # measure every kind
+    assert kinds[3 : 3 + E] == [0] * E  # the fastest
+    assert kinds[3 + E] == 2  # the kind measured longest ago, once
+    assert kinds[4 + E : 4 + 2 * E] == [0] * E
+    assert kinds[4 + 2 * E] == 1  # then the other one
     assert all(o == outs[0] for o in outs)
     # another bucket (one row) is measured on its own
     engine.generate([[4]], [2])
-    assert engine.last_stats.speculative_active
-    # the benchmark's switch: every call speculative
+    assert engine.last_stats.num_drafts == 2
+    # the benchmark's switch: every call drafts every depth
     engine.speculative_switch_off = False
     engine.generate(prompts, seeds)
-    assert engine.last_stats.speculative_active
+    assert engine.last_stats.num_drafts == 2
+
+
+def test_measured_choice_drafts_fewer_tokens_where_that_is_faster(monkeypatch):
+    """On an H200 at batch 32 one draft a verify of two MTP heads measured 1.39x plain and two 1.19x
+    (a verify of 64 rows against 96): the choice then settles on one draft, with the same samples;
+    the metrics say how many drafts the call made."""
+    model = make_model(vocab=VOCAB, depths=2)
+    engine = RolloutEngine(model, GenerationConfig(speculative=True, max_new_tokens=12, batch_size=2), "cpu")
+    prompts, seeds = [[1, 2], [3]], [0, 1]
+    _fixed_speeds(monkeypatch, {2: 119.0, 1: 139.0, 0: 100.0})
+    kinds, outs = [], []
+    for _ in range(6):
+        outs.append([r.response_ids for r in engine.generate(prompts, seeds)])
+        kinds.append(engine.last_stats.num_drafts)
+    assert kinds == [2, 0, 1, 1, 1, 1]
+    assert all(o == outs[0] for o in outs)
+    stats = engine.last_stats
+    assert stats.speculative_next and stats.as_metrics()["rollout/num_drafts"] == 1.0
+    assert stats.reached_per_depth[1] == 0 and stats.reached_per_depth[0] > 0
+
+
+@pytest.mark.parametrize("drafts", [1, 2])
+def test_a_call_drafting_fewer_tokens_than_the_heads_equals_an_engine_built_for_that_many(monkeypatch, drafts):
+    """A call of d < D drafts a verify on an engine whose buffers hold D = 3 (the measured choice's
+    fewer drafts) emits what an engine built with num_draft_tokens=d emits: the same tokens and
+    drafted / accepted counts per depth, logprobs within 1e-5 of it and of the teacher-forced
+    reference; depths past d are never reached (NaN rates). Calls of D and d drafts then alternate
+    on one engine (padded refills keyed by the drafts, stale deeper caches) with the same samples."""
+    model = make_model(vocab=16, depths=3, hidden_size=32, intermediate_size=64, init=0.5)
+    cfg = dict(speculative=True, temperature=0.8, max_new_tokens=16, batch_size=3, stop_token_ids=[3])
+    prompts, seeds = random_prompts(7, 16, (1, 6), seed=8), [70 + i for i in range(7)]
+    wide = RolloutEngine(model, GenerationConfig(**cfg), "cpu")
+    narrow = RolloutEngine(model, GenerationConfig(num_draft_tokens=drafts, **cfg), "cpu")
+    for engine in (wide, narrow):
+        engine.speculative_switch_off = False
+        engine.prefill_buckets = True
+    choice = {"drafts": drafts}
+    monkeypatch.setattr(wide.policy, "choose", lambda bucket, peek=False: choice["drafts"])
+    ref = narrow.generate(prompts, seeds)
+    ref_stats = narrow.last_stats
+    assert ref_stats.accepted_tokens > 0
+    for call in (drafts, 3, drafts):
+        choice["drafts"] = call
+        out = wide.generate(prompts, seeds)
+        stats = wide.last_stats
+        assert stats.num_drafts == call
+        for r, q, prompt in zip(out, ref, prompts):
+            assert r.response_ids == q.response_ids and r.finish_reason == q.finish_reason
+            torch.testing.assert_close(torch.tensor(r.logprobs), torch.tensor(q.logprobs), atol=1e-5, rtol=0)
+            tf, _ = teacher_forced(model, prompt, r.response_ids, 0.8)
+            torch.testing.assert_close(torch.tensor(r.logprobs), tf, atol=1e-5, rtol=0)
+        if call == drafts:
+            assert (stats.drafted_tokens, stats.accepted_tokens) == (ref_stats.drafted_tokens, ref_stats.accepted_tokens)
+            assert stats.reached_per_depth[:drafts] == ref_stats.reached_per_depth
+            assert stats.accepted_per_depth[:drafts] == ref_stats.accepted_per_depth
+            assert stats.reached_per_depth[drafts:] == [0] * (3 - drafts)
+            assert all(r != r for r in stats.acceptance_rate_per_depth[drafts:])  # NaN: never reached
+            assert [r.drafted_tokens for r in out] == [q.drafted_tokens for q in ref]
+
+
+def test_drafter_refuses_a_draft_count_it_has_no_caches_for():
+    model = make_model(vocab=VOCAB, depths=2)
+    engine = RolloutEngine(model, GenerationConfig(speculative=True, max_new_tokens=4, batch_size=2), "cpu")
+    engine.generate([[1, 2]], [0])
+    drafter = engine.runner.drafter
+    with pytest.raises(ValueError, match="outside 1..2"):
+        drafter._drafts(3)
+    with pytest.raises(ValueError, match="drafts=3 is outside 0..2"):
+        runner_mod.step_kind(3, 2)
+    assert [runner_mod.step_kind(d, 2) for d in range(3)] == ["plain", "spec1", "spec"]
+    assert [runner_mod.drafts_of(k, 2) for k in ("plain", "spec1", "spec")] == [0, 1, 2]
 
 
 def test_measured_choice_rates_leave_out_setup_time(monkeypatch):

@@ -91,6 +91,8 @@ def step_metrics(
         accepted = sum(m["accepted_tokens"] for m in calls)
         out["rollout/acceptance_rate"] = 100.0 * accepted / drafted if drafted else float("nan")
         out["rollout/speculative_active"] = float(calls[-1]["speculative_active"]) if calls else float("nan")
+        # drafts a verify of the last call (the measured choice may draft fewer than the heads allow)
+        out["rollout/num_drafts"] = float(calls[-1].get("num_drafts", 0.0)) if calls else float("nan")
     out.update(staleness_metrics(groups, version - 1))  # keys carry their buffer/ prefix
     out["buffer/size"] = float(buffer.size)
     out["buffer/evicted_groups_total"] = float(buffer.num_evicted_groups)

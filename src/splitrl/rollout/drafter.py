@@ -63,6 +63,14 @@ class MTPDrafter:
         # tests: called (seed_lo [B], counter [B], depth, logits [B, V]) at every draw (eager runs only)
         self.probe = None
 
+    def _drafts(self, num_drafts: int | None) -> int:
+        """d of a call: ``num_drafts`` (1..D), or D."""
+        if num_drafts is None:
+            return self.D
+        if not 1 <= num_drafts <= self.D:
+            raise ValueError(f"num_drafts={num_drafts} is outside 1..{self.D}, the depths this drafter has caches for")
+        return num_drafts
+
     def _draw(
         self, hidden_BH: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor, counter: torch.Tensor, depth: int
     ) -> torch.Tensor:
@@ -79,8 +87,9 @@ class MTPDrafter:
         slots_B: torch.Tensor,
         seed_lo: torch.Tensor,
         seed_hi: torch.Tensor,
+        num_drafts: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fill every depth's cache for a prefilled prompt and draft from n-1.
+        """Fill depths 1..d's caches for a prefilled prompt and draft d tokens from n-1.
 
         Args:
             h0_BPH: the backbone's h⁰ of the right-padded prompts, positions 0..P-1.
@@ -89,21 +98,23 @@ class MTPDrafter:
             n_B: int64 prompt lengths (x_n is the emitted token).
             slots_B: the cache slots of the rows.
             seed_lo, seed_hi: [B] seed words.
+            num_drafts: d, the drafts of this call (1..D; default D): depths past d are left as they are.
 
         Returns:
-            (drafts [B, D] int64 for response indices 1..D, carry [D-1, B, H]).
+            (drafts [B, d] int64 for response indices 1..d, carry [d-1, B, H]).
         """
         B, P, H = h0_BPH.shape
+        D = self._drafts(num_drafts)
         rows = torch.arange(B, device=n_B.device)
         embeds = self.model.embed_tokens(seq_BT)
         prev = h0_BPH
-        carry = h0_BPH.new_zeros(max(self.D - 1, 0), B, H)
+        carry = h0_BPH.new_zeros(max(D - 1, 0), B, H)
         drafts: list[torch.Tensor] = []
         query = None
         last = n_B - 1  # the query position n-1
-        for k in range(1, self.D + 1):
+        for k in range(1, D + 1):
             out = self.fwd.mtp_prefill(k, embeds[:, k : k + P], prev, slots_B, self.cache)  # valid for t <= n-k
-            if k < self.D:
+            if k < D:
                 carry[k - 1] = out[rows, (n_B - k).clamp(min=0)]
             if k == 1:
                 query = out[rows, last]
@@ -131,8 +142,10 @@ class MTPDrafter:
         seed_hi: torch.Tensor,
         length: int,
         drafts_out: torch.Tensor | None = None,
+        num_drafts: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Enter a verify's window (W = D+1 positions from ``p0_B``) and draft (slots 0..B-1; static shapes).
+        """Enter a verify's window (W = d+1 positions from ``p0_B``) and draft d tokens (slots 0..B-1;
+        static shapes), d = ``num_drafts`` (1..D; default D; the verify drafted d as well).
 
         Args:
             h0_BWH: the verify's h⁰ at positions p0..p0+D.
@@ -142,13 +155,18 @@ class MTPDrafter:
             counter_B: response index of the first token to draft (tokens emitted so far).
             carry: [D-1, B, H] carried hidden states (see the module docstring).
             length: cache prefix the attention reads (> every position involved).
-            drafts_out: int64 [B, D], contiguous, where to write the drafts (returned then).
+            drafts_out: int64 [B, d], contiguous, where to write the drafts (returned then).
 
         Returns:
-            (drafts [B, D], new carry [D-1, B, H]).
+            (drafts [B, d], new carry [d-1, B, H]).
+
+        Raises:
+            ValueError: ``num_drafts`` outside 1..D, or a window of other than d+1 positions.
         """
         B, W, H = h0_BWH.shape
-        D = self.D
+        D = self._drafts(num_drafts)
+        if W != D + 1:
+            raise ValueError(f"a verify of {D} drafts has a window of {D + 1} positions, got h0 of {W}")
         at_accepted = accepted_B[:, None, None].expand(B, 1, H)  # gather index of window entry a
         prev = h0_BWH
         new_carry = []

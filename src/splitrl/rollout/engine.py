@@ -53,7 +53,7 @@ from splitrl.models.policy import PolicyModel
 from splitrl.rollout.config import GenerationConfig
 from splitrl.rollout.forward import DecoderForward, check_supported
 from splitrl.rollout.results import GenerationResult, RolloutStats
-from splitrl.rollout.runner import DeviceTimer, ModelRunner, row_bucket
+from splitrl.rollout.runner import DeviceTimer, ModelRunner, row_bucket, step_kind
 from splitrl.rollout.scheduler import Scheduler
 from splitrl.rollout.spec_policy import SpecPolicy, SpecTiming
 
@@ -352,16 +352,17 @@ class RolloutEngine:
         cfg, runner, policy = self.config, self.runner, self.policy
         start_time = time.perf_counter()
         bucket = row_bucket(min(len(prompts), cfg.batch_size), cfg.batch_size)
-        spec = policy.choose(bucket)
+        drafts = policy.choose(bucket)  # drafts a verify in this call, 0: plain
         D = self.num_drafts
         runner.ensure_buffers(max(len(p) for p in prompts))
         stats = RolloutStats(
             num_samples=len(prompts),
             prompt_tokens=sum(len(p) for p in prompts),
             policy_version=self.policy_version,
-            speculative_active=spec,
-            reached_per_depth=[0] * (D if spec else 0),
-            accepted_per_depth=[0] * (D if spec else 0),
+            speculative_active=drafts > 0,
+            num_drafts=drafts,
+            reached_per_depth=[0] * (D if drafts else 0),
+            accepted_per_depth=[0] * (D if drafts else 0),
         )
         self.last_stats = stats
         captures_before, setup_before = runner.captures, runner.setup_s
@@ -369,17 +370,17 @@ class RolloutEngine:
         slots = Scheduler(runner, prompts, seeds, self.policy_version)
         timing = SpecTiming()
         while True:
-            slots.refill(spec)
+            slots.refill(drafts)
             active = slots.active()
             if not active:
                 break
-            B, L, n_steps = slots.next_chunk(active, spec, stats)
-            finished = self._decode_chunk(slots, active, spec, B, L, n_steps, timing)
+            B, L, n_steps = slots.next_chunk(active, drafts, stats)
+            finished = self._decode_chunk(slots, active, drafts, B, L, n_steps, timing)
             stats.num_forwards += n_steps
             if finished:
                 yield from slots.collect(finished, stats)
-            if spec and policy.should_switch_off(timing, stats, slots.live_drafted, slots.live_accepted):
-                spec = False
+            if drafts and policy.should_switch_off(timing, stats, slots.live_drafted, slots.live_accepted):
+                drafts = 0
                 stats.switched_off_at_iteration = timing.iterations
         stats.wall_time_s = time.perf_counter() - start_time
         stats.tokens_per_s = stats.generated_tokens / stats.wall_time_s if stats.wall_time_s > 0 else 0.0
@@ -388,11 +389,13 @@ class RolloutEngine:
         policy.call_finished(stats, bucket)
 
     def _decode_chunk(
-        self, slots: Scheduler, active: list[int], spec: bool, B: int, L: int, n_steps: int, timing: SpecTiming
+        self, slots: Scheduler, active: list[int], drafts: int, B: int, L: int, n_steps: int, timing: SpecTiming
     ) -> list[int]:
-        """Run ``n_steps`` decode steps (or verify iterations) of bucket (B, L), then sync; the
-        slots that finished. Verify chunks are timed into ``timing`` for the switch-off rule."""
-        runner, kind = self.runner, "spec" if spec else "plain"
+        """Run ``n_steps`` decode steps (``drafts`` 0) or verify iterations of ``drafts`` drafts of
+        bucket (B, L), then sync; the slots that finished. Verify chunks are timed into ``timing``
+        for the switch-off rule."""
+        runner, spec = self.runner, drafts > 0
+        kind = step_kind(drafts, self.num_drafts)
         if runner.use_cuda_graphs:
             runner.graph(kind, B, L)  # a capture is setup: not inside the chunk's timings
         if not spec or self.policy.deterministic:  # deterministic: no clock decides, nothing is timed

@@ -23,6 +23,9 @@ class RolloutStats:
         policy_version: weights version that generated the call.
         num_forwards: backbone decode steps (prefills excluded; a step runs a whole bucket).
         speculative_active: speculative decoding ran in this call (at least at its start).
+        num_drafts: tokens each verify of this call drafted (0: a plain call); at most the engine's
+            ``num_drafts``, fewer where the measured choice found fewer faster (see
+            :class:`~splitrl.rollout.spec_policy.SpecPolicy`).
         speculative_next: it will run in the next call (False once switched off, see
             :class:`~splitrl.rollout.spec_policy.SpecPolicy`).
         speculative_speedup: the switch-off rule's last estimate of (speculative tokens/s) /
@@ -35,7 +38,8 @@ class RolloutStats:
         switched_off_at_iteration: verify iteration of this call at which speculation was switched
             off (None: it was not).
         drafted_tokens, accepted_tokens: totals over the call.
-        reached_per_depth, accepted_per_depth: per depth k = 1..D.
+        reached_per_depth, accepted_per_depth: per depth k = 1..D (the engine's most drafts; 0 past
+            ``num_drafts``, where the rates are NaN).
         graph_captures: CUDA graphs captured during the call.
         setup_s: seconds of the call spent on work that decodes nothing: CUDA graph captures
             (with their warm-up steps) and the plain-step timings of the switch-off rule.
@@ -49,6 +53,7 @@ class RolloutStats:
     policy_version: int = 0
     num_forwards: int = 0
     speculative_active: bool = False
+    num_drafts: int = 0
     speculative_next: bool = False
     speculative_speedup: float | None = None
     switched_off_at_iteration: int | None = None
@@ -75,6 +80,7 @@ class RolloutStats:
             f"{prefix}wall_time_s": self.wall_time_s,
             f"{prefix}speculative_active": float(self.speculative_active),
             f"{prefix}speculative_next": float(self.speculative_next),
+            f"{prefix}num_drafts": float(self.num_drafts),
         }
         if self.speculative_active:
             out[f"{prefix}acceptance_rate"] = self.acceptance_rate

@@ -47,6 +47,23 @@ def row_bucket(n: int, cap: int) -> int:
     return min(cap, -(-n // 64) * 64)
 
 
+def step_kind(drafts: int, max_drafts: int) -> str:
+    """The kind of a decode step with ``drafts`` drafts a verify (0: a plain step), of a runner that
+    drafts at most ``max_drafts``: ``"plain"``, ``"spec"`` (all of them) or ``"spec<drafts>"``."""
+    if not 0 <= drafts <= max_drafts:
+        raise ValueError(f"drafts={drafts} is outside 0..{max_drafts}, the drafts this runner's buffers hold")
+    if drafts == 0:
+        return "plain"
+    return "spec" if drafts == max_drafts else f"spec{drafts}"
+
+
+def drafts_of(kind: str, max_drafts: int) -> int:
+    """The drafts a verify of step kind ``kind`` makes (:func:`step_kind`'s inverse)."""
+    if kind == "plain":
+        return 0
+    return max_drafts if kind == "spec" else int(kind[4:])
+
+
 def length_bucket(n: int, cap: int, start: int = 64) -> int:
     b = start
     while b < n:
@@ -145,7 +162,8 @@ class ModelRunner:
         model: the policy, already on ``device`` and in eval mode.
         fwd: the decoder forward over ``model``.
         config: the engine's (validated) sampling rules.
-        num_drafts: D, drafted tokens per verify (0: plain decoding only).
+        num_drafts: D, the most tokens a verify drafts (0: plain decoding only); the buffers hold
+            D, and a call may draft fewer (``drafts`` of the step and refill methods, 1..D).
         device: where everything runs.
 
     Attributes:
@@ -156,8 +174,8 @@ class ModelRunner:
             MTP drafter (allocated by :meth:`ensure_buffers`; ``mtp_cache`` and ``drafter`` with
             MTP drafts only).
         sink: the slot a padded refill's extra rows write to (None: no padding).
-        graphs: captured CUDA graphs by key, (kind, B, L) for steps and ("prefill", rows, P,
-            spec) for refills.
+        graphs: captured CUDA graphs by key, (kind, B, L) for steps (kinds: :func:`step_kind`) and
+            ("prefill", rows, P, drafts) for refills.
         captures, setup_s: CUDA graphs captured and seconds of setup (captures and plain-step
             timings) so far.
     """
@@ -173,7 +191,7 @@ class ModelRunner:
         self.mtp_cache: StaticKVCache | None = None
         self.state: SlotState | None = None
         self.drafter: MTPDrafter | None = None
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (kind, B, L) steps, ("prefill", rows, P, spec) refills
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (kind, B, L) steps, ("prefill", rows, P, drafts) refills
         # refills padded to (rows, length) buckets, as their CUDA graphs need (tests turn it on for the CPU)
         self.prefill_buckets = self.use_cuda_graphs
         self._prefill_inputs: dict[tuple, torch.Tensor] = {}  # a prefill graph's packed input buffer
@@ -258,27 +276,37 @@ class ModelRunner:
             tok, pos, cnt, st.done[:B], st.stopped[:B], y, self.stop_ids, self.config.max_new_tokens
         )
 
-    def spec_step(self, B: int, L: int) -> None:
+    def spec_step(self, B: int, L: int, drafts: int | None = None) -> None:
+        """One verify of slots 0..B-1 with ``drafts`` drafts a row (default: all D), then the next drafts."""
         st, k = self.state, self.fwd.k
-        tok, pos, cnt, done, drafts = st.tokens[:B], st.pos[:B], st.counter[:B], st.done[:B], st.drafts[:B]
-        ids, positions, counters = k.verify_inputs(tok, drafts, pos, cnt)  # [B, D+1] each
+        d = self.num_drafts if drafts is None else drafts
+        tok, pos, cnt, done = st.tokens[:B], st.pos[:B], st.counter[:B], st.done[:B]
+        drafts_Bd = st.drafts[:B, :d]  # a strided view when d < D
+        ids, positions, counters = k.verify_inputs(tok, drafts_Bd, pos, cnt)  # [B, d+1] each
         h = self.fwd.backbone_decode(ids, positions, self.cache, L)
         t, lp = self._sample(self._logits(h), st.seed_lo[:B, None], st.seed_hi[:B, None], counters)
         self._write_outputs(B, cnt, t, lp)  # entries past the emitted ones are rewritten later
-        a, n, stopped, fin = k.spec_accept(drafts, t, cnt, done, self.stop_ids, self.config.max_new_tokens)
-        _, new_carry = self.drafter.step(
-            h, t, a, pos, n, st.carry[:, :B], st.seed_lo[:B], st.seed_hi[:B], L, drafts_out=drafts
-        )  # reads the state before the commit below (pos: the verify's first position); writes the new drafts
+        a, n, stopped, fin = k.spec_accept(drafts_Bd, t, cnt, done, self.stop_ids, self.config.max_new_tokens)
+        new_drafts, new_carry = self.drafter.step(
+            h, t, a, pos, n, st.carry[: d - 1, :B], st.seed_lo[:B], st.seed_hi[:B], L,
+            drafts_out=drafts_Bd if d == self.num_drafts else None, num_drafts=d,
+        )  # fmt: skip
+        # reads the state before the commit below (pos: the verify's first position); the new drafts go
         # into st.drafts (the old ones were last read by spec_accept above)
+        if d != self.num_drafts:
+            drafts_Bd.copy_(new_drafts)
         k.spec_commit(
             tok, pos, cnt, done, st.stopped[:B], st.drafted[:B], st.accepted[:B],
-            st.reached_depth[:B], st.accepted_depth[:B], t, a, n, stopped, fin,
+            st.reached_depth[:B, :d], st.accepted_depth[:B, :d], t, a, n, stopped, fin,
         )  # fmt: skip
-        st.carry[:, :B] = new_carry
+        st.carry[: d - 1, :B] = new_carry
 
     def _step_fn(self, kind: str, B: int, L: int):
-        step = self.plain_step if kind == "plain" else self.spec_step
-        return lambda: step(B, L)
+        """A step of kind ``kind`` (:func:`step_kind`) on bucket (B, L), as a function of nothing."""
+        drafts = drafts_of(kind, self.num_drafts)
+        if drafts == 0:
+            return lambda: self.plain_step(B, L)
+        return lambda: self.spec_step(B, L, drafts)
 
     def run_steps(self, kind: str, B: int, L: int, n: int) -> None:
         if not self.use_cuda_graphs:
@@ -365,8 +393,9 @@ class ModelRunner:
         return self._step_times[key]
 
     # ----------------------------------------------------------------------------- prefill
-    def prefill(self, slots: list[int], prompts: list[list[int]], seeds: list[int], spec: bool) -> None:
-        """Prefill ``prompts`` into ``slots`` and emit their first tokens (and drafts).
+    def prefill(self, slots: list[int], prompts: list[list[int]], seeds: list[int], drafts: int) -> None:
+        """Prefill ``prompts`` into ``slots`` and emit their first tokens (and ``drafts`` drafts a row,
+        0..D: the call's, see :func:`step_kind`).
 
         On CUDA a refill of at most ``GRAPH_PREFILL_TOKENS`` runs as a CUDA graph of its bucket
         (rows: the decode row buckets, prompt length: 16, 24, 32, 48, 64, 96, ...; at most
@@ -380,7 +409,7 @@ class ModelRunner:
         key, rows, width = None, n, P
         if self.prefill_buckets:
             b_rows, b_width = self._prefill_bucket(n, P)
-            k = ("prefill", b_rows, b_width, spec)
+            k = ("prefill", b_rows, b_width, drafts)
             if k in self.graphs or (
                 b_rows * b_width <= GRAPH_PREFILL_TOKENS and self._prefill_graphs < MAX_PREFILL_GRAPHS
             ):
@@ -394,21 +423,21 @@ class ModelRunner:
         sl = torch.tensor(list(slots) + [self.sink] * pad, dtype=torch.int64)
         lo, hi = seed_words(list(seeds) + [seeds[0]] * pad, torch.device("cpu"))
         host = torch.cat([ids.view(-1), lens, sl, lo, hi])  # one copy to the device
-        graph = self._prefill_graph(key, host, spec) if key is not None and self.use_cuda_graphs else None
+        graph = self._prefill_graph(key, host, drafts) if key is not None and self.use_cuda_graphs else None
         if graph is None:
-            self.prefill_device(*_prefill_views(host.to(self.device), rows, width + D), spec)
+            self.prefill_device(*_prefill_views(host.to(self.device), rows, width + D), drafts)
             return
         self._prefill_inputs[key].copy_(host)  # the graph's input buffer (the device function writes ids)
         graph.replay()
 
-    def _prefill_graph(self, key: tuple, host: torch.Tensor, spec: bool) -> torch.cuda.CUDAGraph | None:
+    def _prefill_graph(self, key: tuple, host: torch.Tensor, drafts: int) -> torch.cuda.CUDAGraph | None:
         """The graph of bucket ``key``, captured now if new; None if the capture fails (refills run
         eagerly from then on: the same computation, slower)."""
         graph = self.graphs.get(key)
         if graph is not None:
             return graph
         try:
-            return self._capture_prefill(key, host, spec)
+            return self._capture_prefill(key, host, drafts)
         except Exception as err:  # noqa: BLE001 - any failure: the eager prefill is not wrong
             log.warning("CUDA-graph capture of a prefill failed (%s); refills run eagerly from now on", err)
             self._prefill_graphs = MAX_PREFILL_GRAPHS
@@ -416,7 +445,7 @@ class ModelRunner:
                 self._prefill_pool = None  # freed with the failed graph (see _drop_graphs)
             return None
 
-    def _capture_prefill(self, key: tuple, host: torch.Tensor, spec: bool) -> torch.cuda.CUDAGraph:
+    def _capture_prefill(self, key: tuple, host: torch.Tensor, drafts: int) -> torch.cuda.CUDAGraph:
         """Capture the prefill of bucket ``key`` on the packed inputs ``host`` (its warm-up runs
         prefill them)."""
         _, rows, width, _ = key
@@ -426,11 +455,11 @@ class ModelRunner:
 
             def warmup() -> None:
                 buf.copy_(host)  # the device function writes into ids
-                self.prefill_device(*views, spec)
+                self.prefill_device(*views, drafts)
 
             if self._prefill_pool is None:  # not the steps' pool: a failed capture here cannot free theirs
                 self._prefill_pool = torch.cuda.graph_pool_handle()
-            graph = self._capture(warmup, lambda: self.prefill_device(*views, spec), self._prefill_pool)
+            graph = self._capture(warmup, lambda: self.prefill_device(*views, drafts), self._prefill_pool)
         self._prefill_inputs[key] = buf
         self.graphs[key] = graph
         self.captures += 1
@@ -446,7 +475,7 @@ class ModelRunner:
         return rows, max(P, length_bucket(P, cap, start=16))
 
     def prefill_device(
-        self, ids: torch.Tensor, lens: torch.Tensor, sl: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, spec: bool
+        self, ids: torch.Tensor, lens: torch.Tensor, sl: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, drafts: int
     ) -> None:
         """The device work of a prefill (no host synchronization: CUDA-graph capturable).
 
@@ -454,6 +483,7 @@ class ModelRunner:
             ids: int64 [n, P + D], right-padded prompts (overwritten: the first token at each
                 prompt's end, for the drafter).
             lens: int64 [n] prompt lengths; sl: int64 [n] slots; lo, hi: [n] seed words.
+            drafts: drafts a row (0: none, a plain call's refill; else 1..D).
         """
         st, cfg, D = self.state, self.config, self.num_drafts
         n, P = ids.shape[0], ids.shape[1] - D
@@ -471,8 +501,8 @@ class ModelRunner:
             # not ``t[sl] = 0``: that copies a CPU scalar tensor to the device, which a CUDA graph
             # capture refuses (it made every prefill capture fail; bench/RESULTS.md)
             t.index_fill_(0, sl, 0)
-        if spec:
+        if drafts:
             ids[rows, lens] = y
-            drafts, carry = self.drafter.prefill(h, ids, lens, sl, lo, hi)
-            st.drafts[sl] = drafts
-            st.carry[:, sl] = carry
+            new_drafts, carry = self.drafter.prefill(h, ids, lens, sl, lo, hi, num_drafts=drafts)
+            st.drafts[sl, :drafts] = new_drafts
+            st.carry[: drafts - 1, sl] = carry

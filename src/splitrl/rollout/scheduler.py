@@ -55,8 +55,9 @@ class Scheduler:
         self.live_drafted = [0] * S
         self.live_accepted = [0] * S
 
-    def refill(self, spec: bool) -> None:
-        """Prefill waiting prompts into free slots, once enough slots are free (or none is busy)."""
+    def refill(self, drafts: int) -> None:
+        """Prefill waiting prompts into free slots, once enough slots are free (or none is busy);
+        ``drafts``: the call's drafts a verify (0: plain)."""
         S, waiting, item = self.S, self.waiting, self.item
         free = [s for s in range(S) if item[s] is None]
         idle = len(free) == S
@@ -67,7 +68,7 @@ class Scheduler:
         budget = max(1, PREFILL_TOKENS // max(len(self.prompts[i]) for i in new))
         for c in range(0, len(take), budget):
             chunk_s, chunk_i = take[c : c + budget], new[c : c + budget]
-            self.runner.prefill(chunk_s, [self.prompts[i] for i in chunk_i], [self.seeds[i] for i in chunk_i], spec)
+            self.runner.prefill(chunk_s, [self.prompts[i] for i in chunk_i], [self.seeds[i] for i in chunk_i], drafts)
         for s, i in zip(take, new):
             item[s], self.count[s] = i, 1
             self.live_drafted[s] = self.live_accepted[s] = 0
@@ -102,12 +103,15 @@ class Scheduler:
                 lst[b] = lst[a]
             item[a] = None
 
-    def next_chunk(self, active: list[int], spec: bool, stats: RolloutStats) -> tuple[int, int, int]:
-        """(B, L, steps) of the next chunk of decode steps (or verify iterations) of ``active``."""
+    def next_chunk(self, active: list[int], drafts: int, stats: RolloutStats) -> tuple[int, int, int]:
+        """(B, L, steps) of the next chunk of decode steps (``drafts`` 0) or verify iterations of
+        ``drafts`` drafts (1..D) of ``active``."""
         runner, S = self.runner, self.S
-        D, M, max_new = runner.num_drafts, runner.cache.max_len, runner.config.max_new_tokens
+        M, max_new = runner.cache.max_len, runner.config.max_new_tokens
+        D = runner.num_drafts  # the cache margin below is the buffers' (the most drafts)
         B = row_bucket(active[-1] + 1, S)
-        Q = D + 1 if spec else 1
+        spec = drafts > 0
+        Q = drafts + 1
         # with prompts waiting, stop when the first row can end (its slot is refilled then); with
         # none, when the last can: finished rows idle in the bucket until then (fewer host syncs
         # at a call's tail; results are fixed when a row finishes)
@@ -115,7 +119,7 @@ class Scheduler:
         remaining = min(left) if self.waiting else max(left)
         per_iter = 1.0
         if spec and stats.drafted_tokens + sum(self.live_drafted):
-            per_iter = 1.0 + D * (stats.accepted_tokens + sum(self.live_accepted)) / (
+            per_iter = 1.0 + drafts * (stats.accepted_tokens + sum(self.live_accepted)) / (
                 stats.drafted_tokens + sum(self.live_drafted)
             )
         # a verify makes ~2 tokens: with prompts waiting, half the iterations keep the wait for a

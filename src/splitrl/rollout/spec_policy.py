@@ -82,23 +82,27 @@ class SpecPolicy:
     (:meth:`weights_updated`), whose new MTP heads may draft better.
 
     Measured choice. The estimate can err (it misses prefill and scheduling work), so the engine
-    also measures whole calls: tokens/s of speculative and of plain calls, per row bucket of the
-    call (a running mean of the last calls of each kind), over the call's decoding time (its wall
-    time less ``stats.setup_s``: a call that captures CUDA graphs is still a fair sample; counting
-    the capture made the rule decode plainly at batch 1 where speculation was faster, and
-    skipping such calls cost an extra plain call). A call during which torch.compile compiled a
-    kernel (seconds, once per shape) is not a sample. Once a speculative call has run in a
-    bucket, the next call there runs plainly to measure it; from then on each call runs the
-    faster kind, and every ``EXPLORE_EVERY`` calls the slower kind runs once more. Plain and
-    speculative calls emit the same tokens, so the choice changes speed only.
+    also measures whole calls: tokens/s of each kind of call, per row bucket of the call (a running
+    mean of the last calls of each kind), over the call's decoding time (its wall time less
+    ``stats.setup_s``: a call that captures CUDA graphs is still a fair sample; counting the
+    capture made the rule decode plainly at batch 1 where speculation was faster, and skipping
+    such calls cost an extra plain call). A kind is the drafts a verify makes, d = 0 (plain) ..
+    D (``num_drafts``): fewer drafts make a verify of fewer rows, which can be faster although it
+    emits fewer tokens (on an H200 at batch 32, one draft of two heads measured 1.39x plain where
+    two measured 1.19x: bench/RESULTS.md). A call during which torch.compile compiled a kernel
+    (seconds, once per shape) is not a sample. In a bucket the kinds not measured yet run first,
+    in the order D, plain, D-1, ..., 1; from then on each call runs the fastest kind, and every
+    ``EXPLORE_EVERY`` calls another kind runs once more (the one measured longest ago: speeds
+    change as the MTP heads learn). Every kind emits the same tokens, so the choice changes speed
+    only.
 
-    With ``config.deterministic`` neither runs: every call is speculative and nothing is timed
-    (the decision reads no clock, so two runs of one config give bit-identical logprobs).
+    With ``config.deterministic`` neither runs: every call drafts D tokens a verify and nothing is
+    timed (the decision reads no clock, so two runs of one config give bit-identical logprobs).
 
     Attributes:
         switch_off: apply the switch-off rule and the measured choice (default True); when False
-            every call is speculative and the rule's estimate is still computed and reported
-            (benchmarks measure speculation this way).
+            every call drafts D tokens a verify and the rule's estimate is still computed and
+            reported (benchmarks measure speculation this way).
         deterministic: ``config.deterministic``: speculation follows the config alone.
     """
 
@@ -109,38 +113,50 @@ class SpecPolicy:
         self.switch_off = True
         self._active = config.speculative  # False once the in-call rule switched it off
         self._warned_slow = False
-        self._call_rates: dict[tuple[bool, int], float] = {}  # (speculative, row bucket) -> tokens/s
-        self._since_explore: dict[int, int] = {}  # row bucket -> calls since the slower kind ran
+        self._call_rates: dict[tuple[int, int], float] = {}  # (drafts, row bucket) -> tokens/s
+        self._measured_at: dict[tuple[int, int], int] = {}  # (drafts, row bucket) -> sample number
+        self._samples = 0
+        self._since_explore: dict[int, int] = {}  # row bucket -> calls since another kind ran
         self._compiles_before = 0
+
+    def kinds(self) -> list[int]:
+        """The drafts a call may make, in the order they are first measured: D, 0 (plain), D-1, ..., 1."""
+        if not self.speculative:
+            return [0]
+        return [self.num_drafts, 0, *range(self.num_drafts - 1, 0, -1)]
 
     def weights_updated(self) -> None:
         """New weights (new MTP heads): speculation is on again if configured."""
         self._active = self.speculative
 
-    def choose(self, bucket: int, peek: bool = False) -> bool:
-        """Speculative or plain for a call of row bucket ``bucket`` (see "Measured choice");
-        ``peek``: without counting the call towards the next exploration."""
+    def choose(self, bucket: int, peek: bool = False) -> int:
+        """The drafts a verify makes in a call of row bucket ``bucket`` (0: plain decoding; see
+        "Measured choice"); ``peek``: without counting the call towards the next exploration."""
         if not self.speculative:
-            return False
+            return 0
         if self.deterministic or not self.switch_off:
-            return True
+            return self.num_drafts
         if not self._active:  # the in-call rule switched it off until the next sync
-            return False
-        spec_rate, plain_rate = self._call_rates.get((True, bucket)), self._call_rates.get((False, bucket))
-        if spec_rate is None:
-            return True
-        if plain_rate is None:
-            return False  # measure plain once
-        faster = spec_rate >= plain_rate
+            return 0
+        kinds = self.kinds()
+        unmeasured = [k for k in kinds if (k, bucket) not in self._call_rates]
+        if unmeasured:
+            return unmeasured[0]
+        ranked = sorted(kinds, key=lambda k: -self._call_rates[(k, bucket)])  # stable: D wins a tie
         due = self._since_explore.get(bucket, 0) >= EXPLORE_EVERY
         if not peek:
             self._since_explore[bucket] = 0 if due else self._since_explore.get(bucket, 0) + 1
-        return (not faster) if due else faster
+        if not due:
+            return ranked[0]
+        return min(ranked[1:], key=lambda k: self._measured_at[(k, bucket)])  # measured longest ago
 
-    def record_call(self, speculative: bool, bucket: int, tokens_per_s: float) -> None:
-        key = (speculative, bucket)
+    def record_call(self, drafts: int, bucket: int, tokens_per_s: float) -> None:
+        """A call's speed sample: ``drafts`` a verify (0: plain), its row bucket, tokens/s."""
+        key = (drafts, bucket)
         old = self._call_rates.get(key)
         self._call_rates[key] = tokens_per_s if old is None else 0.5 * (old + tokens_per_s)
+        self._samples += 1
+        self._measured_at[key] = self._samples
 
     def call_started(self) -> None:
         self._compiles_before = _compilations()
@@ -154,8 +170,8 @@ class SpecPolicy:
         # is no speed sample; the measured setup (captures, plain-step timings) is left out of it
         compiled = _compilations() != self._compiles_before
         if stats.switched_off_at_iteration is None and stats.generated_tokens and decoding_s > 0 and not compiled:
-            self.record_call(stats.speculative_active, bucket, stats.generated_tokens / decoding_s)
-        stats.speculative_next = self.choose(bucket, peek=True)
+            self.record_call(stats.num_drafts, bucket, stats.generated_tokens / decoding_s)
+        stats.speculative_next = self.choose(bucket, peek=True) > 0
 
     def should_switch_off(self, timing: SpecTiming, stats: RolloutStats, live_drafted, live_accepted) -> bool:
         """After ``SWITCH_MIN_ITERATIONS`` verify iterations, estimate speedup = (tokens per verify)
@@ -167,7 +183,8 @@ class SpecPolicy:
         drafted = stats.drafted_tokens + sum(live_drafted)
         if not drafted or timing.wall_s <= 0 or not timing.chunks:
             return False
-        per_iter = 1.0 + self.num_drafts * (stats.accepted_tokens + sum(live_accepted)) / drafted
+        d = stats.num_drafts  # the call's drafts a verify
+        per_iter = 1.0 + d * (stats.accepted_tokens + sum(live_accepted)) / drafted
         # plain decoding of the same tokens: per_iter plain steps per verify iteration, plus the
         # host's per-chunk work (the done-flag read, bookkeeping: measured on the verify chunks,
         # wall - device) once per SYNC_EVERY plain steps
@@ -185,6 +202,6 @@ class SpecPolicy:
             "decoding plainly until the next weight sync",
             stats.speculative_speedup,
             per_iter,
-            100.0 * (per_iter - 1.0) / self.num_drafts,
+            100.0 * (per_iter - 1.0) / d,
         )
         return True

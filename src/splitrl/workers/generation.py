@@ -306,6 +306,7 @@ class GenerationWorker:
                 "drafted_tokens": float(sum(r.drafted_tokens for r in results)),
                 "accepted_tokens": float(sum(r.accepted_tokens for r in results)),
                 "speculative_active": float(stats.speculative_active) if stats else 0.0,
+                "num_drafts": float(stats.num_drafts) if stats else 0.0,
             }
         )
         if stats is not None and stats.speculative_active:
