@@ -65,10 +65,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ragged", type=int, default=0, help="profile the bench's ragged call of this many samples instead")
     p.add_argument("--phases", action="store_true", help="also time the phases of one call (synchronized)")
     p.add_argument("--top", type=int, default=20, help="kernels listed per call")
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=None,
+        help="drafts a verify of the speculative calls (default: every MTP depth; fewer is a kind the "
+        "engine's measured choice tries)",
+    )
     args = p.parse_args(argv)
     for name in ("prompt_len", "new_tokens", "top"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.num_draft_tokens is not None and not 1 <= args.num_draft_tokens <= 2:
+        p.error(f"--num-draft-tokens must be 1 or 2 (the bench's MTP depths), got {args.num_draft_tokens}")
     for name in ("train_mtp_steps", "ragged"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
@@ -241,15 +250,19 @@ def main(argv: list[str] | None = None) -> None:
         )
         for spec in (False, True):
             label = f"ragged {args.ragged} samples, {bargs.ragged_batch} slots, {'speculative' if spec else 'plain'}"
-            profile_call(model, args, label, GenerationConfig(speculative=spec, **base), prompts, seeds)
+            drafts = args.num_draft_tokens if spec else None
+            cfg = GenerationConfig(speculative=spec, num_draft_tokens=drafts, **base)
+            profile_call(model, args, label, cfg, prompts, seeds)
         return
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         prompts, seeds = br.prompts_for(model, batch, args.prompt_len), list(range(batch))
         for spec in (False, True):
             cfg = GenerationConfig(
-                temperature=1.0, max_new_tokens=args.new_tokens, batch_size=batch, speculative=spec, stop_token_ids=[]
-            )
-            profile_call(model, args, f"batch {batch}, {'speculative' if spec else 'plain'}", cfg, prompts, seeds)
+                temperature=1.0, max_new_tokens=args.new_tokens, batch_size=batch, speculative=spec, stop_token_ids=[],
+                num_draft_tokens=args.num_draft_tokens if spec else None,
+            )  # fmt: skip
+            kind = f"speculative ({cfg.num_draft_tokens or 'every depth'} drafts a verify)" if spec else "plain"
+            profile_call(model, args, f"batch {batch}, {kind}", cfg, prompts, seeds)
 
 
 if __name__ == "__main__":

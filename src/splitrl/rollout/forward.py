@@ -81,9 +81,6 @@ SKINNY_GEMM = skinny_gemm.AVAILABLE and os.environ.get("SPLITRL_SKINNY_GEMM", "1
 SKINNY_EPILOGUE = SKINNY_GEMM and os.environ.get("SPLITRL_SKINNY_EPILOGUE", "1") != "0"
 SKINNY_GATED = SKINNY_GEMM and os.environ.get("SPLITRL_SKINNY_GATED", "1") != "0"
 ROPE_WRITE = rope_write.AVAILABLE and os.environ.get("SPLITRL_ROPE_WRITE", "1") != "0"
-# trial: the wide products of <= 64 rows (q/k/v; not the output layer) on the skinny kernel too, in
-# the chain of programmatic dependent launches (SPLITRL_SKINNY_WIDE=1)
-SKINNY_WIDE = SKINNY_GEMM and os.environ.get("SPLITRL_SKINNY_WIDE", "0") == "1"
 
 
 def mtp_parts(model: PolicyModel, depth: int) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module, nn.Module]:
@@ -160,9 +157,11 @@ def _triton_operands(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the product of x [..., K] with ``weight`` [N, K] runs on the skinny-product kernel
     (module docstring)."""
-    M, N, K = x.numel() // x.shape[-1], weight.shape[0], x.shape[-1]
-    wide = SKINNY_WIDE and M <= skinny_gemm.PREFERRED_ROWS and N <= 16384
-    return SKINNY_GEMM and _triton_operands(x, weight) and (skinny_gemm.preferred(M, N, K) or wide)
+    return (
+        SKINNY_GEMM
+        and _triton_operands(x, weight)
+        and skinny_gemm.preferred(x.numel() // x.shape[-1], weight.shape[0], x.shape[-1])  # rows <= MAX_ROWS too
+    )
 
 
 def _gated(x: torch.Tensor, weight: torch.Tensor) -> bool:
