@@ -19,7 +19,7 @@ uses it up to ``PREFERRED_ROWS``): a verify of 32 slots has 96.
 ``--gated``: the MLP's gate/up product with silu(gate) · up in its epilogue
 (:func:`~splitrl.rollout.skinny_gemm.skinny_linear_silu_mul`) against cuBLAS's gate/up product and the
 compiled ``silu_mul`` (the engine's two launches before), µs each at each M, and at the
-``--gated-sweep`` rows its alternative tiles.
+``--gated-sweep`` rows its alternative tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
 
 ``--attention R1,R2``: one layer's decode attention (:mod:`splitrl.rollout.decode_attention`) of R
 rows, one query each and 1 + 2 (a verify of 2 drafts), at ``--context`` entries a row, with the
@@ -131,9 +131,9 @@ def main(argv: list[str] | None = None) -> None:
             if str(M) in args.sweep.split(","):
                 bm = skinny_gemm.plan(M, N, K)[0]
                 configs = [
-                    (bm, bn, bk, split, warps)
-                    for bn, bk, split, warps in itertools.product((16, 32), (128, 256), (1, 2, 4, 8), (4,))
-                    if not K % (split * bk) and bm * bk + bn * bk <= 64 * 512
+                    (bm, bn, bk, split, warps, stages)
+                    for bn, bk, split, warps, stages in itertools.product((16, 32), (128, 256), (1, 2, 4, 8), (4,), (3, 4, 5))
+                    if not K % (split * bk) and (bm * bk + bn * bk) * 2 * stages <= 200 * 1024
                 ]
                 sweep(configs, lambda i, cfg, x=x: skinny_gemm.skinny_linear(x, ws[i], config=cfg))
     print("a layer's four products (us), cuBLAS / ours: "
@@ -155,7 +155,7 @@ def gated_product(c: dict, rows: list[int], sweep: set[int]) -> None:
     H, F = c["hidden_size"], c["intermediate_size"]
     ws = [torch.randn(2 * F, H, device=dev, dtype=dt) / H**0.5 for _ in range(8)]
     print(f"{'gate/up + silu*mul':<20} {'M':>4} {'cuBLAS+silu us':>14} {'fused us':>9} {'ratio':>6} "
-          f"{'err torch':>9} {'err fused':>9}  plan (BM, BN, BK, warps)", flush=True)  # fmt: skip
+          f"{'err torch':>9} {'err fused':>9}  plan (BM, BN, BK, warps; 3 stages)", flush=True)  # fmt: skip
     for M in rows:
         x = torch.randn(M, H, device=dev, dtype=dt)
         g, u = (x.float() @ ws[0].float().T).chunk(2, dim=-1)
@@ -172,8 +172,8 @@ def gated_product(c: dict, rows: list[int], sweep: set[int]) -> None:
             bm0 = skinny_gemm.gated_plan(M, F, H)[0]
             configs = [
                 cfg
-                for cfg in itertools.product(sorted({bm0, 64}), (16, 32), (64, 128, 256), (4, 8))
-                if (cfg[0] * cfg[2] + 2 * cfg[1] * cfg[2]) * 2 * 3 <= 200 * 1024  # 3 stages of tiles in shared memory
+                for cfg in itertools.product(sorted({bm0, 64}), (16, 32), (64, 128, 256), (4, 8), (3, 4, 5, 6))
+                if (cfg[0] * cfg[2] + 2 * cfg[1] * cfg[2]) * 2 * cfg[4] <= 200 * 1024  # the stages' tiles in shared memory
             ]
             sweep(configs, lambda i, cfg, x=x: skinny_gemm.skinny_linear_silu_mul(x, ws[i], config=cfg))
 

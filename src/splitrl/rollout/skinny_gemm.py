@@ -33,6 +33,8 @@ on CUDA (``TRITON_INTERPRET=1`` with Triton installed runs the kernel on the CPU
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from splitrl.rollout import pdl
@@ -49,6 +51,11 @@ MAX_ROWS = 256  # rows (M) the kernels take (over 64 rows in tiles of 64)
 PREFERRED_ROWS = 64  # rows up to which the decode forward takes the split products (:func:`preferred`)
 GATED_ROWS = 64  # rows up to which it takes the gate/up product with silu · mul (:func:`gated_preferred`)
 SMS_TO_FILL = 132  # H200 / H100 SXM multiprocessors: programs wanted per launch, at least
+STAGES = 3  # weight tiles in flight per program (num_stages) unless a config says otherwise
+# benches: SPLITRL_GATED_TILES="BLOCK_N,BLOCK_K,num_warps,num_stages" sets the gated kernel's tiles at every row count
+_GATED_TILES = tuple(int(v) for v in os.environ.get("SPLITRL_GATED_TILES", "").split(",") if v.strip())
+if _GATED_TILES and len(_GATED_TILES) != 4:
+    raise ValueError(f"SPLITRL_GATED_TILES takes BLOCK_N,BLOCK_K,num_warps,num_stages; got {_GATED_TILES}")
 
 
 if AVAILABLE:
@@ -246,7 +253,8 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias, config) -> torch.Tenso
     [SPLIT_K, M, N]."""
     M = x2.shape[0]
     N, K = weight.shape
-    block_m, block_n, block_k, split, warps = config or plan(M, N, K)
+    block_m, block_n, block_k, split, warps, *rest = config or plan(M, N, K)
+    stages = rest[0] if rest else STAGES
     k_per_split = -(-K // split)
     k_per_split = -(-k_per_split // block_k) * block_k
     if split == 1:
@@ -262,7 +270,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias, config) -> torch.Tenso
         M, N, K,
         x2.stride(0), weight.stride(0), y_stride_s, N,
         K_PER_SPLIT=k_per_split, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        USE_PDL=use_pdl, num_warps=warps, num_stages=3, **pdl.options(use_pdl),
+        USE_PDL=use_pdl, num_warps=warps, num_stages=stages, **pdl.options(use_pdl),
     )  # fmt: skip
     return y
 
@@ -275,7 +283,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             last dim need not be contiguous with the rows (a row stride is passed).
         weight: [N, K], the dtype of x, contiguous along K.
         bias: [N] or None.
-        config: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps) instead of :func:`plan`'s (benches).
+        config: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps[, num_stages]) instead of
+            :func:`plan`'s (benches).
 
     Returns:
         [..., N] in x's dtype, rounded once from the fp32 sum.
@@ -378,7 +387,8 @@ def skinny_linear_silu_mul(
             interpreter); its last dim contiguous with a row stride.
         weight: [2F, K], x's dtype, contiguous along K; rows 0..F-1 gate, F..2F-1 up.
         bias: [2F] or None.
-        config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps) instead of :func:`gated_plan`'s (benches, tests).
+        config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps[, num_stages]) instead of :func:`gated_plan`'s
+            (benches, tests).
 
     Returns:
         [..., F] in x's dtype, a new tensor.
@@ -396,7 +406,10 @@ def skinny_linear_silu_mul(
         )
     _require_triton("skinny_linear_silu_mul")
     M, F = x2.shape[0], weight.shape[0] // 2
-    block_m, block_n, block_k, warps = config or gated_plan(M, F, K)
+    block_m, block_n, block_k, warps, *rest = config or _GATED_TILES and (
+        gated_plan(M, F, K)[0], *_GATED_TILES
+    ) or gated_plan(M, F, K)
+    stages = rest[0] if rest else STAGES
     y = torch.empty(M, F, dtype=x.dtype, device=x.device)
     on = pdl.active(x, M)
     _gate_up_silu_kernel[(triton.cdiv(F, block_n), triton.cdiv(M, block_m))](
@@ -404,6 +417,6 @@ def skinny_linear_silu_mul(
         M, F, K,
         x2.stride(0), weight.stride(0), F,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        USE_PDL=on, num_warps=warps, num_stages=3, **pdl.options(on),
+        USE_PDL=on, num_warps=warps, num_stages=stages, **pdl.options(on),
     )  # fmt: skip
     return y.view(*lead, F)
