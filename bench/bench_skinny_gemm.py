@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         fused_pieces(c, rows, [int(r) for r in args.rope_rows.split(",")])
 
 
-def gated_product(c: dict, rows: list[int], sweep: set[int]) -> None:
+def gated_product(c: dict, rows: list[int], sweep_rows: set[int]) -> None:
     """The --gated table (module docstring)."""
     from splitrl.rollout.fused import Kernels
 
@@ -168,7 +168,7 @@ def gated_product(c: dict, rows: list[int], sweep: set[int]) -> None:
         t_f = time_us(lambda i, x=x: skinny_gemm.skinny_linear_silu_mul(x, ws[i]))
         print(f"{'':<20} {M:>4} {t_t:14.2f} {t_f:9.2f} {t_t / t_f:6.2f} {errs[0]:9.2e} {errs[1]:9.2e}  "
               f"{skinny_gemm.gated_plan(M, F, H)}", flush=True)  # fmt: skip
-        if M in sweep:
+        if M in sweep_rows:
             bm0 = skinny_gemm.gated_plan(M, F, H)[0]
             configs = [
                 cfg
