@@ -24,8 +24,10 @@ class GenerationConfig(BaseModel):
             logprobs, are exactly what was sampled).
         speculative: self-speculative decoding with the model's MTP heads as the draft; the output
             distribution is exactly the plain one. Requires a model with ``mtp_num_layers > 0``.
-        num_draft_tokens: tokens drafted per verify forward (depths 1..n are used); default: every
-            MTP depth of the model.
+        num_draft_tokens: the most tokens drafted per verify forward (depths 1..n are used); default:
+            every MTP depth of the model. With the speed rules on (not ``deterministic``) the engine
+            also measures calls drafting fewer (n-1 .. 1) and drafts the fastest count per batch size
+            (:class:`~splitrl.rollout.spec_policy.SpecPolicy`); the tokens are the same for every count.
         deterministic: with ``speculative``, decode every call speculatively from start to end
             instead of letting measured speed switch speculation off (no clock is read). The tokens
             are the same either way, but a token emitted by a verify forward and the same token
