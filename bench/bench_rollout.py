@@ -60,6 +60,7 @@ import torch
 
 from splitrl.models import ModelConfig, MTPConfig, PolicyModel
 from splitrl.rollout import GenerationConfig, RolloutEngine, kv
+from splitrl.rollout.runner import row_bucket
 from splitrl.rollout.spec_policy import SLOW_SPECULATION_WARNING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/shapes.py, beside this script (tests load it by path)
@@ -814,8 +815,13 @@ def main(argv: list[str] | None = None) -> None:
             del spec_engine
             # what a run gets: the in-call rule and the measured choice between calls decide
             ruled = RolloutEngine(model, spec_cfg, args.device)
-            for _ in range(len(ruled.policy.kinds()) + 2):  # warm-up, each kind once, then the choice
+            bucket = row_bucket(batch, batch)
+            ruled.generate(prompts, seeds)  # warm-up
+            for _ in range(3 * len(ruled.policy.kinds())):  # each kind once (a compiling call is no sample)
+                if ruled.policy.measured_all(bucket):
+                    break
                 ruled.generate(prompts, seeds)
+            ruled.generate(prompts, seeds)  # the choice
             last = ruled.last_stats
             kind = f"speculative calls of {last.num_drafts} draft(s)" if last.speculative_active else "plain calls"
             notes.append(

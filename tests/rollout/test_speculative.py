@@ -232,7 +232,7 @@ def test_deterministic_rollouts_give_bit_identical_logprobs_whatever_the_timings
     plain_wins = (1e-9, {2: 50.0, 1: 50.0, 0: 100.0})  # (plain step seconds, call tokens/s by drafts)
     spec_wins = (1e3, {2: 100.0, 1: 100.0, 0: 50.0})
 
-    def run(deterministic: bool, timings) -> list[tuple[list[int], torch.Tensor, bool, int | None]]:
+    def run(deterministic: bool, timings) -> list[tuple[list[int], torch.Tensor, bool, int | None, int]]:
         step_s, speed = timings
         monkeypatch.setattr(runner_mod.ModelRunner, "plain_step_time", lambda self, B, L: step_s)
         monkeypatch.setattr(
@@ -245,22 +245,22 @@ def test_deterministic_rollouts_give_bit_identical_logprobs_whatever_the_timings
         )
         engine = RolloutEngine(model, cfg, "cpu")
         calls = []
-        for _ in range(3):  # the measured choice decides from the second call on
+        for _ in range(4):  # kinds measured: 2 drafts, plain, 1 draft; the fourth call is the choice
             results = engine.generate(prompts, seeds)
             stats = engine.last_stats
             tokens = [t for r in results for t in r.response_ids]
             logprobs = torch.tensor([lp for r in results for lp in r.logprobs])
-            calls.append((tokens, logprobs, stats.speculative_active, stats.switched_off_at_iteration))
+            calls.append((tokens, logprobs, stats.speculative_active, stats.switched_off_at_iteration, stats.num_drafts))
         return calls
 
     timed = run(False, plain_wins), run(False, spec_wins)  # the timings decide both ways
-    assert timed[0][0][3] is not None and [c[2] for c in timed[0]] == [True, False, False]
-    assert [c[2] for c in timed[1]] == [True, False, True] and all(
-        c[3] is None for c in timed[1]
-    )  # plain measured once
+    # plain wins: each speculative kind is switched off inside its first call, then plain runs
+    assert [c[4] for c in timed[0]] == [2, 0, 1, 0] and [c[3] is not None for c in timed[0]] == [True, False, True, False]
+    assert [c[4] for c in timed[1]] == [2, 0, 1, 2] and all(c[3] is None for c in timed[1])  # plain measured once
     a, b = run(True, plain_wins), run(True, spec_wins)
     for x, y in zip(a, b):
         assert x[2] and y[2] and x[3] is None and y[3] is None  # speculative throughout
+        assert x[4] == y[4] == 2  # every depth drafts
         assert x[0] == y[0] == a[0][0]
         assert torch.equal(x[1], y[1]) and torch.equal(x[1], a[0][1])  # bit for bit
     assert timed[0][0][0] == a[0][0]  # the tokens never depended on it
@@ -456,6 +456,58 @@ def test_measured_choice_drafts_fewer_tokens_where_that_is_faster(monkeypatch):
     stats = engine.last_stats
     assert stats.speculative_next and stats.as_metrics()["rollout/num_drafts"] == 1.0
     assert stats.reached_per_depth[1] == 0 and stats.reached_per_depth[0] > 0
+
+
+def test_a_kind_switched_off_inside_its_call_does_not_stop_the_others(monkeypatch):
+    """Two drafts a verify slower than plain (the in-call rule switches them off inside the call)
+    while one draft is the fastest kind: the next calls still measure plain and one draft, settle
+    on one draft, and re-measuring two drafts (switched off again) does not turn speculation off
+    for the calls after it. A weight sync measures the switched-off kind again first."""
+    model = make_model(vocab=VOCAB, depths=2)
+    engine = RolloutEngine(model, GenerationConfig(speculative=True, max_new_tokens=12, batch_size=2), "cpu")
+    prompts, seeds = [[1, 2], [3]], [0, 1]
+    speed = {1: 139.0, 0: 100.0}
+    real_record = spec_policy_mod.SpecPolicy.record_call
+    monkeypatch.setattr(
+        spec_policy_mod.SpecPolicy, "record_call", lambda self, d, b, rate: real_record(self, d, b, speed[d])
+    )
+
+    def rule(self, timing, stats, *live):  # the in-call rule, tripping for two drafts only
+        if stats.num_drafts != 2:
+            return False
+        stats.speculative_speedup = 0.9
+        self.record_switch_off(stats, per_iter=1.5)
+        return True
+
+    monkeypatch.setattr(spec_policy_mod.SpecPolicy, "should_switch_off", rule)
+    E = spec_policy_mod.EXPLORE_EVERY
+    kinds, outs = [], []
+    for _ in range(E + 6):
+        outs.append([r.response_ids for r in engine.generate(prompts, seeds)])
+        kinds.append(engine.last_stats.num_drafts)
+        if kinds[-1] == 2:
+            assert engine.last_stats.switched_off_at_iteration is not None
+    assert kinds[:3] == [2, 0, 1]  # two drafts switched off inside the first call; the rest measured
+    assert kinds[3 : 3 + E] == [1] * E
+    assert kinds[3 + E] == 2  # explored: the kind measured longest ago, switched off inside again
+    assert kinds[4 + E :] == [1, 1]  # and speculation goes on with the fastest kind
+    assert all(o == outs[0] for o in outs)
+    assert engine.policy.measured_all(2) and engine.last_stats.speculative_next
+    engine.load_state_dict(model.state_dict(), version=1)  # new heads: two drafts measured again
+    engine.generate(prompts, seeds)
+    assert engine.last_stats.num_drafts == 2
+
+
+def test_switch_off_estimate_counts_the_call_s_drafts():
+    """With fewer drafts than depths the tokens a verify are 1 + d · acceptance, not 1 + D · it."""
+    model = make_model(vocab=VOCAB, depths=2)
+    engine = RolloutEngine(model, GenerationConfig(speculative=True, max_new_tokens=8, batch_size=2), "cpu")
+    engine.speculative_switch_off = False
+    timing = spec_policy_mod.SpecTiming(spec_s=32 * 4e-3, wall_s=32 * 4e-3, plain_s=32 * 2.5e-3, chunks=4, iterations=32)
+    for d, a in ((1, 1.5), (2, 2.0)):  # acceptance 50 %
+        stats = results_mod.RolloutStats(num_drafts=d, drafted_tokens=100, accepted_tokens=50)
+        engine.policy.should_switch_off(timing, stats, [0, 0], [0, 0])
+        assert stats.speculative_speedup == pytest.approx(a * 2.5 / 4, rel=1e-12)
 
 
 @pytest.mark.parametrize("drafts", [1, 2])

@@ -366,7 +366,7 @@ class RolloutEngine:
         )
         self.last_stats = stats
         captures_before, setup_before = runner.captures, runner.setup_s
-        policy.call_started()
+        policy.call_started(bucket)
         slots = Scheduler(runner, prompts, seeds, self.policy_version)
         timing = SpecTiming()
         while True:

@@ -77,9 +77,12 @@ class SpecPolicy:
     the same tokens, plain wall = a · Σ t_plain + (a · iterations / SYNC_EVERY) · h, with a = 1 +
     accepted drafts per iteration and h the host time per chunk (wall - device of the verify
     chunks; a device-only estimate read high at batch 256, see bench/RESULTS.md). Below 1 it decodes the rest
-    of the call plainly (same tokens, see :mod:`splitrl.rollout.engine`) and the next calls too
-    (``stats.speculative_next`` = False, logged) until the next weight sync
-    (:meth:`weights_updated`), whose new MTP heads may draft better.
+    of the call plainly (same tokens, see :mod:`splitrl.rollout.engine`; logged) and the estimate
+    stands for that kind's speed in the measured choice below (estimate × the bucket's plain
+    rate): the next calls measure the kinds not measured yet (plain, fewer drafts), then run the
+    fastest. A weight sync (:meth:`weights_updated`), whose new MTP heads may draft better, drops
+    those estimates, so the kinds are measured again. ``stats.num_drafts`` of such a call is the
+    drafts it started with (``stats.switched_off_at_iteration`` says where it went plain).
 
     Measured choice. The estimate can err (it misses prefill and scheduling work), so the engine
     also measures whole calls: tokens/s of each kind of call, per row bucket of the call (a running
@@ -111,9 +114,11 @@ class SpecPolicy:
         self.deterministic = config.deterministic
         self.num_drafts = num_drafts
         self.switch_off = True
-        self._active = config.speculative  # False once the in-call rule switched it off
         self._warned_slow = False
         self._call_rates: dict[tuple[int, int], float] = {}  # (drafts, row bucket) -> tokens/s
+        # kinds the in-call rule switched off: (drafts, row bucket) -> its speedup estimate over plain
+        self._switched_off: dict[tuple[int, int], float] = {}
+        self._bucket = 0  # the current call's row bucket
         self._measured_at: dict[tuple[int, int], int] = {}  # (drafts, row bucket) -> sample number
         self._samples = 0
         self._since_explore: dict[int, int] = {}  # row bucket -> calls since another kind ran
@@ -126,8 +131,24 @@ class SpecPolicy:
         return [self.num_drafts, 0, *range(self.num_drafts - 1, 0, -1)]
 
     def weights_updated(self) -> None:
-        """New weights (new MTP heads): speculation is on again if configured."""
-        self._active = self.speculative
+        """New weights (new MTP heads, which may draft better): the kinds the in-call rule switched
+        off are measured again, first."""
+        self._switched_off.clear()
+
+    def _measured(self, key: tuple[int, int]) -> bool:
+        return key in self._call_rates or key in self._switched_off
+
+    def _rate(self, key: tuple[int, int]) -> float:
+        """tokens/s of a kind in a bucket: measured, or (switched off inside a call) the in-call
+        estimate times the bucket's plain rate."""
+        if key in self._switched_off:
+            return self._switched_off[key] * self._call_rates.get((0, key[1]), 0.0)
+        return self._call_rates[key]
+
+    def measured_all(self, bucket: int) -> bool:
+        """Every kind has a speed (measured, or estimated by the in-call rule) in ``bucket``: the
+        calls there run the fastest from now on (with the explorations of "Measured choice")."""
+        return all(self._measured((k, bucket)) for k in self.kinds())
 
     def choose(self, bucket: int, peek: bool = False) -> int:
         """The drafts a verify makes in a call of row bucket ``bucket`` (0: plain decoding; see
@@ -136,13 +157,11 @@ class SpecPolicy:
             return 0
         if self.deterministic or not self.switch_off:
             return self.num_drafts
-        if not self._active:  # the in-call rule switched it off until the next sync
-            return 0
         kinds = self.kinds()
-        unmeasured = [k for k in kinds if (k, bucket) not in self._call_rates]
+        unmeasured = [k for k in kinds if not self._measured((k, bucket))]
         if unmeasured:
             return unmeasured[0]
-        ranked = sorted(kinds, key=lambda k: -self._call_rates[(k, bucket)])  # stable: D wins a tie
+        ranked = sorted(kinds, key=lambda k: -self._rate((k, bucket)))  # stable: D wins a tie
         due = self._since_explore.get(bucket, 0) >= EXPLORE_EVERY
         if not peek:
             self._since_explore[bucket] = 0 if due else self._since_explore.get(bucket, 0) + 1
@@ -153,13 +172,16 @@ class SpecPolicy:
     def record_call(self, drafts: int, bucket: int, tokens_per_s: float) -> None:
         """A call's speed sample: ``drafts`` a verify (0: plain), its row bucket, tokens/s."""
         key = (drafts, bucket)
+        self._switched_off.pop(key, None)  # measured now
         old = self._call_rates.get(key)
         self._call_rates[key] = tokens_per_s if old is None else 0.5 * (old + tokens_per_s)
         self._samples += 1
         self._measured_at[key] = self._samples
 
-    def call_started(self) -> None:
+    def call_started(self, bucket: int = 0) -> None:
+        """A call of row bucket ``bucket`` starts."""
         self._compiles_before = _compilations()
+        self._bucket = bucket
 
     def call_finished(self, stats: RolloutStats, bucket: int) -> None:
         """Take the finished call's speed as a sample of its kind (unless speculation was switched
@@ -193,15 +215,29 @@ class SpecPolicy:
         stats.speculative_speedup = plain_wall / timing.wall_s
         if stats.speculative_speedup >= 1.0 or not self.switch_off:
             return False
-        self._active = False
+        self.record_switch_off(stats, per_iter)
+        return True
+
+    def record_switch_off(self, stats: RolloutStats, per_iter: float) -> None:
+        """The in-call rule switched the current call's kind off at ``stats.speculative_speedup``
+        (< 1) with ``per_iter`` tokens a verify: that estimate stands for the kind's speed in the
+        call's bucket until it is measured or the weights change (class docstring); logged."""
+        d = stats.num_drafts
+        # this kind's speed in the bucket, for the measured choice: the estimate (the call is no
+        # sample); the next calls try the kinds not measured yet, then run the fastest
+        key = (d, self._bucket)
+        self._switched_off[key] = stats.speculative_speedup
+        self._samples += 1
+        self._measured_at[key] = self._samples
         level = logging.INFO if self._warned_slow else logging.WARNING  # afterwards: rollout/speculative_next
         self._warned_slow = True
         log.log(
             level,
-            SLOW_SPECULATION_WARNING + " at %.2fx plain speed (%.2f tokens per verify, acceptance %.1f%%): "
-            "decoding plainly until the next weight sync",
+            SLOW_SPECULATION_WARNING + " at %.2fx plain speed (%d drafts a verify, %.2f tokens per verify, "
+            "acceptance %.1f%%): decoding the rest of the call plainly; the next calls measure the other "
+            "draft counts and plain decoding, then run the fastest",
             stats.speculative_speedup,
+            d,
             per_iter,
             100.0 * (per_iter - 1.0) / d,
         )
-        return True
