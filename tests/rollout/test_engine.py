@@ -135,6 +135,8 @@ def test_user_mistakes_raise_value_errors(model):
         RolloutEngine(make_model(vocab=VOCAB, depths=0), GenerationConfig(speculative=True), "cpu")
     with pytest.raises(ValueError, match="exceeds the model's 2 MTP depths"):
         RolloutEngine(model, GenerationConfig(speculative=True, num_draft_tokens=3), "cpu")
+    with pytest.raises(ValueError, match="num_draft_tokens=1 is set but speculative=False"):  # the CLI's rule too
+        RolloutEngine(model, GenerationConfig(num_draft_tokens=1), "cpu")
     engine = RolloutEngine(model, GenerationConfig(max_new_tokens=4), "cpu")
     with pytest.raises(ValueError, match="one seed per prompt"):
         engine.generate([[1], [2]], seeds=[0])

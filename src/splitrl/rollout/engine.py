@@ -164,7 +164,8 @@ class RolloutEngine:
         TypeError: ``config`` is not a :class:`GenerationConfig`.
         ValueError: a field of ``config`` is invalid (e.g. set after construction by
             ``model_copy(update=...)``); a stop token outside the vocabulary; ``speculative=True``
-            with a model without MTP heads or with more draft tokens than MTP depths; a device
+            with a model without MTP heads or with more draft tokens than MTP depths;
+            ``num_draft_tokens`` without ``speculative``; a device
             other than cpu / cuda, or cuda without a GPU; weights that are not finite; an
             unsupported backbone layout. Nothing is changed then (the model stays where it was).
     """
@@ -175,6 +176,11 @@ class RolloutEngine:
         bad = [t for t in config.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary of size {vocab}")
+        if config.num_draft_tokens is not None and not config.speculative:
+            raise ValueError(
+                f"num_draft_tokens={config.num_draft_tokens} is set but speculative=False: only speculative "
+                "decoding drafts tokens; set speculative=True, or leave num_draft_tokens unset"
+            )
         self.num_drafts = 0
         if config.speculative:
             D = model.num_mtp_depths
