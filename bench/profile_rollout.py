@@ -66,6 +66,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--phases", action="store_true", help="also time the phases of one call (synchronized)")
     p.add_argument("--top", type=int, default=20, help="kernels listed per call")
     p.add_argument(
+        "--kinds",
+        default="plain,speculative",
+        help="comma list of the calls to profile: plain, speculative (plain alone needs no MTP warm-up)",
+    )
+    p.add_argument(
         "--num-draft-tokens",
         type=int,
         default=None,
@@ -81,6 +86,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("train_mtp_steps", "ragged"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    if not kinds or any(k not in ("plain", "speculative") for k in kinds):
+        p.error(f"--kinds takes a comma list of plain, speculative; got {args.kinds!r}")
+    args.kinds = kinds
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA GPU is visible here; use --device cpu")
     return args
@@ -237,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     model = br.build_model(bargs, dtype)
     for p in model.parameters():
         p.requires_grad_(False)
-    if bargs.train_mtp_steps:
+    if bargs.train_mtp_steps and "speculative" in args.kinds:
         t0 = time.perf_counter()
         acceptance, samples = br.train_mtp_heads(model, bargs)
         print(br.describe_warm_up(bargs, acceptance, samples, time.perf_counter() - t0), flush=True)
@@ -248,7 +257,7 @@ def main(argv: list[str] | None = None) -> None:
         base = dict(
             temperature=1.0, max_new_tokens=bargs.ragged_max_new, stop_token_ids=stops, batch_size=bargs.ragged_batch
         )
-        for spec in (False, True):
+        for spec in [k == "speculative" for k in args.kinds]:
             label = f"ragged {args.ragged} samples, {bargs.ragged_batch} slots, {'speculative' if spec else 'plain'}"
             drafts = args.num_draft_tokens if spec else None
             cfg = GenerationConfig(speculative=spec, num_draft_tokens=drafts, **base)
@@ -256,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         prompts, seeds = br.prompts_for(model, batch, args.prompt_len), list(range(batch))
-        for spec in (False, True):
+        for spec in [k == "speculative" for k in args.kinds]:
             cfg = GenerationConfig(
                 temperature=1.0, max_new_tokens=args.new_tokens, batch_size=batch, speculative=spec, stop_token_ids=[],
                 num_draft_tokens=args.num_draft_tokens if spec else None,

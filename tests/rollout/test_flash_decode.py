@@ -600,3 +600,35 @@ def test_the_decode_kernel_takes_a_third_stage_only_for_few_programs_and_enough_
     assert decode_mod.tiles(128, 8, 99 * 1024) == (64, 2, 4)  # sm86 / sm89
     assert decode_mod.tiles(64, 8, 0) == (64, 2, 4)
     assert decode_mod.tiles(256, 8, h200) == (32, 1, 4)
+
+
+@pytest.mark.parametrize("slots", [[0, 2, 5], [1, 4, 6, 6]])
+def test_a_prefill_plan_writes_and_reads_what_write_prefix_and_causal_attention_do(monkeypatch, slots):
+    """The CUDA prefill's cache path (``StaticKVCache.prefill_plan`` / ``attend_prefill``: the rotary
+    kernel writes keys and values at the plan's rows, the flash kernel reads them in place), on the
+    CPU with the kernel's semantics in its place: writing at ``flat_index`` fills the entries
+    ``write_prefix`` fills, and the attention equals ``causal_attention`` over the projections' own
+    keys and values (grouped heads, no repeat). The second case pads with the last slot twice, as a
+    padded refill does (its rows write the same values). Guards: a plan offset by a slot or a head,
+    a sequence reading another slot's entries or past the prompt."""
+    from splitrl.rollout import kv
+
+    monkeypatch.setattr(kv, "flash_varlen", _varlen_reference)
+    g = torch.Generator().manual_seed(3)
+    n, P, Hq, d = len(slots), 9, 4, 8
+    cache = StaticKVCache(2, 7, HK, 40, d, torch.float64, "cpu", flash=False, position_major=True)
+    ref = StaticKVCache(2, 7, HK, 40, d, torch.float64, "cpu", flash=False, position_major=True)
+    k = torch.randn(n, P, HK, d, generator=g, dtype=torch.float64)
+    v = torch.randn(n, P, HK, d, generator=g, dtype=torch.float64)
+    if slots[-1] == slots[-2]:  # padded rows repeat their inputs
+        k[-1], v[-1] = k[-2], v[-2]
+    q = torch.randn(n, P, Hq, d, generator=g, dtype=torch.float64)
+    sl = torch.tensor(slots)
+    plan = cache.prefill_plan(sl, P)
+    assert plan.flat_index.shape == (n * P * HK,)
+    cache.kv[0, 1].view(-1, d)[plan.flat_index] = k.reshape(-1, d)  # what the rotary kernel writes
+    cache.kv[1, 1].view(-1, d)[plan.flat_index] = v.reshape(-1, d)
+    ref.write_prefix(1, sl, k, v)
+    assert torch.equal(cache.kv, ref.kv)
+    out = cache.attend_prefill(1, q, plan, 0.3)
+    torch.testing.assert_close(out, kv.causal_attention(q, k, v, 0.3), rtol=1e-12, atol=1e-12)

@@ -50,7 +50,7 @@ if AVAILABLE:
         scale_log2e,
         Q: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-        PER_QUERY: tl.constexpr, USE_PDL: tl.constexpr,
+        PER_QUERY: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -61,7 +61,11 @@ if AVAILABLE:
         head = kvh * G + g
         dd = tl.arange(0, BLOCK_D)
         d_ok = dd < D
+        # int64: a layer of 256 slots x 8k entries x 8 heads x 128 is past 2**31 elements
+        kv_base = b.to(tl.int64) * sk_s + kvh * sk_h
         if USE_PDL:  # q and this step's cache entries come from the previous kernel (splitrl.rollout.pdl)
+            if EARLY:  # signal as it starts (splitrl.rollout.pdl, "Early")
+                pdl.gdc_launch_dependents()
             pdl.gdc_wait()
         used = tl.load(seqused_ptr + b)
         # inclusive last entry each query reads; >= 0 so that a stale slot's row (used < Q, its output
@@ -83,8 +87,6 @@ if AVAILABLE:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        # int64: a layer of 256 slots x 8k entries x 8 heads x 128 is past 2**31 elements
-        kv_base = b.to(tl.int64) * sk_s + kvh * sk_h
         for start in range(0, tl.maximum(used, 1), BLOCK_N):  # used 0: one masked block, output 0
             j = start + tl.arange(0, BLOCK_N)
             j_ok = j < used
@@ -101,7 +103,7 @@ if AVAILABLE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
-        if USE_PDL:
+        if USE_PDL and not EARLY:
             pdl.gdc_launch_dependents()
         tl.store(
             out_ptr + b * so_b + i[:, None] * so_q + head[:, None] * so_h + dd[None, :],
@@ -226,6 +228,7 @@ def decode_attention(
         # fp32 products stay fp32 (Triton's default for fp32 is TF32); only the interpreter tests pass
         # fp32 (a flash cache is fp16 / bf16), for which the setting has no effect
         PRECISION="ieee" if q_BQHd.dtype == torch.float32 else "tf32",
-        PER_QUERY=per_query, USE_PDL=on, num_warps=warps, num_stages=stages, **pdl.options(on),
+        PER_QUERY=per_query, USE_PDL=on, EARLY=pdl.early(on, B * Q), num_warps=warps, num_stages=stages,
+        **pdl.options(on),
     )  # fmt: skip
     return out.view(B, Q, H * d)

@@ -45,7 +45,9 @@ from __future__ import annotations
 import operator
 import os
 import time
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -61,6 +63,9 @@ __all__ = ["GenerationResult", "RolloutEngine", "RolloutStats"]
 
 # Fuse the elementwise ops of the forward with torch.compile on CUDA (fewer kernel launches).
 COMPILE_KERNELS = os.environ.get("SPLITRL_COMPILE_KERNELS", "1") != "0"
+# Queue the next chunk of decode steps before reading the flags of the one running, when no prompt
+# waits (scheduler docstring, "Chunks ahead"); SPLITRL_LOOK_AHEAD=0: read every chunk's flags first.
+LOOK_AHEAD = os.environ.get("SPLITRL_LOOK_AHEAD", "1") != "0"
 
 
 def _validated_config(config: GenerationConfig) -> GenerationConfig:
@@ -151,6 +156,9 @@ class RolloutEngine:
         use_cuda_graphs: capture decode steps as CUDA graphs (CUDA only; default True there).
         prefill_buckets: pad refills to the (rows, length) buckets of their CUDA graphs (default:
             ``use_cuda_graphs``; tests turn it on for the CPU).
+        look_ahead: queue the next chunk of steps before reading the flags of the one running, when
+            no prompt waits (default: on CUDA, where the GPU would otherwise idle through the
+            read; tests turn it on for the CPU). The tokens do not depend on it.
         speculative_switch_off: apply the switch-off rule and the measured choice (default True);
             when False every call is speculative and the rule's estimate is still computed and
             reported (benchmarks measure speculation this way).
@@ -210,6 +218,7 @@ class RolloutEngine:
         self.last_stats: RolloutStats | None = None
         self.runner = ModelRunner(self.model, self.fwd, config, self.num_drafts, self.device)
         self.policy = SpecPolicy(config, self.num_drafts)
+        self.look_ahead = LOOK_AHEAD and self.device.type == "cuda"
 
     @property
     def use_cuda_graphs(self) -> bool:
@@ -375,18 +384,35 @@ class RolloutEngine:
         policy.call_started(bucket)
         slots = Scheduler(runner, prompts, seeds, self.policy_version)
         timing = SpecTiming()
+        queued: deque[_Chunk] = deque()  # chunks launched whose flags the host has not read
+        active: list[int] = []
+        read_at = time.perf_counter()
         while True:
-            slots.refill(drafts)
-            active = slots.active()
-            if not active:
-                break
-            B, L, n_steps = slots.next_chunk(active, drafts, stats)
-            finished = self._decode_chunk(slots, active, drafts, B, L, n_steps, timing)
-            stats.num_forwards += n_steps
+            if not queued:  # refills and compactions move rows: only with nothing in flight
+                slots.refill(drafts)
+                active = slots.active()
+                if not active:
+                    break
+                queued.append(self._launch(slots, drafts, *slots.next_chunk(active, drafts, stats)))
+            if len(queued) == 1 and active and self.look_ahead:  # the next chunk behind it (scheduler: "Chunks ahead")
+                ahead = slots.next_chunk(active, drafts, stats, ahead=(queued[0].steps, queued[0].drafts))
+                if ahead is not None:
+                    queued.append(self._launch(slots, drafts, *ahead))
+            chunk = queued.popleft()
+            finished = slots.read(chunk.flags, active)
+            stats.num_forwards += chunk.steps
+            if chunk.timer is not None:  # a timed verify chunk: its wall from its launch or the last read
+                now = time.perf_counter()
+                wall, read_at = now - max(chunk.launched_at, read_at), now
+                B, L = chunk.bucket
+                timing.add_chunk(wall, chunk.timer.seconds, chunk.steps, runner.plain_step_time(B, L))
+            else:
+                read_at = time.perf_counter()
             if finished:
                 yield from slots.collect(finished, stats)
+                active = [s for s in active if slots.item[s] is not None]
             if drafts and policy.should_switch_off(timing, stats, slots.live_drafted, slots.live_accepted):
-                drafts = 0
+                drafts = 0  # a verify chunk already queued still runs: the same tokens
                 stats.switched_off_at_iteration = timing.iterations
         stats.wall_time_s = time.perf_counter() - start_time
         stats.tokens_per_s = stats.generated_tokens / stats.wall_time_s if stats.wall_time_s > 0 else 0.0
@@ -394,24 +420,33 @@ class RolloutEngine:
         stats.setup_s = runner.setup_s - setup_before
         policy.call_finished(stats, bucket)
 
-    def _decode_chunk(
-        self, slots: Scheduler, active: list[int], drafts: int, B: int, L: int, n_steps: int, timing: SpecTiming
-    ) -> list[int]:
-        """Run ``n_steps`` decode steps (``drafts`` 0) or verify iterations of ``drafts`` drafts of
-        bucket (B, L), then sync; the slots that finished. Verify chunks are timed into ``timing``
-        for the switch-off rule."""
-        runner, spec = self.runner, drafts > 0
+    def _launch(self, slots: Scheduler, drafts: int, B: int, L: int, n_steps: int) -> _Chunk:
+        """Queue ``n_steps`` decode steps (``drafts`` 0) or verify iterations of ``drafts`` drafts of
+        bucket (B, L), and the copy of the slots' flags behind them (read later: :meth:`Scheduler.read`).
+        Verify chunks are timed on the device for the switch-off rule (not when deterministic)."""
+        runner = self.runner
         kind = step_kind(drafts, self.num_drafts)
         if runner.use_cuda_graphs:
             runner.graph(kind, B, L)  # a capture is setup: not inside the chunk's timings
-        if not spec or self.policy.deterministic:  # deterministic: no clock decides, nothing is timed
+        launched_at = time.perf_counter()
+        timer = None
+        if drafts and not self.policy.deterministic:  # deterministic: no clock decides, nothing is timed
+            timer = DeviceTimer(self.device, synchronize=False)
+            with timer:
+                runner.run_steps(kind, B, L, n_steps)
+        else:
             runner.run_steps(kind, B, L, n_steps)
-            return slots.sync(active, B)
-        timer = DeviceTimer(self.device, synchronize=False)
-        t_launch = time.perf_counter()
-        with timer:
-            runner.run_steps(kind, B, L, n_steps)
-        finished = slots.sync(active, B)
-        # read after the sync: no extra wait
-        timing.add_chunk(time.perf_counter() - t_launch, timer.seconds, n_steps, runner.plain_step_time(B, L))
-        return finished
+        return _Chunk(n_steps, drafts, (B, L), slots.snapshot(B), timer, launched_at)
+
+
+@dataclass
+class _Chunk:
+    """A chunk of decode steps queued on the device: its steps, drafts a verify (0: plain), bucket
+    (B, L), the flags copy queued behind it, its device timer (timed verify chunks) and launch time."""
+
+    steps: int
+    drafts: int
+    bucket: tuple[int, int]
+    flags: tuple
+    timer: DeviceTimer | None
+    launched_at: float

@@ -70,7 +70,7 @@ from torch import nn
 from splitrl.models.policy import PolicyModel
 from splitrl.rollout import rope_write, skinny_gemm
 from splitrl.rollout.fused import Kernels, split_heads
-from splitrl.rollout.kv import AttentionPlan, StaticKVCache, causal_attention
+from splitrl.rollout.kv import AttentionPlan, PrefillPlan, StaticKVCache, causal_attention
 
 # the skinny-product kernel for few-row decode products on CUDA (module docstring); set at import
 SKINNY_GEMM = skinny_gemm.AVAILABLE and os.environ.get("SPLITRL_SKINNY_GEMM", "1") != "0"
@@ -81,6 +81,9 @@ SKINNY_GEMM = skinny_gemm.AVAILABLE and os.environ.get("SPLITRL_SKINNY_GEMM", "1
 SKINNY_EPILOGUE = SKINNY_GEMM and os.environ.get("SPLITRL_SKINNY_EPILOGUE", "1") != "0"
 SKINNY_GATED = SKINNY_GEMM and os.environ.get("SPLITRL_SKINNY_GATED", "1") != "0"
 ROPE_WRITE = rope_write.AVAILABLE and os.environ.get("SPLITRL_ROPE_WRITE", "1") != "0"
+# Backbone prefills on the rotary kernel + the flash kernel over the cache (DecoderForward._prefill_plan);
+# SPLITRL_FAST_PREFILL=0: the torch functions, the prefix write and SDPA over repeated keys and values.
+FAST_PREFILL = ROPE_WRITE and os.environ.get("SPLITRL_FAST_PREFILL", "1") != "0"
 
 
 def mtp_parts(model: PolicyModel, depth: int) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module, nn.Module]:
@@ -317,7 +320,7 @@ class DecoderForward:
         index: int,
         *,
         prefill_slots: torch.Tensor | None = None,
-        plan: AttentionPlan | None = None,
+        plan: AttentionPlan | PrefillPlan | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder layer on the residual stream h, whose input norm x = input_layernorm(h)
         the caller computed; ``next_norm``: the RMSNorm applied to this layer's output (the next
@@ -330,7 +333,16 @@ class DecoderForward:
         B, M, _ = h.shape
         d = attn.head_dim
         qk_norm = self.qk_norm
-        if hasattr(attn, _FUSED) and prefill_slots is None:
+        if isinstance(plan, PrefillPlan):
+            # a backbone prefill on CUDA: norms, rotary and the cache write in one kernel, then the
+            # flash kernel reads the entries just written, in place (:meth:`_prefill_plan`)
+            nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+            qw, kw = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm else (None, None)
+            eps = attn.q_norm.variance_epsilon if qk_norm else 0.0
+            qkv = _fused_linear(attn, x)
+            q = rope_write.norm_rope_write(qkv, nq, nk, d, qw, kw, eps, cos, sin, cache.kv[:, index], plan.flat_index)
+            o = cache.attend_prefill(index, q, plan, attn.scaling)
+        elif hasattr(attn, _FUSED) and prefill_slots is None:
             # decode: split, norms, rotary and keys + values stacked (one cache write) in one function
             nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
             qkv = _fused_linear(attn, x)
@@ -409,13 +421,31 @@ class DecoderForward:
         logits = nn.functional.linear(hidden, self.model.output_weight)
         return logits.float() / temperature if temperature != 1.0 else logits
 
-    def backbone_prefill(self, ids_BM: torch.Tensor, slots_B: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+    def _prefill_plan(self, h: torch.Tensor, slots_B: torch.Tensor, cache: StaticKVCache) -> PrefillPlan | None:
+        """The cache's :class:`~splitrl.rollout.kv.PrefillPlan` where a prefill's layers run on the
+        rotary kernel and the flash kernel reads the cache in place: CUDA, bf16 / fp16, a flash
+        (position-major) cache, fused q/k/v. Else None: the torch functions, the prefix write and
+        the attention over the projections' own keys and values (CPU, fp32: the exactness tests'
+        path). Both compute the same values up to bf16 rounding."""
+        if not (FAST_PREFILL and cache.flash and h.is_cuda and h.dtype in (torch.bfloat16, torch.float16)):
+            return None
+        if not all(hasattr(layer.self_attn, _FUSED) for layer in self.layers):
+            return None
+        return cache.prefill_plan(slots_B, h.shape[1])
+
+    def backbone_prefill(
+        self, ids_BM: torch.Tensor, slots_B: torch.Tensor, cache: StaticKVCache, slots_ascending: bool = False
+    ) -> torch.Tensor:
         """h⁰ [B, M, H] (after the final norm) of right-padded prompts at positions 0..M-1,
-        writing their keys and values to slots ``slots_B``."""
+        writing their keys and values to slots ``slots_B``. ``slots_ascending``: the caller's
+        promise that the slots are in non-decreasing order, as the flash sequences that read the
+        cache in place need (:meth:`_prefill_plan`); without it the prefill attends over the
+        projections' own keys and values."""
         B, M = ids_BM.shape
         h = self.model.embed_tokens(ids_BM)
         cos, sin = self._rope_prefix(h, B, M)
-        return self._stack(h, self._input_norm(self.layers[0], h), cos, sin, cache, prefill_slots=slots_B)
+        plan = self._prefill_plan(h, slots_B, cache) if slots_ascending else None
+        return self._stack(h, self._input_norm(self.layers[0], h), cos, sin, cache, prefill_slots=slots_B, plan=plan)
 
     def backbone_decode(
         self, ids_BQ: torch.Tensor, positions_BQ: torch.Tensor, cache: StaticKVCache, length: int

@@ -189,6 +189,25 @@ class AttentionPlan:
         return self._grouped[key]
 
 
+@dataclass
+class PrefillPlan:
+    """Where a prefill's entries go and the flash sequences that read them (see
+    :meth:`StaticKVCache.prefill_plan`).
+
+    Attributes:
+        flat_index: int64 [B*M*Hk] rows of the cache layer (a half viewed as [-1, d]) of entry (b, m, kv head).
+        length: M, the padded prompt length.
+        cu_q, cu_k: int32 [B+1], the rows' query offsets (b*M) and cache offsets (slot*max_len).
+        seqused: int32 [B], M for every row (the causal mask hides the padding from real tokens).
+    """
+
+    flat_index: torch.Tensor
+    length: int
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    seqused: torch.Tensor
+
+
 class StaticKVCache:
     """Keys and values of ``num_layers`` attention layers for ``slots`` rows of ``max_len`` positions.
 
@@ -301,6 +320,32 @@ class StaticKVCache:
             seqused = (limit_BQ[:, -1] + 1).clamp(1, length).to(torch.int32)
             return AttentionPlan(flat, None, length, None, seqused)
         return AttentionPlan(flat, mask, length, slots_B)
+
+    def prefill_plan(self, slots_B: torch.Tensor, M: int) -> PrefillPlan:
+        """The cache rows and flash sequences of a prefill of positions 0..M-1 into the slots
+        ``slots_B`` (ascending; a position-major cache: :attr:`flash`), shared by all layers."""
+        device = slots_B.device
+        heads = torch.arange(self.kv_heads, device=device)
+        start = slots_B * self.max_len
+        flat = (((start[:, None] + torch.arange(M, device=device)) * self.kv_heads)[..., None] + heads).reshape(-1)
+        n = slots_B.shape[0]
+        cu_q = torch.arange(n + 1, device=device, dtype=torch.int32) * M
+        # row b's entries start at its slot's first token in the flat [S*max_len, Hk, d] view; the
+        # sequence count's closing offset is past the last slot
+        cu_k = torch.cat([start, start[-1:] + self.max_len]).to(torch.int32)
+        seqused = torch.full((n,), M, dtype=torch.int32, device=device)
+        return PrefillPlan(flat, M, cu_q, cu_k, seqused)
+
+    def attend_prefill(self, layer: int, q_BMHd: torch.Tensor, plan: PrefillPlan, scale: float) -> torch.Tensor:
+        """Causal attention of a prefill's queries [B, M, H, d] over the entries its forward wrote to
+        this layer (:meth:`prefill_plan`), read in place by the flash varlen kernel (grouped heads
+        natively: no repeated copy of the keys and values). Right-padded prompts never read their
+        padding (causal). Returns [B, M, H * d]."""
+        B, M, H, d = q_BMHd.shape
+        Hk = self.kv_heads
+        k, v = self.k[layer].view(-1, Hk, d), self.v[layer].view(-1, Hk, d)
+        out = flash_varlen(q_BMHd.reshape(B * M, H, d), k, v, plan.cu_q, plan.cu_k, M, M, True, scale, plan.seqused)
+        return out.view(B, M, H * d)
 
     def write(self, layer: int, plan: AttentionPlan, k_BQHd: torch.Tensor, v_BQHd: torch.Tensor) -> None:
         """Store a forward's keys and values where ``plan`` says (graph-safe: one index_copy_ each)."""

@@ -7,8 +7,8 @@ kernel may be launched while its predecessor still runs: it starts, does the wor
 result of that predecessor (index arithmetic, constants), then waits (``griddepcontrol.wait``: the
 predecessor has completed and its writes are visible) before it reads or writes anything the
 predecessor may touch. Each kernel signals (``griddepcontrol.launch_dependents``) after its main
-loop, before its final stores, so that its successor's start overlaps this kernel's tail and a
-waiting successor does not take multiprocessors from a grid with waves still to run.
+loop, before its final stores (or as it starts: "Early" below), so that its successor's start
+overlaps this kernel's tail.
 
 The rule every kernel launched this way follows: no global read of a tensor an earlier kernel of
 the step writes, and no global write at all, before its wait. Only our Triton kernels take part;
@@ -20,6 +20,17 @@ and its launch and ramp are a large part of it. Measured on an H200 (Qwen3-0.6B 
 128 + 128, bench/RESULTS.md): plain decoding 991 / 24,350 tokens/s at batch 1 / 32 with PDL against
 940–951 / 23,531–23,629 without it, one session; at batch 256, where a layer's kernels run several
 waves, 66,428 against 68,504, so larger launches keep the plain launch.
+
+Early. The signal decides only when the successor may be scheduled: its wait still waits for this
+grid's completion, and the signal takes effect once every program of this grid has signalled or
+exited, so a successor never takes multiprocessors from a wave of this grid still to run. With
+:data:`EARLY`, launches of at most :data:`EARLY_ROWS` rows signal as soon as they start, so that
+the successor's launch and ramp overlap the whole of this kernel rather than its tail. It measured
+faster at 1 and 8 rows and slower at 32 (bench/RESULTS.md, 2026-12-06), where the kernels are long
+enough that the early grids' waiting programs cost more than the ramp they hide; hence the row
+limit. Asking for the successor's weights in L2 before its wait (``cp.async.bulk.prefetch.L2``)
+was tried on top and was slower at every size measured (the prefetches compete with the running
+kernel for the same bandwidth), so it is not done.
 
 Switch: ``SPLITRL_PDL=0`` turns it off (:data:`ENABLED`). Off, or under Triton's interpreter, or
 before sm90, the kernels are launched as before and the waits are not compiled in (a constexpr).
@@ -40,6 +51,10 @@ except ImportError:  # no Triton, or a Triton without grid dependency control
     gdc_launch_dependents = gdc_wait = None
 
 ENABLED = SUPPORTED and os.environ.get("SPLITRL_PDL", "1") != "0"
+# The early signal (module docstring, "Early") for launches of at most EARLY_ROWS rows;
+# SPLITRL_PDL_EARLY=0: the signal after the main loop at every size. Read at launch.
+EARLY = os.environ.get("SPLITRL_PDL_EARLY", "1") != "0"
+EARLY_ROWS = 8
 MAX_ROWS = 64  # rows (tokens) of a launch up to which it takes PDL (module docstring)
 _SM90: dict[int, bool] = {}
 
@@ -54,6 +69,12 @@ def active(t: torch.Tensor, rows: int) -> bool:
     if index not in _SM90:
         _SM90[index] = torch.cuda.get_device_capability(index)[0] >= 9
     return _SM90[index]
+
+
+def early(on: bool, rows: int) -> bool:
+    """Whether a launch of ``rows`` rows that takes PDL (``on``) signals its dependents as it
+    starts (module docstring, "Early")."""
+    return on and EARLY and rows <= EARLY_ROWS
 
 
 def options(on: bool) -> dict:

@@ -65,20 +65,23 @@ if AVAILABLE:
     @triton.jit
     def _norm_rope_write_kernel(
         qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, index_ptr,
-        s_qkv, s_cos, s_sin, v_offset, eps,
+        s_qkv, Q, s_cos_b, s_cos_q, s_sin_b, s_sin_q, v_offset, eps,
         HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
-        NORM: tl.constexpr, USE_PDL: tl.constexpr,
+        NORM: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0)  # token b·Q + q
         h = tl.program_id(1)  # query heads 0..HQ-1, then key heads (each with its value head)
         i = tl.arange(0, BLOCK)
         ok = i < HALF
         if USE_PDL:  # a tiny kernel: its successor may start as soon as every program has waited
+            if EARLY:  # or started (splitrl.rollout.pdl, "Early")
+                pdl.gdc_launch_dependents()
             pdl.gdc_wait()
-            pdl.gdc_launch_dependents()
+            if not EARLY:
+                pdl.gdc_launch_dependents()
         src = qkv_ptr + t * s_qkv + h * D
-        cos = cos_ptr + t * s_cos
-        sin = sin_ptr + t * s_sin
+        cos = cos_ptr + (t // Q) * s_cos_b + (t % Q) * s_cos_q
+        sin = sin_ptr + (t // Q) * s_sin_b + (t % Q) * s_sin_q
         if h < HQ:
             o1, o2 = _norm_rope(src, qw_ptr, cos, sin, i, ok, eps, HALF, D, NORM)
             dst = q_ptr + (t * HQ + h) * D
@@ -110,14 +113,16 @@ def norm_rope_write(
     kv_layer: torch.Tensor,
     flat_index: torch.Tensor,
 ) -> torch.Tensor:
-    """Queries of a decode forward, its keys and values written to the cache (module docstring).
+    """Queries of a decode forward (or of a prefill: Q the padded prompt length), its keys and values
+    written to the cache (module docstring).
 
     Args:
         qkv: [B, Q, nq + 2·nk], the fused q/k/v projection's output (bf16 / fp16), contiguous along
             its last dim; nq = Hq·d and nk = Hk·d features.
         q_weight, k_weight: [d] per-head RMSNorm weights, or both None (no per-head norm: Llama, Qwen2).
         eps: the norms' epsilon.
-        cos, sin: [B, Q, d] in qkv's dtype, each row contiguous (views of the rotary table are fine).
+        cos, sin: [B, Q, d] in qkv's dtype, each row contiguous, any strides over B and Q (views of
+            the rotary table, and a prefill's positions 0..Q-1 expanded over B, are fine).
         kv_layer: one layer of :attr:`StaticKVCache.kv`, ``kv[:, layer]``: [2, S, M, Hk, d] or
             [2, S, Hk, M, d], keys then values, each half contiguous.
         flat_index: int64 [B·Q·Hk], the plan's cache rows (of a half viewed as [-1, d]) of entry
@@ -140,8 +145,8 @@ def norm_rope_write(
     if norm != (k_weight is not None) or (norm and (q_weight.shape != (d,) or k_weight.shape != (d,))):
         problems.append("q_weight and k_weight must both be [d] or both be None")
     for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (B, Q, d) or t.dtype != qkv.dtype or t.stride(-1) != 1 or t.stride(0) != Q * t.stride(1):
-            problems.append(f"{name} must be [B, Q, d] = {(B, Q, d)} {qkv.dtype} with contiguous, evenly spaced rows")
+        if t.shape != (B, Q, d) or t.dtype != qkv.dtype or t.stride(-1) != 1:
+            problems.append(f"{name} must be [B, Q, d] = {(B, Q, d)} {qkv.dtype} with contiguous rows")
     if (
         kv_layer.dim() != 5
         or kv_layer.shape[0] != 2
@@ -164,8 +169,8 @@ def norm_rope_write(
     on = pdl.active(qkv, B * Q)
     _norm_rope_write_kernel[(B * Q, hq + hk)](
         qkv, weight, k_weight if norm else qkv, cos, sin, q, kv_layer, flat_index,
-        qkv.stride(1), cos.stride(1), sin.stride(1), kv_layer.stride(0), float(eps),
-        HQ=hq, HK=hk, D=d, HALF=half, BLOCK=triton.next_power_of_2(half), NORM=norm, USE_PDL=on, num_warps=1,
+        qkv.stride(1), Q, cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), kv_layer.stride(0), float(eps),
+        HQ=hq, HK=hk, D=d, HALF=half, BLOCK=triton.next_power_of_2(half), NORM=norm, USE_PDL=on, EARLY=pdl.early(on, B * Q), num_warps=1,
         **pdl.options(on),
     )  # fmt: skip
     return q

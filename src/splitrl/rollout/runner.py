@@ -420,6 +420,8 @@ class ModelRunner:
             ids[b, : len(p)] = torch.tensor(p, dtype=torch.int64)
         ids[n:] = ids[0]
         lens = torch.tensor([len(p) for p in prompts] + [len(prompts[0])] * pad, dtype=torch.int64)
+        if any(b <= a for a, b in zip(slots, slots[1:])):
+            raise ValueError(f"prefill slots must be distinct and ascending (the cache is read in place); got {slots}")
         sl = torch.tensor(list(slots) + [self.sink] * pad, dtype=torch.int64)
         lo, hi = seed_words(list(seeds) + [seeds[0]] * pad, torch.device("cpu"))
         host = torch.cat([ids.view(-1), lens, sl, lo, hi])  # one copy to the device
@@ -488,7 +490,8 @@ class ModelRunner:
         st, cfg, D = self.state, self.config, self.num_drafts
         n, P = ids.shape[0], ids.shape[1] - D
         rows = torch.arange(n, device=ids.device)
-        h = self.fwd.backbone_prefill(ids[:, :P], sl, self.cache)
+        # the scheduler refills free slots in order and pads with the sink, the last slot
+        h = self.fwd.backbone_prefill(ids[:, :P], sl, self.cache, slots_ascending=True)
         zero = torch.zeros(n, dtype=torch.int64, device=ids.device)
         y, lp = self._sample(self._logits(h[rows, lens - 1]), lo, hi, zero)
         stop = stop_mask(y, self.stop_ids)

@@ -7,6 +7,15 @@ with waiting prompts (a batched ragged prefill, see :meth:`ModelRunner.prefill
 <splitrl.rollout.runner.ModelRunner.prefill>`) and move rows to lower slots when a smaller bucket
 suffices. Finished rows in a bucket keep computing until that sync, writing only their own slot;
 their results are fixed.
+
+Chunks ahead. With no prompt waiting for a slot, the host queues the next chunk before it reads
+the flags of the one running (:meth:`next_chunk` with ``ahead``): the GPU then runs through the
+read and the host's bookkeeping instead of idling after every chunk (about 0.5 ms a sync at
+batch 32: bench/RESULTS.md). The chunk ahead is sized from what the host knows for certain: its
+steps are at most the ones the slowest row still needs even if it gained the most tokens a step
+in the chunk running, so on rows without stop tokens it never runs past the call's end; a row
+that stops early is one that keeps computing (as above) until the next read. The flags are read
+from a copy queued behind their chunk (:meth:`snapshot`), so the read waits for that chunk only.
 """
 
 from __future__ import annotations
@@ -103,15 +112,34 @@ class Scheduler:
                 lst[b] = lst[a]
             item[a] = None
 
-    def next_chunk(self, active: list[int], drafts: int, stats: RolloutStats) -> tuple[int, int, int]:
+    def next_chunk(
+        self, active: list[int], drafts: int, stats: RolloutStats, ahead: tuple[int, int] | None = None
+    ) -> tuple[int, int, int] | None:
         """(B, L, steps) of the next chunk of decode steps (``drafts`` 0) or verify iterations of
-        ``drafts`` drafts (1..D) of ``active``."""
+        ``drafts`` drafts (1..D) of ``active``.
+
+        ``ahead``: (steps, drafts) of a chunk queued but not read yet, which this one follows
+        (module docstring, "Chunks ahead"): the rows' counts are then known only up to that chunk's
+        tokens, so the steps are those the slowest row needs even if each of its steps emitted
+        drafts + 1 tokens; None when no step is certainly needed (or prompts wait: their refill
+        must not wait a chunk longer).
+        """
         runner, S = self.runner, self.S
         M, max_new = runner.cache.max_len, runner.config.max_new_tokens
         D = runner.num_drafts  # the cache margin below is the buffers' (the most drafts)
         B = row_bucket(active[-1] + 1, S)
         spec = drafts > 0
         Q = drafts + 1
+        if ahead is not None:
+            if self.waiting:
+                return None
+            gained = ahead[0] * (ahead[1] + 1)  # the most tokens a row can have gained in the queued chunk
+            need = max(max_new - self.count[s] for s in active) - gained  # tokens the slowest row still needs, at least
+            if need <= 0:
+                return None
+            n_steps = min(SYNC_EVERY, -(-need // Q))
+            top = max(len(self.prompts[self.item[s]]) + min(self.count[s] + gained + n_steps * Q, max_new) for s in active)
+            return B, length_bucket(top + 2 * D + 1, M), n_steps
         # with prompts waiting, stop when the first row can end (its slot is refilled then); with
         # none, when the last can: finished rows idle in the bucket until then (fewer host syncs
         # at a call's tail; results are fixed when a row finishes)
@@ -131,16 +159,37 @@ class Scheduler:
         L = length_bucket(top + 2 * D + 1, M)
         return B, L, n_steps
 
-    def sync(self, active: list[int], B: int) -> list[int]:
-        """Read the slots' progress (one host synchronization); the slots of ``active`` that finished."""
+    def snapshot(self, B: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Queue a copy of slots 0..B-1's progress (done, counter, drafted, accepted) to the host
+        behind the work queued so far; :meth:`read` takes it. On CUDA the copy lands in pinned
+        memory with an event, so the read waits for the work before it only."""
         st = self.runner.state
-        host = torch.stack([st.done[:B].long(), st.counter[:B], st.drafted[:B], st.accepted[:B]]).cpu().tolist()
+        flags = torch.stack([st.done[:B].long(), st.counter[:B], st.drafted[:B], st.accepted[:B]])
+        if flags.device.type != "cuda":
+            return flags.clone(), None
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    def read(self, snap: tuple[torch.Tensor, torch.cuda.Event | None], active: list[int]) -> list[int]:
+        """Take a :meth:`snapshot` (waiting for it): update the host copies of ``active``'s
+        progress; the slots of ``active`` that had finished."""
+        flags, event = snap
+        if event is not None:
+            event.synchronize()
+        host = flags.tolist()
         finished = []
         for s in active:
             self.count[s], self.live_drafted[s], self.live_accepted[s] = host[1][s], host[2][s], host[3][s]
             if host[0][s]:
                 finished.append(s)
         return finished
+
+    def sync(self, active: list[int], B: int) -> list[int]:
+        """Read the slots' progress now (one host synchronization); the slots of ``active`` that finished."""
+        return self.read(self.snapshot(B), active)
 
     def collect(self, finished: list[int], stats: RolloutStats) -> Iterator[tuple[int, GenerationResult]]:
         """(prompt index, result) of each finished slot, which is freed; adds them to ``stats``."""

@@ -66,7 +66,7 @@ if AVAILABLE:
         M, N, K,
         sx_m, sw_n, sy_s, sy_m,
         K_PER_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        USE_PDL: tl.constexpr,
+        USE_PDL: tl.constexpr, EARLY: tl.constexpr,
     ):  # fmt: skip
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
@@ -78,6 +78,8 @@ if AVAILABLE:
         k_begin = split * K_PER_SPLIT
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if USE_PDL:  # x is the previous kernel's output (splitrl.rollout.pdl)
+            if EARLY:  # signal as it starts (splitrl.rollout.pdl, "Early")
+                pdl.gdc_launch_dependents()
             pdl.gdc_wait()
         for k0 in range(0, K_PER_SPLIT, BLOCK_K):
             kk = k_begin + k0 + rk
@@ -85,7 +87,7 @@ if AVAILABLE:
             x = tl.load(x_ptr + rm[:, None] * sx_m + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptr + rn[:, None] * sw_n + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)
-        if USE_PDL:
+        if USE_PDL and not EARLY:
             pdl.gdc_launch_dependents()
         if HAS_BIAS:
             if split == 0:
@@ -94,15 +96,19 @@ if AVAILABLE:
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
     @triton.jit
-    def _sum_splits_kernel(p_ptr, y_ptr, total, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    def _sum_splits_kernel(
+        p_ptr, y_ptr, total, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr
+    ):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < total
         if USE_PDL:
+            if EARLY:
+                pdl.gdc_launch_dependents()
             pdl.gdc_wait()
         acc = tl.load(p_ptr + i, mask=ok, other=0.0)
         for s in tl.static_range(1, SPLIT_K):  # fixed order: the same sum on every run
             acc += tl.load(p_ptr + s * total + i, mask=ok, other=0.0)
-        if USE_PDL:
+        if USE_PDL and not EARLY:
             pdl.gdc_launch_dependents()
         tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
@@ -110,7 +116,7 @@ if AVAILABLE:
     def _sum_add_rms_norm_kernel(
         p_ptr, r_ptr, w_ptr, h_ptr, o_ptr,
         N, total, sr_m, sh_m, so_m, eps,
-        SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+        SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
     ):  # fmt: skip
         # one program a row: y = the fixed-order sum of its partials (rounded), h = y + residual,
         # out = weight * rms_norm(h), each rounded where the torch ops of fused.add_rms_norm round
@@ -119,6 +125,8 @@ if AVAILABLE:
         ok = n < N
         w = tl.load(w_ptr + n, mask=ok, other=0.0).to(tl.float32)  # a weight: no earlier kernel writes it
         if USE_PDL:
+            if EARLY:
+                pdl.gdc_launch_dependents()
             pdl.gdc_wait()
         acc = tl.load(p_ptr + m * N + n, mask=ok, other=0.0)
         for s in tl.static_range(1, SPLIT_K):
@@ -129,7 +137,7 @@ if AVAILABLE:
         hf = h.to(tl.float32)
         var = tl.sum(hf * hf, axis=0) / N
         normed = (hf * tl.math.rsqrt(var + eps)).to(dtype).to(tl.float32)
-        if USE_PDL:
+        if USE_PDL and not EARLY:
             pdl.gdc_launch_dependents()
         tl.store(h_ptr + m * sh_m + n, h, mask=ok)
         tl.store(o_ptr + m * so_m + n, (w * normed).to(dtype), mask=ok)
@@ -141,7 +149,7 @@ if AVAILABLE:
         M, F, K,
         sx_m, sw_n, sy_m,
         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        USE_PDL: tl.constexpr,
+        USE_PDL: tl.constexpr, EARLY: tl.constexpr,
     ):  # fmt: skip
         # one program: BLOCK_N features f of gate (weight rows f) and of up (rows F + f) for
         # BLOCK_M rows, the whole of K; silu(gate) * up in the epilogue
@@ -154,6 +162,8 @@ if AVAILABLE:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if USE_PDL:
+            if EARLY:  # signal as it starts (splitrl.rollout.pdl, "Early")
+                pdl.gdc_launch_dependents()
             pdl.gdc_wait()
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
@@ -164,7 +174,7 @@ if AVAILABLE:
             wu = tl.load(w_ptr + (F + rn)[:, None] * sw_n + kk[None, :], mask=w_ok, other=0.0)
             acc_g = tl.dot(x, tl.trans(wg), acc_g)
             acc_u = tl.dot(x, tl.trans(wu), acc_u)
-        if USE_PDL:
+        if USE_PDL and not EARLY:
             pdl.gdc_launch_dependents()
         if HAS_BIAS:
             acc_g += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -270,7 +280,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias, config) -> torch.Tenso
         M, N, K,
         x2.stride(0), weight.stride(0), y_stride_s, N,
         K_PER_SPLIT=k_per_split, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        USE_PDL=use_pdl, num_warps=warps, num_stages=stages, **pdl.options(use_pdl),
+        USE_PDL=use_pdl, EARLY=pdl.early(use_pdl, M), num_warps=warps, num_stages=stages, **pdl.options(use_pdl),
     )  # fmt: skip
     return y
 
@@ -301,7 +311,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         partials, y = y, torch.empty(M, N, dtype=x.dtype, device=x.device)
         on = pdl.active(x, M)
         _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](
-            partials, y, M * N, SPLIT_K=partials.shape[0], BLOCK=1024, USE_PDL=on, **pdl.options(on)
+            partials, y, M * N, SPLIT_K=partials.shape[0], BLOCK=1024, USE_PDL=on, EARLY=pdl.early(on, M),
+            **pdl.options(on),
         )
     return y.view(*lead, N)
 
@@ -364,7 +375,8 @@ def skinny_linear_add_rms_norm(
     _sum_add_rms_norm_kernel[(M,)](
         partials, r2, norm_weight, h, out,
         N, M * N, r2.stride(0), N, N, float(eps),
-        SPLIT_K=cfg[3], BLOCK=block, num_warps=4 if block <= 2048 else 8, USE_PDL=on, **pdl.options(on),
+        SPLIT_K=cfg[3], BLOCK=block, num_warps=4 if block <= 2048 else 8, USE_PDL=on, EARLY=pdl.early(on, M),
+        **pdl.options(on),
     )  # fmt: skip
     return h.view(*lead, N), out.view(*lead, N)
 
@@ -417,6 +429,6 @@ def skinny_linear_silu_mul(
         M, F, K,
         x2.stride(0), weight.stride(0), F,
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        USE_PDL=on, num_warps=warps, num_stages=stages, **pdl.options(on),
+        USE_PDL=on, EARLY=pdl.early(on, M), num_warps=warps, num_stages=stages, **pdl.options(on),
     )  # fmt: skip
     return y.view(*lead, F)
