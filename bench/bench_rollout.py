@@ -6,7 +6,8 @@ Random-init models (no hub access). Fixed-length rows have no stop tokens: every
 included), best of ``--repeats`` calls after a warm-up call on the same engine (CUDA-graph capture
 happens in the warm-up). HBM roofline: one decode step reads every backbone weight once
 (2 bytes each in bf16) and the KV cache of every row (2 · layers · kv_heads · head_dim · 2 bytes per
-cached token, at the mean context prompt + new/2), at ``--hbm-tb-s`` (4.3 TB/s measured on the H200);
+cached token, at the mean context prompt + new/2), at ``--hbm-tb-s`` (by default the copy bandwidth
+measured on the card the run finds: 4.3 TB/s on an H200, 3.0 on an H100 SXM; no roofline on others);
 roofline tokens/s = batch / (bytes per step / bandwidth).
 
 Speculation is measured with MTP heads trained on the model's own outputs: ``--mtp-samples``
@@ -140,7 +141,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--hbm-tb-s",
         type=float,
         default=None,
-        help="HBM bandwidth for the roofline (TB/s); default 4.3 (the H200) on cuda, no roofline on cpu",
+        help="HBM bandwidth for the roofline (TB/s); default the measured copy bandwidth of an H200 (4.3) or "
+        "H100 (3.0), no roofline on other devices",
     )
     p.add_argument("--check", action="store_true", help="first check fp32 exactness on the device")
     p.add_argument(
@@ -171,8 +173,10 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
-    if args.hbm_tb_s is None and args.device == "cuda":
-        args.hbm_tb_s = 4.3  # the H200's; a CPU run gets no roofline unless given one
+    if args.hbm_tb_s is None and args.device == "cuda" and torch.cuda.is_available():
+        # a device-to-device copy measured on each card (bench/RESULTS.md); a CPU run, or another
+        # card, gets no roofline unless given one
+        args.hbm_tb_s = card_bandwidth(torch.cuda.get_device_name())
     for name in ("init_range", "hbm_tb_s") if args.hbm_tb_s is not None else ("init_range",):
         if not 0 < getattr(args, name) < float("inf"):
             p.error(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
@@ -198,6 +202,15 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--profile {args.profile} is a directory; give a file path (the summary is appended to it)")
     if args.profile and not Path(args.profile).resolve().parent.is_dir():
         p.error(f"--profile {args.profile}: its directory does not exist; give a path in an existing directory")
+
+
+# copy bandwidth (bytes read + written) measured on the cards this workplace lends (bench/RESULTS.md)
+CARD_TB_S = {"H200": 4.3, "H100": 3.0}
+
+
+def card_bandwidth(name: str) -> float | None:
+    """The roofline bandwidth (TB/s) of a CUDA device named ``name``, None for a card not measured."""
+    return next((tb for card, tb in CARD_TB_S.items() if card in name), None)
 
 
 def _check_cache_fits(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -757,7 +770,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"device {device_name}, {dtype}, preset {args.preset} ({n_params / 1e6:.1f} M backbone params, "
         f"D={args.mtp_depths}), prompt {args.prompt_len} + {args.new_tokens} new tokens, "
-        f"T={args.temperature}, top_k={args.top_k}, torch {torch.__version__}, decode attention {_attention_path(args, model)}",
+        f"T={args.temperature}, top_k={args.top_k}, torch {torch.__version__}, decode attention {_attention_path(args, model)}, "
+        + (f"roofline at {args.hbm_tb_s} TB/s" if args.hbm_tb_s is not None else "no roofline (--hbm-tb-s)"),
         flush=True,
     )
     if args.speculative and args.train_mtp_steps:
