@@ -315,10 +315,12 @@ def test_bf16_gated_kernel_matches_fp32_as_closely_as_the_torch_path(M):
 
 
 @needs_cuda_triton
-def test_pdl_launches_compute_the_same_bits_in_a_cuda_graph(monkeypatch):
+@pytest.mark.parametrize("R", [4, 32])
+def test_pdl_launches_compute_the_same_bits_in_a_cuda_graph(monkeypatch, R):
     """A chain of the decode layer's kernels (gate/up + silu · mul, down_proj + add + norm, o_proj
     alone, the attention) launched with programmatic dependent launch inside a CUDA graph gives
-    the bits of the plain launches: each kernel's wait holds its reads of the previous result."""
+    the bits of the plain launches: each kernel's wait holds its reads of the previous result,
+    whether it signals its successor as it starts (R = 4 rows: ``pdl.early``) or after its loop."""
     from splitrl.rollout import decode_attention as da
     from splitrl.rollout import pdl
 
@@ -326,24 +328,26 @@ def test_pdl_launches_compute_the_same_bits_in_a_cuda_graph(monkeypatch):
         pytest.skip("programmatic dependent launch needs sm90+ and a Triton with grid dependency control")
     torch.manual_seed(3)
     dev, dt = "cuda", torch.bfloat16
-    x = torch.randn(32, 1024, device=dev, dtype=dt)
+    x = torch.randn(R, 1024, device=dev, dtype=dt)
     wgu = (torch.randn(2 * 3072, 1024, device=dev) / 32).to(dt)
     wd = (torch.randn(1024, 3072, device=dev) / 55).to(dt)
     wo = (torch.randn(2048, 1024, device=dev) / 32).to(dt)
-    r, nw = torch.randn(32, 1024, device=dev, dtype=dt), torch.ones(1024, device=dev, dtype=dt)
-    k, v = torch.randn(2, 32, 192, 8, 128, device=dev, dtype=dt).unbind(0)
-    used = torch.full((32,), 192, dtype=torch.int32, device=dev)
+    r, nw = torch.randn(R, 1024, device=dev, dtype=dt), torch.ones(1024, device=dev, dtype=dt)
+    k, v = torch.randn(2, R, 192, 8, 128, device=dev, dtype=dt).unbind(0)
+    used = torch.full((R,), 192, dtype=torch.int32, device=dev)
 
     def chain():
         act = sg.skinny_linear_silu_mul(x, wgu)
         h, n = sg.skinny_linear_add_rms_norm(act, wd, r, nw, 1e-6)
-        q = sg.skinny_linear(n, wo).view(32, 1, 16, 128)
+        q = sg.skinny_linear(n, wo).view(R, 1, 16, 128)
         return h, da.decode_attention(q, k, v, used, 128**-0.5)
 
     monkeypatch.setattr(pdl, "ENABLED", False)
     ref = chain()
     monkeypatch.setattr(pdl, "ENABLED", True)
-    assert pdl.active(x, 32) and not pdl.active(x, pdl.MAX_ROWS + 1)
+    monkeypatch.setattr(pdl, "EARLY", True)
+    assert pdl.active(x, R) and not pdl.active(x, pdl.MAX_ROWS + 1)
+    assert pdl.early(True, R) == (R <= pdl.EARLY_ROWS)
     outs = [torch.empty_like(t) for t in ref]
     chain()  # compile outside the capture
     torch.cuda.synchronize()
@@ -357,6 +361,18 @@ def test_pdl_launches_compute_the_same_bits_in_a_cuda_graph(monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(outs, ref))
+
+
+def test_the_early_signal_is_for_launches_of_few_rows_only(monkeypatch):
+    """splitrl.rollout.pdl.early: only a launch that takes PDL, of at most EARLY_ROWS rows (measured
+    slower at 32), and only while switched on (SPLITRL_PDL_EARLY)."""
+    from splitrl.rollout import pdl
+
+    monkeypatch.setattr(pdl, "EARLY", True)
+    assert pdl.early(True, 1) and pdl.early(True, pdl.EARLY_ROWS)
+    assert not pdl.early(True, pdl.EARLY_ROWS + 1) and not pdl.early(False, 1)
+    monkeypatch.setattr(pdl, "EARLY", False)
+    assert not pdl.early(True, 1)
 
 
 def test_pdl_is_for_small_cuda_launches_only(monkeypatch):
