@@ -131,3 +131,43 @@ def _fake_samples(model, args, n):
     import torch
 
     return torch.randint(0, model.config.vocab_size, (n, args.prompt_len + args.new_tokens))
+
+
+def test_card_bandwidth_is_the_measured_copy_of_known_cards_only():
+    """bench_rollout's roofline bandwidth from the CUDA device name: the copy measured on an H200 and
+    on an H100 (bench/RESULTS.md); none for another card (the user passes --hbm-tb-s)."""
+    br = load_bench("bench_rollout")
+    assert br.card_bandwidth("NVIDIA H200") == 4.3
+    assert br.card_bandwidth("NVIDIA H100 80GB HBM3") == 3.0
+    assert br.card_bandwidth("NVIDIA A100-SXM4-80GB") is None
+
+
+@pytest.mark.parametrize(
+    "variant, message",
+    [
+        ("noname", "a variant is 'name:owner.attr=0|1,...'"),
+        ("a:pdl.EARLY=2", "write owner.attr=0 or owner.attr=1"),
+        ("a:nowhere.X=1", "the owner is 'engine' or one of"),
+        ("a:pdl.NOT_A_FLAG=1", "splitrl.rollout.pdl has no NOT_A_FLAG"),
+    ],
+)
+def test_bench_switches_refuses_a_bad_variant(variant, message, capsys):
+    """bench/bench_switches.py: a mistyped switch is a usage error naming it, before any model is built
+    (a typo would otherwise measure the baseline twice under two names)."""
+    with pytest.raises(SystemExit) as err:
+        load_bench("bench_switches").main(["--variant", variant, "--variant", "b:"])
+    assert err.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_switches_runs_two_variants_on_the_cpu(capsys):
+    """The A/B bench end to end on the tiny model: one line a batch with each variant's tokens/s, its
+    ratio to the first and its samples identical to the first's (chunks queued ahead change nothing)."""
+    load_bench("bench_switches").main(
+        ["--batch-sizes", "2", "--rounds", "1", "--prompt-len", "4", "--new-tokens", "6",
+         "--variant", "before:engine.look_ahead=0", "--variant", "ahead:engine.look_ahead=1"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("batch 2:"))
+    assert "before" in line and "ahead" in line and "(1.000x, same tokens 2/2)" in line
+    assert line.count("same tokens 2/2") == 2

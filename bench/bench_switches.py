@@ -1,0 +1,134 @@
+"""A/B of the rollout engine's switches in one process: plain decoding tokens/s of each variant at
+each batch size, in interleaved rounds, against the first variant (the baseline a user has today).
+
+A variant is a name and switches: ``engine.<attr>`` (an attribute of the engine, e.g.
+``look_ahead``) or ``<module>.<NAME>`` of ``splitrl.rollout.{pdl, forward, skinny_gemm,
+decode_attention}`` (a module flag the kernels read at launch, e.g. ``pdl.EARLY``), each ``=0`` or
+``=1``. Each variant gets an engine of its own, built and warmed up (CUDA graphs captured) with
+its switches set, so that the graphs hold its kernels; the rounds then alternate the order of the
+variants (the first round in the given order, the next reversed) and each variant's best call is
+reported. Prompts, model and lengths are those of ``bench_rollout.py`` (random-init weights,
+fixed-length rows: 128 + 128 tokens by default). ``same tokens``: the samples identical to the
+baseline's (a change of kernel shape changes bf16 rounding, which at T = 1 changes some samples).
+
+    python bench/bench_switches.py --device cuda --batch-sizes 1,8,32,256 --rounds 3 \\
+        --variant "before:engine.look_ahead=0,pdl.EARLY=0,forward.FAST_PREFILL=0" \\
+        --variant "now:engine.look_ahead=1,pdl.EARLY=1,forward.FAST_PREFILL=1"
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shlex
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import bench_rollout as br  # noqa: E402
+from splitrl.rollout import GenerationConfig, RolloutEngine, decode_attention, forward, pdl, skinny_gemm  # noqa: E402
+
+MODULES = {"pdl": pdl, "forward": forward, "skinny_gemm": skinny_gemm, "decode_attention": decode_attention}
+
+
+def parse_variant(text: str) -> tuple[str, list[tuple[str, str, bool]]]:
+    """"name:owner.attr=0|1,..." as (name, [(owner, attr, value)]); raises ValueError saying what is wrong."""
+    name, sep, body = text.partition(":")
+    if not sep or not name.strip():
+        raise ValueError(f"a variant is 'name:owner.attr=0|1,...'; got {text!r}")
+    sets = []
+    for item in filter(None, (x.strip() for x in body.split(","))):
+        key, eq, value = item.partition("=")
+        owner, dot, attr = key.partition(".")
+        if not (eq and dot) or value not in ("0", "1"):
+            raise ValueError(f"switch {item!r} of variant {name!r}: write owner.attr=0 or owner.attr=1")
+        if owner != "engine":
+            if owner not in MODULES:
+                raise ValueError(f"switch {item!r}: the owner is 'engine' or one of {', '.join(MODULES)}")
+            if not hasattr(MODULES[owner], attr):
+                raise ValueError(f"switch {item!r}: splitrl.rollout.{owner} has no {attr}")
+        sets.append((owner, attr, value == "1"))
+    return name.strip(), sets
+
+
+def apply(sets: list[tuple[str, str, bool]], engine: RolloutEngine | None) -> None:
+    """Set a variant's module flags (and, given ``engine``, its engine attributes)."""
+    for owner, attr, value in sets:
+        if owner == "engine":
+            if engine is not None:
+                if not hasattr(engine, attr):
+                    raise ValueError(f"the engine has no attribute {attr!r}")
+                setattr(engine, attr, value)
+        else:
+            setattr(MODULES[owner], attr, value)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--preset", default=None, help="bench_rollout's preset (default qwen3-0.6b on cuda, tiny on cpu)")
+    p.add_argument("--batch-sizes", default="1,32", type=br._batch_sizes)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=3, help="calls of each variant after its warm-up (best reported)")
+    p.add_argument("--variant", action="append", default=[], help="name:owner.attr=0|1,... (two or more)")
+    p.add_argument("--hbm-tb-s", type=float, default=None, help="roofline bandwidth (default: bench_rollout's)")
+    args = p.parse_args(argv)
+    try:
+        variants = [parse_variant(v) for v in args.variant]
+    except ValueError as e:
+        p.error(str(e))
+    if len(variants) < 2:
+        p.error("give two or more --variant (the first is the baseline)")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    preset = args.preset or ("qwen3-0.6b" if args.device == "cuda" else "tiny")
+    bargs = br.parse_args(["--device", args.device, "--preset", preset, "--prompt-len", str(args.prompt_len),
+                           "--new-tokens", str(args.new_tokens), "--mtp-depths", "0"]
+                          + (["--hbm-tb-s", str(args.hbm_tb_s)] if args.hbm_tb_s else []))  # fmt: skip
+    print(f"command: python bench/bench_switches.py {shlex.join(argv)}", flush=True)
+    model = br.build_model(bargs, torch.bfloat16 if args.device == "cuda" else torch.float32)
+    for q in model.parameters():
+        q.requires_grad_(False)
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    bandwidth = bargs.hbm_tb_s * 1e12 if bargs.hbm_tb_s else None
+    roofline = f"roofline at {bargs.hbm_tb_s} TB/s" if bandwidth else "no roofline (--hbm-tb-s)"
+    print(f"device {name}, preset {preset}, {roofline}", flush=True)
+    base = variants[0][0]
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        prompts, seeds = br.prompts_for(model, batch, args.prompt_len), list(range(batch))
+        cfg = GenerationConfig(temperature=1.0, max_new_tokens=args.new_tokens, batch_size=batch, stop_token_ids=[])
+        engines = {}
+        for vname, sets in variants:
+            apply(sets, None)
+            engine = RolloutEngine(model, cfg, args.device)
+            apply(sets, engine)
+            engine.generate(prompts, seeds)  # captures and compilations
+            engines[vname] = engine
+        best = {vname: 0.0 for vname, _ in variants}
+        tokens = {}
+        for r in range(args.rounds):
+            for vname, sets in variants if r % 2 == 0 else variants[::-1]:
+                apply(sets, engines[vname])
+                results = engines[vname].generate(prompts, seeds)
+                best[vname] = max(best[vname], engines[vname].last_stats.tokens_per_s)
+                tokens[vname] = [res.response_ids for res in results]
+        _, roof = br.roofline(model, batch, args.prompt_len + args.new_tokens / 2, bandwidth)
+        parts = []
+        for vname, tps in best.items():
+            same = sum(a == b for a, b in zip(tokens[vname], tokens[base]))
+            parts.append(
+                f"{vname} {tps:,.0f} tok/s {br._percent(tps, roof).strip()} ({tps / best[base]:.3f}x, same tokens {same}/{batch})"
+            )
+        print(f"batch {batch}: " + "; ".join(parts), flush=True)
+        del engines
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
