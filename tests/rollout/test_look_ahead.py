@@ -112,3 +112,26 @@ def test_a_chunk_is_queued_ahead_only_when_no_prompt_waits(monkeypatch):
     # two drafts a verify: the queued chunk of 10 verifies may have made 30 tokens; 9 remain, 3 verifies
     assert slots.next_chunk(active, 2, stats, ahead=(10, 2))[2] == 3
     assert slots.next_chunk(active, 2, stats, ahead=(13, 2)) is None
+
+
+def test_rows_ending_on_stop_tokens_still_compact_with_chunks_ahead(monkeypatch):
+    """Every prompt in a slot from the start (none waits, so chunks are queued ahead) and rows ending
+    on stop tokens: nothing is queued while the live rows fit a smaller bucket, so the compaction
+    (which needs nothing queued) still shrinks the bucket, and the row-steps computed stay those of
+    reading every chunk first, give or take one chunk. (Queued chunks used to keep the call at its
+    first bucket to the end: 2.6x the row-steps, found in review.)"""
+    V = 24
+    model = make_model(vocab=V, depths=2, hidden_size=32, intermediate_size=64, init=0.5, seed=4)
+    cfg = GenerationConfig(temperature=0.9, max_new_tokens=60, stop_token_ids=[0, 1, 2], batch_size=8)
+    prompts = random_prompts(8, V, (2, 9), seed=3)
+    seeds = list(range(8))
+    monkeypatch.setattr(scheduler_mod, "SYNC_EVERY", 4)
+    base, base_chunks, _, _ = _run(model, cfg, prompts, seeds, False, monkeypatch)
+    monkeypatch.setattr(scheduler_mod, "SYNC_EVERY", 4)
+    ahead, ahead_chunks, _, queued = _run(model, cfg, prompts, seeds, True, monkeypatch)
+    assert [r.response_ids for r in ahead] == [r.response_ids for r in base]
+    assert queued == 2
+    buckets = {c[1] for c in ahead_chunks}
+    assert min(buckets) < 8  # compacted
+    row_steps = [sum(c[1] * c[3] for c in chunks) for chunks in (base_chunks, ahead_chunks)]
+    assert row_steps[1] <= row_steps[0] + 8 * 4, row_steps

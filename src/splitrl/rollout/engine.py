@@ -386,7 +386,6 @@ class RolloutEngine:
         timing = SpecTiming()
         queued: deque[_Chunk] = deque()  # chunks launched whose flags the host has not read
         active: list[int] = []
-        read_at = time.perf_counter()
         while True:
             if not queued:  # refills and compactions move rows: only with nothing in flight
                 slots.refill(drafts)
@@ -397,17 +396,18 @@ class RolloutEngine:
             if len(queued) == 1 and active and self.look_ahead:  # the next chunk behind it (scheduler: "Chunks ahead")
                 ahead = slots.next_chunk(active, drafts, stats, ahead=(queued[0].steps, queued[0].drafts))
                 if ahead is not None:
-                    queued.append(self._launch(slots, drafts, *ahead))
+                    queued.append(self._launch(slots, drafts, *ahead, behind=True))
             chunk = queued.popleft()
             finished = slots.read(chunk.flags, active)
             stats.num_forwards += chunk.steps
-            if chunk.timer is not None:  # a timed verify chunk: its wall from its launch or the last read
-                now = time.perf_counter()
-                wall, read_at = now - max(chunk.launched_at, read_at), now
+            if chunk.timer is not None:  # a timed verify chunk
+                # its wall: launch to flag read, the host work the GPU waited for included; a chunk
+                # queued behind another ran while the host worked, so its wall is its device time
+                # (setup and the caller's work between reads are no part of it)
+                device_s = chunk.timer.seconds
+                wall = device_s if chunk.behind else time.perf_counter() - chunk.launched_at
                 B, L = chunk.bucket
-                timing.add_chunk(wall, chunk.timer.seconds, chunk.steps, runner.plain_step_time(B, L))
-            else:
-                read_at = time.perf_counter()
+                timing.add_chunk(wall, device_s, chunk.steps, runner.plain_step_time(B, L))
             if finished:
                 yield from slots.collect(finished, stats)
                 active = [s for s in active if slots.item[s] is not None]
@@ -420,10 +420,11 @@ class RolloutEngine:
         stats.setup_s = runner.setup_s - setup_before
         policy.call_finished(stats, bucket)
 
-    def _launch(self, slots: Scheduler, drafts: int, B: int, L: int, n_steps: int) -> _Chunk:
+    def _launch(self, slots: Scheduler, drafts: int, B: int, L: int, n_steps: int, behind: bool = False) -> _Chunk:
         """Queue ``n_steps`` decode steps (``drafts`` 0) or verify iterations of ``drafts`` drafts of
-        bucket (B, L), and the copy of the slots' flags behind them (read later: :meth:`Scheduler.read`).
-        Verify chunks are timed on the device for the switch-off rule (not when deterministic)."""
+        bucket (B, L), and the copy of the slots' flags behind them (read later: :meth:`Scheduler.read`);
+        ``behind``: queued behind a chunk not read yet. Verify chunks are timed on the device for the
+        switch-off rule (not when deterministic)."""
         runner = self.runner
         kind = step_kind(drafts, self.num_drafts)
         if runner.use_cuda_graphs:
@@ -436,13 +437,14 @@ class RolloutEngine:
                 runner.run_steps(kind, B, L, n_steps)
         else:
             runner.run_steps(kind, B, L, n_steps)
-        return _Chunk(n_steps, drafts, (B, L), slots.snapshot(B), timer, launched_at)
+        return _Chunk(n_steps, drafts, (B, L), slots.snapshot(B), timer, launched_at, behind)
 
 
 @dataclass
 class _Chunk:
     """A chunk of decode steps queued on the device: its steps, drafts a verify (0: plain), bucket
-    (B, L), the flags copy queued behind it, its device timer (timed verify chunks) and launch time."""
+    (B, L), the flags copy queued behind it, its device timer (timed verify chunks), launch time,
+    and whether it was queued behind a chunk not read yet."""
 
     steps: int
     drafts: int
@@ -450,3 +452,4 @@ class _Chunk:
     flags: tuple
     timer: DeviceTimer | None
     launched_at: float
+    behind: bool = False

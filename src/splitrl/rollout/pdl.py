@@ -52,7 +52,8 @@ except ImportError:  # no Triton, or a Triton without grid dependency control
 
 ENABLED = SUPPORTED and os.environ.get("SPLITRL_PDL", "1") != "0"
 # The early signal (module docstring, "Early") for launches of at most EARLY_ROWS rows;
-# SPLITRL_PDL_EARLY=0: the signal after the main loop at every size. Read at launch.
+# SPLITRL_PDL_EARLY=0: the signal after the main loop at every size. Set from the environment at
+# import; the launches read the module attribute (a bench flips it between engines).
 EARLY = os.environ.get("SPLITRL_PDL_EARLY", "1") != "0"
 EARLY_ROWS = 8
 MAX_ROWS = 64  # rows (tokens) of a launch up to which it takes PDL (module docstring)

@@ -121,8 +121,9 @@ class Scheduler:
         ``ahead``: (steps, drafts) of a chunk queued but not read yet, which this one follows
         (module docstring, "Chunks ahead"): the rows' counts are then known only up to that chunk's
         tokens, so the steps are those the slowest row needs even if each of its steps emitted
-        drafts + 1 tokens; None when no step is certainly needed (or prompts wait: their refill
-        must not wait a chunk longer).
+        drafts + 1 tokens; None when no step is certainly needed, when prompts wait (their refill
+        must not wait a chunk longer) or when the live rows fit a smaller bucket (the compaction
+        runs with nothing queued).
         """
         runner, S = self.runner, self.S
         M, max_new = runner.cache.max_len, runner.config.max_new_tokens
@@ -131,7 +132,9 @@ class Scheduler:
         spec = drafts > 0
         Q = drafts + 1
         if ahead is not None:
-            if self.waiting:
+            # prompts waiting for a slot, or rows a smaller bucket would hold (a compaction, which
+            # needs nothing queued): read first
+            if self.waiting or row_bucket(len(active), S) < B:
                 return None
             gained = ahead[0] * (ahead[1] + 1)  # the most tokens a row can have gained in the queued chunk
             need = max(max_new - self.count[s] for s in active) - gained  # tokens the slowest row still needs, at least
@@ -170,7 +173,7 @@ class Scheduler:
         host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
         host.copy_(flags, non_blocking=True)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(flags.device))  # the engine's device, not the current one
         return host, event
 
     def read(self, snap: tuple[torch.Tensor, torch.cuda.Event | None], active: list[int]) -> list[int]:
