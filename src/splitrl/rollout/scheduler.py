@@ -16,6 +16,10 @@ steps are at most the ones the slowest row still needs even if it gained the mos
 in the chunk running, so on rows without stop tokens it never runs past the call's end; a row
 that stops early is one that keeps computing (as above) until the next read. The flags are read
 from a copy queued behind their chunk (:meth:`snapshot`), so the read waits for that chunk only.
+Nothing is queued ahead while the live rows fit a smaller bucket (the compaction moves rows, so
+it runs with nothing in flight), and a read that finds finished rows waits for the queued chunk
+too (their collection copies their outputs behind it): in a ragged call's tail the reads are
+mostly plain reads again.
 """
 
 from __future__ import annotations
