@@ -1,10 +1,12 @@
 """A/B of the rollout engine's switches in one process: plain decoding tokens/s of each variant at
 each batch size, in interleaved rounds, against the first variant (the baseline a user has today).
 
-A variant is a name and switches: ``engine.<attr>`` (an attribute of the engine, e.g.
-``look_ahead``) or ``<module>.<NAME>`` of ``splitrl.rollout.{pdl, forward, skinny_gemm,
-decode_attention}`` (a module flag the kernels read at launch, e.g. ``pdl.EARLY``), each ``=0`` or
-``=1``. Each variant gets an engine of its own, built and warmed up (CUDA graphs captured) with
+A variant is a name and switches: ``engine.<attr>`` (an on/off attribute of the engine:
+``look_ahead``, ``use_cuda_graphs``, ``prefill_buckets``) or ``<module>.<NAME>`` of
+``splitrl.rollout.{pdl, forward, skinny_gemm, decode_attention}`` (an on/off module flag the
+kernels read at launch, e.g. ``pdl.EARLY``), each ``=0`` or ``=1``; ``name:`` alone runs the
+defaults. Module flags are global to the process: a switch that a variant does not name takes its
+default (its value when the bench started) for that variant. Each variant gets an engine of its own, built and warmed up (CUDA graphs captured) with
 its switches set, so that the graphs hold its kernels; the rounds then alternate the order of the
 variants (the first round in the given order, the next reversed) and each variant's best call is
 reported. Prompts, model and lengths are those of ``bench_rollout.py`` (random-init weights,
@@ -31,51 +33,65 @@ import bench_rollout as br  # noqa: E402
 from splitrl.rollout import GenerationConfig, RolloutEngine, decode_attention, forward, pdl, skinny_gemm  # noqa: E402
 
 MODULES = {"pdl": pdl, "forward": forward, "skinny_gemm": skinny_gemm, "decode_attention": decode_attention}
+# the engine's on/off attributes a variant may set (plain decoding)
+ENGINE_SWITCHES = ("look_ahead", "use_cuda_graphs", "prefill_buckets")
 
 
-def parse_variant(text: str) -> tuple[str, list[tuple[str, str, bool]]]:
-    """"name:owner.attr=0|1,..." as (name, [(owner, attr, value)]); raises ValueError saying what is wrong."""
+def _switch_names() -> str:
+    flags = [f"{m}.{a}" for m, mod in MODULES.items() for a in sorted(vars(mod)) if isinstance(getattr(mod, a), bool)]
+    return ", ".join([f"engine.{a}" for a in ENGINE_SWITCHES] + flags)
+
+
+def parse_variant(text: str) -> tuple[str, dict[tuple[str, str], bool]]:
+    """"name:owner.attr=0|1,..." as (name, {(owner, attr): value}); raises ValueError saying what is
+    wrong. A switch is one of :data:`ENGINE_SWITCHES` or a bool flag of a module of :data:`MODULES`."""
     name, sep, body = text.partition(":")
     if not sep or not name.strip():
-        raise ValueError(f"a variant is 'name:owner.attr=0|1,...'; got {text!r}")
-    sets = []
+        raise ValueError(f"a variant is 'name:owner.attr=0|1,...' (no switches: 'name:'); got {text!r}")
+    sets: dict[tuple[str, str], bool] = {}
     for item in filter(None, (x.strip() for x in body.split(","))):
-        key, eq, value = item.partition("=")
+        key, eq, value = (part.strip() for part in item.partition("="))
         owner, dot, attr = key.partition(".")
         if not (eq and dot) or value not in ("0", "1"):
             raise ValueError(f"switch {item!r} of variant {name!r}: write owner.attr=0 or owner.attr=1")
-        if owner != "engine":
-            if owner not in MODULES:
-                raise ValueError(f"switch {item!r}: the owner is 'engine' or one of {', '.join(MODULES)}")
-            if not hasattr(MODULES[owner], attr):
-                raise ValueError(f"switch {item!r}: splitrl.rollout.{owner} has no {attr}")
-        sets.append((owner, attr, value == "1"))
+        known = attr in ENGINE_SWITCHES if owner == "engine" else isinstance(getattr(MODULES.get(owner), attr, None), bool)
+        if not known:
+            raise ValueError(f"switch {item!r} of variant {name!r} is not an on/off switch; the switches: {_switch_names()}")
+        if (owner, attr) in sets:
+            raise ValueError(f"variant {name!r} sets {key} twice")
+        sets[(owner, attr)] = value == "1"
     return name.strip(), sets
 
 
-def apply(sets: list[tuple[str, str, bool]], engine: RolloutEngine | None) -> None:
-    """Set a variant's module flags (and, given ``engine``, its engine attributes)."""
-    for owner, attr, value in sets:
-        if owner == "engine":
-            if engine is not None:
-                if not hasattr(engine, attr):
-                    raise ValueError(f"the engine has no attribute {attr!r}")
-                setattr(engine, attr, value)
-        else:
+def apply(sets: dict[tuple[str, str], bool], defaults: dict, engine: RolloutEngine | None) -> None:
+    """Set every switch any variant names: this variant's value, else its default (a module flag's
+    value before any variant ran; an engine attribute as the engine was built: None), so that a
+    flag one variant sets never carries over into the next. Engine attributes only given ``engine``."""
+    for (owner, attr), default in defaults.items():
+        value = sets.get((owner, attr), default)
+        if owner != "engine":
             setattr(MODULES[owner], attr, value)
+        elif engine is not None and value is not None:
+            setattr(engine, attr, value)
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--preset", default=None, help="bench_rollout's preset (default qwen3-0.6b on cuda, tiny on cpu)")
-    p.add_argument("--batch-sizes", default="1,32", type=br._batch_sizes)
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=3, help="calls of each variant after its warm-up (best reported)")
-    p.add_argument("--variant", action="append", default=[], help="name:owner.attr=0|1,... (two or more)")
-    p.add_argument("--hbm-tb-s", type=float, default=None, help="roofline bandwidth (default: bench_rollout's)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="default: cpu")
+    p.add_argument(
+        "--preset", default=None, choices=sorted(br.PRESETS), help="the model (default qwen3-0.6b on cuda, tiny on cpu)"
+    )
+    p.add_argument("--batch-sizes", default="1,32", type=br._batch_sizes, help="comma list (default 1,32)")
+    p.add_argument("--prompt-len", type=int, default=128, help="default 128")
+    p.add_argument("--new-tokens", type=int, default=128, help="default 128")
+    p.add_argument("--rounds", type=int, default=3, help="timed calls of each variant after its warm-up (default 3)")
+    p.add_argument(
+        "--variant", action="append", default=[], help="name:owner.attr=0|1,... (two or more; the first is the baseline)"
+    )
+    p.add_argument(
+        "--hbm-tb-s", type=float, default=None, help="roofline bandwidth, TB/s (default: the card's, as bench_rollout's)"
+    )
     args = p.parse_args(argv)
     try:
         variants = [parse_variant(v) for v in args.variant]
@@ -83,9 +99,22 @@ def main(argv: list[str] | None = None) -> None:
         p.error(str(e))
     if len(variants) < 2:
         p.error("give two or more --variant (the first is the baseline)")
-    if args.rounds < 1:
-        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    names = [n for n, _ in variants]
+    if len(set(names)) < len(names):
+        p.error(f"--variant names must differ; got {names}")
+    for flag in ("rounds", "prompt_len", "new_tokens"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.hbm_tb_s is not None and not 0 < args.hbm_tb_s < float("inf"):
+        p.error(f"--hbm-tb-s must be a positive number, got {args.hbm_tb_s}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but no CUDA GPU is visible here; use --device cpu")
     preset = args.preset or ("qwen3-0.6b" if args.device == "cuda" else "tiny")
+    defaults = {}
+    for _, sets in variants:
+        for owner, attr in sets:
+            # a module flag's value now; an engine attribute: the engine's own (None: left as built)
+            defaults[(owner, attr)] = getattr(MODULES[owner], attr) if owner != "engine" else None
     bargs = br.parse_args(["--device", args.device, "--preset", preset, "--prompt-len", str(args.prompt_len),
                            "--new-tokens", str(args.new_tokens), "--mtp-depths", "0"]
                           + (["--hbm-tb-s", str(args.hbm_tb_s)] if args.hbm_tb_s else []))  # fmt: skip
@@ -103,16 +132,16 @@ def main(argv: list[str] | None = None) -> None:
         cfg = GenerationConfig(temperature=1.0, max_new_tokens=args.new_tokens, batch_size=batch, stop_token_ids=[])
         engines = {}
         for vname, sets in variants:
-            apply(sets, None)
+            apply(sets, defaults, None)
             engine = RolloutEngine(model, cfg, args.device)
-            apply(sets, engine)
+            apply(sets, defaults, engine)
             engine.generate(prompts, seeds)  # captures and compilations
             engines[vname] = engine
         best = {vname: 0.0 for vname, _ in variants}
         tokens = {}
         for r in range(args.rounds):
             for vname, sets in variants if r % 2 == 0 else variants[::-1]:
-                apply(sets, engines[vname])
+                apply(sets, defaults, engines[vname])
                 results = engines[vname].generate(prompts, seeds)
                 best[vname] = max(best[vname], engines[vname].last_stats.tokens_per_s)
                 tokens[vname] = [res.response_ids for res in results]

@@ -68,7 +68,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--kinds",
         default="plain,speculative",
-        help="comma list of the calls to profile: plain, speculative (plain alone needs no MTP warm-up)",
+        help="comma list of the calls to profile: plain, speculative (default both; plain alone needs no MTP warm-up)",
     )
     p.add_argument(
         "--num-draft-tokens",

@@ -147,8 +147,11 @@ def test_card_bandwidth_is_the_measured_copy_of_known_cards_only():
     [
         ("noname", "a variant is 'name:owner.attr=0|1,...'"),
         ("a:pdl.EARLY=2", "write owner.attr=0 or owner.attr=1"),
-        ("a:nowhere.X=1", "the owner is 'engine' or one of"),
-        ("a:pdl.NOT_A_FLAG=1", "splitrl.rollout.pdl has no NOT_A_FLAG"),
+        ("a:nowhere.X=1", "is not an on/off switch; the switches: engine.look_ahead"),
+        ("a:pdl.NOT_A_FLAG=1", "is not an on/off switch"),
+        ("a:pdl.early=0", "is not an on/off switch"),  # a function of the module
+        ("a:engine.look_ahaed=0", "is not an on/off switch"),
+        ("a:pdl.EARLY=0,pdl.EARLY=1", "variant 'a' sets pdl.EARLY twice"),
     ],
 )
 def test_bench_switches_refuses_a_bad_variant(variant, message, capsys):
@@ -158,6 +161,37 @@ def test_bench_switches_refuses_a_bad_variant(variant, message, capsys):
         load_bench("bench_switches").main(["--variant", variant, "--variant", "b:"])
     assert err.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_switches_refuses_duplicate_names_and_bad_numbers(capsys):
+    """Two variants of one name (one result would replace the other), and lengths or bandwidths that
+    mean nothing: usage errors naming the flag."""
+    bench = load_bench("bench_switches")
+    for argv, message in (
+        (["--variant", "a:", "--variant", "a:engine.look_ahead=1"], "--variant names must differ"),
+        (["--variant", "a:", "--variant", "b:", "--rounds", "0"], "--rounds must be >= 1"),
+        (["--variant", "a:", "--variant", "b:", "--hbm-tb-s", "0"], "--hbm-tb-s must be a positive number"),
+    ):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert message in capsys.readouterr().err
+
+
+def test_bench_switches_resets_a_flag_the_variant_does_not_name(monkeypatch):
+    """A module flag one variant sets does not carry over into the next: a variant that does not name
+    it runs with its value from before the bench (found by a new user's trial: 'b:' ran with a's
+    pdl.EARLY=0)."""
+    bench = load_bench("bench_switches")
+    from splitrl.rollout import pdl
+
+    monkeypatch.setattr(pdl, "EARLY", True)
+    _, a = bench.parse_variant("a:pdl.EARLY=0")
+    _, b = bench.parse_variant("b:")
+    defaults = {("pdl", "EARLY"): True}
+    bench.apply(a, defaults, None)
+    assert pdl.EARLY is False
+    bench.apply(b, defaults, None)
+    assert pdl.EARLY is True
 
 
 def test_bench_switches_runs_two_variants_on_the_cpu(capsys):
