@@ -42,6 +42,7 @@ switch in :mod:`~splitrl.rollout.spec_policy`, the results in :mod:`~splitrl.rol
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import time
@@ -430,12 +431,9 @@ class RolloutEngine:
         if runner.use_cuda_graphs:
             runner.graph(kind, B, L)  # a capture is setup: not inside the chunk's timings
         launched_at = time.perf_counter()
-        timer = None
-        if drafts and not self.policy.deterministic:  # deterministic: no clock decides, nothing is timed
-            timer = DeviceTimer(self.device, synchronize=False)
-            with timer:
-                runner.run_steps(kind, B, L, n_steps)
-        else:
+        # deterministic: no clock decides, nothing is timed
+        timer = DeviceTimer(self.device, synchronize=False) if drafts and not self.policy.deterministic else None
+        with timer or contextlib.nullcontext():
             runner.run_steps(kind, B, L, n_steps)
         return _Chunk(n_steps, drafts, (B, L), slots.snapshot(B), timer, launched_at, behind)
 

@@ -333,20 +333,12 @@ class DecoderForward:
         B, M, _ = h.shape
         d = attn.head_dim
         qk_norm = self.qk_norm
-        if isinstance(plan, PrefillPlan):
-            # a backbone prefill on CUDA: norms, rotary and the cache write in one kernel, then the
-            # flash kernel reads the entries just written, in place (:meth:`_prefill_plan`)
-            nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
-            qw, kw = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm else (None, None)
-            eps = attn.q_norm.variance_epsilon if qk_norm else 0.0
-            qkv = _fused_linear(attn, x)
-            q = rope_write.norm_rope_write(qkv, nq, nk, d, qw, kw, eps, cos, sin, cache.kv[:, index], plan.flat_index)
-            o = cache.attend_prefill(index, q, plan, attn.scaling)
-        elif hasattr(attn, _FUSED) and prefill_slots is None:
+        prefill = isinstance(plan, PrefillPlan)  # a backbone prefill on CUDA (:meth:`_prefill_plan`)
+        if prefill or (hasattr(attn, _FUSED) and prefill_slots is None):
             # decode: split, norms, rotary and keys + values stacked (one cache write) in one function
             nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
             qkv = _fused_linear(attn, x)
-            if ROPE_WRITE and qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16):
+            if prefill or (ROPE_WRITE and qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16)):
                 # ... or in one kernel that also writes the cache (splitrl.rollout.rope_write)
                 qw, kw = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm else (None, None)
                 eps = attn.q_norm.variance_epsilon if qk_norm else 0.0
@@ -360,7 +352,8 @@ class DecoderForward:
                 else:
                     q, kv = self.k.qkv_rope(qkv, nq, nk, d, cos, sin)
                 cache.write_kv(index, plan, kv)
-            o = cache.attend(index, q, plan, attn.scaling)
+            # a prefill's queries read the entries just written, in place, on the flash kernel
+            o = cache.attend_prefill(index, q, plan, attn.scaling) if prefill else cache.attend(index, q, plan, attn.scaling)
         else:
             if hasattr(attn, _FUSED):
                 nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
