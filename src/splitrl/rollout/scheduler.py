@@ -194,10 +194,6 @@ class Scheduler:
                 finished.append(s)
         return finished
 
-    def sync(self, active: list[int], B: int) -> list[int]:
-        """Read the slots' progress now (one host synchronization); the slots of ``active`` that finished."""
-        return self.read(self.snapshot(B), active)
-
     def collect(self, finished: list[int], stats: RolloutStats) -> Iterator[tuple[int, GenerationResult]]:
         """(prompt index, result) of each finished slot, which is freed; adds them to ``stats``."""
         st, item, count = self.runner.state, self.item, self.count
