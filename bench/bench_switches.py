@@ -3,9 +3,10 @@ each batch size, in interleaved rounds, against the first variant (the baseline 
 
 A variant is a name and switches: ``engine.<attr>`` (an on/off attribute of the engine:
 ``look_ahead``, ``use_cuda_graphs``, ``prefill_buckets``) or ``<module>.<NAME>`` of
-``splitrl.rollout.{pdl, forward, skinny_gemm, decode_attention}`` (an on/off module flag the
-kernels read at launch, e.g. ``pdl.EARLY``), each ``=0`` or ``=1``; ``name:`` alone runs the
-defaults. Module flags are global to the process: a switch that a variant does not name takes its
+``splitrl.rollout.{pdl, forward, skinny_gemm, decode_attention, rope_write}`` (an on/off module
+flag the kernels read at launch, e.g. ``pdl.EARLY``), each ``=0`` or ``=1``, or one of the
+thresholds of :data:`INT_SWITCHES` ``=<int>`` (e.g. ``skinny_gemm.GATED_ROWS=256``); ``name:``
+alone runs the defaults. Module flags are global to the process: a switch that a variant does not name takes its
 default (its value when the bench started) for that variant. Each variant gets an engine of its own, built and warmed up (CUDA graphs captured) with
 its switches set, so that the graphs hold its kernels; the rounds then alternate the order of the
 variants (the first round in the given order, the next reversed) and each variant's best call is
@@ -30,40 +31,70 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_rollout as br  # noqa: E402
-from splitrl.rollout import GenerationConfig, RolloutEngine, decode_attention, forward, pdl, skinny_gemm  # noqa: E402
+from splitrl.rollout import (  # noqa: E402
+    GenerationConfig,
+    RolloutEngine,
+    decode_attention,
+    forward,
+    pdl,
+    rope_write,
+    skinny_gemm,
+)
 
-MODULES = {"pdl": pdl, "forward": forward, "skinny_gemm": skinny_gemm, "decode_attention": decode_attention}
+MODULES = {
+    "pdl": pdl,
+    "forward": forward,
+    "skinny_gemm": skinny_gemm,
+    "decode_attention": decode_attention,
+    "rope_write": rope_write,
+}
+# integer thresholds a variant may set (rows or tokens from or up to which a kernel is taken)
+INT_SWITCHES = (
+    ("skinny_gemm", "PREFERRED_ROWS"),
+    ("skinny_gemm", "GATED_ROWS"),
+    ("pdl", "EARLY_ROWS"),
+    ("rope_write", "GROUP_FROM_TOKENS"),
+    ("rope_write", "MAX_HEADS_PER_PROGRAM"),
+)
 # the engine's on/off attributes a variant may set (plain decoding)
 ENGINE_SWITCHES = ("look_ahead", "use_cuda_graphs", "prefill_buckets")
 
 
 def _switch_names() -> str:
     flags = [f"{m}.{a}" for m, mod in MODULES.items() for a in sorted(vars(mod)) if isinstance(getattr(mod, a), bool)]
-    return ", ".join([f"engine.{a}" for a in ENGINE_SWITCHES] + flags)
+    ints = [f"{m}.{a}=<int>" for m, a in INT_SWITCHES]
+    return ", ".join([f"engine.{a}" for a in ENGINE_SWITCHES] + flags + ints)
 
 
-def parse_variant(text: str) -> tuple[str, dict[tuple[str, str], bool]]:
-    """"name:owner.attr=0|1,..." as (name, {(owner, attr): value}); raises ValueError saying what is
-    wrong. A switch is one of :data:`ENGINE_SWITCHES` or a bool flag of a module of :data:`MODULES`."""
+def parse_variant(text: str) -> tuple[str, dict[tuple[str, str], bool | int]]:
+    """"name:owner.attr=value,..." as (name, {(owner, attr): value}); raises ValueError saying what
+    is wrong. A switch is one of :data:`ENGINE_SWITCHES` or a bool flag of a module of
+    :data:`MODULES` (value 0 or 1), or a threshold of :data:`INT_SWITCHES` (an integer ≥ 0)."""
     name, sep, body = text.partition(":")
     if not sep or not name.strip():
         raise ValueError(f"a variant is 'name:owner.attr=0|1,...' (no switches: 'name:'); got {text!r}")
-    sets: dict[tuple[str, str], bool] = {}
+    sets: dict[tuple[str, str], bool | int] = {}
     for item in filter(None, (x.strip() for x in body.split(","))):
         key, eq, value = (part.strip() for part in item.partition("="))
         owner, dot, attr = key.partition(".")
-        if not (eq and dot) or value not in ("0", "1"):
-            raise ValueError(f"switch {item!r} of variant {name!r}: write owner.attr=0 or owner.attr=1")
-        known = attr in ENGINE_SWITCHES if owner == "engine" else isinstance(getattr(MODULES.get(owner), attr, None), bool)
-        if not known:
-            raise ValueError(f"switch {item!r} of variant {name!r} is not an on/off switch; the switches: {_switch_names()}")
+        if (owner, attr) in INT_SWITCHES:
+            if not (eq and value.isdigit()):
+                raise ValueError(f"switch {item!r} of variant {name!r}: write {key}=<an integer >= 0>")
+            parsed: bool | int = int(value)
+        else:
+            known = attr in ENGINE_SWITCHES if owner == "engine" else isinstance(getattr(MODULES.get(owner), attr, None), bool)
+            if eq and dot and not known:
+                raise ValueError(f"switch {item!r} of variant {name!r} is not a switch; the switches: {_switch_names()}")
+            if not (eq and dot) or value not in ("0", "1"):
+                raise ValueError(f"switch {item!r} of variant {name!r}: write owner.attr=0 or owner.attr=1")
+            parsed = value == "1"
         if (owner, attr) in sets:
             raise ValueError(f"variant {name!r} sets {key} twice")
-        sets[(owner, attr)] = value == "1"
+        sets[(owner, attr)] = parsed
     return name.strip(), sets
 
 
-def apply(sets: dict[tuple[str, str], bool], defaults: dict, engine: RolloutEngine | None) -> None:
+def apply(sets: dict[tuple[str, str], bool | int], defaults: dict, engine: RolloutEngine | None) -> None:
     """Set every switch any variant names: this variant's value, else its default (a module flag's
     value before any variant ran; an engine attribute as the engine was built: None), so that a
     flag one variant sets never carries over into the next. Engine attributes only given ``engine``."""

@@ -147,10 +147,13 @@ def test_card_bandwidth_is_the_measured_copy_of_known_cards_only():
     [
         ("noname", "a variant is 'name:owner.attr=0|1,...'"),
         ("a:pdl.EARLY=2", "write owner.attr=0 or owner.attr=1"),
-        ("a:nowhere.X=1", "is not an on/off switch; the switches: engine.look_ahead"),
-        ("a:pdl.NOT_A_FLAG=1", "is not an on/off switch"),
-        ("a:pdl.early=0", "is not an on/off switch"),  # a function of the module
-        ("a:engine.look_ahaed=0", "is not an on/off switch"),
+        ("a:nowhere.X=1", "is not a switch; the switches: engine.look_ahead"),
+        ("a:pdl.NOT_A_FLAG=1", "is not a switch"),
+        ("a:pdl.early=0", "is not a switch"),  # a function of the module
+        ("a:engine.look_ahaed=0", "is not a switch"),
+        ("a:skinny_gemm.MAX_ROWS=512", "is not a switch"),  # an int, but not a threshold to vary
+        ("a:skinny_gemm.GATED_ROWS=-1", "write skinny_gemm.GATED_ROWS=<an integer >= 0>"),
+        ("a:rope_write.GROUP_FROM_TOKENS=many", "GROUP_FROM_TOKENS=<an integer >= 0>"),
         ("a:pdl.EARLY=0,pdl.EARLY=1", "variant 'a' sets pdl.EARLY twice"),
     ],
 )
@@ -192,6 +195,21 @@ def test_bench_switches_resets_a_flag_the_variant_does_not_name(monkeypatch):
     assert pdl.EARLY is False
     bench.apply(b, defaults, None)
     assert pdl.EARLY is True
+
+
+def test_bench_switches_sets_an_integer_threshold(monkeypatch):
+    """A threshold of INT_SWITCHES takes an integer, and a variant that does not name it gets its
+    value from before the bench."""
+    bench = load_bench("bench_switches")
+    from splitrl.rollout import skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "GATED_ROWS", 64)
+    _, a = bench.parse_variant("a:skinny_gemm.GATED_ROWS=256")
+    assert a == {("skinny_gemm", "GATED_ROWS"): 256}
+    bench.apply(a, {("skinny_gemm", "GATED_ROWS"): 64}, None)
+    assert skinny_gemm.GATED_ROWS == 256
+    bench.apply({}, {("skinny_gemm", "GATED_ROWS"): 64}, None)
+    assert skinny_gemm.GATED_ROWS == 64
 
 
 def test_bench_switches_runs_two_variants_on_the_cpu(capsys):

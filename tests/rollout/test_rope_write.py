@@ -47,10 +47,12 @@ _INTERPRETED = r"""
 import os, sys, torch
 sys.path.insert(0, os.environ["SPLITRL_TEST_DIR"])
 from test_rope_write import case
+from splitrl.rollout import rope_write
 worst, untouched, swapped = 0.0, True, 0.0
-for norm in (True, False):
-    for pm in (False, True):
-        for B, Q, Hq, Hk, d in ((1, 1, 4, 2, 16), (3, 2, 4, 2, 16), (2, 3, 2, 2, 12)):
+for group_from in (10**9, 1):  # one head a program; heads grouped (2 or 4 a program here)
+    rope_write.GROUP_FROM_TOKENS = group_from
+    for norm, pm in ((True, False), (True, True), (False, False), (False, True)):
+        for B, Q, Hq, Hk, d in ((1, 1, 4, 2, 16), (3, 2, 4, 2, 16), (2, 3, 2, 2, 12), (2, 1, 8, 4, 16)):
             q, ref_q, kv, ref_kv = case(torch.float32, "cpu", norm, pm, B, Q, Hq, Hk, d)
             worst = max(worst, float((q - ref_q).abs().max()), float((kv - ref_kv).abs().max()))
             untouched &= bool(torch.equal(kv[:, 0], ref_kv[:, 0]))  # layer 0: not written
@@ -62,8 +64,9 @@ print(worst, int(untouched), swapped)
 @pytest.mark.skipif(not rope_write.AVAILABLE, reason="needs Triton (its interpreter runs the kernel on the CPU)")
 def test_the_kernel_under_the_interpreter_is_the_torch_path():
     """fp32 on the CPU: both cache layouts, with and without per-head norms, 1..3 queries a row,
-    rows in other slots, a head dim whose half is not a power of two (masked lanes): queries and
-    every cache entry as the torch functions give them; keys and values not swapped."""
+    rows in other slots, a head dim whose half is not a power of two (masked lanes), one head a
+    program and 2 or 4: queries and every cache entry as the torch functions give them; keys and
+    values not swapped."""
     here = os.path.dirname(os.path.abspath(__file__))
     worst, untouched, swapped = map(float, run_interpreted(_INTERPRETED, SPLITRL_TEST_DIR=here)[-3:])
     assert worst < 1e-5, worst
@@ -101,7 +104,7 @@ def test_the_kernel_refuses_bad_inputs_before_any_launch():
 @needs_cuda_triton
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("pm", [True, False])
-@pytest.mark.parametrize("B,Q", [(1, 1), (32, 1), (8, 3), (256, 1)])
+@pytest.mark.parametrize("B,Q", [(1, 1), (32, 1), (8, 3), (256, 1), (64, 3)])
 def test_bf16_on_cuda_rounds_as_the_torch_path(norm, pm, B, Q):
     """The eager torch ops round each product and sum to bf16 and the kernel rounds at the same
     points: its error against the fp32 values is no larger than theirs (on the H200 it was smaller,

@@ -26,6 +26,8 @@ installed runs the kernel on the CPU in tests).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from splitrl.rollout import pdl
@@ -38,17 +40,20 @@ try:
 except ImportError:  # CPU installs: the torch functions are used
     AVAILABLE = False
 
+GROUP_FROM_TOKENS = 64  # tokens (B·Q) from which a program handles several heads (:func:`heads_per_program`)
+MAX_HEADS_PER_PROGRAM = 8  # heads a program handles at most
 
 if AVAILABLE:
 
     @triton.jit
     def _norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, i, ok, eps, HALF: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
-        """One head [d] at x_ptr: (first half, second half) after the norm and the rotary embedding."""
+        """Heads [HB, d] at x_ptr [HB, 1] (i: [1, BLOCK] lanes of a half): (first halves, second
+        halves) after the per-head norm and the rotary embedding."""
         dtype = x_ptr.dtype.element_ty
         x1 = tl.load(x_ptr + i, mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(x_ptr + HALF + i, mask=ok, other=0.0).to(tl.float32)
         if NORM:
-            r = tl.math.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+            r = tl.math.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / D + eps)[:, None]
             w1 = tl.load(w_ptr + i, mask=ok, other=0.0).to(tl.float32)
             w2 = tl.load(w_ptr + HALF + i, mask=ok, other=0.0).to(tl.float32)
             x1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
@@ -67,12 +72,14 @@ if AVAILABLE:
         qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, kv_ptr, index_ptr,
         s_qkv, Q, s_cos_b, s_cos_q, s_sin_b, s_sin_q, v_offset, eps,
         HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
-        NORM: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
+        HB: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
     ):  # fmt: skip
         t = tl.program_id(0)  # token b·Q + q
-        h = tl.program_id(1)  # query heads 0..HQ-1, then key heads (each with its value head)
-        i = tl.arange(0, BLOCK)
-        ok = i < HALF
+        # HB heads: query heads 0..HQ-1, then key heads (each with its value head); HB divides HQ
+        # and HK, so a program's heads are all queries or all keys
+        h = tl.program_id(1) * HB + tl.arange(0, HB)[:, None]  # [HB, 1]
+        i = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
+        ok = (i < HALF) & (h >= 0)  # [HB, BLOCK]
         if USE_PDL:  # a tiny kernel: its successor may start as soon as every program has waited
             if EARLY:  # or started (splitrl.rollout.pdl, "Early")
                 pdl.gdc_launch_dependents()
@@ -82,14 +89,14 @@ if AVAILABLE:
         src = qkv_ptr + t * s_qkv + h * D
         cos = cos_ptr + (t // Q) * s_cos_b + (t % Q) * s_cos_q
         sin = sin_ptr + (t // Q) * s_sin_b + (t % Q) * s_sin_q
-        if h < HQ:
+        if tl.program_id(1) * HB < HQ:
             o1, o2 = _norm_rope(src, qw_ptr, cos, sin, i, ok, eps, HALF, D, NORM)
             dst = q_ptr + (t * HQ + h) * D
             tl.store(dst + i, o1, mask=ok)
             tl.store(dst + HALF + i, o2, mask=ok)
         else:
             o1, o2 = _norm_rope(src, kw_ptr, cos, sin, i, ok, eps, HALF, D, NORM)
-            row = tl.load(index_ptr + t * HK + (h - HQ)).to(tl.int64)
+            row = tl.load(index_ptr + t * HK + (h - HQ)).to(tl.int64)  # [HB, 1]
             dst = kv_ptr + row * D
             tl.store(dst + i, o1, mask=ok)
             tl.store(dst + HALF + i, o2, mask=ok)
@@ -98,6 +105,17 @@ if AVAILABLE:
             v2 = tl.load(vsrc + HALF + i, mask=ok, other=0.0)
             tl.store(dst + v_offset + i, v1, mask=ok)
             tl.store(dst + v_offset + HALF + i, v2, mask=ok)
+
+
+def heads_per_program(tokens: int, hq: int, hk: int) -> int:
+    """Heads one program of the kernel handles for ``tokens`` tokens of hq query and hk key/value
+    heads: 1 below :data:`GROUP_FROM_TOKENS` tokens (many programs, each as short as it gets),
+    else the largest power of two that divides both hq and hk, at most :data:`MAX_HEADS_PER_PROGRAM`
+    (at 256 tokens one-head programs are 6,144 launches of a single warp: more waves than work)."""
+    if tokens < GROUP_FROM_TOKENS:
+        return 1
+    g = math.gcd(hq, hk)
+    return min(g & -g, MAX_HEADS_PER_PROGRAM)
 
 
 def norm_rope_write(
@@ -167,10 +185,12 @@ def norm_rope_write(
     half = d // 2
     weight = q_weight if norm else qkv  # an unused pointer where there is no norm
     on = pdl.active(qkv, B * Q)
-    _norm_rope_write_kernel[(B * Q, hq + hk)](
+    hb = heads_per_program(B * Q, hq, hk)
+    _norm_rope_write_kernel[(B * Q, (hq + hk) // hb)](
         qkv, weight, k_weight if norm else qkv, cos, sin, q, kv_layer, flat_index,
         qkv.stride(1), Q, cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1), kv_layer.stride(0), float(eps),
-        HQ=hq, HK=hk, D=d, HALF=half, BLOCK=triton.next_power_of_2(half), NORM=norm, USE_PDL=on, EARLY=pdl.early(on, B * Q), num_warps=1,
+        HQ=hq, HK=hk, D=d, HALF=half, BLOCK=triton.next_power_of_2(half), HB=hb, NORM=norm, USE_PDL=on,
+        EARLY=pdl.early(on, B * Q), num_warps=max(1, min(4, hb * half // 128)),
         **pdl.options(on),
     )  # fmt: skip
     return q
