@@ -19,23 +19,21 @@ SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
 @pytest.mark.parametrize("M", [1, 3, 16, 17, 32, 33, 64, 65, 96, 256])
 @pytest.mark.parametrize("N,K", SHAPES + [(48, 96), (100, 1000)])
 def test_the_plan_covers_every_row_and_feature_once(M, N, K):
-    block_m, block_n, block_k, split, warps, *stages = sg.plan(M, N, K)
-    # one tile of rows up to 64 (a power of two, >= 16, < 2M); above, the wide tiles and their stages
+    block_m, block_n, block_k, split, warps = sg.plan(M, N, K)
+    # one tile of rows up to 64 (a power of two, >= 16, < 2M), tiles of 64 rows above
     if M <= 64:
         assert block_m >= max(16, M) and block_m & (block_m - 1) == 0 and block_m < 2 * max(16, M)
-        assert block_n in (16, 32) and block_k in (128, 256) and warps == 4 and stages == []
-        fill = sg.SMS_TO_FILL
     else:
-        assert (block_m, block_n, block_k, warps, *stages) == sg.WIDE_TILES[:5]
-        fill = sg.WIDE_TILES[5]
+        assert block_m == 64
+    assert block_n in (16, 32) and block_k in (128, 256) and warps == 4
     assert split in (1, 2, 4, 8)
     # each split is a whole number of BLOCK_K tiles, and together they cover K exactly
     assert split == 1 or K % (split * block_k) == 0
     programs = math.ceil(N / block_n) * split * math.ceil(M / block_m)
     # the plan raises the programs to the chip's multiprocessors where K allows another split
-    assert programs >= fill or split == 8 or K % (2 * split * block_k) != 0
+    assert programs >= sg.SMS_TO_FILL or split == 8 or K % (2 * split * block_k) != 0
     gm, gn, gk, gw = sg.gated_plan(M, N // 2, K)
-    assert gm == min(64, block_m) and gn in (16, 32) and gk == 128 and gw == 4
+    assert gm == block_m and gn in (16, 32) and gk == 128 and gw == 4
 
 
 def test_linear_is_torch_linear_off_cuda_and_for_many_rows():
@@ -84,8 +82,7 @@ import torch
 from splitrl.rollout import fused, skinny_gemm as sg
 torch.manual_seed(0)
 worst, no_residual = 0.0, 0.0
-for M, N, K, bias in [(1, 64, 512, False), (3, 48, 256, True), (20, 40, 1024, False), (64, 100, 512, True),
-                      (130, 100, 512, True)]:
+for M, N, K, bias in [(1, 64, 512, False), (3, 48, 256, True), (20, 40, 1024, False), (64, 100, 512, True)]:
     r, nw = torch.randn(M, N), 1 + 0.2 * torch.randn(N)
     b = torch.randn(N) if bias else None
     x, w = torch.randn(M, K), torch.randn(N, K) / K**0.5
@@ -93,8 +90,6 @@ for M, N, K, bias in [(1, 64, 512, False), (3, 48, 256, True), (20, 40, 1024, Fa
     ref_h, ref_n = fused.add_rms_norm(y, r.double(), nw.double(), 1e-6)
     for split in (2, 4):
         cfg = (max(16, sg.triton_next_power_of_2(M)), 16, 128, split, 4)
-        if M == 130:  # wide tiles (plan() above 64 rows): two tiles of 128 rows, the second masked
-            cfg = (128, 64, 64, split, 4, 3)
         h, n = sg.skinny_linear_add_rms_norm(x, w, r, nw, 1e-6, b, config=cfg)
         assert h.shape == n.shape == (M, N) and h.dtype == n.dtype == x.dtype
         worst = max(worst, float((h.double() - ref_h).abs().max()), float((n.double() - ref_n).abs().max()))
@@ -106,8 +101,8 @@ print(worst, no_residual)
 @pytest.mark.skipif(not sg.AVAILABLE, reason="needs Triton (its interpreter runs the kernel on the CPU)")
 def test_the_add_norm_epilogue_under_the_interpreter():
     """fp32 on the CPU: the split partials summed, the residual added and the row normalized:
-    (h, norm(h)) of the torch ops in fp64, 1..64 rows and 130 on wide tiles, split 2 and 4, bias,
-    N not a power of two (masked lanes of the norm)."""
+    (h, norm(h)) of the torch ops in fp64, 1..64 rows, split 2 and 4, bias, N not a power of two
+    (masked lanes of the norm)."""
     worst, no_residual = map(float, run_interpreted(_INTERPRETED_EPILOGUE)[-2:])
     assert worst < 1e-5, worst
     assert no_residual > 1e-2, no_residual
@@ -194,7 +189,7 @@ def test_the_decode_forward_takes_the_kernel_only_for_the_narrow_products():
 
 
 @needs_cuda_triton
-@pytest.mark.parametrize("M", [1, 3, 32, 64, 96, 128, 256])
+@pytest.mark.parametrize("M", [1, 3, 32, 64, 96, 128])  # 256 rows: plan() does not split these
 @pytest.mark.parametrize("N,K", [(1024, 2048), (1024, 3072)])  # o_proj, down_proj of the 0.6B shape
 def test_bf16_epilogue_matches_fp32_as_closely_as_the_torch_path(M, N, K):
     """The fused product + add + norm against the torch path it replaces (the product, then

@@ -56,11 +56,6 @@ STAGES = 3  # weight tiles in flight per program (num_stages) unless a config sa
 _GATED_TILES = tuple(int(v) for v in os.environ.get("SPLITRL_GATED_TILES", "").split(",") if v.strip())
 if _GATED_TILES and len(_GATED_TILES) != 4:
     raise ValueError(f"SPLITRL_GATED_TILES takes BLOCK_N,BLOCK_K,num_warps,num_stages; got {_GATED_TILES}")
-# :func:`plan`'s tiles above 64 rows: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, programs to
-# fill by splitting K); benches: SPLITRL_WIDE_TILES="BM,BN,BK,warps,stages,fill"
-WIDE_TILES = tuple(int(v) for v in os.environ.get("SPLITRL_WIDE_TILES", "128,64,64,4,3,132").split(","))
-if len(WIDE_TILES) != 6:
-    raise ValueError(f"SPLITRL_WIDE_TILES takes BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages,fill; got {WIDE_TILES}")
 
 
 if AVAILABLE:
@@ -194,30 +189,23 @@ if AVAILABLE:
         tl.store(out, y.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def plan(M: int, N: int, K: int) -> tuple[int, ...]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps[, num_stages]) for an [M, K] × [N, K]ᵀ
-    product, M ≤ MAX_ROWS.
+def plan(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps) for an [M, K] × [N, K]ᵀ product, M ≤ MAX_ROWS.
 
-    Up to 64 rows: BLOCK_M is M rounded up to a power of two (16 at least: the tensor cores'
-    smallest tile); BLOCK_N is 32 when N / 32 programs fill the chip, else 16; BLOCK_K 256 up to 32
-    rows, else 128; 4 warps, :data:`STAGES` stages (no sixth entry). Above 64 rows the tiles of
-    :data:`WIDE_TILES` (a sixth entry, their stages). SPLIT_K (1, 2, 4 or 8, each split a multiple
-    of BLOCK_K) raises the programs to ``SMS_TO_FILL`` (above 64 rows, WIDE_TILES' fill) or more
-    where K allows it.
+    BLOCK_M is M rounded up to a power of two (16 at least: the tensor cores' smallest tile), 64
+    above 64 rows (tiles of 64 rows, one program each). BLOCK_N is 32 when N / 32 programs fill
+    the chip, else 16; SPLIT_K (1, 2, 4 or 8, each split a multiple of BLOCK_K) raises the programs
+    to ``SMS_TO_FILL`` or more where K allows it.
     """
-    if M > 64:
-        block_m, block_n, block_k, warps, stages, fill = WIDE_TILES
-        tail: tuple[int, ...] = (warps, stages)
-    else:
-        block_m = max(16, triton_next_power_of_2(M))
-        block_n = 32 if N // 32 >= SMS_TO_FILL else 16
-        block_k = 256 if block_m <= 32 else 128
-        tail, fill = (4,), SMS_TO_FILL
-    programs = -(-N // block_n) * -(-M // block_m)
+    block_m = min(64, max(16, triton_next_power_of_2(M)))
+    m_tiles = -(-M // block_m)
+    block_n = 32 if N // 32 * m_tiles >= SMS_TO_FILL else 16
+    block_k = 256 if block_m <= 32 else 128
+    programs = -(-N // block_n) * m_tiles
     split = 1
-    while programs * split < fill and split < 8 and K % (2 * split * block_k) == 0:
+    while programs * split < SMS_TO_FILL and split < 8 and K % (2 * split * block_k) == 0:
         split *= 2
-    return (block_m, block_n, block_k, split, *tail)
+    return block_m, block_n, block_k, split, 4
 
 
 def gated_plan(M: int, F: int, K: int) -> tuple[int, int, int, int]:
