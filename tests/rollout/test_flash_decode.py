@@ -283,8 +283,8 @@ print(worst, shifted)
 """
 
 
-def _run_interpreted(code: str) -> list[str]:
-    return run_interpreted(code, SPLITRL_DECODE_ATTENTION="triton")
+def _run_interpreted(code: str, **env) -> list[str]:
+    return run_interpreted(code, SPLITRL_DECODE_ATTENTION="triton", **env)
 
 
 @pytest.mark.skipif(not decode_mod.AVAILABLE, reason="needs Triton (its interpreter runs the kernel on the CPU)")
@@ -682,3 +682,128 @@ def test_the_cuda_prefill_path_interpreted_equals_the_torch_path():
     assert [out[i] for i in (-9, -6, -3)] == ["qwen3", "qwen2", "llama"], out
     for i in (-8, -7, -5, -4, -2, -1):
         assert float(out[i]) < 1e-4, out
+
+
+def _rope_attention_case(dt, device, norm, B, Q, Hq, Hk, d, seed=0):
+    """(out, cache) of the fused rotary + write + attention kernel and (out, cache) of the two
+    launches it replaces (rope_write.norm_rope_write, then decode_attention), on equal caches:
+    rows 0..B-1 ending at random positions, Q queries a row."""
+    from splitrl.rollout import rope_write
+
+    torch.manual_seed(seed)
+    M, S = 80, B + 2
+    caches = [StaticKVCache(2, S, Hk, M, d, dt, device, flash=False, position_major=True) for _ in range(2)]
+    caches[0].kv.normal_()
+    caches[1].kv.copy_(caches[0].kv)
+    qkv = torch.randn(B, Q, (Hq + 2 * Hk) * d, device=device).to(dt)
+    qw, kw = (1 + 0.2 * torch.randn(2, d, device=device)).to(dt) if norm else (None, None)
+    angle = torch.arange(M, device=device)[:, None] * 0.3 / (1 + torch.arange(d, device=device))
+    table = torch.stack([torch.cos(angle), torch.sin(angle)], 1).to(dt)
+    last = torch.randint(Q - 1, M - 1, (B,), device=device)
+    pos = last[:, None] - (Q - 1) + torch.arange(Q, device=device)
+    cos, sin = table[pos].unbind(2)  # views with a row stride of 2d, as the engine's table gives
+    plan = caches[0].plan(pos, pos, pos, M)
+    seq = (last + 1).to(torch.int32)
+    q = rope_write.norm_rope_write(qkv, Hq * d, Hk * d, d, qw, kw, 1e-6, cos, sin, caches[0].kv[:, 1], plan.flat_index)
+    ref = decode_mod.decode_attention(q, caches[0].k[1], caches[0].v[1], seq, d**-0.5)
+    out = decode_mod.rope_decode_attention(
+        qkv, Hq * d, Hk * d, d, qw, kw, 1e-6, cos, sin, caches[1].k[1], caches[1].v[1], plan.flat_index, seq, d**-0.5
+    )
+    return out, caches[1].kv, ref, caches[0].kv
+
+
+_ROPE_ATTENTION_INTERPRETED = r"""
+import os, sys, torch
+sys.path.insert(0, os.environ["SPLITRL_TEST_DIR"])
+from test_flash_decode import _rope_attention_case
+worst, moved = 0.0, 0.0
+for norm in (True, False):
+    for B, Q, Hq, Hk, d in ((1, 1, 4, 2, 16), (3, 2, 4, 2, 16), (2, 3, 2, 2, 32), (4, 1, 8, 2, 16)):
+        out, kv, ref, ref_kv = _rope_attention_case(torch.float32, "cpu", norm, B, Q, Hq, Hk, d)
+        worst = max(worst, float((out - ref).abs().max()), float((kv - ref_kv).abs().max()))
+        moved = max(moved, float(out.abs().max()))
+print(worst, moved)
+"""
+
+
+@pytest.mark.skipif(not decode_mod.AVAILABLE, reason="needs Triton (its interpreter runs the kernel on the CPU)")
+def test_the_rotary_attention_kernel_interpreted_is_the_two_launches():
+    """fp32 on the CPU (Triton's interpreter): the attention kernel that also normalizes, rotates
+    and writes the step's keys and values gives the outputs and the cache of the rotary kernel
+    followed by the attention kernel, with and without per-head norms, 1..3 queries a row."""
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    worst, moved = map(float, _run_interpreted(_ROPE_ATTENTION_INTERPRETED, SPLITRL_TEST_DIR=here)[-2:])
+    assert worst < 1e-6, worst
+    assert moved > 0.1
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and decode_mod.AVAILABLE), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("B,Q", [(1, 1), (32, 1), (8, 3), (256, 1), (32, 2)])
+def test_the_rotary_attention_kernel_in_bf16_is_the_two_launches(norm, B, Q):
+    """bf16 on CUDA, the Qwen3-0.6B heads (16 / 8, d = 128): the fused launch's outputs and cache
+    as the two launches give them. The same norm + rotary function and the same loop, so the
+    values agree bit for bit except where a reduction's order differs (the per-head variance):
+    at most one bf16 step apart, in at most 1 % of the elements."""
+    out, kv, ref, ref_kv = _rope_attention_case(torch.bfloat16, "cuda", norm, B, Q, 16, 8, 128)
+    for got, want in ((out, ref), (kv, ref_kv)):
+        diff = (got.float() - want.float()).abs()
+        assert float(diff.max()) <= 2e-2 * float(want.float().abs().max()), float(diff.max())
+        assert float((diff > 0).float().mean()) <= 0.01
+
+
+_ENGINE_ROPE_ATTENTION = r"""
+import sys, torch
+sys.path.insert(0, {helpers!r})
+from _rollout_helpers import make_model, random_prompts
+from splitrl.rollout import GenerationConfig, RolloutEngine, forward, kv
+
+model = make_model(vocab=64, depths=2)
+prompts = random_prompts(5, 64, (1, 70), seed=3)
+seeds = list(range(5))
+cfg = GenerationConfig(temperature=0.9, top_p=0.95, max_new_tokens=12, batch_size=3, stop_token_ids=[7])
+torch.set_num_threads(1)
+
+def run(spec):
+    engine = RolloutEngine(model, cfg.model_copy(update={{"speculative": spec}}), "cpu")
+    engine.speculative_switch_off = False
+    return engine.generate(prompts, seeds)
+
+masked = run(False)
+kv.FLASH_DECODE = True
+kv._flash_runs = lambda device, dtype, head_dim: True
+kv.query_kernel_default = lambda device, head_dim: True
+forward._rope_kernels = lambda qkv: True  # the rotary kernels, interpreted
+calls = []
+real = kv.StaticKVCache.attend_qkv
+kv.StaticKVCache.attend_qkv = lambda self, *a, **k: calls.append(1) or real(self, *a, **k)
+forward.ROPE_ATTENTION = True
+fused = [run(False), run(True)]
+used = len(calls)
+forward.ROPE_ATTENTION = False
+apart = run(True)
+tok = all(a.response_ids == b.response_ids for a, b in zip(masked, fused[0]))
+spec = all(a.response_ids == b.response_ids for a, b in zip(*fused))
+same = all(a.response_ids == b.response_ids and a.logprobs == b.logprobs and a.accepted_tokens == b.accepted_tokens
+           for a, b in zip(fused[1], apart))
+lp = max(max(abs(p - q) for p, q in zip(a.logprobs, b.logprobs)) for a, b in zip(masked, fused[0]))
+print(tok, spec, same, used > 0 and len(calls) == used, lp)
+"""
+
+
+@pytest.mark.skipif(not decode_mod.AVAILABLE, reason="needs Triton (its interpreter runs the kernel on the CPU)")
+def test_the_engine_with_the_rotary_attention_kernel_emits_what_the_two_launches_emit():
+    """The engine end to end (refills, a stop token, top-p, plain and speculative) with the decode
+    step's rotary + cache write inside the attention kernel, interpreted in fp32 on the CPU: the
+    masked path's tokens and logprobs within fp32 rounding, speculative == plain, and bit for bit
+    the tokens, logprobs and drafts of the two launches (forward.ROPE_ATTENTION off). Guards the
+    integration (the fused projection's strides, the rotary table's rows, the plan's cache rows)."""
+    import os
+
+    helpers = os.path.dirname(os.path.abspath(__file__))
+    out = _run_interpreted(_ENGINE_ROPE_ATTENTION.format(helpers=helpers))
+    tokens, spec, same, used, worst = out[-5:]
+    assert (tokens, spec, same, used) == ("True",) * 4, out
+    assert float(worst) < 1e-4, worst
