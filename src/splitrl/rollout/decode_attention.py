@@ -20,11 +20,6 @@ The softmax is the online (streaming) one of FlashAttention (Dao et al.,
 2022, Algorithm 1) in fp32; probabilities are rounded to the value dtype before the product with
 the values, as the flash kernel does.
 
-:func:`rope_decode_attention` takes the fused q/k/v projection instead of the queries: each program
-first applies the per-head norms and the rotary embedding to its queries and to its kv head's new
-keys (the function :mod:`splitrl.rollout.rope_write` runs, so the same values), writes the new keys
-and values into the cache, and then reads the prefix as above: one launch a decode layer fewer.
-
 Triton is optional: :data:`AVAILABLE` says whether it imports (a CPU install has no Triton; set
 ``TRITON_INTERPRET=1`` with Triton installed to run the kernel on the CPU in tests).
 """

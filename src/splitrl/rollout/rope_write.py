@@ -9,10 +9,8 @@ Why a kernel of our own: on the torch path this is the compiled ``qkv_norm_rope`
 parts, and the stacking of k with v) and then one ``index_copy_`` of keys and values into the cache
 (:meth:`~splitrl.rollout.kv.StaticKVCache.write_kv`): at least two launches a layer, each a few
 microseconds for a few kB at batch 1, and at batch 256 an index copy of ~1 MB a layer whose
-stacked source the first kernel had to write first. Here one program a (token, head) — or a
-(token, group of heads) from :data:`GROUP_FROM_TOKENS` tokens, where one-head programs of a single
-warp would be thousands of tiny launches' worth of waves — reads its heads of the projection once
-and writes its result where it goes: query heads to a [T, Hq, d] tensor,
+stacked source the first kernel had to write first. Here one program a (token, head) reads its head
+of the projection once and writes its result where it goes: query heads to a [T, Hq, d] tensor,
 key and value heads to the cache rows that the forward's
 :class:`~splitrl.rollout.kv.AttentionPlan` names (``flat_index``, in the cache's own layout).
 
