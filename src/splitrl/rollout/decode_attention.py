@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from splitrl.rollout import pdl, rope_write
+from splitrl.rollout import pdl
 
 try:
     import triton
@@ -48,12 +48,9 @@ if AVAILABLE:
         sk_s, sk_m, sk_h,
         so_b, so_q, so_h,
         scale_log2e,
-        qw_ptr, kw_ptr, cos_ptr, sin_ptr, index_ptr, s_cos_b, s_cos_q, s_sin_b, s_sin_q, eps,
         Q: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
         PER_QUERY: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
-        ROPE: tl.constexpr = False, NORM: tl.constexpr = False, HQ: tl.constexpr = 1, HK: tl.constexpr = 1,
-        BLOCK_Q: tl.constexpr = 2,
     ):  # fmt: skip
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -82,40 +79,11 @@ if AVAILABLE:
         else:
             limit = tl.maximum(used - Q + i, 0)
             own = limit
-        if ROPE:
-            # q_ptr is the fused q/k/v projection [B, Q, (HQ + 2·HK)·D]: this program's queries and
-            # its kv head's new keys get the per-head norm and the rotary embedding of
-            # splitrl.rollout.rope_write (the same function, so the same values), and its new keys and
-            # values go to the cache rows index_ptr names before the loop reads them (D a power of 2)
-            HALF: tl.constexpr = D // 2
-            hh = tl.arange(0, HALF)[None, :]
-            q1, q2 = rope_write._norm_rope(
-                q_ptr + b * sq_b + i[:, None] * sq_q + head[:, None] * D, qw_ptr,
-                cos_ptr + b * s_cos_b + i[:, None] * s_cos_q, sin_ptr + b * s_sin_b + i[:, None] * s_sin_q,
-                hh, row_ok[:, None] & (hh < HALF), eps, HALF, D, NORM,
-            )  # fmt: skip
-            q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_M, D))  # [first half, second half]
-            t = tl.arange(0, BLOCK_Q)[:, None]  # the row's new tokens
-            t_ok = (t < Q) & (hh < HALF)
-            src = q_ptr + b * sq_b + t * sq_q + (HQ + kvh) * D
-            k1, k2 = rope_write._norm_rope(
-                src, kw_ptr, cos_ptr + b * s_cos_b + t * s_cos_q, sin_ptr + b * s_sin_b + t * s_sin_q,
-                hh, t_ok, eps, HALF, D, NORM,
-            )  # fmt: skip
-            dst = tl.load(index_ptr + (b * Q + t) * HK + kvh, mask=t < Q, other=0).to(tl.int64) * D
-            tl.store(k_ptr + dst + hh, k1, mask=t_ok)
-            tl.store(k_ptr + dst + HALF + hh, k2, mask=t_ok)
-            v1 = tl.load(src + HK * D + hh, mask=t_ok, other=0.0)
-            v2 = tl.load(src + HK * D + HALF + hh, mask=t_ok, other=0.0)
-            tl.store(v_ptr + dst + hh, v1, mask=t_ok)
-            tl.store(v_ptr + dst + HALF + hh, v2, mask=t_ok)
-            tl.debug_barrier()  # the block's stores before its loads of the same entries
-        else:
-            q = tl.load(
-                q_ptr + b * sq_b + i[:, None] * sq_q + head[:, None] * sq_h + dd[None, :],
-                mask=row_ok[:, None] & d_ok[None, :],
-                other=0.0,
-            )
+        q = tl.load(
+            q_ptr + b * sq_b + i[:, None] * sq_q + head[:, None] * sq_h + dd[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -243,113 +211,24 @@ def decode_attention(
         t.dtype == torch.int32 and t.shape == (B, Q) and t.is_contiguous() for t in (limits_BQ, own_BQ)
     ):
         raise ValueError(f"decode_attention: limits_BQ and own_BQ must both be given as contiguous int32 [{B}, {Q}]")
-    return _launch(q_BQHd, k_SMHd, v_SMHd, seqused_B, scale, limits_BQ, own_BQ, config, B, Q, H, d)
-
-
-def _launch(q, k_SMHd, v_SMHd, seqused_B, scale, limits_BQ, own_BQ, config, B, Q, H, d, rope=None):
-    """The kernel on (row, kv head) programs; ``rope``: (q/k norm weights or None, eps, cos, sin,
-    flat_index) when q is the fused projection (:func:`rope_decode_attention`)."""
-    Hk = k_SMHd.shape[2]
     G = H // Hk
-    per_query = limits_BQ is not None
-    out = torch.empty(B, Q, H, d, dtype=q.dtype, device=q.device)
+    out = torch.empty(B, Q, H, d, dtype=q_BQHd.dtype, device=q_BQHd.device)
     block_m = max(16, triton.next_power_of_2(Q * G))
     block_d = max(16, triton.next_power_of_2(d))
-    on = pdl.active(q, B * Q)
-    block_n, stages, warps = config or tiles(block_d, B * Hk, _shared_memory(q.device) if q.is_cuda else 0)
-    if rope is None:
-        weights, eps, cos, sin, index = (None, None), 0.0, seqused_B, seqused_B, seqused_B  # unread
-        sq = (q.stride(0), q.stride(1), q.stride(2))
-        cs = (0, 0, 0, 0)
-    else:
-        weights, eps, cos, sin, index = rope
-        sq = (q.stride(0), q.stride(1), d)
-        cs = (cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1))
-    norm = weights[0] is not None
+    on = pdl.active(q_BQHd, B * Q)
+    block_n, stages, warps = config or tiles(block_d, B * Hk, _shared_memory(q_BQHd.device) if q_BQHd.is_cuda else 0)
     _decode_attention_kernel[(B, Hk)](
-        q, k_SMHd, v_SMHd, out, seqused_B,
+        q_BQHd, k_SMHd, v_SMHd, out, seqused_B,
         limits_BQ if per_query else seqused_B, own_BQ if per_query else seqused_B,  # unread without PER_QUERY
-        *sq,
+        q_BQHd.stride(0), q_BQHd.stride(1), q_BQHd.stride(2),
         k_SMHd.stride(0), k_SMHd.stride(1), k_SMHd.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         scale * 1.4426950408889634,  # log2(e): the kernel works with exp2
-        weights[0] if norm else q, weights[1] if norm else q, cos, sin, index, *cs, float(eps),
         Q=Q, G=G, D=d, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         # fp32 products stay fp32 (Triton's default for fp32 is TF32); only the interpreter tests pass
         # fp32 (a flash cache is fp16 / bf16), for which the setting has no effect
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q_BQHd.dtype == torch.float32 else "tf32",
         PER_QUERY=per_query, USE_PDL=on, EARLY=pdl.early(on, B * Q), num_warps=warps, num_stages=stages,
-        ROPE=rope is not None, NORM=norm, HQ=H, HK=Hk, BLOCK_Q=max(2, triton.next_power_of_2(Q)),
         **pdl.options(on),
     )  # fmt: skip
     return out.view(B, Q, H * d)
-
-
-def rope_decode_attention(
-    qkv: torch.Tensor,
-    nq: int,
-    nk: int,
-    d: int,
-    q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None,
-    eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_SMHd: torch.Tensor,
-    v_SMHd: torch.Tensor,
-    flat_index: torch.Tensor,
-    seqused_B: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """:func:`splitrl.rollout.rope_write.norm_rope_write` and then :func:`decode_attention`, in one
-    launch: each (row, kv head) program normalizes and rotates its queries and its kv head's new
-    keys, writes those keys and the new values into the cache, and attends over the row's causal
-    prefix, which now holds them. One launch a layer fewer; the same values as the two calls (the
-    same norm + rotary function, the same loop over the entries).
-
-    Args:
-        qkv: [B, Q, nq + 2·nk], the fused q/k/v projection (fp16 / bf16 on CUDA, fp32 under
-            Triton's interpreter), contiguous along its features; nq = H·d, nk = Hk·d, d a power
-            of two.
-        q_weight, k_weight: [d] per-head RMSNorm weights, or both None (no per-head norm).
-        eps: the norms' epsilon. cos, sin: [B, Q, d] in qkv's dtype, rows contiguous, any strides
-            over B and Q.
-        k_SMHd, v_SMHd: one layer of a position-major cache, [S, M, Hk, d] (S >= B), each
-            contiguous, qkv's dtype.
-        flat_index: int64 [B·Q·Hk], the cache rows (of k_SMHd viewed as [-1, d]) of the new entries
-            (b, q, kv head): :class:`~splitrl.rollout.kv.AttentionPlan`'s.
-        seqused_B: int32 [B], the rows' lengths after this step (:func:`decode_attention`).
-        scale: the softmax scale.
-
-    Returns:
-        [B, Q, H·d] in qkv's dtype; the new keys and values are in the cache.
-
-    Raises:
-        RuntimeError: Triton missing. ValueError: shapes, dtypes or layouts other than the above
-            (before any launch).
-    """
-    if not AVAILABLE:
-        raise RuntimeError("rope_decode_attention needs Triton; use norm_rope_write and decode_attention")
-    B, Q, F = qkv.shape
-    H, Hk = nq // d, nk // d
-    problems = []
-    if F != nq + 2 * nk or nq % d or nk % d or d < 16 or d & (d - 1) or H % max(Hk, 1):
-        problems.append(f"qkv's last dim {F} is not nq + 2·nk = {nq} + 2·{nk} of heads of d = {d} (a power of 2)")
-    if qkv.stride(-1) != 1:
-        problems.append("qkv must be contiguous along its features")
-    if (q_weight is None) != (k_weight is None):
-        problems.append("q_weight and k_weight must both be [d] or both be None")
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.shape != (B, Q, d) or t.dtype != qkv.dtype or t.stride(-1) != 1:
-            problems.append(f"{name} must be [B, Q, d] = {(B, Q, d)} {qkv.dtype} with contiguous rows")
-    for name, t in (("k_SMHd", k_SMHd), ("v_SMHd", v_SMHd)):
-        if t.dim() != 4 or t.shape[0] < B or t.shape[2:] != (Hk, d) or t.dtype != qkv.dtype or not t.is_contiguous():
-            problems.append(f"{name} must be a contiguous [S >= {B}, M, {Hk}, {d}] {qkv.dtype} layer")
-    if flat_index.shape != (B * Q * Hk,) or flat_index.dtype != torch.int64:
-        problems.append(f"flat_index must be int64 [B·Q·Hk] = [{B * Q * Hk}]")
-    if seqused_B.shape != (B,) or seqused_B.dtype != torch.int32:
-        problems.append(f"seqused_B must be int32 [{B}]")
-    if problems:
-        raise ValueError("rope_decode_attention: " + "; ".join(problems))
-    rope = ((q_weight, k_weight), eps, cos, sin, flat_index)
-    return _launch(qkv, k_SMHd, v_SMHd, seqused_B, scale, None, None, None, B, Q, H, d, rope)

@@ -84,15 +84,6 @@ ROPE_WRITE = rope_write.AVAILABLE and os.environ.get("SPLITRL_ROPE_WRITE", "1") 
 # Backbone prefills on the rotary kernel + the flash kernel over the cache (DecoderForward._prefill_plan);
 # SPLITRL_FAST_PREFILL=0: the torch functions, the prefix write and SDPA over repeated keys and values.
 FAST_PREFILL = ROPE_WRITE and os.environ.get("SPLITRL_FAST_PREFILL", "1") != "0"
-# A decode step's rotary + cache write inside its attention kernel, one launch a layer fewer
-# (:meth:`~splitrl.rollout.kv.StaticKVCache.attend_qkv`); SPLITRL_ROPE_ATTENTION=0: two launches.
-ROPE_ATTENTION = ROPE_WRITE and os.environ.get("SPLITRL_ROPE_ATTENTION", "1") != "0"
-
-
-def _rope_kernels(qkv: torch.Tensor) -> bool:
-    """Whether a decode step's q/k norms, rotary and cache write run on the Triton kernels
-    (:data:`ROPE_WRITE`: CUDA, bf16 / fp16); tests set it to run them interpreted on the CPU."""
-    return ROPE_WRITE and qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16)
 
 
 def mtp_parts(model: PolicyModel, depth: int) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module, nn.Module]:
@@ -347,18 +338,13 @@ class DecoderForward:
             # decode: split, norms, rotary and keys + values stacked (one cache write) in one function
             nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
             qkv = _fused_linear(attn, x)
-            o = None
-            if prefill or _rope_kernels(qkv):
-                # ... or in one kernel that also writes the cache (splitrl.rollout.rope_write), which
-                # a decode step runs inside its attention kernel where that serves the plan
+            if prefill or (ROPE_WRITE and qkv.is_cuda and qkv.dtype in (torch.bfloat16, torch.float16)):
+                # ... or in one kernel that also writes the cache (splitrl.rollout.rope_write)
                 qw, kw = (attn.q_norm.weight, attn.k_norm.weight) if qk_norm else (None, None)
                 eps = attn.q_norm.variance_epsilon if qk_norm else 0.0
-                if ROPE_ATTENTION and not prefill:
-                    o = cache.attend_qkv(index, qkv, nq, nk, d, (qw, kw), eps, cos, sin, plan, attn.scaling)
-                if o is None:
-                    q = rope_write.norm_rope_write(
-                        qkv, nq, nk, d, qw, kw, eps, cos, sin, cache.kv[:, index], plan.flat_index
-                    )
+                q = rope_write.norm_rope_write(
+                    qkv, nq, nk, d, qw, kw, eps, cos, sin, cache.kv[:, index], plan.flat_index
+                )
             else:
                 if qk_norm:
                     eps = attn.q_norm.variance_epsilon
@@ -366,9 +352,8 @@ class DecoderForward:
                 else:
                     q, kv = self.k.qkv_rope(qkv, nq, nk, d, cos, sin)
                 cache.write_kv(index, plan, kv)
-            if o is None:
-                # a prefill's queries read the entries just written, in place, on the flash kernel
-                o = cache.attend_prefill(index, q, plan, attn.scaling) if prefill else cache.attend(index, q, plan, attn.scaling)
+            # a prefill's queries read the entries just written, in place, on the flash kernel
+            o = cache.attend_prefill(index, q, plan, attn.scaling) if prefill else cache.attend(index, q, plan, attn.scaling)
         else:
             if hasattr(attn, _FUSED):
                 nq, nk = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]

@@ -399,51 +399,6 @@ class StaticKVCache:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, Hk, G*Q, d]
         return out.view(B, Hk, G, Q, d).permute(0, 3, 1, 2, 4).reshape(B, Q, H * d)
 
-    def attend_qkv(
-        self,
-        layer: int,
-        qkv: torch.Tensor,
-        nq: int,
-        nk: int,
-        d: int,
-        norm_weights: tuple[torch.Tensor | None, torch.Tensor | None],
-        eps: float,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        plan: AttentionPlan,
-        scale: float,
-    ) -> torch.Tensor | None:
-        """A decode forward's q/k norms, rotary, cache write and attention from the fused q/k/v
-        projection ``qkv`` [B, Q, nq + 2·nk] in one launch
-        (:func:`~splitrl.rollout.decode_attention.rope_decode_attention`: the values of
-        :func:`~splitrl.rollout.rope_write.norm_rope_write` and then :meth:`attend`), where our
-        Triton kernel would serve this flash plan (a position-major cache, rows in slots
-        0..B-1, d a power of two, :func:`~splitrl.rollout.decode_attention.preferred`). Returns
-        [B, Q, H·d], or None where it does not apply, or where it failed outside a CUDA-graph
-        capture (then nothing was written; every later forward takes the flash call, with a
-        warning), and the caller writes and attends as before."""
-        B, Q, _ = qkv.shape
-        if not (
-            DECODE_KERNEL == "triton"
-            and plan.seqused is not None
-            and plan.limits is None
-            and plan.slots is None
-            and self.position_major
-            and d & (d - 1) == 0
-            and _decode.preferred(B, self.kv_heads, plan.length, Q)
-        ):
-            return None
-        try:
-            return _decode.rope_decode_attention(
-                qkv, nq, nk, d, *norm_weights, eps, cos, sin, self.k[layer], self.v[layer], plan.flat_index,
-                plan.seqused, scale,
-            )  # fmt: skip
-        except Exception as err:  # noqa: BLE001 - a GPU / shape Triton cannot compile for
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise
-            _disable_decode_kernel(err)
-        return None
-
     def _attend_per_query(
         self, layer: int, q_BQHd: torch.Tensor, plan: AttentionPlan, scale: float
     ) -> torch.Tensor | None:
