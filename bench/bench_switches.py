@@ -78,7 +78,7 @@ def parse_variant(text: str) -> tuple[str, dict[tuple[str, str], bool | int]]:
         key, eq, value = (part.strip() for part in item.partition("="))
         owner, dot, attr = key.partition(".")
         if (owner, attr) in INT_SWITCHES:
-            if not (eq and value.isdigit()):
+            if not (eq and value.isascii() and value.isdigit()):
                 raise ValueError(f"switch {item!r} of variant {name!r}: write {key}=<an integer >= 0>")
             parsed: bool | int = int(value)
         else:

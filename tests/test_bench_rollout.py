@@ -154,6 +154,7 @@ def test_card_bandwidth_is_the_measured_copy_of_known_cards_only():
         ("a:skinny_gemm.MAX_ROWS=512", "is not a switch"),  # an int, but not a threshold to vary
         ("a:skinny_gemm.GATED_ROWS=-1", "write skinny_gemm.GATED_ROWS=<an integer >= 0>"),
         ("a:rope_write.GROUP_FROM_TOKENS=many", "GROUP_FROM_TOKENS=<an integer >= 0>"),
+        ("a:skinny_gemm.GATED_ROWS=\u0663", "GATED_ROWS=<an integer >= 0>"),  # an Arabic-Indic 3
         ("a:pdl.EARLY=0,pdl.EARLY=1", "variant 'a' sets pdl.EARLY twice"),
     ],
 )

@@ -139,3 +139,17 @@ def test_in_a_cuda_graph():
         )
     g.replay()
     assert torch.equal(out, eager) and torch.equal(cache.kv, expected)
+
+
+def test_heads_a_program_divide_both_head_counts_as_a_power_of_two(monkeypatch):
+    """One head a program below GROUP_FROM_TOKENS tokens; from there the largest power of two that
+    divides Hq and Hk (a program's heads are all queries or all keys, and Triton's ranges are
+    powers of two), at most MAX_HEADS_PER_PROGRAM rounded down to a power of two."""
+    hpp = rope_write.heads_per_program
+    monkeypatch.setattr(rope_write, "GROUP_FROM_TOKENS", 64)
+    monkeypatch.setattr(rope_write, "MAX_HEADS_PER_PROGRAM", 8)
+    assert hpp(63, 16, 8) == 1 and hpp(64, 16, 8) == 8  # Qwen3-0.6B
+    assert hpp(256, 14, 2) == 2 and hpp(256, 12, 4) == 4 and hpp(256, 9, 3) == 1 and hpp(256, 32, 32) == 8
+    for cap, want in ((6, 4), (1, 1), (0, 1)):
+        monkeypatch.setattr(rope_write, "MAX_HEADS_PER_PROGRAM", cap)
+        assert hpp(256, 16, 8) == want

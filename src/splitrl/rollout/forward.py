@@ -38,7 +38,8 @@ cuBLAS and the compiled silu_mul).
 Attention input. A decode step's q/k norms, rotary embedding and cache write run as one Triton kernel
 on CUDA in bf16 / fp16 (:func:`~splitrl.rollout.rope_write.norm_rope_write`; ``SPLITRL_ROPE_WRITE=0``:
 the compiled torch function and one ``index_copy_``). Both round where the torch ops round; the
-choice changes bf16 rounding only, as the products' shapes already do.
+choice changes bf16 rounding only, as the products' shapes already do. Its programs take several
+heads each from :data:`~splitrl.rollout.rope_write.GROUP_FROM_TOKENS` tokens (prefills, large steps).
 
 Launches. On sm90+ GPUs the Triton kernels above (products, epilogues, rotary + cache write,
 decode attention) of steps of up to 64 tokens are launched with programmatic dependent launch

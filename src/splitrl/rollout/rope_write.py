@@ -9,8 +9,10 @@ Why a kernel of our own: on the torch path this is the compiled ``qkv_norm_rope`
 parts, and the stacking of k with v) and then one ``index_copy_`` of keys and values into the cache
 (:meth:`~splitrl.rollout.kv.StaticKVCache.write_kv`): at least two launches a layer, each a few
 microseconds for a few kB at batch 1, and at batch 256 an index copy of ~1 MB a layer whose
-stacked source the first kernel had to write first. Here one program a (token, head) reads its head
-of the projection once and writes its result where it goes: query heads to a [T, Hq, d] tensor,
+stacked source the first kernel had to write first. Here one program a (token, head) — or a
+(token, group of heads) from :data:`GROUP_FROM_TOKENS` tokens, where one-head programs of a single
+warp would run in more waves than their work needs — reads its heads of the projection once and
+writes its result where it goes: query heads to a [T, Hq, d] tensor,
 key and value heads to the cache rows that the forward's
 :class:`~splitrl.rollout.kv.AttentionPlan` names (``flat_index``, in the cache's own layout).
 
@@ -111,11 +113,13 @@ def heads_per_program(tokens: int, hq: int, hk: int) -> int:
     """Heads one program of the kernel handles for ``tokens`` tokens of hq query and hk key/value
     heads: 1 below :data:`GROUP_FROM_TOKENS` tokens (many programs, each as short as it gets),
     else the largest power of two that divides both hq and hk, at most :data:`MAX_HEADS_PER_PROGRAM`
-    (at 256 tokens one-head programs are 6,144 launches of a single warp: more waves than work)."""
+    (rounded down to a power of two; at 256 tokens of the Qwen3-0.6B heads one-head programs are
+    6,144 programs of a single warp: more waves than work)."""
     if tokens < GROUP_FROM_TOKENS:
         return 1
     g = math.gcd(hq, hk)
-    return min(g & -g, MAX_HEADS_PER_PROGRAM)
+    cap = 1 << (max(1, MAX_HEADS_PER_PROGRAM).bit_length() - 1)  # a power of two (tl.arange needs one)
+    return min(g & -g, cap)
 
 
 def norm_rope_write(
