@@ -153,3 +153,27 @@ def test_heads_a_program_divide_both_head_counts_as_a_power_of_two(monkeypatch):
     for cap, want in ((6, 4), (1, 1), (0, 1)):
         monkeypatch.setattr(rope_write, "MAX_HEADS_PER_PROGRAM", cap)
         assert hpp(256, 16, 8) == want
+
+
+@needs_cuda_triton
+def test_a_prefill_past_two_billion_projection_elements():
+    """350,000 tokens of the Qwen3-0.6B projection (6,144 features: 2.15e9 elements): the last
+    token's offsets pass 2**31, which int32 arithmetic wrapped (a prefill of 128 rows x 2,736
+    tokens reaches it) before the kernel computed them in int64. Its query and its cache entries
+    as the torch path gives them."""
+    T, hq, hk, d = 350_000, 16, 8, 128
+    torch.manual_seed(0)
+    qkv = torch.zeros(1, T, (hq + 2 * hk) * d, device="cuda", dtype=torch.bfloat16)
+    qkv[0, -1].normal_()
+    cs = torch.randn(1, T, d, device="cuda", dtype=torch.bfloat16)
+    w = (1 + 0.2 * torch.randn(d, device="cuda")).to(torch.bfloat16)
+    cache = StaticKVCache(1, 2, hk, 8, d, torch.bfloat16, "cuda", flash=False, position_major=True)
+    index = torch.arange(T * hk, device="cuda") % hk + hk  # every token on rows hk..2hk-1 ...
+    index[-hk:] = torch.arange(hk, device="cuda")  # ... but the last, on rows 0..hk-1
+    q = rope_write.norm_rope_write(qkv, hq * d, hk * d, d, w, w, 1e-6, cs, cs, cache.kv[:, 0], index)
+    ref_q, ref_kv = fused.qkv_norm_rope(qkv[:, -1:], hq * d, hk * d, d, w, w, 1e-6, cs[:, -1:], cs[:, -1:])
+    assert (q[0, -1].float() - ref_q[0, 0].float()).abs().max() < 2e-2
+    got_kv = cache.kv[:, 0].reshape(2, -1, d)[:, :hk]  # rows 0..hk-1 of each half
+    assert (got_kv.float() - ref_kv.reshape(2, hk, d).float()).abs().max() < 2e-2
+    del qkv, q
+    torch.cuda.empty_cache()

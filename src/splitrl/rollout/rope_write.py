@@ -76,7 +76,7 @@ if AVAILABLE:
         HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
         HB: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
     ):  # fmt: skip
-        t = tl.program_id(0)  # token b·Q + q
+        t = tl.program_id(0).to(tl.int64)  # token b·Q + q; int64: t · features passes 2**31 past ~350 k tokens
         # HB heads: query heads 0..HQ-1, then key heads (each with its value head); HB divides HQ
         # and HK, so a program's heads are all queries or all keys
         h = tl.program_id(1) * HB + tl.arange(0, HB)[:, None]  # [HB, 1]
