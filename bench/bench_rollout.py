@@ -102,7 +102,9 @@ def _batch_sizes(text: str) -> str:
     return text
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def parse_args(argv: list[str], errors: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The bench's settings from ``argv``; a mistake is a usage error of ``errors`` (the parser of a
+    script that builds ``argv`` for this one, so that its own usage is printed), else of this bench."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="default: bf16 on cuda, fp32 on cpu")
@@ -153,7 +155,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="also time one layer's decode attention (flash call vs our Triton kernel) per batch size (CUDA)",
     )  # fmt: skip
     args = p.parse_args(argv)
-    _check_args(p, args)
+    _check_args(errors or p, args)
     return args
 
 

@@ -47,7 +47,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--preset", default="tiny", choices=sorted(br.PRESETS))
-    p.add_argument("--batch-sizes", default="1,32", type=br._batch_sizes, help="comma list of positive ints")
+    p.add_argument(
+        "--batch-sizes", default=None, type=br._batch_sizes, help="comma list of positive ints (default 1,32)"
+    )
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument(
@@ -62,7 +64,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--mtp-objective", default="distill", choices=["distill", "ce"], help="the warm-up's loss, as in the bench"
     )
-    p.add_argument("--ragged", type=int, default=0, help="profile the bench's ragged call of this many samples instead")
+    p.add_argument(
+        "--ragged",
+        type=int,
+        default=0,
+        help="profile the bench's ragged call of this many samples instead (its slots: bench_rollout's "
+        "--ragged-batch default; not with --batch-sizes)",
+    )
     p.add_argument("--phases", action="store_true", help="also time the phases of one call (synchronized)")
     p.add_argument("--top", type=int, default=20, help="kernels listed per call")
     p.add_argument(
@@ -86,17 +94,22 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in ("train_mtp_steps", "ragged"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.ragged and args.batch_sizes is not None:
+        p.error("--ragged profiles one ragged call (its slots are bench_rollout's --ragged-batch); leave out --batch-sizes")
+    args.batch_sizes = args.batch_sizes or "1,32"
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if not kinds or any(k not in ("plain", "speculative") for k in kinds):
         p.error(f"--kinds takes a comma list of plain, speculative; got {args.kinds!r}")
     args.kinds = kinds
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA GPU is visible here; use --device cpu")
+    args.bench = bench_args(args, p)  # bench_rollout's checks, reported as this script's usage errors
     return args
 
 
-def bench_args(args: argparse.Namespace) -> argparse.Namespace:
-    """bench_rollout's settings for the same model, lengths and MTP warm-up."""
+def bench_args(args: argparse.Namespace, errors: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """bench_rollout's settings for the same model, lengths and MTP warm-up (their mistakes: usage
+    errors of ``errors``, this script's parser)."""
     argv = ["--device", args.device, "--preset", args.preset, "--batch-sizes", args.batch_sizes, "--speculative",
             "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
             "--mtp-objective", args.mtp_objective]  # fmt: skip
@@ -105,7 +118,7 @@ def bench_args(args: argparse.Namespace) -> argparse.Namespace:
             argv += [flag, str(value)]
     if args.ragged:
         argv += ["--ragged", str(args.ragged)]
-    return br.parse_args(argv)
+    return br.parse_args(argv, errors)
 
 
 def timeline(trace_path: str, forwards: int, top: int) -> list[str]:
@@ -203,7 +216,8 @@ def profile_call(model, args, label: str, cfg: GenerationConfig, prompts, seeds)
         walls.append(1e3 * (time.perf_counter() - t0))
     chunks.clear()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
-    with profile(activities=activities) as prof:
+    # one profiler a call; acc_events only silences torch's warning that a new cycle clears events
+    with profile(activities=activities, acc_events=True) as prof:
         br.sync(args.device)
         t0 = time.perf_counter()
         engine.generate(prompts, seeds)
@@ -241,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     print(f"command: python bench/profile_rollout.py {shlex.join(argv)}", flush=True)
-    bargs = bench_args(args)
+    bargs = args.bench
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = br.build_model(bargs, dtype)
     for p in model.parameters():

@@ -37,6 +37,33 @@ def test_good_flags_parse(tmp_path):
     assert args.init_range == 0.5 and args.hbm_tb_s == 3.35
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        # --ragged profiles one call of bench_rollout's slots: --batch-sizes was silently ignored
+        (["--ragged", "64", "--batch-sizes", "8"], "leave out --batch-sizes"),
+        (["--kinds", "plain,greedy"], "--kinds takes a comma list of plain, speculative"),
+        # bench_rollout's own checks, reported with this script's usage (it printed bench_rollout's)
+        (["--mtp-samples", "0"], "--mtp-samples must be >= 1, got 0"),
+        (["--prompt-len", "100000000"], "the KV cache of 32 rows x 100000128 tokens"),
+    ],
+)
+def test_profile_rollout_refuses_bad_flags_with_its_own_usage(argv, message, capsys):
+    with pytest.raises(SystemExit) as err:
+        load_bench("profile_rollout").parse_args(argv)
+    assert err.value.code == 2
+    err_text = capsys.readouterr().err
+    assert message in err_text
+    assert err_text.startswith("usage: ") and "--kinds" in err_text and "--baselines" not in err_text
+
+
+def test_profile_rollout_defaults_and_ragged_parse():
+    parse = load_bench("profile_rollout").parse_args
+    assert parse([]).batch_sizes == "1,32"
+    args = parse(["--ragged", "8", "--kinds", "plain"])
+    assert args.ragged == 8 and args.bench.ragged == 8 and args.kinds == ["plain"]
+
+
 def test_roofline_only_where_a_bandwidth_applies():
     """A CPU run prints no roofline (4.3 TB/s, the cuda default, is the H200's) unless given one."""
     parse = load_bench("bench_rollout").parse_args
