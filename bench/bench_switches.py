@@ -5,7 +5,9 @@ A variant is a name and switches: ``engine.<attr>`` (an on/off attribute of the 
 ``look_ahead``, ``use_cuda_graphs``, ``prefill_buckets``) or ``<module>.<NAME>`` of
 ``splitrl.rollout.{pdl, forward, skinny_gemm, decode_attention, rope_write}`` (an on/off module
 flag the kernels read at launch, e.g. ``pdl.EARLY``), each ``=0`` or ``=1``, or one of the
-thresholds of :data:`INT_SWITCHES` ``=<int>`` (e.g. ``skinny_gemm.GATED_ROWS=256``); ``name:``
+thresholds ``skinny_gemm.PREFERRED_ROWS``, ``skinny_gemm.GATED_ROWS``, ``pdl.EARLY_ROWS``,
+``rope_write.GROUP_FROM_TOKENS``, ``rope_write.MAX_HEADS_PER_PROGRAM`` ``=<int>`` (e.g.
+``skinny_gemm.GATED_ROWS=256``); ``name:``
 alone runs the defaults. Module flags are global to the process: a switch that a variant does not name takes its
 default (its value when the bench started) for that variant. Each variant gets an engine of its own, built and warmed up (CUDA graphs captured) with
 its switches set, so that the graphs hold its kernels; the rounds then alternate the order of the
@@ -60,8 +62,17 @@ INT_SWITCHES = (
 ENGINE_SWITCHES = ("look_ahead", "use_cuda_graphs", "prefill_buckets")
 
 
+# what the machine can do, not a choice: setting these to 1 where the hardware or Triton lacks it breaks
+CAPABILITIES = ("AVAILABLE", "SUPPORTED")
+
+
+def _is_flag(owner: str, attr: str) -> bool:
+    """A module's on/off switch: a bool attribute of a module of :data:`MODULES`, not a capability."""
+    return attr not in CAPABILITIES and isinstance(getattr(MODULES.get(owner), attr, None), bool)
+
+
 def _switch_names() -> str:
-    flags = [f"{m}.{a}" for m, mod in MODULES.items() for a in sorted(vars(mod)) if isinstance(getattr(mod, a), bool)]
+    flags = [f"{m}.{a}" for m, mod in MODULES.items() for a in sorted(vars(mod)) if _is_flag(m, a)]
     ints = [f"{m}.{a}=<int>" for m, a in INT_SWITCHES]
     return ", ".join([f"engine.{a}" for a in ENGINE_SWITCHES] + flags + ints)
 
@@ -71,8 +82,10 @@ def parse_variant(text: str) -> tuple[str, dict[tuple[str, str], bool | int]]:
     is wrong. A switch is one of :data:`ENGINE_SWITCHES` or a bool flag of a module of
     :data:`MODULES` (value 0 or 1), or a threshold of :data:`INT_SWITCHES` (an integer ≥ 0)."""
     name, sep, body = text.partition(":")
-    if not sep or not name.strip():
-        raise ValueError(f"a variant is 'name:owner.attr=0|1,...' (no switches: 'name:'); got {text!r}")
+    if not sep or not name.strip() or any(c in name for c in ",="):
+        raise ValueError(
+            f"a variant is 'name:owner.attr=value,...' (no switches: 'name:'; no ',' or '=' in the name); got {text!r}"
+        )
     sets: dict[tuple[str, str], bool | int] = {}
     for item in filter(None, (x.strip() for x in body.split(","))):
         key, eq, value = (part.strip() for part in item.partition("="))
@@ -82,7 +95,7 @@ def parse_variant(text: str) -> tuple[str, dict[tuple[str, str], bool | int]]:
                 raise ValueError(f"switch {item!r} of variant {name!r}: write {key}=<an integer >= 0>")
             parsed: bool | int = int(value)
         else:
-            known = attr in ENGINE_SWITCHES if owner == "engine" else isinstance(getattr(MODULES.get(owner), attr, None), bool)
+            known = attr in ENGINE_SWITCHES if owner == "engine" else _is_flag(owner, attr)
             if eq and dot and not known:
                 raise ValueError(f"switch {item!r} of variant {name!r} is not a switch; the switches: {_switch_names()}")
             if not (eq and dot) or value not in ("0", "1"):
@@ -118,7 +131,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new-tokens", type=int, default=128, help="default 128")
     p.add_argument("--rounds", type=int, default=3, help="timed calls of each variant after its warm-up (default 3)")
     p.add_argument(
-        "--variant", action="append", default=[], help="name:owner.attr=0|1,... (two or more; the first is the baseline)"
+        "--variant",
+        action="append",
+        default=[],
+        help="name:owner.attr=value,... (two or more; the first is the baseline); a value is 0 / 1 for an on/off "
+        "switch, an integer >= 0 for a threshold; a mistyped switch lists every switch",
     )
     p.add_argument(
         "--hbm-tb-s", type=float, default=None, help="roofline bandwidth, TB/s (default: the card's, as bench_rollout's)"
@@ -140,6 +157,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--hbm-tb-s must be a positive number, got {args.hbm_tb_s}")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA GPU is visible here; use --device cpu")
+    if args.device == "cpu" and any(sets.get(("engine", "use_cuda_graphs")) for _, sets in variants):
+        p.error("engine.use_cuda_graphs=1 needs --device cuda (CUDA graphs)")
     preset = args.preset or ("qwen3-0.6b" if args.device == "cuda" else "tiny")
     defaults = {}
     for _, sets in variants:
@@ -157,6 +176,9 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = bargs.hbm_tb_s * 1e12 if bargs.hbm_tb_s else None
     roofline = f"roofline at {bargs.hbm_tb_s} TB/s" if bandwidth else "no roofline (--hbm-tb-s)"
     print(f"device {name}, preset {preset}, {roofline}", flush=True)
+    if args.device == "cpu":
+        print("note: on the CPU the kernel switches change nothing (Triton kernels run on CUDA only) and a ratio "
+              "is the run-to-run spread; use the CPU run to check a variant, not to time it", flush=True)  # fmt: skip
     base = variants[0][0]
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         prompts, seeds = br.prompts_for(model, batch, args.prompt_len), list(range(batch))

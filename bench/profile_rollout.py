@@ -51,7 +51,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--batch-sizes", default=None, type=br._batch_sizes, help="comma list of positive ints (default 1,32)"
     )
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=None, help="default 128 (not with --ragged)")
     p.add_argument(
         "--train-mtp-steps",
         type=int,
@@ -68,8 +68,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--ragged",
         type=int,
         default=0,
-        help="profile the bench's ragged call of this many samples instead (its slots: bench_rollout's "
-        "--ragged-batch default; not with --batch-sizes)",
+        help="profile the bench's ragged call of this many samples instead (0, the default: off; its slots "
+        "and new tokens are bench_rollout's --ragged-batch and --ragged-max-new defaults; not with "
+        "--batch-sizes or --new-tokens)",
     )
     p.add_argument("--phases", action="store_true", help="also time the phases of one call (synchronized)")
     p.add_argument("--top", type=int, default=20, help="kernels listed per call")
@@ -87,16 +88,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     for name in ("prompt_len", "new_tokens", "top"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.num_draft_tokens is not None and not 1 <= args.num_draft_tokens <= 2:
         p.error(f"--num-draft-tokens must be 1 or 2 (the bench's MTP depths), got {args.num_draft_tokens}")
     for name in ("train_mtp_steps", "ragged"):
         if getattr(args, name) is not None and getattr(args, name) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    if args.ragged and args.batch_sizes is not None:
-        p.error("--ragged profiles one ragged call (its slots are bench_rollout's --ragged-batch); leave out --batch-sizes")
+    if args.ragged and (args.batch_sizes is not None or args.new_tokens is not None):
+        p.error(
+            "--ragged profiles one ragged call (its slots and new tokens are bench_rollout's --ragged-batch and "
+            "--ragged-max-new); leave out --batch-sizes and --new-tokens"
+        )
     args.batch_sizes = args.batch_sizes or "1,32"
+    args.new_tokens = 128 if args.new_tokens is None else args.new_tokens
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     if not kinds or any(k not in ("plain", "speculative") for k in kinds):
         p.error(f"--kinds takes a comma list of plain, speculative; got {args.kinds!r}")

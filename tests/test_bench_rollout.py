@@ -42,6 +42,8 @@ def test_good_flags_parse(tmp_path):
     [
         # --ragged profiles one call of bench_rollout's slots: --batch-sizes was silently ignored
         (["--ragged", "64", "--batch-sizes", "8"], "leave out --batch-sizes"),
+        (["--ragged", "64", "--new-tokens", "8"], "leave out --batch-sizes and --new-tokens"),  # was ignored
+        (["--new-tokens", "0"], "--new-tokens must be >= 1, got 0"),
         (["--kinds", "plain,greedy"], "--kinds takes a comma list of plain, speculative"),
         # bench_rollout's own checks, reported with this script's usage (it printed bench_rollout's)
         (["--mtp-samples", "0"], "--mtp-samples must be >= 1, got 0"),
@@ -59,7 +61,7 @@ def test_profile_rollout_refuses_bad_flags_with_its_own_usage(argv, message, cap
 
 def test_profile_rollout_defaults_and_ragged_parse():
     parse = load_bench("profile_rollout").parse_args
-    assert parse([]).batch_sizes == "1,32"
+    assert parse([]).batch_sizes == "1,32" and parse([]).new_tokens == 128
     args = parse(["--ragged", "8", "--kinds", "plain"])
     assert args.ragged == 8 and args.bench.ragged == 8 and args.kinds == ["plain"]
 
@@ -172,7 +174,7 @@ def test_card_bandwidth_is_the_measured_copy_of_known_cards_only():
 @pytest.mark.parametrize(
     "variant, message",
     [
-        ("noname", "a variant is 'name:owner.attr=0|1,...'"),
+        ("noname", "a variant is 'name:owner.attr=value,...'"),
         ("a:pdl.EARLY=2", "write owner.attr=0 or owner.attr=1"),
         ("a:nowhere.X=1", "is not a switch; the switches: engine.look_ahead"),
         ("a:pdl.NOT_A_FLAG=1", "is not a switch"),
@@ -183,6 +185,9 @@ def test_card_bandwidth_is_the_measured_copy_of_known_cards_only():
         ("a:rope_write.GROUP_FROM_TOKENS=many", "GROUP_FROM_TOKENS=<an integer >= 0>"),
         ("a:skinny_gemm.GATED_ROWS=\u0663", "GATED_ROWS=<an integer >= 0>"),  # an Arabic-Indic 3
         ("a:pdl.EARLY=0,pdl.EARLY=1", "variant 'a' sets pdl.EARLY twice"),
+        ("a:pdl.SUPPORTED=1", "is not a switch"),  # what the machine can do, not a choice
+        ("a:skinny_gemm.AVAILABLE=1", "is not a switch"),
+        ("x,y:pdl.EARLY=0", "no ',' or '=' in the name"),
     ],
 )
 def test_bench_switches_refuses_a_bad_variant(variant, message, capsys):
@@ -202,6 +207,8 @@ def test_bench_switches_refuses_duplicate_names_and_bad_numbers(capsys):
         (["--variant", "a:", "--variant", "a:engine.look_ahead=1"], "--variant names must differ"),
         (["--variant", "a:", "--variant", "b:", "--rounds", "0"], "--rounds must be >= 1"),
         (["--variant", "a:", "--variant", "b:", "--hbm-tb-s", "0"], "--hbm-tb-s must be a positive number"),
+        # a traceback from the CUDA graph pool after the model was built, before
+        (["--variant", "a:", "--variant", "b:engine.use_cuda_graphs=1"], "engine.use_cuda_graphs=1 needs --device cuda"),
     ):
         with pytest.raises(SystemExit):
             bench.main(argv)
