@@ -63,10 +63,7 @@ if AVAILABLE:
         d_ok = dd < D
         # int64: a layer of 256 slots x 8k entries x 8 heads x 128 is past 2**31 elements
         kv_base = b.to(tl.int64) * sk_s + kvh * sk_h
-        if USE_PDL:  # q and this step's cache entries come from the previous kernel (splitrl.rollout.pdl)
-            if EARLY:  # signal as it starts (splitrl.rollout.pdl, "Early")
-                pdl.gdc_launch_dependents()
-            pdl.gdc_wait()
+        pdl.wait(USE_PDL, EARLY)  # q and this step's cache entries come from the previous kernel
         used = tl.load(seqused_ptr + b)
         # inclusive last entry each query reads; >= 0 so that a stale slot's row (used < Q, its output
         # discarded by the engine) never softmaxes an empty set, which would be NaN
@@ -103,8 +100,7 @@ if AVAILABLE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / l_i[:, None]
-        if USE_PDL and not EARLY:
-            pdl.gdc_launch_dependents()
+        pdl.signal(USE_PDL, EARLY)
         tl.store(
             out_ptr + b * so_b + i[:, None] * so_q + head[:, None] * so_h + dd[None, :],
             out.to(out_ptr.dtype.element_ty),

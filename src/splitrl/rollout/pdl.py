@@ -50,6 +50,31 @@ except ImportError:  # no Triton, or a Triton without grid dependency control
     SUPPORTED = False
     gdc_launch_dependents = gdc_wait = None
 
+try:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def wait(USE_PDL: tl.constexpr, EARLY: tl.constexpr):
+        """A kernel's wait for its predecessor, before it reads or writes anything an earlier kernel
+        touches (module docstring), in launches that take PDL (``USE_PDL``); with ``EARLY`` it
+        signals its dependents first ("Early"). Compiles to nothing without ``USE_PDL``."""
+        if USE_PDL:
+            if EARLY:
+                gdc_launch_dependents()
+            gdc_wait()
+
+    @triton.jit
+    def signal(USE_PDL: tl.constexpr, EARLY: tl.constexpr):
+        """A kernel's signal to its dependents after its main loop, unless it signalled at
+        :func:`wait` (``EARLY``); nothing without ``USE_PDL``."""
+        if USE_PDL:
+            if not EARLY:
+                gdc_launch_dependents()
+
+except ImportError:  # CPU installs: no kernels
+    wait = signal = None
+
 ENABLED = SUPPORTED and os.environ.get("SPLITRL_PDL", "1") != "0"
 # The early signal (module docstring, "Early") for launches of at most EARLY_ROWS rows;
 # SPLITRL_PDL_EARLY=0: the signal after the main loop at every size. Set from the environment at

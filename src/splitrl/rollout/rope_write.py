@@ -82,12 +82,9 @@ if AVAILABLE:
         h = tl.program_id(1) * HB + tl.arange(0, HB)[:, None]  # [HB, 1]
         i = tl.arange(0, BLOCK)[None, :]  # [1, BLOCK]
         ok = (i < HALF) & (h >= 0)  # [HB, BLOCK]
-        if USE_PDL:  # a tiny kernel: its successor may start as soon as every program has waited
-            if EARLY:  # or started (splitrl.rollout.pdl, "Early")
-                pdl.gdc_launch_dependents()
-            pdl.gdc_wait()
-            if not EARLY:
-                pdl.gdc_launch_dependents()
+        # a tiny kernel: its successor may start as soon as every program has waited (or started: "Early")
+        pdl.wait(USE_PDL, EARLY)
+        pdl.signal(USE_PDL, EARLY)
         src = qkv_ptr + t * s_qkv + h * D
         cos = cos_ptr + (t // Q) * s_cos_b + (t % Q) * s_cos_q
         sin = sin_ptr + (t // Q) * s_sin_b + (t % Q) * s_sin_q

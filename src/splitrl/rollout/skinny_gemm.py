@@ -77,18 +77,14 @@ if AVAILABLE:
         n_ok = rn < N
         k_begin = split * K_PER_SPLIT
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if USE_PDL:  # x is the previous kernel's output (splitrl.rollout.pdl)
-            if EARLY:  # signal as it starts (splitrl.rollout.pdl, "Early")
-                pdl.gdc_launch_dependents()
-            pdl.gdc_wait()
+        pdl.wait(USE_PDL, EARLY)  # x is the previous kernel's output (splitrl.rollout.pdl)
         for k0 in range(0, K_PER_SPLIT, BLOCK_K):
             kk = k_begin + k0 + rk
             k_ok = kk < K
             x = tl.load(x_ptr + rm[:, None] * sx_m + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptr + rn[:, None] * sw_n + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(x, tl.trans(w), acc)
-        if USE_PDL and not EARLY:
-            pdl.gdc_launch_dependents()
+        pdl.signal(USE_PDL, EARLY)
         if HAS_BIAS:
             if split == 0:
                 acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -101,15 +97,11 @@ if AVAILABLE:
     ):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < total
-        if USE_PDL:
-            if EARLY:
-                pdl.gdc_launch_dependents()
-            pdl.gdc_wait()
+        pdl.wait(USE_PDL, EARLY)
         acc = tl.load(p_ptr + i, mask=ok, other=0.0)
         for s in tl.static_range(1, SPLIT_K):  # fixed order: the same sum on every run
             acc += tl.load(p_ptr + s * total + i, mask=ok, other=0.0)
-        if USE_PDL and not EARLY:
-            pdl.gdc_launch_dependents()
+        pdl.signal(USE_PDL, EARLY)
         tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
@@ -124,10 +116,7 @@ if AVAILABLE:
         n = tl.arange(0, BLOCK)
         ok = n < N
         w = tl.load(w_ptr + n, mask=ok, other=0.0).to(tl.float32)  # a weight: no earlier kernel writes it
-        if USE_PDL:
-            if EARLY:
-                pdl.gdc_launch_dependents()
-            pdl.gdc_wait()
+        pdl.wait(USE_PDL, EARLY)
         acc = tl.load(p_ptr + m * N + n, mask=ok, other=0.0)
         for s in tl.static_range(1, SPLIT_K):
             acc += tl.load(p_ptr + s * total + m * N + n, mask=ok, other=0.0)
@@ -137,8 +126,7 @@ if AVAILABLE:
         hf = h.to(tl.float32)
         var = tl.sum(hf * hf, axis=0) / N
         normed = (hf * tl.math.rsqrt(var + eps)).to(dtype).to(tl.float32)
-        if USE_PDL and not EARLY:
-            pdl.gdc_launch_dependents()
+        pdl.signal(USE_PDL, EARLY)
         tl.store(h_ptr + m * sh_m + n, h, mask=ok)
         tl.store(o_ptr + m * so_m + n, (w * normed).to(dtype), mask=ok)
 
@@ -161,10 +149,7 @@ if AVAILABLE:
         n_ok = rn < F
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if USE_PDL:
-            if EARLY:  # signal as it starts (splitrl.rollout.pdl, "Early")
-                pdl.gdc_launch_dependents()
-            pdl.gdc_wait()
+        pdl.wait(USE_PDL, EARLY)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
             k_ok = kk < K
@@ -174,8 +159,7 @@ if AVAILABLE:
             wu = tl.load(w_ptr + (F + rn)[:, None] * sw_n + kk[None, :], mask=w_ok, other=0.0)
             acc_g = tl.dot(x, tl.trans(wg), acc_g)
             acc_u = tl.dot(x, tl.trans(wu), acc_u)
-        if USE_PDL and not EARLY:
-            pdl.gdc_launch_dependents()
+        pdl.signal(USE_PDL, EARLY)
         if HAS_BIAS:
             acc_g += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             acc_u += tl.load(b_ptr + F + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
