@@ -85,6 +85,21 @@ def sweep(configs: list[tuple], fn) -> None:
         print(f"    best of the sweep: {best[0]:.2f} us {best[1]}", flush=True)
 
 
+def contexts(text: str) -> list[int]:
+    """``--context``: "N" or "FIRST-LAST:STEP" (FIRST, FIRST + STEP, ... up to LAST)."""
+    try:
+        if "-" not in text:
+            return [int(text)]
+        span, _, step = text.partition(":")
+        first, last = (int(v) for v in span.split("-"))
+        values = list(range(first, last + 1, int(step or 1)))
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise SystemExit(f"--context takes N or FIRST-LAST:STEP with 1 <= FIRST <= LAST; got {text!r}")
+    return values
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-0.6b", choices=sorted(QWEN3_SHAPES))
@@ -92,7 +107,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gated", action="store_true", help="also time gate/up + silu · mul in one launch (docstring)")
     ap.add_argument("--gated-sweep", default="", help="comma list of rows at which --gated times alternative tiles")
     ap.add_argument("--attention", default="", help="comma list of rows at which decode attention tiles are timed")
-    ap.add_argument("--context", type=int, default=192, help="entries a row for --attention (prompt + half the new)")
+    ap.add_argument("--context", default="137-256:16", help="entries a row for --attention: N, or FIRST-LAST:STEP "
+                    "(the default: a decode of 128 + 128, every 16th step)")  # fmt: skip
+    ap.add_argument("--attention-queries", default="1,3", help="queries a row for --attention (1 + drafts a verify)")
+    ap.add_argument("--attention-splits", default="1,2,4", help="chunks a row's entries are cut into, for --attention")
     ap.add_argument("--sweep", default="", help="comma list of row counts at which alternative tiles are timed too")
     ap.add_argument("--fused", action="store_true", help="also time the fused pieces of a decode layer (docstring)")
     ap.add_argument("--rope-rows", default="1,32,256", help="rows at which the rotary + cache write piece is timed")
@@ -141,7 +159,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.gated:
         gated_product(c, rows, {int(r) for r in args.gated_sweep.split(",") if r})
     if args.attention:
-        attention_tiles(c, [int(r) for r in args.attention.split(",")], args.context)
+        attention_tiles(c, [int(r) for r in args.attention.split(",")], contexts(args.context),
+                        [int(q) for q in args.attention_queries.split(",")],
+                        [int(n) for n in args.attention_splits.split(",")])  # fmt: skip
     if args.fused:
         fused_pieces(c, rows, [int(r) for r in args.rope_rows.split(",")])
 
@@ -178,33 +198,41 @@ def gated_product(c: dict, rows: list[int], sweep_rows: set[int]) -> None:
             sweep(configs, lambda i, cfg, x=x: skinny_gemm.skinny_linear_silu_mul(x, ws[i], config=cfg))
 
 
-def attention_tiles(c: dict, rows: list[int], context: int) -> None:
+def attention_tiles(c: dict, rows: list[int], contexts: list[int], queries: list[int], splits: list[int]) -> None:
     """The --attention table (module docstring)."""
     from splitrl.rollout import decode_attention as da
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     H, Hk, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-    configs = [None] + list(itertools.product((16, 32, 64, 128), (1, 2, 3, 4), (2, 4, 8)))
+    M = -(-(max(contexts) + 3) // 64) * 64  # the engine's cache length for these rows (runner.ensure_buffers)
+    tile_sets = [(64, 2, 4), (64, 3, 4), (64, 4, 4), (32, 3, 4), (32, 4, 4), (128, 2, 8), (128, 2, 4), (16, 4, 4)]
+    configs = [None] + [t + (n,) for t in tile_sets for n in splits]
+    mean_bytes = 2 * statistics.mean(contexts) * Hk * d * 2  # keys and values a row reads, bytes
     for R in rows:
-        caches = [torch.randn(2, R, context, Hk, d, device=dev, dtype=dt) for _ in range(8)]
-        for Q in (1, 3):
+        caches = [torch.randn(2, R, M, Hk, d, device=dev, dtype=dt) for _ in range(8)]
+        for Q in queries:
             q = torch.randn(R, Q, H, d, device=dev, dtype=dt)
-            used = torch.full((R,), context, dtype=torch.int32, device=dev)
             cells = []
             for cfg in configs:
                 try:
-                    t = time_us(lambda i, cfg=cfg: da.decode_attention(q, caches[i][0], caches[i][1], used, d**-0.5, config=cfg),
-                                replays=5 if cfg else 20)  # fmt: skip
+                    per = []
+                    for n in contexts:
+                        used = torch.full((R,), n, dtype=torch.int32, device=dev)
+                        per.append(time_us(lambda i, cfg=cfg, used=used: da.decode_attention(
+                            q, caches[i][0], caches[i][1], used, d**-0.5, config=cfg), replays=5 if cfg else 20))  # fmt: skip
                 except Exception as e:  # noqa: BLE001 - a tile set the compiler refuses (shared memory)
-                    cells.append((float("inf"), cfg, type(e).__name__))
+                    print(f"    {cfg}: {type(e).__name__}", flush=True)
                     continue
-                cells.append((t, cfg, ""))
-            default = cells[0][0]
-            default_tiles = da.tiles(d, R * Hk, da._shared_memory(dev))
-            best = sorted(cell for cell in cells[1:] if cell[0] < float("inf"))[:5]
-            gbs = 2 * R * context * Hk * d * 2 / (default * 1e-6) / 1e9
-            print(f"attention rows {R:>4} Q={Q} {context} entries: default {default_tiles} {default:.2f} us "
-                  f"({gbs:.0f} GB/s); best " + ", ".join(f"{cfg} {t:.2f}" for t, cfg, _ in best), flush=True)  # fmt: skip
+                cells.append((statistics.mean(per), cfg, per))
+            default, _, per0 = cells[0]
+            rule = da.tiles(d, R * Hk, da._shared_memory(dev)) + (da.splits(R * Hk),)
+            best = sorted(cells[1:], key=lambda cell: cell[0])[:5]
+            gbs = R * mean_bytes / (default * 1e-6) / 1e9
+            print(f"attention rows {R:>4} Q={Q} entries {contexts[0]}..{contexts[-1]} (mean of {len(contexts)}): "
+                  f"default {rule} {default:.2f} us ({gbs:.0f} GB/s); best "
+                  + ", ".join(f"{cfg} {t:.2f}" for t, cfg, _ in best), flush=True)  # fmt: skip
+            print(f"    per context, default: {' '.join(f'{t:.1f}' for t in per0)}; best: "
+                  f"{' '.join(f'{t:.1f}' for t in best[0][2])}", flush=True)  # fmt: skip
 
 
 def fused_pieces(c: dict, rows: list[int], rope_rows: list[int]) -> None:
