@@ -22,9 +22,11 @@ compiled ``silu_mul`` (the engine's two launches before), µs each at each M, an
 ``--gated-sweep`` rows its alternative tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
 
 ``--attention R1,R2``: one layer's decode attention (:mod:`splitrl.rollout.decode_attention`) of R
-rows, one query each and 1 + 2 (a verify of 2 drafts), at ``--context`` entries a row, with the
-kernel's tiles and each alternative (BLOCK_N, stages, warps); 8 layers' caches used in turn, as the
-products' weights are.
+rows with ``--attention-queries`` queries a row (1; 1 + drafts in a verify), with the kernel's tiles
+and each alternative (BLOCK_N, stages, warps): µs averaged over the ``--context`` entries a row
+(by default every 16th step of a 128 + 128 decode, so that rows of 3 and of 4 tiles of 64 entries
+count as they do in the engine; a single length hides the last tile's cost), in caches of the
+engine's layout and length; 8 layers' caches used in turn, as the products' weights are.
 
 ``--fused``: also the decode layer's fused pieces against the launches they replace, µs each at
 each M (and at ``--rope-rows`` for the rotary one): o_proj and down_proj with their add + RMSNorm
@@ -110,7 +112,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", default="137-256:16", help="entries a row for --attention: N, or FIRST-LAST:STEP "
                     "(the default: a decode of 128 + 128, every 16th step)")  # fmt: skip
     ap.add_argument("--attention-queries", default="1,3", help="queries a row for --attention (1 + drafts a verify)")
-    ap.add_argument("--attention-splits", default="1,2,4", help="chunks a row's entries are cut into, for --attention")
     ap.add_argument("--sweep", default="", help="comma list of row counts at which alternative tiles are timed too")
     ap.add_argument("--fused", action="store_true", help="also time the fused pieces of a decode layer (docstring)")
     ap.add_argument("--rope-rows", default="1,32,256", help="rows at which the rotary + cache write piece is timed")
@@ -160,8 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         gated_product(c, rows, {int(r) for r in args.gated_sweep.split(",") if r})
     if args.attention:
         attention_tiles(c, [int(r) for r in args.attention.split(",")], contexts(args.context),
-                        [int(q) for q in args.attention_queries.split(",")],
-                        [int(n) for n in args.attention_splits.split(",")])  # fmt: skip
+                        [int(q) for q in args.attention_queries.split(",")])  # fmt: skip
     if args.fused:
         fused_pieces(c, rows, [int(r) for r in args.rope_rows.split(",")])
 
@@ -198,15 +198,14 @@ def gated_product(c: dict, rows: list[int], sweep_rows: set[int]) -> None:
             sweep(configs, lambda i, cfg, x=x: skinny_gemm.skinny_linear_silu_mul(x, ws[i], config=cfg))
 
 
-def attention_tiles(c: dict, rows: list[int], contexts: list[int], queries: list[int], splits: list[int]) -> None:
+def attention_tiles(c: dict, rows: list[int], contexts: list[int], queries: list[int]) -> None:
     """The --attention table (module docstring)."""
     from splitrl.rollout import decode_attention as da
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     H, Hk, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     M = -(-(max(contexts) + 3) // 64) * 64  # the engine's cache length for these rows (runner.ensure_buffers)
-    tile_sets = [(64, 2, 4), (64, 3, 4), (64, 4, 4), (32, 3, 4), (32, 4, 4), (128, 2, 8), (128, 2, 4), (16, 4, 4)]
-    configs = [None] + [t + (n,) for t in tile_sets for n in splits]
+    configs = [None] + [(64, 2, 4), (64, 3, 4), (64, 4, 4), (32, 3, 4), (32, 4, 4), (128, 2, 8), (128, 2, 4), (16, 4, 4)]
     mean_bytes = 2 * statistics.mean(contexts) * Hk * d * 2  # keys and values a row reads, bytes
     for R in rows:
         caches = [torch.randn(2, R, M, Hk, d, device=dev, dtype=dt) for _ in range(8)]
@@ -225,7 +224,7 @@ def attention_tiles(c: dict, rows: list[int], contexts: list[int], queries: list
                     continue
                 cells.append((statistics.mean(per), cfg, per))
             default, _, per0 = cells[0]
-            rule = da.tiles(d, R * Hk, da._shared_memory(dev)) + (da.splits(R * Hk),)
+            rule = da.tiles(d, R * Hk, da._shared_memory(dev))
             best = sorted(cells[1:], key=lambda cell: cell[0])[:5]
             gbs = R * mean_bytes / (default * 1e-6) / 1e9
             print(f"attention rows {R:>4} Q={Q} entries {contexts[0]}..{contexts[-1]} (mean of {len(contexts)}): "

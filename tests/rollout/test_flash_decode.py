@@ -561,60 +561,6 @@ def test_the_per_query_kernel_interpreted_reads_what_the_masked_path_reads():
     assert no_own > 1e-3, no_own
 
 
-_INTERPRETED_SPLITS = r"""
-import torch
-from splitrl.rollout import decode_attention as da
-torch.manual_seed(0)
-B, M, Hk, d = 7, 80, 2, 16
-k, v = torch.randn(B, M, Hk, d), torch.randn(B, M, Hk, d)
-# rows of 1 to 80 entries: a chunk that starts past a query's causal limit (65 entries, Q = 3, chunks
-# of 16: the last chunk holds entry 64 alone), chunks of one tile, empty chunks (1 and 3 entries)
-used = torch.tensor([1, 3, 65, 80, 17, 33, 48], dtype=torch.int32)
-worst, dropped = 0.0, float("inf")
-for Q, G in ((1, 2), (3, 2), (2, 1)):
-    q = torch.randn(B, Q, Hk * G, d)
-    ref = torch.empty(B, Q, Hk * G * d)
-    for b in range(B):
-        for i in range(Q):
-            p = max(int(used[b]) - Q + i, 0)  # the kernel's limit: a stale row (used < Q) reads entry 0
-            kk = k[b, : p + 1].repeat_interleave(G, dim=1)
-            vv = v[b, : p + 1].repeat_interleave(G, dim=1)
-            w = (torch.einsum("hd,thd->ht", q[b, i], kk) * 0.25).softmax(-1)
-            ref[b, i] = torch.einsum("ht,thd->hd", w, vv).reshape(-1)
-    for n in (1, 2, 3, 4):
-        out = da.decode_attention(q, k, v, used, 0.25, config=(16, 2, 4, n))
-        worst = max(worst, float((out - ref).abs().max().nan_to_num(float("inf"))))
-    # guard: a row of two chunks read as its first chunk alone differs (the second chunk counts)
-    short = da.decode_attention(q, k, v, torch.minimum(used, torch.tensor(48, dtype=torch.int32)), 0.25,
-                                config=(16, 2, 4, 2))
-    dropped = min(dropped, float((short[3] - ref[3]).abs().max()))
-print(worst, dropped)
-"""
-
-
-@pytest.mark.skipif(not decode_mod.AVAILABLE, reason="needs Triton (its interpreter runs the kernel on the CPU)")
-def test_the_decode_kernel_split_over_the_entries_equals_one_pass():
-    """The row's entries cut into 1..4 chunks, one program each, and the chunks' fp32 partials added
-    by the second kernel (``decode_attention.splits``), run by Triton's interpreter in fp32 against a
-    per-query softmax: rows of 1..80 entries with 16-entry tiles, Q = 1..3, G = 1, 2. The edges:
-    empty chunks (rows shorter than the chunks), a chunk whose entries all lie past some query's
-    causal limit (its row is -inf there, never NaN), a stale row (used < Q). Guard: a row cut short
-    differs, so the test reads every chunk."""
-    worst, dropped = map(float, _run_interpreted(_INTERPRETED_SPLITS)[-2:])
-    assert worst < 1e-5, worst
-    assert dropped > 1e-3, dropped
-
-
-def test_the_decode_kernel_splits_rows_only_for_few_programs():
-    """``splits``: powers of two up to MAX_SPLITS while rows x kv heads x splits stays under
-    SPLIT_PROGRAMS; one chunk at and past it."""
-    assert decode_mod.splits(8) == decode_mod.MAX_SPLITS
-    assert decode_mod.splits(decode_mod.SPLIT_PROGRAMS) == 1
-    assert decode_mod.splits(decode_mod.SPLIT_PROGRAMS // 2) == 2
-    assert all(decode_mod.splits(p) * p < 2 * decode_mod.SPLIT_PROGRAMS for p in range(1, decode_mod.SPLIT_PROGRAMS))
-    assert all(decode_mod.splits(p) == 1 for p in range(decode_mod.SPLIT_PROGRAMS, 4096))
-
-
 def test_a_failing_per_query_kernel_falls_back_to_the_masked_path(monkeypatch, caplog):
     """Kind: a GPU or shape Triton cannot compile for, on the MTP draft windows. Outside a capture
     the forward is served by the masked path, its mask built from the plan's rule (the same output

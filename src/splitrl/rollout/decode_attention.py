@@ -43,18 +43,17 @@ if AVAILABLE:
 
     @triton.jit
     def _decode_attention_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, seqused_ptr, limits_ptr, own_ptr, part_ptr, ml_ptr,
+        q_ptr, k_ptr, v_ptr, out_ptr, seqused_ptr, limits_ptr, own_ptr,
         sq_b, sq_q, sq_h,
         sk_s, sk_m, sk_h,
         so_b, so_q, so_h,
         scale_log2e,
         Q: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-        PER_QUERY: tl.constexpr, SPLITS: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
+        PER_QUERY: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kvh = tl.program_id(1)
-        split = tl.program_id(2)
         r = tl.arange(0, BLOCK_M)
         i = r // G  # query position within the row
         g = r % G
@@ -85,85 +84,27 @@ if AVAILABLE:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        end = tl.maximum(used, 1)  # used 0: one masked block, output 0
-        if SPLITS == 1:
-            begin = 0
-        else:  # this program's share of the row: SPLITS chunks of whole tiles, the last one shorter
-            chunk = tl.cdiv(tl.cdiv(end, SPLITS), BLOCK_N) * BLOCK_N
-            begin = split * chunk
-            end = tl.minimum(end, begin + chunk)
-        for start in range(begin, end, BLOCK_N):
+        for start in range(0, tl.maximum(used, 1), BLOCK_N):  # used 0: one masked block, output 0
             j = start + tl.arange(0, BLOCK_N)
-            j_ok = j < tl.minimum(used, end)
+            j_ok = j < used
             offs = kv_base + j[:, None] * sk_m + dd[None, :]
             k = tl.load(k_ptr + offs, mask=j_ok[:, None] & d_ok[None, :], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N], log2 units
             allowed = (j[None, :] <= limit[:, None]) | (j[None, :] == own[:, None])
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = m_new
-            if SPLITS > 1:  # a chunk past a query's causal limit masks its whole row: keep exp2 off -inf - -inf
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_ptr + offs, mask=j_ok[:, None] & d_ok[None, :], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
-        pdl.signal(USE_PDL, EARLY)
-        if SPLITS == 1:
-            out = acc / l_i[:, None]
-            tl.store(
-                out_ptr + b * so_b + i[:, None] * so_q + head[:, None] * so_h + dd[None, :],
-                out.to(out_ptr.dtype.element_ty),
-                mask=row_ok[:, None] & d_ok[None, :],
-            )
-        else:  # fp32 partials of the Q * G valid rows: [B, Hk, SPLITS, Q * G, D] and [B, Hk, SPLITS, 2, Q * G]
-            unit = (b * tl.num_programs(1) + kvh) * SPLITS + split
-            tl.store(
-                part_ptr + (unit * (Q * G) + r)[:, None] * D + dd[None, :], acc, mask=row_ok[:, None] & d_ok[None, :]
-            )
-            tl.store(ml_ptr + unit * 2 * (Q * G) + r, m_i, mask=row_ok)
-            tl.store(ml_ptr + (unit * 2 + 1) * (Q * G) + r, l_i, mask=row_ok)
-
-    @triton.jit
-    def _combine_splits_kernel(
-        part_ptr, ml_ptr, out_ptr,
-        so_b, so_q, so_h,
-        Q: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-        SPLITS: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
-    ):  # fmt: skip
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        r = tl.arange(0, BLOCK_M)
-        i = r // G
-        head = kvh * G + r % G
-        row_ok = r < Q * G
-        dd = tl.arange(0, BLOCK_D)
-        ok = row_ok[:, None] & (dd < D)[None, :]
-        first = (b * tl.num_programs(1) + kvh) * SPLITS
-        pdl.wait(USE_PDL, EARLY)
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for s in tl.static_range(SPLITS):  # fixed order: the same sum on every run
-            unit = first + s
-            m_s = tl.load(ml_ptr + unit * 2 * (Q * G) + r, mask=row_ok, other=float("-inf"))
-            l_s = tl.load(ml_ptr + (unit * 2 + 1) * (Q * G) + r, mask=row_ok, other=0.0)
-            a_s = tl.load(part_ptr + (unit * (Q * G) + r)[:, None] * D + dd[None, :], mask=ok, other=0.0)
-            m_new = tl.maximum(m_i, m_s)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no chunk so far had an entry for the row
-            alpha = tl.exp2(m_i - m_use)
-            beta = tl.exp2(m_s - m_use)
-            l_i = l_i * alpha + l_s * beta
-            acc = acc * alpha[:, None] + a_s * beta[:, None]
             m_i = m_new
         out = acc / l_i[:, None]
         pdl.signal(USE_PDL, EARLY)
         tl.store(
             out_ptr + b * so_b + i[:, None] * so_q + head[:, None] * so_h + dd[None, :],
             out.to(out_ptr.dtype.element_ty),
-            mask=ok,
+            mask=row_ok[:, None] & d_ok[None, :],
         )
 
 
@@ -211,22 +152,6 @@ def tiles(block_d: int, programs: int = 0, shared_memory: int = 0) -> tuple[int,
     if programs <= STAGES_3_PROGRAMS and shared_memory >= 128 * 1024:
         return 64, 3, 4
     return 64, 2, 4
-
-
-# Few programs leave most of the GPU idle while each walks its row's tiles one after another: below
-# SPLIT_PROGRAMS (rows x kv heads) a row's entries are cut into up to MAX_SPLITS chunks of whole tiles,
-# one program each, whose fp32 partial results a second kernel adds in a fixed order (the split
-# over the keys of flash decoding; its measurement: bench/RESULTS.md).
-SPLIT_PROGRAMS = 1024
-MAX_SPLITS = 4
-
-
-def splits(programs: int) -> int:
-    """Chunks a row's entries are cut into for ``programs`` = rows x kv heads (:data:`SPLIT_PROGRAMS`)."""
-    n = 1
-    while n < MAX_SPLITS and programs * n < SPLIT_PROGRAMS:
-        n = min(2 * n, MAX_SPLITS)
-    return n
 
 
 def decode_attention(
@@ -287,19 +212,10 @@ def decode_attention(
     block_m = max(16, triton.next_power_of_2(Q * G))
     block_d = max(16, triton.next_power_of_2(d))
     on = pdl.active(q_BQHd, B * Q)
-    if config is None:
-        config = tiles(block_d, B * Hk, _shared_memory(q_BQHd.device) if q_BQHd.is_cuda else 0) + (splits(B * Hk),)
-    block_n, stages, warps = config[:3]
-    n_splits = config[3] if len(config) > 3 else 1
-    if n_splits > 1:  # fp32 partial outputs, maxima and sums of each chunk, added by _combine_splits_kernel
-        part = torch.empty(B * Hk * n_splits * Q * G * d, dtype=torch.float32, device=q_BQHd.device)
-        ml = torch.empty(B * Hk * n_splits * 2 * Q * G, dtype=torch.float32, device=q_BQHd.device)
-    else:
-        part = ml = out  # unread with SPLITS 1
-    _decode_attention_kernel[(B, Hk, n_splits)](
+    block_n, stages, warps = config or tiles(block_d, B * Hk, _shared_memory(q_BQHd.device) if q_BQHd.is_cuda else 0)
+    _decode_attention_kernel[(B, Hk)](
         q_BQHd, k_SMHd, v_SMHd, out, seqused_B,
         limits_BQ if per_query else seqused_B, own_BQ if per_query else seqused_B,  # unread without PER_QUERY
-        part, ml,
         q_BQHd.stride(0), q_BQHd.stride(1), q_BQHd.stride(2),
         k_SMHd.stride(0), k_SMHd.stride(1), k_SMHd.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
@@ -308,13 +224,7 @@ def decode_attention(
         # fp32 products stay fp32 (Triton's default for fp32 is TF32); only the interpreter tests pass
         # fp32 (a flash cache is fp16 / bf16), for which the setting has no effect
         PRECISION="ieee" if q_BQHd.dtype == torch.float32 else "tf32",
-        PER_QUERY=per_query, SPLITS=n_splits, USE_PDL=on, EARLY=pdl.early(on, B * Q), num_warps=warps,
-        num_stages=stages, **pdl.options(on),
+        PER_QUERY=per_query, USE_PDL=on, EARLY=pdl.early(on, B * Q), num_warps=warps, num_stages=stages,
+        **pdl.options(on),
     )  # fmt: skip
-    if n_splits > 1:
-        _combine_splits_kernel[(B, Hk)](
-            part, ml, out, out.stride(0), out.stride(1), out.stride(2),
-            Q=Q, G=G, D=d, BLOCK_M=block_m, BLOCK_D=block_d, SPLITS=n_splits,
-            USE_PDL=on, EARLY=pdl.early(on, B * Q), num_warps=4, **pdl.options(on),
-        )  # fmt: skip
     return out.view(B, Q, H * d)
