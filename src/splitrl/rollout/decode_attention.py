@@ -50,10 +50,14 @@ if AVAILABLE:
         scale_log2e,
         Q: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
-        PER_QUERY: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
+        PER_QUERY: tl.constexpr, HEADS_FIRST: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
     ):  # fmt: skip
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
+        if HEADS_FIRST:  # a row's kv heads in consecutive programs (:data:`HEADS_FIRST`)
+            kvh = tl.program_id(0)
+            b = tl.program_id(1)
+        else:
+            b = tl.program_id(0)
+            kvh = tl.program_id(1)
         r = tl.arange(0, BLOCK_M)
         i = r // G  # query position within the row
         g = r % G
@@ -107,6 +111,11 @@ if AVAILABLE:
             mask=row_ok[:, None] & d_ok[None, :],
         )
 
+
+# The launch order of the (row, kv head) programs: HEADS_FIRST puts a row's kv heads in consecutive
+# programs, which then run together and read the adjacent head_dim segments of each cache position
+# (one position's kv heads are contiguous in the position-major cache); else a kv head's rows.
+HEADS_FIRST = False
 
 # One program per (row, kv head) walks the row's entries alone: with few programs and long rows the
 # flash kernel's split over the entries (splitkv) keeps more of the GPU busy (``bench_rollout.py
@@ -213,7 +222,7 @@ def decode_attention(
     block_d = max(16, triton.next_power_of_2(d))
     on = pdl.active(q_BQHd, B * Q)
     block_n, stages, warps = config or tiles(block_d, B * Hk, _shared_memory(q_BQHd.device) if q_BQHd.is_cuda else 0)
-    _decode_attention_kernel[(B, Hk)](
+    _decode_attention_kernel[(Hk, B) if HEADS_FIRST else (B, Hk)](
         q_BQHd, k_SMHd, v_SMHd, out, seqused_B,
         limits_BQ if per_query else seqused_B, own_BQ if per_query else seqused_B,  # unread without PER_QUERY
         q_BQHd.stride(0), q_BQHd.stride(1), q_BQHd.stride(2),
@@ -224,7 +233,7 @@ def decode_attention(
         # fp32 products stay fp32 (Triton's default for fp32 is TF32); only the interpreter tests pass
         # fp32 (a flash cache is fp16 / bf16), for which the setting has no effect
         PRECISION="ieee" if q_BQHd.dtype == torch.float32 else "tf32",
-        PER_QUERY=per_query, USE_PDL=on, EARLY=pdl.early(on, B * Q), num_warps=warps, num_stages=stages,
+        PER_QUERY=per_query, HEADS_FIRST=HEADS_FIRST, USE_PDL=on, EARLY=pdl.early(on, B * Q), num_warps=warps, num_stages=stages,
         **pdl.options(on),
     )  # fmt: skip
     return out.view(B, Q, H * d)
