@@ -561,6 +561,55 @@ def test_the_per_query_kernel_interpreted_reads_what_the_masked_path_reads():
     assert no_own > 1e-3, no_own
 
 
+_INTERPRETED_ORDER = r"""
+import torch
+from splitrl.rollout import decode_attention as da
+torch.manual_seed(0)
+k, v = torch.randn(5, 150, 2, 16), torch.randn(5, 150, 2, 16)
+used = torch.tensor([1, 64, 65, 150, 100], dtype=torch.int32)
+diff, heads = 0.0, 0.0
+for Q, H in ((1, 4), (3, 2)):
+    q = torch.randn(5, Q, H, 16)
+    da.HEADS_FIRST_PROGRAMS = 1 << 30
+    rows_first = da.decode_attention(q, k, v, used, 0.25)
+    da.HEADS_FIRST_PROGRAMS = 1
+    heads_first = da.decode_attention(q, k, v, used, 0.25)
+    diff = max(diff, float((rows_first - heads_first).abs().max().nan_to_num(float("inf"))))
+    # guard: the two kv heads' outputs differ, so a program writing the other head's rows would show
+    heads = max(heads, float((heads_first[..., : H // 2 * 16] - heads_first[..., H // 2 * 16 :]).abs().max()))
+print(diff, heads)
+"""
+
+
+@pytest.mark.skipif(not decode_mod.AVAILABLE, reason="needs Triton (its interpreter runs the kernel on the CPU)")
+def test_the_decode_kernel_launch_order_does_not_change_its_output():
+    """``HEADS_FIRST_PROGRAMS``: the programs launched with a row's kv heads consecutive give the
+    output of the (row, kv head) order bit for bit (each program's work is the same), run by Triton's
+    interpreter: rows of 1..150 entries, Q = 1 and 3."""
+    diff, heads = map(float, _run_interpreted(_INTERPRETED_ORDER)[-2:])
+    assert diff == 0.0, diff
+    assert heads > 1e-3, heads
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and decode_mod.AVAILABLE), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("Q", [1, 3])
+def test_the_decode_kernel_launch_order_does_not_change_its_output_on_the_gpu(monkeypatch, Q):
+    """The same on the GPU in bf16 in a position-major cache, 6 rows x 2 kv heads: both launch
+    orders give the same output bit for bit, and it matches the fp32 reference."""
+    flash, _ = _caches()
+    rows = 6
+    last = torch.tensor([3, 63, 64, 200, 129, 318], device="cuda")
+    q = torch.randn(rows, Q, H, D_HEAD, device="cuda", dtype=torch.bfloat16)
+    used = (last + 1).to(torch.int32)
+    outs = []
+    for threshold in (1 << 30, 1):
+        monkeypatch.setattr(decode_mod, "HEADS_FIRST_PROGRAMS", threshold)
+        outs.append(decode_mod.decode_attention(q, flash.k[1], flash.v[1], used, D_HEAD**-0.5))
+    assert torch.equal(outs[0], outs[1])
+    ref = _reference(flash, 1, q, last, D_HEAD**-0.5)
+    assert (outs[1].float() - ref).abs().max().item() < 2e-2
+
+
 def test_a_failing_per_query_kernel_falls_back_to_the_masked_path(monkeypatch, caplog):
     """Kind: a GPU or shape Triton cannot compile for, on the MTP draft windows. Outside a capture
     the forward is served by the masked path, its mask built from the plan's rule (the same output

@@ -52,7 +52,7 @@ if AVAILABLE:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
         PER_QUERY: tl.constexpr, HEADS_FIRST: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
     ):  # fmt: skip
-        if HEADS_FIRST:  # a row's kv heads in consecutive programs (:data:`HEADS_FIRST`)
+        if HEADS_FIRST:  # a row's kv heads in consecutive programs (:data:`HEADS_FIRST_PROGRAMS`)
             kvh = tl.program_id(0)
             b = tl.program_id(1)
         else:
@@ -112,10 +112,12 @@ if AVAILABLE:
         )
 
 
-# The launch order of the (row, kv head) programs: HEADS_FIRST puts a row's kv heads in consecutive
-# programs, which then run together and read the adjacent head_dim segments of each cache position
-# (one position's kv heads are contiguous in the position-major cache); else a kv head's rows.
-HEADS_FIRST = False
+# The launch order of the (row, kv head) programs: from HEADS_FIRST_PROGRAMS programs a row's kv heads
+# are consecutive programs, which run together and read the adjacent head_dim segments of each cache
+# position (a position's kv heads are contiguous in the position-major cache); below it, a kv head's
+# rows. On an H200 at 256 rows x 8 kv heads, 193 entries a row (bench/RESULTS.md): 57.0 µs against
+# 58.3 a layer, plain decoding 1.010x; at 32 rows and at 1 row the same speed either way.
+HEADS_FIRST_PROGRAMS = 2048
 
 # One program per (row, kv head) walks the row's entries alone: with few programs and long rows the
 # flash kernel's split over the entries (splitkv) keeps more of the GPU busy (``bench_rollout.py
@@ -222,7 +224,8 @@ def decode_attention(
     block_d = max(16, triton.next_power_of_2(d))
     on = pdl.active(q_BQHd, B * Q)
     block_n, stages, warps = config or tiles(block_d, B * Hk, _shared_memory(q_BQHd.device) if q_BQHd.is_cuda else 0)
-    _decode_attention_kernel[(Hk, B) if HEADS_FIRST else (B, Hk)](
+    heads_first = B * Hk >= HEADS_FIRST_PROGRAMS
+    _decode_attention_kernel[(Hk, B) if heads_first else (B, Hk)](
         q_BQHd, k_SMHd, v_SMHd, out, seqused_B,
         limits_BQ if per_query else seqused_B, own_BQ if per_query else seqused_B,  # unread without PER_QUERY
         q_BQHd.stride(0), q_BQHd.stride(1), q_BQHd.stride(2),
@@ -233,7 +236,7 @@ def decode_attention(
         # fp32 products stay fp32 (Triton's default for fp32 is TF32); only the interpreter tests pass
         # fp32 (a flash cache is fp16 / bf16), for which the setting has no effect
         PRECISION="ieee" if q_BQHd.dtype == torch.float32 else "tf32",
-        PER_QUERY=per_query, HEADS_FIRST=HEADS_FIRST, USE_PDL=on, EARLY=pdl.early(on, B * Q), num_warps=warps, num_stages=stages,
+        PER_QUERY=per_query, HEADS_FIRST=heads_first, USE_PDL=on, EARLY=pdl.early(on, B * Q), num_warps=warps, num_stages=stages,
         **pdl.options(on),
     )  # fmt: skip
     return out.view(B, Q, H * d)
