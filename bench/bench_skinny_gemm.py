@@ -91,14 +91,15 @@ def contexts(text: str) -> list[int]:
     """``--context``: "N" or "FIRST-LAST:STEP" (FIRST, FIRST + STEP, ... up to LAST)."""
     try:
         if "-" not in text:
-            return [int(text)]
-        span, _, step = text.partition(":")
-        first, last = (int(v) for v in span.split("-"))
-        values = list(range(first, last + 1, int(step or 1)))
+            values = [int(text)]
+        else:
+            span, _, step = text.partition(":")
+            first, last = (int(v) for v in span.split("-"))
+            values = list(range(first, last + 1, int(step or 1)))
     except ValueError:
         values = []
     if not values or min(values) < 1:
-        raise SystemExit(f"--context takes N or FIRST-LAST:STEP with 1 <= FIRST <= LAST; got {text!r}")
+        raise ValueError(f"--context takes N or FIRST-LAST:STEP with 1 <= FIRST <= LAST and STEP >= 1; got {text!r}")
     return values
 
 
@@ -116,6 +117,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fused", action="store_true", help="also time the fused pieces of a decode layer (docstring)")
     ap.add_argument("--rope-rows", default="1,32,256", help="rows at which the rotary + cache write piece is timed")
     args = ap.parse_args(argv)
+    try:  # the attention's lists before any device work, so that a typo costs no run
+        ctxs = contexts(args.context)
+    except ValueError as e:
+        ap.error(str(e))
+    try:
+        queries = [int(v) for v in args.attention_queries.split(",")]
+        att_rows = [int(v) for v in args.attention.split(",")] if args.attention else []
+    except ValueError:
+        queries = att_rows = [0]
+    if min(queries) < 1 or any(r < 1 for r in att_rows):
+        ap.error(f"--attention and --attention-queries take comma lists of positive integers; got "
+                 f"{args.attention!r}, {args.attention_queries!r}")  # fmt: skip
     print(
         "command: python bench/bench_skinny_gemm.py " + shlex.join(sys.argv[1:] if argv is None else argv), flush=True
     )
@@ -160,8 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.gated:
         gated_product(c, rows, {int(r) for r in args.gated_sweep.split(",") if r})
     if args.attention:
-        attention_tiles(c, [int(r) for r in args.attention.split(",")], contexts(args.context),
-                        [int(q) for q in args.attention_queries.split(",")])  # fmt: skip
+        attention_tiles(c, att_rows, ctxs, queries)
     if args.fused:
         fused_pieces(c, rows, [int(r) for r in args.rope_rows.split(",")])
 
