@@ -26,7 +26,8 @@ rows with ``--attention-queries`` queries a row (1; 1 + drafts in a verify), wit
 and each alternative (BLOCK_N, stages, warps): µs averaged over the ``--context`` entries a row
 (by default every 16th step of a 128 + 128 decode, so that rows of 3 and of 4 tiles of 64 entries
 count as they do in the engine; a single length hides the last tile's cost), in caches of the
-engine's layout and length; 8 layers' caches used in turn, as the products' weights are.
+engine's layout and of ``--cache-len`` entries (the engine's for 128 + 128); 8 layers' caches used in
+turn, as the products' weights are.
 
 ``--fused``: also the decode layer's fused pieces against the launches they replace, µs each at
 each M (and at ``--rope-rows`` for the rotary one): o_proj and down_proj with their add + RMSNorm
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--context", default="137-256:16", help="entries a row for --attention: N, or FIRST-LAST:STEP "
                     "(the default: a decode of 128 + 128, every 16th step)")  # fmt: skip
     ap.add_argument("--attention-queries", default="1,3", help="queries a row for --attention (1 + drafts a verify)")
+    ap.add_argument("--cache-len", type=int, default=320, help="entries a row's cache holds, for --attention (default: "
+                    "the engine's for 128 + 128 tokens, the multiple of 64 above prompt + new + 3)")  # fmt: skip
     ap.add_argument("--sweep", default="", help="comma list of row counts at which alternative tiles are timed too")
     ap.add_argument("--fused", action="store_true", help="also time the fused pieces of a decode layer (docstring)")
     ap.add_argument("--rope-rows", default="1,32,256", help="rows at which the rotary + cache write piece is timed")
@@ -126,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
         att_rows = [int(v) for v in args.attention.split(",")] if args.attention else []
     except ValueError:
         queries = att_rows = [0]
+    if args.cache_len < max(ctxs):
+        ap.error(f"--cache-len ({args.cache_len}) must hold the longest --context ({max(ctxs)})")
     if min(queries) < 1 or any(r < 1 for r in att_rows):
         ap.error(f"--attention and --attention-queries take comma lists of positive integers; got "
                  f"{args.attention!r}, {args.attention_queries!r}")  # fmt: skip
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.gated:
         gated_product(c, rows, {int(r) for r in args.gated_sweep.split(",") if r})
     if args.attention:
-        attention_tiles(c, att_rows, ctxs, queries)
+        attention_tiles(c, att_rows, ctxs, queries, args.cache_len)
     if args.fused:
         fused_pieces(c, rows, [int(r) for r in args.rope_rows.split(",")])
 
@@ -210,13 +215,12 @@ def gated_product(c: dict, rows: list[int], sweep_rows: set[int]) -> None:
             sweep(configs, lambda i, cfg, x=x: skinny_gemm.skinny_linear_silu_mul(x, ws[i], config=cfg))
 
 
-def attention_tiles(c: dict, rows: list[int], contexts: list[int], queries: list[int]) -> None:
+def attention_tiles(c: dict, rows: list[int], contexts: list[int], queries: list[int], M: int) -> None:
     """The --attention table (module docstring)."""
     from splitrl.rollout import decode_attention as da
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     H, Hk, d = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-    M = -(-(max(contexts) + 3) // 64) * 64  # the engine's cache length for these rows (runner.ensure_buffers)
     configs = [None] + [(64, 2, 4), (64, 3, 4), (64, 4, 4), (32, 3, 4), (32, 4, 4), (128, 2, 8), (128, 2, 4), (16, 4, 4)]
     mean_bytes = 2 * statistics.mean(contexts) * Hk * d * 2  # keys and values a row reads, bytes
     for R in rows:
@@ -235,9 +239,12 @@ def attention_tiles(c: dict, rows: list[int], contexts: list[int], queries: list
                     print(f"    {cfg}: {type(e).__name__}", flush=True)
                     continue
                 cells.append((statistics.mean(per), cfg, per))
+            if not cells or cells[0][1] is not None:
+                print(f"attention rows {R:>4} Q={Q}: the kernel's own tiles failed (above); no table", flush=True)
+                continue
             default, _, per0 = cells[0]
             rule = da.tiles(d, R * Hk, da._shared_memory(dev))
-            best = sorted(cells[1:], key=lambda cell: cell[0])[:5]
+            best = sorted(cells[1:], key=lambda cell: cell[0])[:5] or [cells[0]]
             gbs = R * mean_bytes / (default * 1e-6) / 1e9
             print(f"attention rows {R:>4} Q={Q} entries {contexts[0]}..{contexts[-1]} (mean of {len(contexts)}): "
                   f"default {rule} {default:.2f} us ({gbs:.0f} GB/s); best "

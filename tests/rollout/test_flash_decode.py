@@ -545,7 +545,7 @@ for position_major in (False, True):
     out = [c.attend(0, q, p, 0.25) for c, p in zip(caches, plans)]
     worst = max(worst, float((out[0] - out[1]).abs().max().nan_to_num(float("inf"))))
     off = caches[0].attend(0, q, caches[0].plan(write, torch.full_like(write, 200), limit, 160), 0.25)
-    no_own = min(no_own, float((off[:, 3] - out[1][:, 3]).abs().amax(-1).min()))
+    no_own = min(no_own, float((off[:, 3] - out[1][:, 3]).abs().amax(-1).min().nan_to_num(0.0)))
 print(worst, no_own)
 """
 
@@ -589,6 +589,36 @@ def test_the_decode_kernel_launch_order_does_not_change_its_output():
     diff, heads = map(float, _run_interpreted(_INTERPRETED_ORDER)[-2:])
     assert diff == 0.0, diff
     assert heads > 1e-3, heads
+
+
+def test_the_decode_kernel_launch_order_rule():
+    """``heads_first``: a row's kv heads consecutive from HEADS_FIRST_PROGRAMS programs, over a
+    position-major cache only, and never with more rows than the grid's second dimension takes."""
+    P = decode_mod.HEADS_FIRST_PROGRAMS
+    assert decode_mod.heads_first(P // 8, 8, True)
+    assert not decode_mod.heads_first(P // 8 - 1, 8, True)
+    assert not decode_mod.heads_first(P // 8, 8, False)  # the head-major MTP cache
+    assert not decode_mod.heads_first(70_000, 8, True)  # CUDA's 65,535 limit of the grid's y
+
+
+@pytest.mark.skipif(not decode_mod.AVAILABLE, reason="needs Triton (the launcher's code runs, the kernel is recorded)")
+def test_the_launcher_takes_the_order_the_rule_gives(monkeypatch):
+    """The grid and the kernel's HEADS_FIRST as ``heads_first`` says, around the threshold and on a
+    head-major cache read through its strides (the kernel itself replaced by a recorder)."""
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append((grid, kw["HEADS_FIRST"]))
+
+    monkeypatch.setattr(decode_mod, "_decode_attention_kernel", Recorder())
+    rows = decode_mod.HEADS_FIRST_PROGRAMS // 8
+    for B, position_major in ((rows - 1, True), (rows, True), (rows, False)):
+        q = torch.zeros(B, 1, 16, 128)
+        shape = (B, 4, 8, 128) if position_major else (B, 8, 4, 128)
+        k = torch.zeros(shape) if position_major else torch.zeros(shape).transpose(1, 2)
+        decode_mod.decode_attention(q, k, k, torch.ones(B, dtype=torch.int32), 0.1)
+    assert seen == [((rows - 1, 8), False), ((8, rows), True), ((rows, 8), False)]
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and decode_mod.AVAILABLE), reason="needs CUDA and Triton")

@@ -112,12 +112,20 @@ if AVAILABLE:
         )
 
 
-# The launch order of the (row, kv head) programs: from HEADS_FIRST_PROGRAMS programs a row's kv heads
-# are consecutive programs, which run together and read the adjacent head_dim segments of each cache
-# position (a position's kv heads are contiguous in the position-major cache); below it, a kv head's
-# rows. On an H200 at 256 rows x 8 kv heads, 193 entries a row (bench/RESULTS.md): 57.0 µs against
-# 58.3 a layer, plain decoding 1.010x; at 32 rows and at 1 row the same speed either way.
+# The launch order of the (row, kv head) programs: from HEADS_FIRST_PROGRAMS programs, over a
+# position-major cache, a row's kv heads are consecutive programs, which run together and read the
+# adjacent head_dim segments of each cache position (a position's kv heads are contiguous there);
+# else a kv head's rows. On an H200 at 256 rows x 8 kv heads, one query a row, 193 entries
+# (bench/RESULTS.md): 57.0 µs against 58.3 a layer, plain decoding 1.010x; at 32 rows and at 1 row
+# the same speed either way. Verify steps (Q > 1) of that many programs take it too, unmeasured.
 HEADS_FIRST_PROGRAMS = 2048
+_MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension, where the rows go in that order
+
+
+def heads_first(rows: int, kv_heads: int, position_major: bool) -> bool:
+    """Whether the kernel's programs are launched with a row's kv heads consecutive
+    (:data:`HEADS_FIRST_PROGRAMS`) rather than a kv head's rows."""
+    return position_major and rows * kv_heads >= HEADS_FIRST_PROGRAMS and rows <= _MAX_GRID_Y
 
 # One program per (row, kv head) walks the row's entries alone: with few programs and long rows the
 # flash kernel's split over the entries (splitkv) keeps more of the GPU busy (``bench_rollout.py
@@ -224,8 +232,8 @@ def decode_attention(
     block_d = max(16, triton.next_power_of_2(d))
     on = pdl.active(q_BQHd, B * Q)
     block_n, stages, warps = config or tiles(block_d, B * Hk, _shared_memory(q_BQHd.device) if q_BQHd.is_cuda else 0)
-    heads_first = B * Hk >= HEADS_FIRST_PROGRAMS
-    _decode_attention_kernel[(Hk, B) if heads_first else (B, Hk)](
+    order = heads_first(B, Hk, k_SMHd.stride(2) == d)  # position-major: a position's heads adjacent
+    _decode_attention_kernel[(Hk, B) if order else (B, Hk)](
         q_BQHd, k_SMHd, v_SMHd, out, seqused_B,
         limits_BQ if per_query else seqused_B, own_BQ if per_query else seqused_B,  # unread without PER_QUERY
         q_BQHd.stride(0), q_BQHd.stride(1), q_BQHd.stride(2),
@@ -236,7 +244,7 @@ def decode_attention(
         # fp32 products stay fp32 (Triton's default for fp32 is TF32); only the interpreter tests pass
         # fp32 (a flash cache is fp16 / bf16), for which the setting has no effect
         PRECISION="ieee" if q_BQHd.dtype == torch.float32 else "tf32",
-        PER_QUERY=per_query, HEADS_FIRST=heads_first, USE_PDL=on, EARLY=pdl.early(on, B * Q), num_warps=warps, num_stages=stages,
+        PER_QUERY=per_query, HEADS_FIRST=order, USE_PDL=on, EARLY=pdl.early(on, B * Q), num_warps=warps, num_stages=stages,
         **pdl.options(on),
     )  # fmt: skip
     return out.view(B, Q, H * d)
