@@ -105,14 +105,16 @@ def contexts(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0] + " Needs a CUDA device and Triton; the module docstring explains each table."
+    )
     ap.add_argument("--preset", default="qwen3-0.6b", choices=sorted(QWEN3_SHAPES))
     ap.add_argument("--rows", default="1,3,8,32,64", help="comma list of row counts M (each <= 256)")
     ap.add_argument("--gated", action="store_true", help="also time gate/up + silu · mul in one launch (docstring)")
     ap.add_argument("--gated-sweep", default="", help="comma list of rows at which --gated times alternative tiles")
     ap.add_argument("--attention", default="", help="comma list of rows at which decode attention tiles are timed")
-    ap.add_argument("--context", default="137-256:16", help="entries a row for --attention: N, or FIRST-LAST:STEP "
-                    "(the default: a decode of 128 + 128, every 16th step)")  # fmt: skip
+    ap.add_argument("--context", default="137-256:16", help="entries a row for --attention: N, or FIRST-LAST[:STEP] "
+                    "(STEP 1 if left out; default 137-256:16, every 16th step of a 128 + 128 decode)")  # fmt: skip
     ap.add_argument("--attention-queries", default="1,3", help="queries a row for --attention (1 + drafts a verify)")
     ap.add_argument("--cache-len", type=int, default=320, help="entries a row's cache holds, for --attention (default: "
                     "the engine's for 128 + 128 tokens, the multiple of 64 above prompt + new + 3)")  # fmt: skip
@@ -124,16 +126,23 @@ def main(argv: list[str] | None = None) -> None:
         ctxs = contexts(args.context)
     except ValueError as e:
         ap.error(str(e))
-    try:
-        queries = [int(v) for v in args.attention_queries.split(",")]
-        att_rows = [int(v) for v in args.attention.split(",")] if args.attention else []
-    except ValueError:
-        queries = att_rows = [0]
     if args.cache_len < max(ctxs):
         ap.error(f"--cache-len ({args.cache_len}) must hold the longest --context ({max(ctxs)})")
-    if min(queries) < 1 or any(r < 1 for r in att_rows):
-        ap.error(f"--attention and --attention-queries take comma lists of positive integers; got "
-                 f"{args.attention!r}, {args.attention_queries!r}")  # fmt: skip
+    lists = {}
+    for flag, text, most in (("--rows", args.rows, skinny_gemm.MAX_ROWS), ("--sweep", args.sweep, skinny_gemm.MAX_ROWS),
+                             ("--gated-sweep", args.gated_sweep, skinny_gemm.MAX_ROWS),
+                             ("--rope-rows", args.rope_rows, None), ("--attention", args.attention, None),
+                             ("--attention-queries", args.attention_queries, None)):  # fmt: skip
+        try:
+            values = [int(v) for v in text.split(",")] if text else []
+        except ValueError:
+            values = [0]
+        if any(v < 1 or (most and v > most) for v in values):
+            ap.error(f"{flag} takes a comma list of positive integers{f' each <= {most}' if most else ''}; got {text!r}")
+        lists[flag] = values
+    rows, queries, att_rows = lists["--rows"], lists["--attention-queries"], lists["--attention"]
+    if not rows or not queries:
+        ap.error("--rows and --attention-queries take at least one value")
     print(
         "command: python bench/bench_skinny_gemm.py " + shlex.join(sys.argv[1:] if argv is None else argv), flush=True
     )
@@ -143,7 +152,6 @@ def main(argv: list[str] | None = None) -> None:
     H, F, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     nq, nk = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
     shapes = {"qkv": (nq + 2 * nk, H), "o": (H, nq), "gate_up": (2 * F, H), "down": (H, F)}
-    rows = [int(r) for r in args.rows.split(",")]
     dev, dt = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
     total = {"cublas": {}, "skinny": {}}
@@ -165,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
             tbs = N * K * 2 / (t_s * 1e-6) / 1e12
             print(f"{name:<8} {f'{N}x{K}':>12} {M:>3} {t_c:10.2f} {t_s:8.2f} {t_c / t_s:6.2f} {tbs:9.2f} "
                   f"{err['cublas']:10.2e} {err['skinny']:9.2e}  {skinny_gemm.plan(M, N, K)}", flush=True)  # fmt: skip
-            if str(M) in args.sweep.split(","):
+            if M in lists["--sweep"]:
                 bm = skinny_gemm.plan(M, N, K)[0]
                 configs = [
                     (bm, bn, bk, split, warps, stages)
@@ -176,11 +184,11 @@ def main(argv: list[str] | None = None) -> None:
     print("a layer's four products (us), cuBLAS / ours: "
           + ", ".join(f"M={M} {total['cublas'][M]:.1f} / {total['skinny'][M]:.1f}" for M in rows), flush=True)  # fmt: skip
     if args.gated:
-        gated_product(c, rows, {int(r) for r in args.gated_sweep.split(",") if r})
+        gated_product(c, rows, set(lists["--gated-sweep"]))
     if args.attention:
         attention_tiles(c, att_rows, ctxs, queries, args.cache_len)
     if args.fused:
-        fused_pieces(c, rows, [int(r) for r in args.rope_rows.split(",")])
+        fused_pieces(c, rows, lists["--rope-rows"])
 
 
 def gated_product(c: dict, rows: list[int], sweep_rows: set[int]) -> None:

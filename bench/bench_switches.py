@@ -93,6 +93,11 @@ def parse_variant(text: str) -> tuple[str, dict[tuple[str, str], bool | int]]:
         key, eq, value = (part.strip() for part in item.partition("="))
         owner, dot, attr = key.partition(".")
         if (owner, attr) in INT_SWITCHES:
+            if not hasattr(MODULES[owner], attr):  # a splitrl older than this script is installed
+                raise ValueError(
+                    f"switch {key} of variant {name!r}: the installed splitrl ({MODULES[owner].__file__}) has no {attr}; "
+                    "install this checkout's (pip install -e .) or leave the switch out"
+                )
             if not (eq and value.isascii() and value.isdigit()):
                 raise ValueError(f"switch {item!r} of variant {name!r}: write {key}=<an integer >= 0>")
             parsed: bool | int = int(value)
@@ -101,7 +106,9 @@ def parse_variant(text: str) -> tuple[str, dict[tuple[str, str], bool | int]]:
             if eq and dot and not known:
                 raise ValueError(f"switch {item!r} of variant {name!r} is not a switch; the switches: {_switch_names()}")
             if not (eq and dot) or value not in ("0", "1"):
-                raise ValueError(f"switch {item!r} of variant {name!r}: write owner.attr=0 or owner.attr=1")
+                raise ValueError(
+                    f"switch {item!r} of variant {name!r}: write owner.attr=0 or owner.attr=1, switches separated by ','"
+                )
             parsed = value == "1"
         if (owner, attr) in sets:
             raise ValueError(f"variant {name!r} sets {key} twice")
@@ -142,7 +149,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--hbm-tb-s", type=float, default=None, help="roofline bandwidth, TB/s (default: the card's, as bench_rollout's)"
     )
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU (1 steadies a shared CPU)")
     args = p.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
     try:
         variants = [parse_variant(v) for v in args.variant]
     except ValueError as e:
@@ -162,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cpu" and any(sets.get(("engine", "use_cuda_graphs")) for _, sets in variants):
         p.error("engine.use_cuda_graphs=1 needs --device cuda (CUDA graphs)")
     preset = args.preset or ("qwen3-0.6b" if args.device == "cuda" else "tiny")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     defaults = {}
     for _, sets in variants:
         for owner, attr in sets:

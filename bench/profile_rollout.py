@@ -46,7 +46,10 @@ GAP_US = 20.0  # idle stretches longer than this are listed
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--preset", default="tiny", choices=sorted(br.PRESETS))
+    p.add_argument(
+        "--preset", default=None, choices=sorted(br.PRESETS), help="the model (default qwen3-0.6b on cuda, tiny on cpu)"
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU (1 steadies a shared CPU)")
     p.add_argument(
         "--batch-sizes", default=None, type=br._batch_sizes, help="comma list of positive ints (default 1,32)"
     )
@@ -100,6 +103,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             "--ragged profiles one ragged call (its slots and new tokens are bench_rollout's --ragged-batch and "
             "--ragged-max-new); leave out --batch-sizes and --new-tokens"
         )
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    args.preset = args.preset or ("qwen3-0.6b" if args.device == "cuda" else "tiny")
     args.batch_sizes = args.batch_sizes or "1,32"
     args.new_tokens = 128 if args.new_tokens is None else args.new_tokens
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
@@ -260,6 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     print(f"command: python bench/profile_rollout.py {shlex.join(argv)}", flush=True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     bargs = args.bench
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = br.build_model(bargs, dtype)

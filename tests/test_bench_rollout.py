@@ -247,6 +247,17 @@ def test_bench_switches_sets_an_integer_threshold(monkeypatch):
     assert skinny_gemm.GATED_ROWS == 64
 
 
+def test_bench_switches_names_an_installed_splitrl_without_the_threshold(monkeypatch):
+    """A threshold the installed splitrl lacks (an older install than the script) is refused with
+    the install to fix, not an AttributeError mid-run."""
+    bench = load_bench("bench_switches")
+    from splitrl.rollout import decode_attention
+
+    monkeypatch.delattr(decode_attention, "HEADS_FIRST_PROGRAMS")
+    with pytest.raises(ValueError, match=r"has no HEADS_FIRST_PROGRAMS.*pip install -e \."):
+        bench.parse_variant("a:decode_attention.HEADS_FIRST_PROGRAMS=1")
+
+
 def test_bench_switches_runs_two_variants_on_the_cpu(capsys):
     """The A/B bench end to end on the tiny model: one line a batch with each variant's tokens/s, its
     ratio to the first and its samples identical to the first's (chunks queued ahead change nothing)."""

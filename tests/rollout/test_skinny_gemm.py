@@ -289,6 +289,14 @@ def test_the_decode_forward_takes_the_gated_kernel_up_to_its_rows():
     assert not forward_mod._gated(torch.randn(3, 16), w)  # CPU fp32: the torch ops
 
 
+def test_a_raised_gated_threshold_never_passes_the_kernels_row_limit(monkeypatch):
+    """A bench may raise GATED_ROWS (bench_switches); a prefill's rows are its tokens, past the
+    kernel's MAX_ROWS, which the kernel refuses: those stay on cuBLAS + silu_mul."""
+    monkeypatch.setattr(sg, "GATED_ROWS", 100_000)
+    assert sg.gated_preferred(sg.MAX_ROWS)
+    assert not sg.gated_preferred(sg.MAX_ROWS + 1)
+
+
 @needs_cuda_triton
 @pytest.mark.parametrize("M", [1, 3, 32, 64, 96, 256])
 def test_bf16_gated_kernel_matches_fp32_as_closely_as_the_torch_path(M):

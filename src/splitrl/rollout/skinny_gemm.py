@@ -216,8 +216,9 @@ def preferred(M: int, N: int, K: int) -> bool:
 def gated_preferred(M: int) -> bool:
     """Whether the decode forward forms silu(gate) · up with :func:`skinny_linear_silu_mul` (one
     launch) rather than cuBLAS's gate/up product and the compiled silu_mul (two): at most
-    :data:`GATED_ROWS` rows (bench/RESULTS.md)."""
-    return M <= GATED_ROWS
+    :data:`GATED_ROWS` rows (bench/RESULTS.md), and never past :data:`MAX_ROWS`, the kernel's limit
+    (a bench may raise GATED_ROWS; a prefill's rows are its tokens)."""
+    return M <= min(GATED_ROWS, MAX_ROWS)
 
 
 def triton_next_power_of_2(n: int) -> int:
