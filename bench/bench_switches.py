@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device {name}, preset {preset}, {roofline}", flush=True)
     if args.device == "cpu":
         print("note: on the CPU the kernel switches change nothing (Triton kernels run on CUDA only) and a ratio "
-              "is the run-to-run spread; use the CPU run to check a variant, not to time it", flush=True)  # fmt: skip
+              "is the run-to-run spread (many times apart on a shared CPU without --threads 1); use the CPU run to "
+              "check a variant, not to time it", flush=True)  # fmt: skip
     base = variants[0][0]
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         prompts, seeds = br.prompts_for(model, batch, args.prompt_len), list(range(batch))
