@@ -122,6 +122,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fused", action="store_true", help="also time the fused pieces of a decode layer (docstring)")
     ap.add_argument("--rope-rows", default="1,32,256", help="rows at which the rotary + cache write piece is timed")
     args = ap.parse_args(argv)
+    given = [f"--{k.replace('_', '-')}" for k in ("context", "attention_queries", "cache_len")
+             if getattr(args, k) != ap.get_default(k)]  # fmt: skip
+    if given and not args.attention:
+        ap.error(f"{', '.join(given)}: read only with --attention ROWS (e.g. --attention 32,256), whose table they shape")
     try:  # the attention's lists before any device work, so that a typo costs no run
         ctxs = contexts(args.context)
     except ValueError as e:

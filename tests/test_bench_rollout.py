@@ -258,6 +258,25 @@ def test_bench_switches_names_an_installed_splitrl_without_the_threshold(monkeyp
         bench.parse_variant("a:decode_attention.HEADS_FIRST_PROGRAMS=1")
 
 
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--attention", "32", "--context", "5-3"], "--context takes N or FIRST-LAST"),
+        (["--attention", "32", "--context", "400"], "--cache-len (320) must hold"),
+        (["--rows", "512"], "--rows takes a comma list of positive integers each <= 256"),
+        (["--attention", "0"], "--attention takes a comma list"),
+        (["--context", "192"], "read only with --attention"),
+    ],
+)
+def test_bench_skinny_gemm_refuses_bad_lists_before_any_device_work(capsys, argv, says):
+    """bench_skinny_gemm's row and context lists are usage errors (exit 2, what to write), checked
+    before its CUDA check, so that a typo costs no device run."""
+    with pytest.raises(SystemExit) as exc:
+        load_bench("bench_skinny_gemm").main(argv)
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+
+
 def test_bench_switches_runs_two_variants_on_the_cpu(capsys):
     """The A/B bench end to end on the tiny model: one line a batch with each variant's tokens/s, its
     ratio to the first and its samples identical to the first's (chunks queued ahead change nothing)."""
