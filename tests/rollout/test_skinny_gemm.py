@@ -289,12 +289,17 @@ def test_the_decode_forward_takes_the_gated_kernel_up_to_its_rows():
     assert not forward_mod._gated(torch.randn(3, 16), w)  # CPU fp32: the torch ops
 
 
-def test_a_raised_gated_threshold_never_passes_the_kernels_row_limit(monkeypatch):
-    """A bench may raise GATED_ROWS (bench_switches); a prefill's rows are its tokens, past the
-    kernel's MAX_ROWS, which the kernel refuses: those stay on cuBLAS + silu_mul."""
+def test_a_raised_row_threshold_never_passes_the_kernels_row_limit(monkeypatch):
+    """A bench may raise GATED_ROWS or PREFERRED_ROWS (bench_switches); a prefill's rows are its
+    tokens, past the kernels' MAX_ROWS, which they refuse: those stay on cuBLAS."""
     monkeypatch.setattr(sg, "GATED_ROWS", 100_000)
+    monkeypatch.setattr(sg, "PREFERRED_ROWS", 100_000)
     assert sg.gated_preferred(sg.MAX_ROWS)
     assert not sg.gated_preferred(sg.MAX_ROWS + 1)
+    # 64 features of 8,192 inputs: plan() splits K at any rows, so only the row limit refuses 257
+    assert sg.plan(sg.MAX_ROWS + 1, 64, 8192)[3] > 1
+    assert sg.preferred(sg.MAX_ROWS, 64, 8192)
+    assert not sg.preferred(sg.MAX_ROWS + 1, 64, 8192)
 
 
 @needs_cuda_triton

@@ -164,7 +164,7 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         SKINNY_GEMM
         and _triton_operands(x, weight)
-        and skinny_gemm.preferred(x.numel() // x.shape[-1], weight.shape[0], x.shape[-1])  # rows <= MAX_ROWS too
+        and skinny_gemm.preferred(x.numel() // x.shape[-1], weight.shape[0], x.shape[-1])
     )
 
 

@@ -209,8 +209,9 @@ def preferred(M: int, N: int, K: int) -> bool:
     splits K. Measured on an H200 with the Qwen3-0.6B shapes (``bench/bench_skinny_gemm.py``,
     bench/RESULTS.md): there it matched or beat cuBLAS (o_proj at M = 1: 4.8 against 12.6 µs),
     while on the wide products (q/k/v, gate/up: one program per 16 or 32 features, no split) it
-    was 5–11 % slower than cuBLAS, which keeps those."""
-    return M <= PREFERRED_ROWS and plan(M, N, K)[3] > 1
+    was 5–11 % slower than cuBLAS, which keeps those. Never past :data:`MAX_ROWS`, the kernel's
+    limit, however a bench sets PREFERRED_ROWS (as :func:`gated_preferred`)."""
+    return M <= min(PREFERRED_ROWS, MAX_ROWS) and plan(M, N, K)[3] > 1
 
 
 def gated_preferred(M: int) -> bool:
