@@ -103,7 +103,7 @@ def parse_variant(text: str) -> tuple[str, dict[tuple[str, str], bool | int]]:
             parsed: bool | int = int(value)
         else:
             known = attr in ENGINE_SWITCHES if owner == "engine" else _is_flag(owner, attr)
-            if eq and dot and not known:
+            if eq and not known:  # a mistyped name, or one without its owner (engine., pdl., ...)
                 raise ValueError(f"switch {item!r} of variant {name!r} is not a switch; the switches: {_switch_names()}")
             if not (eq and dot) or value not in ("0", "1"):
                 raise ValueError(

@@ -180,6 +180,7 @@ def test_card_bandwidth_is_the_measured_copy_of_known_cards_only():
         ("a:pdl.NOT_A_FLAG=1", "is not a switch"),
         ("a:pdl.early=0", "is not a switch"),  # a function of the module
         ("a:engine.look_ahaed=0", "is not a switch"),
+        ("a:look_ahead=0", "is not a switch; the switches: engine.look_ahead"),  # the owner left out
         ("a:skinny_gemm.MAX_ROWS=512", "is not a switch"),  # an int, but not a threshold to vary
         ("a:skinny_gemm.GATED_ROWS=-1", "write skinny_gemm.GATED_ROWS=<an integer >= 0>"),
         ("a:rope_write.GROUP_FROM_TOKENS=many", "GROUP_FROM_TOKENS=<an integer >= 0>"),
