@@ -178,10 +178,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name:<8} {f'{N}x{K}':>12} {M:>3} {t_c:10.2f} {t_s:8.2f} {t_c / t_s:6.2f} {tbs:9.2f} "
                   f"{err['cublas']:10.2e} {err['skinny']:9.2e}  {skinny_gemm.plan(M, N, K)}", flush=True)  # fmt: skip
             if M in lists["--sweep"]:
-                bm = skinny_gemm.plan(M, N, K)[0]
+                bm0 = skinny_gemm.plan(M, N, K)[0]
                 configs = [
                     (bm, bn, bk, split, warps, stages)
-                    for bn, bk, split, warps, stages in itertools.product((16, 32), (128, 256), (1, 2, 4, 8), (4,), (3, 4, 5))
+                    for bm, bn, bk, split, warps, stages in itertools.product(
+                        sorted({bm0, 64}), (16, 32), (128, 256), (1, 2, 4, 8), (4,), (3, 4, 5)
+                    )
                     if not K % (split * bk) and (bm * bk + bn * bk) * 2 * stages <= 200 * 1024
                 ]
                 sweep(configs, lambda i, cfg, x=x: skinny_gemm.skinny_linear(x, ws[i], config=cfg))
@@ -204,8 +206,9 @@ def gated_product(c: dict, rows: list[int], sweep_rows: set[int]) -> None:
     H, F = c["hidden_size"], c["intermediate_size"]
     ws = [torch.randn(2 * F, H, device=dev, dtype=dt) / H**0.5 for _ in range(8)]
     print(f"{'gate/up + silu*mul':<20} {'M':>4} {'cuBLAS+silu us':>14} {'fused us':>9} {'ratio':>6} "
-          f"{'err torch':>9} {'err fused':>9}  plan (BM, BN, BK, warps; 3 stages)", flush=True)  # fmt: skip
+          f"{'err torch':>9} {'err fused':>9}  plan (BM, BN, BK, warps, stages)", flush=True)  # fmt: skip
     for M in rows:
+        plan = skinny_gemm.gated_plan(M, F, H, skinny_gemm.warpgroup_device(dev))  # the kernel's own
         x = torch.randn(M, H, device=dev, dtype=dt)
         g, u = (x.float() @ ws[0].float().T).chunk(2, dim=-1)
         ref = torch.nn.functional.silu(g) * u
@@ -216,9 +219,9 @@ def gated_product(c: dict, rows: list[int], sweep_rows: set[int]) -> None:
         t_t = time_us(lambda i, x=x: k.silu_mul(*torch.nn.functional.linear(x, ws[i]).chunk(2, dim=-1)))
         t_f = time_us(lambda i, x=x: skinny_gemm.skinny_linear_silu_mul(x, ws[i]))
         print(f"{'':<20} {M:>4} {t_t:14.2f} {t_f:9.2f} {t_t / t_f:6.2f} {errs[0]:9.2e} {errs[1]:9.2e}  "
-              f"{skinny_gemm.gated_plan(M, F, H)}", flush=True)  # fmt: skip
+              f"{plan}", flush=True)  # fmt: skip
         if M in sweep_rows:
-            bm0 = skinny_gemm.gated_plan(M, F, H)[0]
+            bm0 = plan[0]
             configs = [
                 cfg
                 for cfg in itertools.product(sorted({bm0, 64}), (16, 32), (64, 128, 256), (4, 8), (3, 4, 5, 6))

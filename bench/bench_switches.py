@@ -5,7 +5,7 @@ A variant is a name and switches: ``engine.<attr>`` (an on/off attribute of the 
 ``look_ahead``, ``use_cuda_graphs``, ``prefill_buckets``) or ``<module>.<NAME>`` of
 ``splitrl.rollout.{pdl, forward, skinny_gemm, decode_attention, rope_write}`` (an on/off module
 flag the kernels read at launch, e.g. ``pdl.EARLY``), each ``=0`` or ``=1``, or one of the
-thresholds ``skinny_gemm.PREFERRED_ROWS``, ``skinny_gemm.GATED_ROWS``, ``pdl.EARLY_ROWS``,
+thresholds ``skinny_gemm.PREFERRED_ROWS``, ``skinny_gemm.GATED_ROWS``, ``skinny_gemm.GATED_WIDE_ROWS``, ``pdl.EARLY_ROWS``,
 ``rope_write.GROUP_FROM_TOKENS``, ``rope_write.MAX_HEADS_PER_PROGRAM``,
 ``decode_attention.HEADS_FIRST_PROGRAMS`` ``=<int>`` (e.g.
 ``skinny_gemm.GATED_ROWS=256``); ``name:``
@@ -59,6 +59,7 @@ INT_SWITCHES = (
     ("rope_write", "GROUP_FROM_TOKENS"),
     ("rope_write", "MAX_HEADS_PER_PROGRAM"),
     ("decode_attention", "HEADS_FIRST_PROGRAMS"),
+    ("skinny_gemm", "GATED_WIDE_ROWS"),
 )
 # the engine's on/off attributes a variant may set (plain decoding)
 ENGINE_SWITCHES = ("look_ahead", "use_cuda_graphs", "prefill_buckets")

@@ -32,8 +32,26 @@ def test_the_plan_covers_every_row_and_feature_once(M, N, K):
     programs = math.ceil(N / block_n) * split * math.ceil(M / block_m)
     # the plan raises the programs to the chip's multiprocessors where K allows another split
     assert programs >= sg.SMS_TO_FILL or split == 8 or K % (2 * split * block_k) != 0
-    gm, gn, gk, gw = sg.gated_plan(M, N // 2, K)
-    assert gm == block_m and gn in (16, 32) and gk == 128 and gw == 4
+    gm, gn, gk, gw, gs = sg.gated_plan(M, N // 2, K)
+    assert gm == block_m and gn in (16, 32) and gk == 128 and gw == 4 and gs == sg.STAGES
+    # Hopper, from GATED_WIDE_ROWS rows: 64-row tiles (warpgroup MMA), 32 features, 5 stages
+    wide = sg.gated_plan(M, N // 2, K, warpgroup=True)
+    assert wide == ((64, 32, 128, 4, 5) if M >= sg.GATED_WIDE_ROWS else (gm, gn, gk, gw, gs))
+
+
+def test_the_wide_gated_tiles_need_an_sm90_device_with_their_shared_memory(monkeypatch):
+    """Only sm90 parts with room for the wide tiles' 160 KiB of stages take them; CPUs never."""
+    assert not sg.warpgroup_device(torch.device("cpu"))
+
+    class Props:
+        def __init__(self, major, optin):
+            self.major, self.shared_memory_per_block_optin = major, optin
+
+    for major, optin, want in ((9, 227 * 1024, True), (8, 163 * 1024, False), (8, 99 * 1024, False),
+                               (10, 227 * 1024, False), (9, 160 * 1024, False)):  # fmt: skip
+        monkeypatch.setattr(sg, "_WARPGROUP", {})
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, p=Props(major, optin): p)
+        assert sg.warpgroup_device(torch.device("cuda", 0)) is want, (major, optin)
 
 
 def test_linear_is_torch_linear_off_cuda_and_for_many_rows():
@@ -248,8 +266,9 @@ for M, F, K, bias in [(1, 32, 512, False), (3, 24, 256, True), (20, 40, 300, Fal
     b = torch.randn(2 * F) if bias else None
     g, u = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double()).chunk(2, dim=-1)
     ref = torch.nn.functional.silu(g) * u
-    for bn, bk in ((16, 128), (32, 64)):
-        y = sg.skinny_linear_silu_mul(x, w, b, config=(min(64, max(16, sg.triton_next_power_of_2(M))), bn, bk, 4))
+    bm = min(64, max(16, sg.triton_next_power_of_2(M)))
+    for cfg in ((bm, 16, 128, 4), (bm, 32, 64, 4), (64, 32, 128, 4, 5)):  # the last: Hopper's wide tiles
+        y = sg.skinny_linear_silu_mul(x, w, b, config=cfg)
         assert y.shape == (M, F) and y.dtype == x.dtype
         worst = max(worst, float((y.double() - ref).abs().max().nan_to_num(float("inf"))))
 # leading dims and a strided row layout
@@ -303,11 +322,11 @@ def test_a_raised_row_threshold_never_passes_the_kernels_row_limit(monkeypatch):
 
 
 @needs_cuda_triton
-@pytest.mark.parametrize("M", [1, 3, 32, 64, 96, 256])
+@pytest.mark.parametrize("M", [1, 3, 16, 32, 64, 96, 256])
 def test_bf16_gated_kernel_matches_fp32_as_closely_as_the_torch_path(M):
     """silu(gate) · up in one launch against cuBLAS's product + the compiled silu_mul, both
     against fp32 (the 0.6B shape's gate/up: F = 3072, K = 1024); deterministic, rows independent,
-    the same in a CUDA graph."""
+    the same in a CUDA graph. On sm90 from 16 rows these are the wide tiles (:func:`gated_plan`)."""
     from splitrl.rollout.fused import Kernels
 
     k = Kernels(True, torch.device("cuda"), torch.bfloat16)

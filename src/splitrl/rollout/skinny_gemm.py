@@ -52,6 +52,12 @@ PREFERRED_ROWS = 64  # rows up to which the decode forward takes the split produ
 GATED_ROWS = 64  # rows up to which it takes the gate/up product with silu · mul (:func:`gated_preferred`)
 SMS_TO_FILL = 132  # H200 / H100 SXM multiprocessors: programs wanted per launch, at least
 STAGES = 3  # weight tiles in flight per program (num_stages) unless a config says otherwise
+# The gated kernel's tiles from this many rows on Hopper (:func:`gated_plan`, ``warpgroup``): 64
+# rows a tile, 32 features of gate and of up a program, 5 stages. Below, and on other GPUs, the
+# plan's tiles.
+GATED_WIDE_ROWS = 16
+_WIDE_SHARED_MEMORY = 5 * (64 * 128 + 2 * 32 * 128) * 2  # bytes: those tiles' stages (160 KiB)
+_WARPGROUP: dict[int, bool] = {}  # device index -> sm90 with room for the wide tiles
 # benches: SPLITRL_GATED_TILES="BLOCK_N,BLOCK_K,num_warps,num_stages" sets the gated kernel's tiles at every row count
 _GATED_TILES = tuple(int(v) for v in os.environ.get("SPLITRL_GATED_TILES", "").split(",") if v.strip())
 if _GATED_TILES and len(_GATED_TILES) != 4:
@@ -192,15 +198,38 @@ def plan(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
     return block_m, block_n, block_k, split, 4
 
 
-def gated_plan(M: int, F: int, K: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) of :func:`skinny_linear_silu_mul` for M rows, F
-    features of gate and of up, K inputs: BLOCK_M as :func:`plan`'s; BLOCK_N 16 (each program
-    reads 2 × 16 weight rows: the count of :func:`plan`'s wide tiles) unless F / 32 programs fill
-    the chip; no split along K (the epilogue needs the whole sum)."""
+def gated_plan(M: int, F: int, K: int, warpgroup: bool = False) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of :func:`skinny_linear_silu_mul` for M
+    rows, F features of gate and of up, K inputs; no split along K (the epilogue needs the whole sum).
+
+    ``warpgroup`` (an sm90 device with the shared memory: :func:`warpgroup_device`) and at least
+    :data:`GATED_WIDE_ROWS` rows: tiles of 64 rows, which Triton compiles to Hopper's warpgroup
+    MMA (``wgmma``, operands from shared memory; below 64 rows a tile it emits ``mma.sync``), 32
+    features a program and 5 stages of weight tiles in flight. Measured in the engine on an H200
+    (``bench/bench_switches.py``, bench/RESULTS.md, 2026-12-06): 1.04× plain decoding at batch 16
+    and 32, 1.02× at 64, the same at 8, 0.94× at 1; 64-row tiles alone, or 32 features and 5
+    stages at 32-row tiles, measured the same as the old tiles. Otherwise: BLOCK_M as
+    :func:`plan`'s; BLOCK_N 16 (each program reads 2 × 16 weight rows: the count of
+    :func:`plan`'s wide tiles) unless F / 32 programs fill the chip; :data:`STAGES` stages."""
+    if warpgroup and M >= GATED_WIDE_ROWS:
+        return 64, 32, 128, 4, 5
     block_m = min(64, max(16, triton_next_power_of_2(M)))
     m_tiles = -(-M // block_m)
     block_n = 32 if F // 32 * m_tiles >= SMS_TO_FILL else 16
-    return block_m, block_n, 128, 4
+    return block_m, block_n, 128, 4, STAGES
+
+
+def warpgroup_device(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA sm90 GPU whose blocks may opt into the shared memory of
+    :func:`gated_plan`'s wide tiles (H100 / H200: 227 KiB). Cached per device."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _WARPGROUP:
+        props = torch.cuda.get_device_properties(index)
+        optin = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
+        _WARPGROUP[index] = props.major == 9 and optin >= _WIDE_SHARED_MEMORY + 32 * 1024
+    return _WARPGROUP[index]
 
 
 def preferred(M: int, N: int, K: int) -> bool:
@@ -404,9 +433,10 @@ def skinny_linear_silu_mul(
         )
     _require_triton("skinny_linear_silu_mul")
     M, F = x2.shape[0], weight.shape[0] // 2
+    wide = warpgroup_device(x.device)
     if config is None and _GATED_TILES:  # a bench's tile trial: the plan's BLOCK_M, the rest from the variable
-        config = (gated_plan(M, F, K)[0], *_GATED_TILES)
-    block_m, block_n, block_k, warps, *rest = config or gated_plan(M, F, K)
+        config = (gated_plan(M, F, K, wide)[0], *_GATED_TILES)
+    block_m, block_n, block_k, warps, *rest = config or gated_plan(M, F, K, wide)
     stages = rest[0] if rest else STAGES
     y = torch.empty(M, F, dtype=x.dtype, device=x.device)
     on = pdl.active(x, M)
