@@ -92,13 +92,16 @@ PRESETS = {
 
 
 def _batch_sizes(text: str) -> str:
-    """``--batch-sizes``: kept as the text (printed in the command line), checked to be positive ints."""
+    """``--batch-sizes``: kept as the text (printed in the command line), checked to be distinct positive ints."""
     try:
-        ok = all(int(b) >= 1 for b in text.split(","))
+        sizes = [int(b) for b in text.split(",")]
+        ok = all(b >= 1 for b in sizes)
     except ValueError:
         ok = False
     if not ok:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 1,8,32, got {text!r}")
+    if len(set(sizes)) != len(sizes):
+        raise argparse.ArgumentTypeError(f"a batch size is listed twice in {text!r}; list each once")
     return text
 
 

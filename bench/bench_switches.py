@@ -90,7 +90,10 @@ def parse_variant(text: str) -> tuple[str, dict[tuple[str, str], bool | int]]:
             f"a variant is 'name:owner.attr=value,...' (no switches: 'name:'; no ',' or '=' in the name); got {text!r}"
         )
     sets: dict[tuple[str, str], bool | int] = {}
-    for item in filter(None, (x.strip() for x in body.split(","))):
+    items = [x.strip() for x in body.split(",")] if body.strip() else []
+    if "" in items:
+        raise ValueError(f"variant {name!r} has an empty switch (a stray ','); got {text!r}")
+    for item in items:
         key, eq, value = (part.strip() for part in item.partition("="))
         owner, dot, attr = key.partition(".")
         if (owner, attr) in INT_SWITCHES:

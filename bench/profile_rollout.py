@@ -108,9 +108,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.preset = args.preset or ("qwen3-0.6b" if args.device == "cuda" else "tiny")
     args.batch_sizes = args.batch_sizes or "1,32"
     args.new_tokens = 128 if args.new_tokens is None else args.new_tokens
-    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
-    if not kinds or any(k not in ("plain", "speculative") for k in kinds):
-        p.error(f"--kinds takes a comma list of plain, speculative; got {args.kinds!r}")
+    kinds = [k.strip() for k in args.kinds.split(",")]
+    if any(k not in ("plain", "speculative") for k in kinds) or len(set(kinds)) != len(kinds):
+        p.error(f"--kinds takes a comma list of plain, speculative, each at most once; got {args.kinds!r}")
     args.kinds = kinds
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA GPU is visible here; use --device cpu")

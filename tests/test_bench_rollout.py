@@ -14,6 +14,7 @@ from _bench import load_bench
         (["--profile", "{tmp}"], "is a directory; give a file path"),
         (["--attention"], "--attention times the CUDA kernels: add --device cuda"),
         (["--temperature", "0"], "--temperature must be > 0 (for greedy decoding use --top-k 1), got 0.0"),
+        (["--batch-sizes", "32,1,32"], "a batch size is listed twice in '32,1,32'"),  # a new user's: timed twice
         # a new user's --prompt-len 100000000 ran out of memory after the model was built
         (["--prompt-len", "100000000"], "the KV cache of 32 rows x 100000064 tokens (--batch-sizes"),
         (
@@ -45,6 +46,8 @@ def test_good_flags_parse(tmp_path):
         (["--ragged", "64", "--new-tokens", "8"], "leave out --batch-sizes and --new-tokens"),  # was ignored
         (["--new-tokens", "0"], "--new-tokens must be >= 1, got 0"),
         (["--kinds", "plain,greedy"], "--kinds takes a comma list of plain, speculative"),
+        (["--kinds", "plain,plain"], "each at most once"),
+        (["--kinds", "plain,"], "--kinds takes a comma list"),  # a trailing comma was taken silently
         # bench_rollout's own checks, reported with this script's usage (it printed bench_rollout's)
         (["--mtp-samples", "0"], "--mtp-samples must be >= 1, got 0"),
         (["--prompt-len", "100000000"], "the KV cache of 32 rows x 100000128 tokens"),
@@ -189,6 +192,9 @@ def test_card_bandwidth_is_the_measured_copy_of_known_cards_only():
         ("a:pdl.SUPPORTED=1", "is not a switch"),  # what the machine can do, not a choice
         ("a:skinny_gemm.AVAILABLE=1", "is not a switch"),
         ("x,y:pdl.EARLY=0", "no ',' or '=' in the name"),
+        ("a:pdl.EARLY=0,", "variant 'a' has an empty switch (a stray ',')"),  # was taken silently
+        ("a:,pdl.EARLY=0", "variant 'a' has an empty switch"),
+        ("a:skinny_gemm.GATED_WIDE_ROWS=x", "GATED_WIDE_ROWS=<an integer >= 0>"),
     ],
 )
 def test_bench_switches_refuses_a_bad_variant(variant, message, capsys):
