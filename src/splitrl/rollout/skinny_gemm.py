@@ -24,6 +24,11 @@ run in the kernel that adds the split partial sums (:func:`skinny_linear_add_rms
 a product fewer. (Forming down_proj's input silu(gate) · up inside its product too was tried and
 slower than a separate kernel, bench/RESULTS.md: every program recomputed it for the same input tiles.)
 
+Tiles. Below 64 rows a tile, Triton compiles ``tl.dot`` to ``mma.sync``; at 64 it emits Hopper's
+warpgroup MMA (``wgmma``), whose operands come from shared memory. The split products keep
+:func:`plan`'s small tiles (64-row tiles measured slower in the decode step), while the gated kernel
+takes 64-row tiles with more stages from :data:`GATED_WIDE_ROWS` rows on sm90 (:func:`gated_plan`).
+
 The result is rounded once, from the fp32 sum, to x's dtype (cuBLAS rounds the same fp32 sum, in
 another order of the products): the two agree to the rounding of bf16 (tests/rollout/test_skinny_gemm.py).
 
