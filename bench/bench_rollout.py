@@ -91,6 +91,10 @@ PRESETS = {
 }
 
 
+# the ragged scenario's settings (read only with --ragged)
+RAGGED_DEFAULTS = {"ragged_max_new": 512, "ragged_batch": 256, "ragged_mean_len": 120.0}
+
+
 def _batch_sizes(text: str) -> str:
     """``--batch-sizes``: kept as the text (printed in the command line), checked to be distinct positive ints."""
     try:
@@ -137,9 +141,11 @@ def parse_args(argv: list[str], errors: argparse.ArgumentParser | None = None) -
     p.add_argument("--no-graph-column", action="store_true", help="skip the eager (no CUDA graph) column")
     p.add_argument("--baselines", default="", help="comma list of hf-eager, hf-static")
     p.add_argument("--ragged", type=int, default=0, help="samples of the ragged EOS-driven scenario (0: skip)")
-    p.add_argument("--ragged-max-new", type=int, default=512)
-    p.add_argument("--ragged-batch", type=int, default=256)
-    p.add_argument("--ragged-mean-len", type=float, default=120.0, help="target mean response length")
+    p.add_argument("--ragged-max-new", type=int, default=RAGGED_DEFAULTS["ragged_max_new"])
+    p.add_argument("--ragged-batch", type=int, default=RAGGED_DEFAULTS["ragged_batch"])
+    p.add_argument(
+        "--ragged-mean-len", type=float, default=RAGGED_DEFAULTS["ragged_mean_len"], help="target mean response length"
+    )
     p.add_argument("--repeats", type=int, default=2, help="timed calls per setting (best is reported)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU")
     p.add_argument(
@@ -166,6 +172,15 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """A user mistake is a usage error (exit 2) before any model is built, not a traceback (or a
     ZeroDivisionError, an empty table) after minutes of setup."""
     cuda = args.device == "cuda"
+    # settings of a part that does not run would be silently ignored
+    ragged = [f"--{k.replace('_', '-')}" for k, v in RAGGED_DEFAULTS.items() if getattr(args, k) != v]
+    if ragged and not args.ragged:
+        p.error(f"{', '.join(ragged)}: read only with --ragged N (the ragged scenario), which is off")
+    mtp = [flag for flag, given in (("--train-mtp-steps", args.train_mtp_steps is not None),
+                                    ("--mtp-samples", args.mtp_samples is not None),
+                                    ("--mtp-objective", args.mtp_objective != "distill")) if given]  # fmt: skip
+    if mtp and not args.speculative:
+        p.error(f"{', '.join(mtp)}: read only with --speculative (the MTP warm-up before speculative decoding)")
     if args.train_mtp_steps is None:  # a CPU takes minutes for the GPU's warm-up
         args.train_mtp_steps = 600 if cuda else 200
     if args.mtp_samples is None:
@@ -187,6 +202,8 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             p.error(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
     if not 0 < args.ragged_mean_len < float("inf"):
         p.error(f"--ragged-mean-len must be a positive number of tokens, got {args.ragged_mean_len}")
+    if args.ragged and args.ragged_mean_len > args.ragged_max_new:
+        p.error(f"--ragged-mean-len ({args.ragged_mean_len:g}) must not exceed --ragged-max-new ({args.ragged_max_new})")
     if not args.temperature > 0:  # the engine's message is about runs, not this bench
         p.error(f"--temperature must be > 0 (for greedy decoding use --top-k 1), got {args.temperature}")
     try:  # the engine's own rules for the sampling settings
@@ -195,9 +212,14 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--temperature / --top-k: {e.errors()[0]['msg'].removeprefix('Value error, ')}")
     if args.speculative and args.mtp_depths < 1:
         p.error("--speculative drafts with the MTP heads: set --mtp-depths >= 1")
-    unknown = [b for b in args.baselines.split(",") if b and b not in ("hf-eager", "hf-static")]
-    if unknown:
-        p.error(f"--baselines: unknown {unknown}; choose from hf-eager, hf-static")
+    baselines = [b.strip() for b in args.baselines.split(",")] if args.baselines.strip() else []
+    unknown = [b for b in baselines if b not in ("hf-eager", "hf-static")]
+    if unknown or len(set(baselines)) != len(baselines):
+        p.error(
+            f"--baselines takes a comma list of hf-eager, hf-static, each at most once; got {args.baselines!r}"
+            + (f" (unknown {unknown})" if unknown else "")
+        )
+    args.baselines = ",".join(baselines)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA GPU is visible here; use --device cpu")
     if args.attention and args.device != "cuda":

@@ -126,12 +126,17 @@ def main(argv: list[str] | None = None) -> None:
              if getattr(args, k) != ap.get_default(k)]  # fmt: skip
     if given and not args.attention:
         ap.error(f"{', '.join(given)}: read only with --attention ROWS (e.g. --attention 32,256), whose table they shape")
+    if args.gated_sweep and not args.gated:
+        ap.error("--gated-sweep is read only with --gated, whose table it extends")
+    if args.rope_rows != ap.get_default("rope_rows") and not args.fused:
+        ap.error("--rope-rows is read only with --fused, whose table it shapes")
     try:  # the attention's lists before any device work, so that a typo costs no run
         ctxs = contexts(args.context)
     except ValueError as e:
         ap.error(str(e))
     if args.cache_len < max(ctxs):
-        ap.error(f"--cache-len ({args.cache_len}) must hold the longest --context ({max(ctxs)})")
+        default = " (the default)" if args.cache_len == ap.get_default("cache_len") else ""
+        ap.error(f"--cache-len ({args.cache_len}{default}) must hold the longest --context ({max(ctxs)}); raise it")
     lists = {}
     for flag, text, most in (("--rows", args.rows, skinny_gemm.MAX_ROWS), ("--sweep", args.sweep, skinny_gemm.MAX_ROWS),
                              ("--gated-sweep", args.gated_sweep, skinny_gemm.MAX_ROWS),
@@ -143,15 +148,21 @@ def main(argv: list[str] | None = None) -> None:
             values = [0]
         if any(v < 1 or (most and v > most) for v in values):
             ap.error(f"{flag} takes a comma list of positive integers{f' each <= {most}' if most else ''}; got {text!r}")
+        if len(set(values)) != len(values):
+            ap.error(f"{flag} lists a value twice ({text!r}); list each once")
         lists[flag] = values
     rows, queries, att_rows = lists["--rows"], lists["--attention-queries"], lists["--attention"]
     if not rows or not queries:
         ap.error("--rows and --attention-queries take at least one value")
+    for flag in ("--sweep", "--gated-sweep"):  # swept only where a row count of the tables is
+        if set(lists[flag]) - set(rows):
+            ap.error(f"{flag} rows must be among --rows ({args.rows}); got {sorted(set(lists[flag]) - set(rows))}")
     print(
         "command: python bench/bench_skinny_gemm.py " + shlex.join(sys.argv[1:] if argv is None else argv), flush=True
     )
-    if not torch.cuda.is_available() or not skinny_gemm.AVAILABLE:
-        raise SystemExit("bench_skinny_gemm needs a CUDA device and Triton")
+    missing = [what for what, ok in (("a CUDA device", torch.cuda.is_available()), ("Triton", skinny_gemm.AVAILABLE)) if not ok]
+    if missing:
+        raise SystemExit(f"bench_skinny_gemm needs a CUDA device and Triton; missing here: {' and '.join(missing)}")
     c = QWEN3_SHAPES[args.preset]
     H, F, d = c["hidden_size"], c["intermediate_size"], c["head_dim"]
     nq, nk = c["num_attention_heads"] * d, c["num_key_value_heads"] * d

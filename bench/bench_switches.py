@@ -55,11 +55,11 @@ MODULES = {
 INT_SWITCHES = (
     ("skinny_gemm", "PREFERRED_ROWS"),
     ("skinny_gemm", "GATED_ROWS"),
+    ("skinny_gemm", "GATED_WIDE_ROWS"),
     ("pdl", "EARLY_ROWS"),
     ("rope_write", "GROUP_FROM_TOKENS"),
     ("rope_write", "MAX_HEADS_PER_PROGRAM"),
     ("decode_attention", "HEADS_FIRST_PROGRAMS"),
-    ("skinny_gemm", "GATED_WIDE_ROWS"),
 )
 # the engine's on/off attributes a variant may set (plain decoding)
 ENGINE_SWITCHES = ("look_ahead", "use_cuda_graphs", "prefill_buckets")
@@ -184,8 +184,8 @@ def main(argv: list[str] | None = None) -> None:
             # a module flag's value now; an engine attribute: the engine's own (None: left as built)
             defaults[(owner, attr)] = getattr(MODULES[owner], attr) if owner != "engine" else None
     bargs = br.parse_args(["--device", args.device, "--preset", preset, "--prompt-len", str(args.prompt_len),
-                           "--new-tokens", str(args.new_tokens), "--mtp-depths", "0"]
-                          + (["--hbm-tb-s", str(args.hbm_tb_s)] if args.hbm_tb_s else []))  # fmt: skip
+                           "--new-tokens", str(args.new_tokens), "--mtp-depths", "0", "--batch-sizes", args.batch_sizes]
+                          + (["--hbm-tb-s", str(args.hbm_tb_s)] if args.hbm_tb_s else []), errors=p)  # fmt: skip
     print(f"command: python bench/bench_switches.py {shlex.join(argv)}", flush=True)
     model = br.build_model(bargs, torch.bfloat16 if args.device == "cuda" else torch.float32)
     for q in model.parameters():

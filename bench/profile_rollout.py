@@ -112,6 +112,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if any(k not in ("plain", "speculative") for k in kinds) or len(set(kinds)) != len(kinds):
         p.error(f"--kinds takes a comma list of plain, speculative, each at most once; got {args.kinds!r}")
     args.kinds = kinds
+    if "speculative" not in kinds:  # the warm-up and the drafts are read only for speculative calls
+        given = [flag for flag, on in (("--train-mtp-steps", args.train_mtp_steps is not None),
+                                       ("--mtp-samples", args.mtp_samples is not None),
+                                       ("--mtp-objective", args.mtp_objective != "distill"),
+                                       ("--num-draft-tokens", args.num_draft_tokens != p.get_default("num_draft_tokens")))
+                 if on]  # fmt: skip
+        if given:
+            p.error(f"{', '.join(given)}: read only when --kinds includes speculative")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda but no CUDA GPU is visible here; use --device cpu")
     args.bench = bench_args(args, p)  # bench_rollout's checks, reported as this script's usage errors

@@ -15,6 +15,13 @@ from _bench import load_bench
         (["--attention"], "--attention times the CUDA kernels: add --device cuda"),
         (["--temperature", "0"], "--temperature must be > 0 (for greedy decoding use --top-k 1), got 0.0"),
         (["--batch-sizes", "32,1,32"], "a batch size is listed twice in '32,1,32'"),  # a new user's: timed twice
+        # settings of a part that does not run were silently ignored (a new user's trial)
+        (["--ragged-batch", "5", "--ragged-max-new", "7"], "--ragged-max-new, --ragged-batch: read only with --ragged"),
+        (["--mtp-objective", "ce"], "--mtp-objective: read only with --speculative"),
+        (["--train-mtp-steps", "5", "--mtp-samples", "3"], "--train-mtp-steps, --mtp-samples: read only with"),
+        (["--ragged", "3", "--ragged-mean-len", "1000", "--ragged-max-new", "4"], "must not exceed --ragged-max-new (4)"),
+        (["--baselines", "hf-eager,hf-eager"], "each at most once"),
+        (["--baselines", "hf-eager,"], "--baselines takes a comma list"),
         # a new user's --prompt-len 100000000 ran out of memory after the model was built
         (["--prompt-len", "100000000"], "the KV cache of 32 rows x 100000064 tokens (--batch-sizes"),
         (
@@ -48,6 +55,8 @@ def test_good_flags_parse(tmp_path):
         (["--kinds", "plain,greedy"], "--kinds takes a comma list of plain, speculative"),
         (["--kinds", "plain,plain"], "each at most once"),
         (["--kinds", "plain,"], "--kinds takes a comma list"),  # a trailing comma was taken silently
+        (["--kinds", "plain", "--num-draft-tokens", "1"], "--num-draft-tokens: read only when --kinds includes"),
+        (["--kinds", "plain", "--train-mtp-steps", "5"], "--train-mtp-steps: read only when --kinds includes"),
         # bench_rollout's own checks, reported with this script's usage (it printed bench_rollout's)
         (["--mtp-samples", "0"], "--mtp-samples must be >= 1, got 0"),
         (["--prompt-len", "100000000"], "the KV cache of 32 rows x 100000128 tokens"),
@@ -254,6 +263,20 @@ def test_bench_switches_sets_an_integer_threshold(monkeypatch):
     assert skinny_gemm.GATED_ROWS == 64
 
 
+def test_bench_switches_checks_the_cache_for_its_own_batch_sizes(capsys):
+    """The KV cache check ran on bench_rollout's default batch sizes (32 rows), and printed
+    bench_rollout's usage; --batch-sizes 100000000 then ran until killed (a new user's trial)."""
+    bench = load_bench("bench_switches")
+    for sizes, says in (("1", "1 rows x 50000001 tokens"), ("100000000", "100000000 rows x")):
+        prompt = "50000000" if sizes == "1" else "4"
+        with pytest.raises(SystemExit):
+            bench.main(
+                ["--prompt-len", prompt, "--new-tokens", "1", "--batch-sizes", sizes, "--variant", "a:", "--variant", "b:"]
+            )
+        err = capsys.readouterr().err
+        assert says in err and "--rounds" in err and "--ragged" not in err, err[:300]  # its own usage
+
+
 def test_bench_switches_names_an_installed_splitrl_without_the_threshold(monkeypatch):
     """A threshold the installed splitrl lacks (an older install than the script) is refused with
     the install to fix, not an AttributeError mid-run."""
@@ -269,7 +292,11 @@ def test_bench_switches_names_an_installed_splitrl_without_the_threshold(monkeyp
     "argv, says",
     [
         (["--attention", "32", "--context", "5-3"], "--context takes N or FIRST-LAST"),
-        (["--attention", "32", "--context", "400"], "--cache-len (320) must hold"),
+        (["--attention", "32", "--context", "400"], "--cache-len (320 (the default)) must hold"),
+        (["--rows", "1,1"], "--rows lists a value twice"),  # a new user's trial: timed twice
+        (["--gated-sweep", "32", "--rows", "32"], "--gated-sweep is read only with --gated"),  # was ignored
+        (["--rope-rows", "8"], "--rope-rows is read only with --fused"),  # was ignored
+        (["--rows", "1", "--sweep", "32"], "--sweep rows must be among --rows"),  # was ignored
         (["--rows", "512"], "--rows takes a comma list of positive integers each <= 256"),
         (["--attention", "0"], "--attention takes a comma list"),
         (["--context", "192"], "read only with --attention"),

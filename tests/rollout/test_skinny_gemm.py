@@ -47,11 +47,15 @@ def test_the_wide_gated_tiles_need_an_sm90_device_with_their_shared_memory(monke
         def __init__(self, major, optin):
             self.major, self.shared_memory_per_block_optin = major, optin
 
+    if not torch.cuda.is_available():
+        assert not sg.warpgroup_device("cuda:0") and not sg.warpgroup_device(0)  # no CUDA: False, no error
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for major, optin, want in ((9, 227 * 1024, True), (8, 163 * 1024, False), (8, 99 * 1024, False),
                                (10, 227 * 1024, False), (9, 160 * 1024, False)):  # fmt: skip
         monkeypatch.setattr(sg, "_WARPGROUP", {})
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, p=Props(major, optin): p)
         assert sg.warpgroup_device(torch.device("cuda", 0)) is want, (major, optin)
+        assert sg.warpgroup_device("cuda:0") is want and sg.warpgroup_device(0) is want
 
 
 def test_linear_is_torch_linear_off_cuda_and_for_many_rows():
@@ -140,9 +144,43 @@ def test_the_epilogue_refuses_what_it_does_not_serve_before_any_launch():
         sg.skinny_linear_add_rms_norm(
             torch.randn(257, 256), w, torch.randn(257, 16), nw, 1e-6, config=(16, 16, 128, 2, 4)
         )
+    with pytest.raises(ValueError, match=r"the config \(16, 16, 128, 1, 4\) does not split"):  # not plan()'s
+        sg.skinny_linear_add_rms_norm(x, w, r, nw, 1e-6, config=(16, 16, 128, 1, 4))
+    with pytest.raises(ValueError, match=r"strides \(1, 2\)"):  # the layout that was wrong is shown
+        sg.skinny_linear_add_rms_norm(x, w, torch.randn(16, 2).t(), nw, 1e-6, config=(16, 16, 128, 2, 4))
+    for eps in (-1.0, float("nan"), "1e-6", None):
+        with pytest.raises(ValueError, match="eps must be a finite number"):
+            sg.skinny_linear_add_rms_norm(x, w, r, nw, eps, config=(16, 16, 128, 2, 4))
+    with pytest.raises(ValueError, match="bias must be a contiguous"):  # was read past its end
+        sg.skinny_linear_add_rms_norm(x, w, r, nw, 1e-6, torch.randn(4), config=(16, 16, 128, 2, 4))
     if not sg.AVAILABLE:
         with pytest.raises(ValueError, match="needs Triton"):
             sg.skinny_linear_add_rms_norm(x, w, r, nw, 1e-6, config=(16, 16, 128, 2, 4))
+
+
+def test_the_products_refuse_a_bad_bias_weight_or_device_before_any_launch(monkeypatch):
+    """A bias of another length was read past its end (a new user's trial: garbage in the last
+    columns under the interpreter); a 1-D weight, K = 0 or integer x reached Python or Triton
+    internals; CPU tensors outside the interpreter failed inside Triton's driver."""
+    x, w = torch.randn(2, 64), torch.randn(32, 64)
+    for bias in (torch.randn(24), torch.randn(40), torch.randn(1, 32), torch.randn(64)[::2], torch.randn(32).double()):
+        with pytest.raises(ValueError, match="bias must be a contiguous"):
+            sg.skinny_linear(x, w, bias)
+    with pytest.raises(ValueError, match="bias must be a contiguous"):
+        sg.skinny_linear_silu_mul(x, w, torch.randn(16))
+    for cfg in ((1, 2, 3), (16, 16, 64, 0, 4), (16, 16, 100, 1, 4), (16.0, 16, 64, 1, 4), (16, 16, 64, 1, 4, 3, 1)):
+        with pytest.raises(ValueError, match="config is"):  # were unpack, ZeroDivision or Triton errors
+            sg.skinny_linear(x, w, config=cfg)
+    with pytest.raises(ValueError, match=r"config is \(BLOCK_M, BLOCK_N, BLOCK_K, num_warps"):
+        sg.skinny_linear_silu_mul(x, w, config=(16, 16, 64, 1, 4, 3))
+    for xx, ww in ((x, torch.randn(64)), (torch.randn(2, 0), torch.randn(32, 0)), (x.int(), w.int())):
+        with pytest.raises(ValueError, match="rows of x"):
+            sg.skinny_linear(xx, ww)
+    if sg.AVAILABLE:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        for fn in (sg.skinny_linear, sg.skinny_linear_silu_mul):
+            with pytest.raises(ValueError, match="runs on CUDA tensors"):
+                fn(x, w)
 
 
 @needs_cuda_triton

@@ -185,7 +185,8 @@ if AVAILABLE:
 
 
 def plan(M: int, N: int, K: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps) for an [M, K] × [N, K]ᵀ product, M ≤ MAX_ROWS.
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps) for an [M, K] × [N, K]ᵀ product of M ≥ 1 rows
+    (positive ints; the kernels take at most :data:`MAX_ROWS` rows, :func:`preferred` checks it).
 
     BLOCK_M is M rounded up to a power of two (16 at least: the tensor cores' smallest tile), 64
     above 64 rows (tiles of 64 rows, one program each). BLOCK_N is 32 when N / 32 programs fill
@@ -224,10 +225,12 @@ def gated_plan(M: int, F: int, K: int, warpgroup: bool = False) -> tuple[int, in
     return block_m, block_n, 128, 4, STAGES
 
 
-def warpgroup_device(device: torch.device) -> bool:
-    """Whether ``device`` is a CUDA sm90 GPU whose blocks may opt into the shared memory of
-    :func:`gated_plan`'s wide tiles (H100 / H200: 227 KiB). Cached per device."""
-    if device.type != "cuda":
+def warpgroup_device(device: torch.device | str | int) -> bool:
+    """Whether ``device`` (a ``torch.device``, ``"cuda:0"``, or a CUDA index) is a CUDA sm90 GPU
+    whose blocks may opt into the shared memory of :func:`gated_plan`'s wide tiles (H100 / H200:
+    227 KiB); False off CUDA or without it. Cached per device."""
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _WARPGROUP:
@@ -261,21 +264,62 @@ def triton_next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, what: str) -> torch.Tensor:
-    """x as [M, K] with unit column stride; raises ValueError (module docs) before any launch."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] > MAX_ROWS or weight.shape[1] != x.shape[-1] or weight.dtype != x.dtype or weight.stride(1) != 1:
+def _check(x: torch.Tensor, weight: torch.Tensor, what: str, bias: torch.Tensor | None = None, bias_len: int = 0):
+    """x as [M, K] with unit column stride; raises ValueError (module docs) before any launch: the
+    shapes, dtypes and layouts of x, ``weight`` and ``bias`` (``bias_len`` entries, default N), and
+    the device (CUDA, or any under Triton's interpreter)."""
+    ok = (
+        x.dim() >= 1
+        and x.shape[-1] >= 1
+        and x.is_floating_point()
+        and weight.dim() == 2
+        and weight.shape[1] == x.shape[-1]
+        and weight.dtype == x.dtype
+        and weight.stride(1) == 1
+        and x.numel() // x.shape[-1] <= MAX_ROWS
+    )
+    if not ok:
         raise ValueError(
-            f"{what} takes ≤ {MAX_ROWS} rows of x [..., K] and a weight [N, K] of x's dtype, contiguous "
-            f"along K; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype} "
+            f"{what} takes ≤ {MAX_ROWS} rows of x [..., K] (a float tensor, K ≥ 1) and a weight [N, K] of x's dtype, "
+            f"contiguous along K; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype} "
             f"strides {weight.stride()}"
         )
+    want = bias_len or weight.shape[0]
+    if bias is not None and (
+        tuple(bias.shape) != (want,) or bias.dtype != x.dtype or bias.device != x.device or bias.stride(0) != 1
+    ):
+        raise ValueError(
+            f"{what}: bias must be a contiguous [{want}] {x.dtype} on {x.device}, or None; got {tuple(bias.shape)} "
+            f"{bias.dtype} on {bias.device}, strides {bias.stride()}"
+        )
+    x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
-def _require_triton(what: str) -> None:
+def _check_config(config, names: tuple[str, ...], what: str) -> None:
+    """A caller's tile ``config``: ints named by ``names`` (+ an optional num_stages), the block
+    sizes powers of two ≥ 16, the rest ≥ 1; raises ValueError saying which entry is wrong."""
+    if config is None:
+        return
+    values = tuple(config)
+    ok = len(values) in (len(names), len(names) + 1) and all(isinstance(v, int) and v >= 1 for v in values)
+    ok = ok and all(v >= 16 and not v & (v - 1) for n, v in zip(names, values) if n.startswith("BLOCK"))
+    if not ok:
+        raise ValueError(
+            f"{what}: config is ({', '.join(names)}[, num_stages]), positive ints with the BLOCK sizes powers of "
+            f"two >= 16; got {config!r}"
+        )
+
+
+def _require_triton(what: str, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Raise ValueError without Triton, or for tensors off CUDA outside Triton's interpreter."""
     if not AVAILABLE:
         raise ValueError(f"{what} needs Triton; use torch.nn.functional.linear")
+    if not (x.is_cuda and weight.is_cuda) and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"{what} runs on CUDA tensors (got x on {x.device}, weight on {weight.device}); on a CPU use "
+            "torch.nn.functional.linear (tests: TRITON_INTERPRET=1 runs the kernel under Triton's interpreter)"
+        )
 
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias, config) -> torch.Tensor:
@@ -320,11 +364,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         [..., N] in x's dtype, rounded once from the fp32 sum.
 
     Raises:
-        ValueError: more than MAX_ROWS rows, mismatched K or dtypes, or Triton missing.
+        ValueError: more than MAX_ROWS rows, x not float, a weight not [N, K] of x's dtype
+            contiguous along K, a bias not a contiguous [N] of x's dtype and device, Triton
+            missing, or tensors off CUDA outside Triton's interpreter (before any launch).
     """
     *lead, K = x.shape
-    x2 = _check(x, weight, "skinny_linear")
-    _require_triton("skinny_linear")
+    x2 = _check(x, weight, "skinny_linear", bias)
+    _check_config(config, ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps"), "skinny_linear")
+    _require_triton("skinny_linear", x, weight)
     M, N = x2.shape[0], weight.shape[0]
     y = _launch(x2, weight, bias, config)
     if y.dim() == 3:
@@ -372,20 +419,25 @@ def skinny_linear_add_rms_norm(
             residual of another shape or a norm weight of another size (before any launch).
     """
     *lead, K = x.shape
-    x2 = _check(x, weight, "skinny_linear_add_rms_norm")
+    x2 = _check(x, weight, "skinny_linear_add_rms_norm", bias)
+    _check_config(config, ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps"), "skinny_linear_add_rms_norm")
     M, N = x2.shape[0], weight.shape[0]
     cfg = config or plan(M, N, K)
     if cfg[3] == 1:
+        source = f"the config {tuple(config)}" if config else f"plan({M}, {N}, {K})"
         raise ValueError(
-            f"skinny_linear_add_rms_norm serves products split along K; plan({M}, {N}, {K}) does not split"
+            f"skinny_linear_add_rms_norm serves products split along K (SPLIT_K > 1); {source} does not split"
         )
     if tuple(residual.shape) != (*lead, N) or residual.dtype != x.dtype or residual.stride(-1) != 1:
         raise ValueError(
-            f"residual must be {(*lead, N)} {x.dtype}, contiguous along N; got {tuple(residual.shape)} {residual.dtype}"
+            f"residual must be {(*lead, N)} {x.dtype}, contiguous along N; got {tuple(residual.shape)} "
+            f"{residual.dtype}, strides {residual.stride()}"
         )
-    if norm_weight.shape != (N,):
-        raise ValueError(f"norm_weight must be [{N}], got {tuple(norm_weight.shape)}")
-    _require_triton("skinny_linear_add_rms_norm")
+    if norm_weight.shape != (N,) or not norm_weight.is_floating_point():
+        raise ValueError(f"norm_weight must be a float [{N}], got {tuple(norm_weight.shape)} {norm_weight.dtype}")
+    if not (isinstance(eps, (int, float)) and 0 <= eps < float("inf")):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    _require_triton("skinny_linear_add_rms_norm", x, weight)
     partials = _launch(x2, weight, bias, cfg)
     r2 = residual.reshape(M, N)
     h = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -430,13 +482,14 @@ def skinny_linear_silu_mul(
             not [2F] (before any launch), or Triton missing.
     """
     *lead, K = x.shape
-    x2 = _check(x, weight, "skinny_linear_silu_mul")
-    if weight.shape[0] % 2 or (bias is not None and tuple(bias.shape) != (weight.shape[0],)):
+    x2 = _check(x, weight, "skinny_linear_silu_mul", bias)
+    _check_config(config, ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"), "skinny_linear_silu_mul")
+    if weight.shape[0] % 2:
         raise ValueError(
             "skinny_linear_silu_mul takes the fused gate/up weight [2F, K] (an even number of rows) and a bias "
             f"[2F] or None; got weight {tuple(weight.shape)}, bias {None if bias is None else tuple(bias.shape)}"
         )
-    _require_triton("skinny_linear_silu_mul")
+    _require_triton("skinny_linear_silu_mul", x, weight)
     M, F = x2.shape[0], weight.shape[0] // 2
     wide = warpgroup_device(x.device)
     if config is None and _GATED_TILES:  # a bench's tile trial: the plan's BLOCK_M, the rest from the variable
