@@ -219,8 +219,8 @@ def gated_product(c: dict, rows: list[int], sweep_rows: set[int]) -> None:
     print(f"{'gate/up + silu*mul':<20} {'M':>4} {'cuBLAS+silu us':>14} {'fused us':>9} {'ratio':>6} "
           f"{'err torch':>9} {'err fused':>9}  plan (BM, BN, BK, warps, stages)", flush=True)  # fmt: skip
     for M in rows:
-        plan = skinny_gemm.gated_plan(M, F, H, skinny_gemm.warpgroup_device(dev))  # the kernel's own
         x = torch.randn(M, H, device=dev, dtype=dt)
+        plan = skinny_gemm.gated_tiles(x, M, F, H)  # the kernel's own
         g, u = (x.float() @ ws[0].float().T).chunk(2, dim=-1)
         ref = torch.nn.functional.silu(g) * u
         errs = []
@@ -232,7 +232,7 @@ def gated_product(c: dict, rows: list[int], sweep_rows: set[int]) -> None:
         print(f"{'':<20} {M:>4} {t_t:14.2f} {t_f:9.2f} {t_t / t_f:6.2f} {errs[0]:9.2e} {errs[1]:9.2e}  "
               f"{plan}", flush=True)  # fmt: skip
         if M in sweep_rows:
-            bm0 = plan[0]
+            bm0 = skinny_gemm.gated_plan(M, F, H)[0]  # the old tiles' rows, against 64
             configs = [
                 cfg
                 for cfg in itertools.product(sorted({bm0, 64}), (16, 32), (64, 128, 256), (4, 8), (3, 4, 5, 6))

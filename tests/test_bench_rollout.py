@@ -267,8 +267,9 @@ def test_bench_switches_checks_the_cache_for_its_own_batch_sizes(capsys):
     """The KV cache check ran on bench_rollout's default batch sizes (32 rows), and printed
     bench_rollout's usage; --batch-sizes 100000000 then ran until killed (a new user's trial)."""
     bench = load_bench("bench_switches")
-    for sizes, says in (("1", "1 rows x 50000001 tokens"), ("100000000", "100000000 rows x")):
-        prompt = "50000000" if sizes == "1" else "4"
+    # sizes no host holds (the first would fit a host of 64 GiB at 50,000,000 tokens)
+    for sizes, says in (("1", "1 rows x 10000000001 tokens"), ("100000000", "100000000 rows x")):
+        prompt = "10000000000" if sizes == "1" else "4"
         with pytest.raises(SystemExit):
             bench.main(
                 ["--prompt-len", prompt, "--new-tokens", "1", "--batch-sizes", sizes, "--variant", "a:", "--variant", "b:"]

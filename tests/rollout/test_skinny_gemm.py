@@ -39,6 +39,22 @@ def test_the_plan_covers_every_row_and_feature_once(M, N, K):
     assert wide == ((64, 32, 128, 4, 5) if M >= sg.GATED_WIDE_ROWS else (gm, gn, gk, gw, gs))
 
 
+def test_the_gated_kernel_takes_the_wide_tiles_for_16_bit_rows_on_sm90_only(monkeypatch):
+    """fp32 stages of the wide tiles would need 320 KiB (found in review); a bench's
+    SPLITRL_GATED_TILES trial keeps the old plan's BLOCK_M (its tiles were sized for it)."""
+    monkeypatch.setattr(sg, "warpgroup_device", lambda device: True)
+    wide = (64, 32, 128, 4, 5)
+    assert sg.gated_tiles(torch.zeros(1, dtype=torch.bfloat16), 32, 3072, 1024) == wide
+    assert sg.gated_tiles(torch.zeros(1, dtype=torch.float16), 16, 3072, 1024) == wide
+    assert sg.gated_tiles(torch.zeros(1, dtype=torch.bfloat16), 8, 3072, 1024) == sg.gated_plan(8, 3072, 1024)
+    assert sg.gated_tiles(torch.zeros(1), 32, 3072, 1024) == sg.gated_plan(32, 3072, 1024)  # fp32
+    monkeypatch.setattr(sg, "_GATED_TILES", (32, 128, 4, 5))
+    assert sg.gated_tiles(torch.zeros(1, dtype=torch.bfloat16), 32, 3072, 1024) == (32, 32, 128, 4, 5)
+    monkeypatch.setattr(sg, "warpgroup_device", lambda device: False)
+    monkeypatch.setattr(sg, "_GATED_TILES", ())
+    assert sg.gated_tiles(torch.zeros(1, dtype=torch.bfloat16), 32, 3072, 1024) == sg.gated_plan(32, 3072, 1024)
+
+
 def test_the_wide_gated_tiles_need_an_sm90_device_with_their_shared_memory(monkeypatch):
     """Only sm90 parts with room for the wide tiles' 160 KiB of stages take them; CPUs never."""
     assert not sg.warpgroup_device(torch.device("cpu"))
@@ -47,8 +63,9 @@ def test_the_wide_gated_tiles_need_an_sm90_device_with_their_shared_memory(monke
         def __init__(self, major, optin):
             self.major, self.shared_memory_per_block_optin = major, optin
 
-    if not torch.cuda.is_available():
-        assert not sg.warpgroup_device("cuda:0") and not sg.warpgroup_device(0)  # no CUDA: False, no error
+    if not torch.cuda.is_available():  # no CUDA: False, no error
+        assert not sg.warpgroup_device("cuda:0") and not sg.warpgroup_device(0)
+        assert not sg.warpgroup_device(torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for major, optin, want in ((9, 227 * 1024, True), (8, 163 * 1024, False), (8, 99 * 1024, False),
                                (10, 227 * 1024, False), (9, 160 * 1024, False)):  # fmt: skip
@@ -56,6 +73,8 @@ def test_the_wide_gated_tiles_need_an_sm90_device_with_their_shared_memory(monke
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, p=Props(major, optin): p)
         assert sg.warpgroup_device(torch.device("cuda", 0)) is want, (major, optin)
         assert sg.warpgroup_device("cuda:0") is want and sg.warpgroup_device(0) is want
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        assert sg.warpgroup_device(torch.device("cuda")) is want  # no index: the current device's
 
 
 def test_linear_is_torch_linear_off_cuda_and_for_many_rows():
@@ -163,7 +182,7 @@ def test_the_products_refuse_a_bad_bias_weight_or_device_before_any_launch(monke
     columns under the interpreter); a 1-D weight, K = 0 or integer x reached Python or Triton
     internals; CPU tensors outside the interpreter failed inside Triton's driver."""
     x, w = torch.randn(2, 64), torch.randn(32, 64)
-    for bias in (torch.randn(24), torch.randn(40), torch.randn(1, 32), torch.randn(64)[::2], torch.randn(32).double()):
+    for bias in (torch.randn(24), torch.randn(40), torch.randn(1, 32), torch.randn(64)[::2], torch.ones(32).int()):
         with pytest.raises(ValueError, match="bias must be a contiguous"):
             sg.skinny_linear(x, w, bias)
     with pytest.raises(ValueError, match="bias must be a contiguous"):

@@ -225,10 +225,22 @@ def gated_plan(M: int, F: int, K: int, warpgroup: bool = False) -> tuple[int, in
     return block_m, block_n, 128, 4, STAGES
 
 
+def gated_tiles(x: torch.Tensor, M: int, F: int, K: int) -> tuple[int, ...]:
+    """The tiles :func:`skinny_linear_silu_mul` launches for x's M rows without a config:
+    :func:`gated_plan`'s, wide on a :func:`warpgroup_device` for 16-bit x only (fp32 stages would
+    need twice the shared memory); a bench's ``SPLITRL_GATED_TILES`` trial keeps the old plan's
+    BLOCK_M and takes the rest from the variable."""
+    if _GATED_TILES:
+        return (gated_plan(M, F, K)[0], *_GATED_TILES)
+    return gated_plan(M, F, K, x.element_size() == 2 and warpgroup_device(x.device))
+
+
 def warpgroup_device(device: torch.device | str | int) -> bool:
     """Whether ``device`` (a ``torch.device``, ``"cuda:0"``, or a CUDA index) is a CUDA sm90 GPU
     whose blocks may opt into the shared memory of :func:`gated_plan`'s wide tiles (H100 / H200:
     227 KiB); False off CUDA or without it. Cached per device."""
+    if isinstance(device, torch.device) and device.index in _WARPGROUP and device.type == "cuda":
+        return _WARPGROUP[device.index]  # the decode step's calls: one lookup
     device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return False
@@ -264,10 +276,9 @@ def triton_next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, what: str, bias: torch.Tensor | None = None, bias_len: int = 0):
+def _check(x: torch.Tensor, weight: torch.Tensor, what: str, bias: torch.Tensor | None = None):
     """x as [M, K] with unit column stride; raises ValueError (module docs) before any launch: the
-    shapes, dtypes and layouts of x, ``weight`` and ``bias`` (``bias_len`` entries, default N), and
-    the device (CUDA, or any under Triton's interpreter)."""
+    shapes, dtypes and layouts of x, ``weight`` and ``bias`` (a float [N], read in fp32)."""
     ok = (
         x.dim() >= 1
         and x.shape[-1] >= 1
@@ -284,12 +295,12 @@ def _check(x: torch.Tensor, weight: torch.Tensor, what: str, bias: torch.Tensor 
             f"contiguous along K; got x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype} "
             f"strides {weight.stride()}"
         )
-    want = bias_len or weight.shape[0]
+    N = weight.shape[0]
     if bias is not None and (
-        tuple(bias.shape) != (want,) or bias.dtype != x.dtype or bias.device != x.device or bias.stride(0) != 1
+        tuple(bias.shape) != (N,) or not bias.is_floating_point() or bias.device != x.device or bias.stride(0) != 1
     ):
         raise ValueError(
-            f"{what}: bias must be a contiguous [{want}] {x.dtype} on {x.device}, or None; got {tuple(bias.shape)} "
+            f"{what}: bias must be a contiguous float [{N}] on {x.device}, or None; got {tuple(bias.shape)} "
             f"{bias.dtype} on {bias.device}, strides {bias.stride()}"
         )
     x2 = x.reshape(-1, x.shape[-1])
@@ -356,7 +367,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x: [..., K], rows = the product of the leading dims (≤ MAX_ROWS), any float dtype; its
             last dim need not be contiguous with the rows (a row stride is passed).
         weight: [N, K], the dtype of x, contiguous along K.
-        bias: [N] or None.
+        bias: [N] (any float dtype, read in fp32) or None.
         config: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps[, num_stages]) instead of
             :func:`plan`'s (benches).
 
@@ -365,7 +376,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     Raises:
         ValueError: more than MAX_ROWS rows, x not float, a weight not [N, K] of x's dtype
-            contiguous along K, a bias not a contiguous [N] of x's dtype and device, Triton
+            contiguous along K, a bias not a contiguous float [N] on x's device, Triton
             missing, or tensors off CUDA outside Triton's interpreter (before any launch).
     """
     *lead, K = x.shape
@@ -491,10 +502,7 @@ def skinny_linear_silu_mul(
         )
     _require_triton("skinny_linear_silu_mul", x, weight)
     M, F = x2.shape[0], weight.shape[0] // 2
-    wide = warpgroup_device(x.device)
-    if config is None and _GATED_TILES:  # a bench's tile trial: the plan's BLOCK_M, the rest from the variable
-        config = (gated_plan(M, F, K, wide)[0], *_GATED_TILES)
-    block_m, block_n, block_k, warps, *rest = config or gated_plan(M, F, K, wide)
+    block_m, block_n, block_k, warps, *rest = config or gated_tiles(x, M, F, K)
     stages = rest[0] if rest else STAGES
     y = torch.empty(M, F, dtype=x.dtype, device=x.device)
     on = pdl.active(x, M)
