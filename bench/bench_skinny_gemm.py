@@ -50,7 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import QWEN3_SHAPES  # noqa: E402
-from splitrl.rollout import skinny_gemm  # noqa: E402
+from splitrl.rollout import cuda_props, skinny_gemm  # noqa: E402
 
 
 def time_us(fn, copies: int = 8, per_graph: int = 32, replays: int = 20) -> float:
@@ -269,7 +269,7 @@ def attention_tiles(c: dict, rows: list[int], contexts: list[int], queries: list
                 print(f"attention rows {R:>4} Q={Q}: the kernel's own tiles failed (above); no table", flush=True)
                 continue
             default, _, per0 = cells[0]
-            rule = da.tiles(d, R * Hk, da._shared_memory(dev))
+            rule = da.tiles(d, R * Hk, cuda_props.shared_memory_optin(dev))
             best = sorted(cells[1:], key=lambda cell: cell[0])[:5] or [cells[0]]
             gbs = R * mean_bytes / (default * 1e-6) / 1e9
             print(f"attention rows {R:>4} Q={Q} entries {contexts[0]}..{contexts[-1]} (mean of {len(contexts)}): "

@@ -42,21 +42,28 @@ def test_the_plan_covers_every_row_and_feature_once(M, N, K):
 def test_the_gated_kernel_takes_the_wide_tiles_for_16_bit_rows_on_sm90_only(monkeypatch):
     """fp32 stages of the wide tiles would need 320 KiB (found in review); a bench's
     SPLITRL_GATED_TILES trial keeps the old plan's BLOCK_M (its tiles were sized for it)."""
-    monkeypatch.setattr(sg, "warpgroup_device", lambda device: True)
-    wide = (64, 32, 128, 4, 5)
-    assert sg.gated_tiles(torch.zeros(1, dtype=torch.bfloat16), 32, 3072, 1024) == wide
-    assert sg.gated_tiles(torch.zeros(1, dtype=torch.float16), 16, 3072, 1024) == wide
-    assert sg.gated_tiles(torch.zeros(1, dtype=torch.bfloat16), 8, 3072, 1024) == sg.gated_plan(8, 3072, 1024)
-    assert sg.gated_tiles(torch.zeros(1), 32, 3072, 1024) == sg.gated_plan(32, 3072, 1024)  # fp32
-    monkeypatch.setattr(sg, "_GATED_TILES", (32, 128, 4, 5))
-    assert sg.gated_tiles(torch.zeros(1, dtype=torch.bfloat16), 32, 3072, 1024) == (32, 32, 128, 4, 5)
-    monkeypatch.setattr(sg, "warpgroup_device", lambda device: False)
-    monkeypatch.setattr(sg, "_GATED_TILES", ())
-    assert sg.gated_tiles(torch.zeros(1, dtype=torch.bfloat16), 32, 3072, 1024) == sg.gated_plan(32, 3072, 1024)
+    from types import SimpleNamespace
 
+    def cuda_rows(dtype):  # what gated_tiles reads of a CUDA x
+        return SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), element_size=dtype.itemsize.__int__)
+
+    monkeypatch.setattr(sg, "_warpgroup", lambda device: True)
+    wide = (64, 32, 128, 4, 5)
+    assert sg.gated_tiles(cuda_rows(torch.bfloat16), 32, 3072, 1024) == wide
+    assert sg.gated_tiles(cuda_rows(torch.float16), 16, 3072, 1024) == wide
+    assert sg.gated_tiles(cuda_rows(torch.bfloat16), 8, 3072, 1024) == sg.gated_plan(8, 3072, 1024)
+    assert sg.gated_tiles(cuda_rows(torch.float32), 32, 3072, 1024) == sg.gated_plan(32, 3072, 1024)  # fp32
+    assert sg.gated_tiles(torch.zeros(1, dtype=torch.bfloat16), 32, 3072, 1024) == sg.gated_plan(32, 3072, 1024)  # CPU
+    monkeypatch.setattr(sg, "_GATED_TILES", (32, 128, 4, 5))
+    assert sg.gated_tiles(cuda_rows(torch.bfloat16), 32, 3072, 1024) == (32, 32, 128, 4, 5)
+    monkeypatch.setattr(sg, "_warpgroup", lambda device: False)
+    monkeypatch.setattr(sg, "_GATED_TILES", ())
+    assert sg.gated_tiles(cuda_rows(torch.bfloat16), 32, 3072, 1024) == sg.gated_plan(32, 3072, 1024)
 
 def test_the_wide_gated_tiles_need_an_sm90_device_with_their_shared_memory(monkeypatch):
     """Only sm90 parts with room for the wide tiles' 160 KiB of stages take them; CPUs never."""
+    from splitrl.rollout import cuda_props
+
     assert not sg.warpgroup_device(torch.device("cpu"))
 
     class Props:
@@ -69,7 +76,7 @@ def test_the_wide_gated_tiles_need_an_sm90_device_with_their_shared_memory(monke
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for major, optin, want in ((9, 227 * 1024, True), (8, 163 * 1024, False), (8, 99 * 1024, False),
                                (10, 227 * 1024, False), (9, 160 * 1024, False)):  # fmt: skip
-        monkeypatch.setattr(sg, "_WARPGROUP", {})
+        monkeypatch.setattr(cuda_props, "_PROPS", {})
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, p=Props(major, optin): p)
         assert sg.warpgroup_device(torch.device("cuda", 0)) is want, (major, optin)
         assert sg.warpgroup_device("cuda:0") is want and sg.warpgroup_device(0) is want

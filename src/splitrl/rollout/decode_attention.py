@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from splitrl.rollout import pdl
+from splitrl.rollout import cuda_props, pdl
 
 try:
     import triton
@@ -147,15 +147,6 @@ def preferred(rows: int, kv_heads: int, length: int, queries: int = 1) -> bool:
 # 9.2 µs at 32 rows against 10.7 with 2, and 4.8 against 5.0 at 1 row; at 96 and 256 rows (768,
 # 2,048 programs) the choice moved the time by less than 2 %.
 STAGES_3_PROGRAMS = 512
-_SHARED_MEMORY: dict[int, int] = {}  # device index -> bytes of shared memory a block may opt into
-
-
-def _shared_memory(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SHARED_MEMORY:
-        props = torch.cuda.get_device_properties(index)
-        _SHARED_MEMORY[index] = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
-    return _SHARED_MEMORY[index]
 
 
 def tiles(block_d: int, programs: int = 0, shared_memory: int = 0) -> tuple[int, int, int]:
@@ -231,7 +222,7 @@ def decode_attention(
     block_m = max(16, triton.next_power_of_2(Q * G))
     block_d = max(16, triton.next_power_of_2(d))
     on = pdl.active(q_BQHd, B * Q)
-    block_n, stages, warps = config or tiles(block_d, B * Hk, _shared_memory(q_BQHd.device) if q_BQHd.is_cuda else 0)
+    block_n, stages, warps = config or tiles(block_d, B * Hk, cuda_props.shared_memory_optin(q_BQHd.device) if q_BQHd.is_cuda else 0)
     order = heads_first(B, Hk, k_SMHd.stride(2) == d)  # position-major: a position's heads adjacent
     _decode_attention_kernel[(Hk, B) if order else (B, Hk)](
         q_BQHd, k_SMHd, v_SMHd, out, seqused_B,

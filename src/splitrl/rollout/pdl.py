@@ -42,6 +42,8 @@ import os
 
 import torch
 
+from splitrl.rollout import cuda_props
+
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
@@ -82,7 +84,6 @@ ENABLED = SUPPORTED and os.environ.get("SPLITRL_PDL", "1") != "0"
 EARLY = os.environ.get("SPLITRL_PDL_EARLY", "1") != "0"
 EARLY_ROWS = 8
 MAX_ROWS = 64  # rows (tokens) of a launch up to which it takes PDL (module docstring)
-_SM90: dict[int, bool] = {}
 
 
 def active(t: torch.Tensor, rows: int) -> bool:
@@ -91,10 +92,7 @@ def active(t: torch.Tensor, rows: int) -> bool:
     under Triton's interpreter."""
     if not ENABLED or rows > MAX_ROWS or not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if index not in _SM90:
-        _SM90[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return _SM90[index]
+    return cuda_props.sm_major(t.device) >= 9
 
 
 def early(on: bool, rows: int) -> bool:

@@ -42,7 +42,7 @@ import os
 
 import torch
 
-from splitrl.rollout import pdl
+from splitrl.rollout import cuda_props, pdl
 
 try:
     import triton
@@ -62,7 +62,6 @@ STAGES = 3  # weight tiles in flight per program (num_stages) unless a config sa
 # plan's tiles.
 GATED_WIDE_ROWS = 16
 _WIDE_SHARED_MEMORY = 5 * (64 * 128 + 2 * 32 * 128) * 2  # bytes: those tiles' stages (160 KiB)
-_WARPGROUP: dict[int, bool] = {}  # device index -> sm90 with room for the wide tiles
 # benches: SPLITRL_GATED_TILES="BLOCK_N,BLOCK_K,num_warps,num_stages" sets the gated kernel's tiles at every row count
 _GATED_TILES = tuple(int(v) for v in os.environ.get("SPLITRL_GATED_TILES", "").split(",") if v.strip())
 if _GATED_TILES and len(_GATED_TILES) != 4:
@@ -232,24 +231,24 @@ def gated_tiles(x: torch.Tensor, M: int, F: int, K: int) -> tuple[int, ...]:
     BLOCK_M and takes the rest from the variable."""
     if _GATED_TILES:
         return (gated_plan(M, F, K)[0], *_GATED_TILES)
-    return gated_plan(M, F, K, x.element_size() == 2 and warpgroup_device(x.device))
+    return gated_plan(M, F, K, x.is_cuda and x.element_size() == 2 and _warpgroup(x.device))
 
 
 def warpgroup_device(device: torch.device | str | int) -> bool:
     """Whether ``device`` (a ``torch.device``, ``"cuda:0"``, or a CUDA index) is a CUDA sm90 GPU
     whose blocks may opt into the shared memory of :func:`gated_plan`'s wide tiles (H100 / H200:
-    227 KiB); False off CUDA or without it. Cached per device."""
-    if isinstance(device, torch.device) and device.index in _WARPGROUP and device.type == "cuda":
-        return _WARPGROUP[device.index]  # the decode step's calls: one lookup
-    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _WARPGROUP:
-        props = torch.cuda.get_device_properties(index)
-        optin = int(getattr(props, "shared_memory_per_block_optin", 0) or 0)
-        _WARPGROUP[index] = props.major == 9 and optin >= _WIDE_SHARED_MEMORY + 32 * 1024
-    return _WARPGROUP[index]
+    227 KiB); False off CUDA or without it. The device's properties are read once
+    (:mod:`splitrl.rollout.cuda_props`)."""
+    if not isinstance(device, torch.device):
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return device.type == "cuda" and torch.cuda.is_available() and _warpgroup(device)
+
+
+def _warpgroup(device: torch.device) -> bool:
+    """:func:`warpgroup_device` of a device CUDA tensors live on (no availability check)."""
+    return (
+        cuda_props.sm_major(device) == 9 and cuda_props.shared_memory_optin(device) >= _WIDE_SHARED_MEMORY + 32 * 1024
+    )
 
 
 def preferred(M: int, N: int, K: int) -> bool:
@@ -322,6 +321,9 @@ def _check_config(config, names: tuple[str, ...], what: str) -> None:
         )
 
 
+_PRODUCT_CONFIG = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps")  # a split product's config, then an optional num_stages
+
+
 def _require_triton(what: str, x: torch.Tensor, weight: torch.Tensor) -> None:
     """Raise ValueError without Triton, or for tensors off CUDA outside Triton's interpreter."""
     if not AVAILABLE:
@@ -381,7 +383,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """
     *lead, K = x.shape
     x2 = _check(x, weight, "skinny_linear", bias)
-    _check_config(config, ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps"), "skinny_linear")
+    _check_config(config, _PRODUCT_CONFIG, "skinny_linear")
     _require_triton("skinny_linear", x, weight)
     M, N = x2.shape[0], weight.shape[0]
     y = _launch(x2, weight, bias, config)
@@ -431,7 +433,7 @@ def skinny_linear_add_rms_norm(
     """
     *lead, K = x.shape
     x2 = _check(x, weight, "skinny_linear_add_rms_norm", bias)
-    _check_config(config, ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps"), "skinny_linear_add_rms_norm")
+    _check_config(config, _PRODUCT_CONFIG, "skinny_linear_add_rms_norm")
     M, N = x2.shape[0], weight.shape[0]
     cfg = config or plan(M, N, K)
     if cfg[3] == 1:
