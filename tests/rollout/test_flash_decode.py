@@ -591,6 +591,61 @@ def test_the_decode_kernel_launch_order_does_not_change_its_output():
     assert heads > 1e-3, heads
 
 
+_INTERPRETED_PAIRS = r"""
+import torch
+from splitrl.rollout import decode_attention as da
+torch.manual_seed(0)
+diff, heads = 0.0, 0.0
+for position_major in (True, False):
+    k, v = torch.randn(5, 150, 4, 16), torch.randn(5, 150, 4, 16)
+    if not position_major:  # head-major storage read through its strides
+        k, v = k.transpose(1, 2).contiguous().transpose(1, 2), v.transpose(1, 2).contiguous().transpose(1, 2)
+    used = torch.tensor([1, 64, 65, 150, 100], dtype=torch.int32)
+    for Q, H, per_query in ((1, 8, False), (3, 4, False), (2, 8, True)):
+        q = torch.randn(5, Q, H, 16)
+        lim = own = None
+        if per_query:  # a draft window: the first query reads up to 10 entries back, the second its own entry too
+            lim = (used[:, None] - 11 + torch.arange(Q)).clamp_min(-1).to(torch.int32).contiguous()
+            own = (used[:, None] - 1 - torch.arange(Q).flip(0)).clamp_min(0).to(torch.int32).contiguous()
+        for order in (1 << 30, 1):
+            da.HEADS_FIRST_PROGRAMS = order
+            one = da.decode_attention(q, k, v, used, 0.25, lim, own, heads=1)
+            two = da.decode_attention(q, k, v, used, 0.25, lim, own, heads=2)
+            diff = max(diff, float((one - two).abs().max().nan_to_num(float("inf"))))
+        # guard: the kv heads' outputs differ, so a row keeping another head's columns would show
+        heads = max(heads, float((two[..., : H // 4 * 16] - two[..., H // 4 * 16 : H // 2 * 16]).abs().max()))
+print(diff, heads)
+"""
+
+
+@pytest.mark.skipif(not decode_mod.AVAILABLE, reason="needs Triton (its interpreter runs the kernel on the CPU)")
+def test_two_kv_heads_a_program_give_the_one_head_output():
+    """``heads=2`` (:data:`PAIR_PROGRAMS`): a program reading two adjacent kv heads, each query
+    zero outside its own head's columns, gives the one-head output within fp32 rounding, run by
+    Triton's interpreter: rows of 1..150 entries, Q = 1 and 3, per-query limits, both launch
+    orders, position-major and head-major storage."""
+    diff, heads = map(float, _run_interpreted(_INTERPRETED_PAIRS)[-2:])
+    assert diff < 1e-5, diff
+    assert heads > 1e-3, heads
+
+
+def test_the_pair_rule_and_bad_heads(monkeypatch):
+    """``heads_per_program``: two kv heads from PAIR_PROGRAMS programs, over a position-major cache
+    with an even Hk only; a ``heads`` other than 1 or 2, or one not dividing Hk, is a ValueError."""
+    P = 2048
+    monkeypatch.setattr(decode_mod, "PAIR_PROGRAMS", P)
+    assert decode_mod.heads_per_program(P // 8, 8, True) == 2
+    assert decode_mod.heads_per_program(P // 8 - 1, 8, True) == 1
+    assert decode_mod.heads_per_program(P // 8, 8, False) == 1
+    assert decode_mod.heads_per_program(P, 1, True) == 1
+    assert decode_mod.heads_per_program(P, 3, True) == 1
+    if decode_mod.AVAILABLE:
+        q, k = torch.zeros(2, 1, 6, 16), torch.zeros(2, 8, 3, 16)
+        for bad in (2, 3, 0):
+            with pytest.raises(ValueError, match="1 or 2 and divide Hk=3"):
+                decode_mod.decode_attention(q, k, k, torch.ones(2, dtype=torch.int32), 0.1, heads=bad)
+
+
 def test_the_decode_kernel_launch_order_rule():
     """``heads_first``: a row's kv heads consecutive from HEADS_FIRST_PROGRAMS programs, over a
     position-major cache only, and never with more rows than the grid's second dimension takes."""
@@ -761,3 +816,18 @@ def test_the_cuda_prefill_path_interpreted_equals_the_torch_path():
     assert [out[i] for i in (-9, -6, -3)] == ["qwen3", "qwen2", "llama"], out
     for i in (-8, -7, -5, -4, -2, -1):
         assert float(out[i]) < 1e-4, out
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and decode_mod.AVAILABLE), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("Q", [1, 3])
+def test_two_kv_heads_a_program_on_the_gpu(Q):
+    """bf16 in a position-major cache, 6 rows x 2 kv heads: two kv heads a program match one within
+    bf16 output rounding, and the fp32 reference."""
+    flash, _ = _caches()
+    last = torch.tensor([3, 63, 64, 200, 129, 318], device="cuda")
+    q = torch.randn(6, Q, H, D_HEAD, device="cuda", dtype=torch.bfloat16)
+    used = (last + 1).to(torch.int32)
+    one, two = (decode_mod.decode_attention(q, flash.k[1], flash.v[1], used, D_HEAD**-0.5, heads=n) for n in (1, 2))
+    assert (one.float() - two.float()).abs().max().item() < 1e-2
+    ref = _reference(flash, 1, q, last, D_HEAD**-0.5)
+    assert (two.float() - ref).abs().max().item() < 2e-2

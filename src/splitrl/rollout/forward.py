@@ -33,7 +33,9 @@ The residual add and the RMSNorm that follow such a product run in its split-K r
 product alone), so a layer (:meth:`DecoderForward._layer`) returns its output together with the next
 norm of it. The MLP's gate/up product and silu(gate) · up are one launch as well at the same row
 counts (:func:`~splitrl.rollout.skinny_gemm.skinny_linear_silu_mul`; ``SPLITRL_SKINNY_GATED=0``:
-cuBLAS and the compiled silu_mul).
+cuBLAS and silu_mul). Where the gate/up product stays on cuBLAS (prefills, larger steps), silu(gate) ·
+up of its output is one Triton kernel on CUDA in bf16 / fp16 (:func:`~splitrl.rollout.silu_mul.silu_mul`;
+else the compiled ``fused.silu_mul``).
 
 Attention input. A decode step's q/k norms, rotary embedding and cache write run as one Triton kernel
 on CUDA in bf16 / fp16 (:func:`~splitrl.rollout.rope_write.norm_rope_write`; ``SPLITRL_ROPE_WRITE=0``:
@@ -69,7 +71,7 @@ import torch
 from torch import nn
 
 from splitrl.models.policy import PolicyModel
-from splitrl.rollout import rope_write, skinny_gemm
+from splitrl.rollout import rope_write, silu_mul, skinny_gemm
 from splitrl.rollout.fused import Kernels, split_heads
 from splitrl.rollout.kv import AttentionPlan, PrefillPlan, StaticKVCache, causal_attention
 
@@ -382,7 +384,8 @@ class DecoderForward:
             if _gated(x, weight):
                 act = skinny_gemm.skinny_linear_silu_mul(x, weight, bias)
             else:
-                act = self.k.silu_mul(*linear(x, weight, bias).chunk(2, dim=-1))
+                gate_up = linear(x, weight, bias)
+                act = silu_mul.silu_mul(gate_up) if silu_mul.applies(gate_up) else self.k.silu_mul(*gate_up.chunk(2, dim=-1))
             return self._add_norm(mlp.down_proj, act, h, next_norm)
         if self.silu and hasattr(mlp, "down_proj"):
             return self._add_norm(mlp.down_proj, self.k.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)), h, next_norm)
