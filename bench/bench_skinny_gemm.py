@@ -29,6 +29,12 @@ count as they do in the engine; a single length hides the last tile's cost), in 
 engine's layout and of ``--cache-len`` entries (the engine's for 128 + 128); 8 layers' caches used in
 turn, as the products' weights are.
 
+``--silu R1,R2``: silu(gate) · up of a cuBLAS gate/up product's [R, 2F] output, where the engine
+forms it apart from the product (prefills: R = their tokens; decode steps above the gated kernel's
+rows): the compiled ``fused.silu_mul`` on the product's two halves (what the engine ran before; the
+baseline) against :func:`splitrl.rollout.silu_mul.silu_mul`, µs each, the bytes read and written
+over the time, and whether the two outputs are equal bit for bit.
+
 ``--fused``: also the decode layer's fused pieces against the launches they replace, µs each at
 each M (and at ``--rope-rows`` for the rotary one): o_proj and down_proj with their add + RMSNorm
 (:func:`~splitrl.rollout.skinny_gemm.skinny_linear_add_rms_norm` vs ``skinny_linear`` and the
@@ -119,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cache-len", type=int, default=320, help="entries a row's cache holds, for --attention (default: "
                     "the engine's for 128 + 128 tokens, the multiple of 64 above prompt + new + 3)")  # fmt: skip
     ap.add_argument("--sweep", default="", help="comma list of row counts at which alternative tiles are timed too")
+    ap.add_argument("--silu", default="", help="comma list of rows at which silu(gate) · up after a cuBLAS product is "
+                    "timed, compiled vs our kernel (e.g. 256,32768: a decode step, a prefill of 256 x 128)")  # fmt: skip
     ap.add_argument("--fused", action="store_true", help="also time the fused pieces of a decode layer (docstring)")
     ap.add_argument("--rope-rows", default="1,32,256", help="rows at which the rotary + cache write piece is timed")
     args = ap.parse_args(argv)
@@ -141,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     for flag, text, most in (("--rows", args.rows, skinny_gemm.MAX_ROWS), ("--sweep", args.sweep, skinny_gemm.MAX_ROWS),
                              ("--gated-sweep", args.gated_sweep, skinny_gemm.MAX_ROWS),
                              ("--rope-rows", args.rope_rows, None), ("--attention", args.attention, None),
+                             ("--silu", args.silu, None),
                              ("--attention-queries", args.attention_queries, None)):  # fmt: skip
         try:
             values = [int(v) for v in text.split(",")] if text else []
@@ -204,8 +213,28 @@ def main(argv: list[str] | None = None) -> None:
         gated_product(c, rows, set(lists["--gated-sweep"]))
     if args.attention:
         attention_tiles(c, att_rows, ctxs, queries, args.cache_len)
+    if args.silu:
+        silu_table(c, lists["--silu"])
     if args.fused:
         fused_pieces(c, rows, lists["--rope-rows"])
+
+
+def silu_table(c: dict, rows: list[int]) -> None:
+    """The --silu table (module docstring)."""
+    from splitrl.rollout import silu_mul
+    from splitrl.rollout.fused import Kernels
+
+    k = Kernels(True, torch.device("cuda"), torch.bfloat16)
+    F = c["intermediate_size"]
+    print(f"{'silu(gate) * up':<16} {'rows':>6} {'compiled us':>11} {'ours us':>8} {'ratio':>6} {'compiled TB/s':>13} "
+          f"{'ours TB/s':>9}  equal", flush=True)  # fmt: skip
+    for R in rows:
+        xs = [torch.randn(R, 2 * F, device="cuda", dtype=torch.bfloat16) for _ in range(4)]  # 4 copies: past the L2
+        t_c = time_us(lambda i: k.silu_mul(*xs[i].chunk(2, dim=-1)), copies=4)
+        t_o = time_us(lambda i: silu_mul.silu_mul(xs[i]), copies=4)
+        equal = torch.equal(k.silu_mul(*xs[0].chunk(2, dim=-1)), silu_mul.silu_mul(xs[0]))
+        mb = R * F * 3 * 2 / 1e6  # gate and up read, the output written
+        print(f"{'':<16} {R:>6} {t_c:11.2f} {t_o:8.2f} {t_c / t_o:6.2f} {mb / t_c:13.2f} {mb / t_o:9.2f}  {equal}", flush=True)
 
 
 def gated_product(c: dict, rows: list[int], sweep_rows: set[int]) -> None:

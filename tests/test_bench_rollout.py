@@ -301,6 +301,8 @@ def test_bench_switches_names_an_installed_splitrl_without_the_threshold(monkeyp
         (["--rows", "512"], "--rows takes a comma list of positive integers each <= 256"),
         (["--attention", "0"], "--attention takes a comma list"),
         (["--context", "192"], "read only with --attention"),
+        (["--silu", "256,256"], "--silu lists a value twice"),
+        (["--silu", "0"], "--silu takes a comma list of positive integers"),
     ],
 )
 def test_bench_skinny_gemm_refuses_bad_lists_before_any_device_work(capsys, argv, says):
