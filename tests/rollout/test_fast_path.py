@@ -209,10 +209,11 @@ def test_bf16_cuda_path_logprobs_match_a_full_forward(monkeypatch, caplog, specu
 def test_bf16_fused_decode_kernels_logprobs_match_a_full_forward(monkeypatch, drafts):
     """A shape on which the decode step takes its Triton kernels (o_proj and down_proj split along K,
     so their add + norm epilogue; gate/up with silu · mul; the q/k norm + rotary + cache write
-    kernel): they run (counted), and each emitted logprob matches a full bf16 forward as on the torch
-    path (test above); plain, and verifies of 1 and 2 drafts of two MTP heads."""
+    kernel; silu · mul after the prefill's cuBLAS gate/up product): they run (counted), and each
+    emitted logprob matches a full bf16 forward as on the torch path (test above); plain, and
+    verifies of 1 and 2 drafts of two MTP heads."""
     from splitrl.rollout import forward as forward_mod
-    from splitrl.rollout import rope_write, skinny_gemm
+    from splitrl.rollout import rope_write, silu_mul, skinny_gemm
 
     if not (forward_mod.SKINNY_GEMM and rope_write.AVAILABLE):
         pytest.skip("needs Triton and the skinny kernel switched on (SPLITRL_SKINNY_GEMM)")
@@ -220,7 +221,8 @@ def test_bf16_fused_decode_kernels_logprobs_match_a_full_forward(monkeypatch, dr
     monkeypatch.setattr(forward_mod, "SKINNY_EPILOGUE", True)
     monkeypatch.setattr(forward_mod, "ROPE_WRITE", True)
     monkeypatch.setattr(forward_mod, "SKINNY_GATED", True)
-    calls = {"epilogue": 0, "rope_write": 0, "gated": 0}
+    monkeypatch.setattr(silu_mul, "ENABLED", True)
+    calls = {"epilogue": 0, "rope_write": 0, "gated": 0, "silu": 0}
 
     def counted(fn, key):
         def wrapper(*args, **kwargs):
@@ -234,6 +236,7 @@ def test_bf16_fused_decode_kernels_logprobs_match_a_full_forward(monkeypatch, dr
     )
     monkeypatch.setattr(rope_write, "norm_rope_write", counted(rope_write.norm_rope_write, "rope_write"))
     monkeypatch.setattr(skinny_gemm, "skinny_linear_silu_mul", counted(skinny_gemm.skinny_linear_silu_mul, "gated"))
+    monkeypatch.setattr(silu_mul, "silu_mul", counted(silu_mul.silu_mul, "silu"))
     shape = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=4, head_dim=64)
     model = make_model(vocab=VOCAB, depths=2, seed=5, init=0.05, **shape).to("cuda", torch.bfloat16)
     assert skinny_gemm.plan(4, 512, 512)[3] > 1 and skinny_gemm.plan(4, 512, 1536)[3] > 1
@@ -244,7 +247,7 @@ def test_bf16_fused_decode_kernels_logprobs_match_a_full_forward(monkeypatch, dr
     monkeypatch.setattr(engine.policy, "choose", lambda bucket, peek=False: drafts)
     results = engine.generate(prompts, list(range(7)))
     assert engine.last_stats.num_drafts == drafts
-    assert calls["epilogue"] > 0 and calls["rope_write"] > 0 and calls["gated"] > 0, calls
+    assert all(calls.values()), calls
     _assert_logprobs_match_a_full_forward(model, prompts, results)
 
 

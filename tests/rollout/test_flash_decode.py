@@ -595,14 +595,15 @@ _INTERPRETED_PAIRS = r"""
 import torch
 from splitrl.rollout import decode_attention as da
 torch.manual_seed(0)
-diff, heads = 0.0, 0.0
-for position_major in (True, False):
-    k, v = torch.randn(5, 150, 4, 16), torch.randn(5, 150, 4, 16)
+diff, heads, rule = 0.0, 0.0, 0.0
+for position_major, Hk, d in ((True, 4, 16), (False, 4, 16), (True, 6, 12)):
+    k, v = torch.randn(5, 150, Hk, d), torch.randn(5, 150, Hk, d)
     if not position_major:  # head-major storage read through its strides
         k, v = k.transpose(1, 2).contiguous().transpose(1, 2), v.transpose(1, 2).contiguous().transpose(1, 2)
     used = torch.tensor([1, 64, 65, 150, 100], dtype=torch.int32)
-    for Q, H, per_query in ((1, 8, False), (3, 4, False), (2, 8, True)):
-        q = torch.randn(5, Q, H, 16)
+    for Q, G, per_query in ((1, 2, False), (3, 1, False), (2, 2, True), (1, 4, False)):
+        H = G * Hk
+        q = torch.randn(5, Q, H, d)
         lim = own = None
         if per_query:  # a draft window: the first query reads up to 10 entries back, the second its own entry too
             lim = (used[:, None] - 11 + torch.arange(Q)).clamp_min(-1).to(torch.int32).contiguous()
@@ -612,9 +613,13 @@ for position_major in (True, False):
             one = da.decode_attention(q, k, v, used, 0.25, lim, own, heads=1)
             two = da.decode_attention(q, k, v, used, 0.25, lim, own, heads=2)
             diff = max(diff, float((one - two).abs().max().nan_to_num(float("inf"))))
+        da.PAIR_PROGRAMS = 1  # the rule's choice (pairs over the position-major cache)
+        by_rule = da.decode_attention(q, k, v, used, 0.25, lim, own)
+        da.PAIR_PROGRAMS = 1 << 62
+        rule = max(rule, float((by_rule - one).abs().max().nan_to_num(float("inf"))))
         # guard: the kv heads' outputs differ, so a row keeping another head's columns would show
-        heads = max(heads, float((two[..., : H // 4 * 16] - two[..., H // 4 * 16 : H // 2 * 16]).abs().max()))
-print(diff, heads)
+        heads = max(heads, float((two[..., : G * d] - two[..., G * d : 2 * G * d]).abs().max()))
+print(diff, heads, rule)
 """
 
 
@@ -622,10 +627,12 @@ print(diff, heads)
 def test_two_kv_heads_a_program_give_the_one_head_output():
     """``heads=2`` (:data:`PAIR_PROGRAMS`): a program reading two adjacent kv heads, each query
     zero outside its own head's columns, gives the one-head output within fp32 rounding, run by
-    Triton's interpreter: rows of 1..150 entries, Q = 1 and 3, per-query limits, both launch
-    orders, position-major and head-major storage."""
-    diff, heads = map(float, _run_interpreted(_INTERPRETED_PAIRS)[-2:])
+    Triton's interpreter: rows of 1..150 entries, Q = 1..3, G = 1, 2, 4, per-query limits, both
+    launch orders, position-major and head-major storage, Hk = 4 and 6, a head dim of 12 (masked
+    columns); and so does the launcher's own choice with PAIR_PROGRAMS at 1."""
+    diff, heads, rule = map(float, _run_interpreted(_INTERPRETED_PAIRS)[-3:])
     assert diff < 1e-5, diff
+    assert rule < 1e-5, rule
     assert heads > 1e-3, heads
 
 
@@ -674,6 +681,27 @@ def test_the_launcher_takes_the_order_the_rule_gives(monkeypatch):
         k = torch.zeros(shape) if position_major else torch.zeros(shape).transpose(1, 2)
         decode_mod.decode_attention(q, k, k, torch.ones(B, dtype=torch.int32), 0.1)
     assert seen == [((rows - 1, 8), False), ((8, rows), True), ((rows, 8), False)]
+
+
+@pytest.mark.skipif(not decode_mod.AVAILABLE, reason="needs Triton (the launcher's code runs, the kernel is recorded)")
+def test_the_launcher_pairs_heads_as_the_rule_says(monkeypatch):
+    """From PAIR_PROGRAMS programs over a position-major cache: half the programs a row, HP = 2,
+    and tiles of half the entries (the same shared memory a stage); below it, or on a head-major
+    cache, one head a program with the rule's tiles (the kernel replaced by a recorder)."""
+    seen = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append((grid, kw["HP"], kw["BLOCK_N"]))
+
+    monkeypatch.setattr(decode_mod, "_decode_attention_kernel", Recorder())
+    monkeypatch.setattr(decode_mod, "PAIR_PROGRAMS", 64)
+    for B, position_major in ((7, True), (8, True), (8, False)):
+        q = torch.zeros(B, 1, 16, 128)
+        shape = (B, 4, 8, 128) if position_major else (B, 8, 4, 128)
+        k = torch.zeros(shape) if position_major else torch.zeros(shape).transpose(1, 2)
+        decode_mod.decode_attention(q, k, k, torch.ones(B, dtype=torch.int32), 0.1)
+    assert seen == [((7, 8), 1, 64), ((8, 4), 2, 32), ((8, 8), 1, 64)]
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and decode_mod.AVAILABLE), reason="needs CUDA and Triton")

@@ -141,7 +141,9 @@ def heads_first(rows: int, kv_heads: int, position_major: bool) -> bool:
 # Kv heads a program: from PAIR_PROGRAMS (row, kv head) pairs over a position-major cache, a program
 # takes two adjacent kv heads of a row, whose entries are one contiguous segment of each position:
 # half the programs, each reading twice the bytes after the same start-up (the row's length, its
-# queries). Under trial: off by default (bench_switches sets it).
+# queries). Under trial: off by default (bench_switches sets it). A pair's rows see both heads' keys
+# through zero query columns, so a non-finite key (a broken cache) makes the other head's output NaN
+# too, where one-head programs keep it to its own head.
 PAIR_PROGRAMS = 1 << 62
 
 
@@ -220,7 +222,7 @@ def decode_attention(
 
     Raises:
         RuntimeError: Triton is not installed (check :data:`AVAILABLE` first).
-        ValueError: H is not a multiple of Hk (or of ``heads``), the last dims are not contiguous, the dtypes differ,
+        ValueError: H is not a multiple of Hk, ``heads`` is not 1 or 2 or does not divide Hk, the last dims are not contiguous, the dtypes differ,
             ``seqused`` is not int32, or ``limits_BQ`` / ``own_BQ`` are not both int32 [B, Q].
     """
     if not AVAILABLE:
@@ -251,7 +253,13 @@ def decode_attention(
     block_m = max(16, triton.next_power_of_2(Q * G * hp))
     block_d = max(16, triton.next_power_of_2(d))
     on = pdl.active(q_BQHd, B * Q)
-    block_n, stages, warps = config or tiles(block_d, B * Hk, cuda_props.shared_memory_optin(q_BQHd.device) if q_BQHd.is_cuda else 0)
+    if config is None:
+        smem = cuda_props.shared_memory_optin(q_BQHd.device) if q_BQHd.is_cuda else 0
+        block_n, stages, warps = tiles(block_d, B * Hk, smem)
+        # a pair's tile holds both heads' columns: half the entries for the same shared memory a stage
+        block_n = max(16, block_n // hp)
+    else:
+        block_n, stages, warps = config
     order = heads_first(B, Hk, position_major)
     _decode_attention_kernel[(Hk // hp, B) if order else (B, Hk // hp)](
         q_BQHd, k_SMHd, v_SMHd, out, seqused_B,

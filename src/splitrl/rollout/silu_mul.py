@@ -20,6 +20,8 @@ installed runs the kernel on the CPU in tests).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:
@@ -50,8 +52,9 @@ if AVAILABLE:
 
 
 def applies(gate_up: torch.Tensor) -> bool:
-    """Whether :func:`silu_mul` takes this product output: Triton, CUDA (or the interpreter), a
-    16-bit dtype, a contiguous last dim; :data:`ENABLED`."""
+    """Whether the decode forward passes this product output to :func:`silu_mul`: Triton, a CUDA
+    tensor, a 16-bit dtype, a contiguous last dim; :data:`ENABLED`. (Tests run :func:`silu_mul`
+    itself on CPU tensors under the interpreter.)"""
     return (
         ENABLED
         and AVAILABLE
@@ -73,8 +76,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
     Raises:
         RuntimeError: Triton is not installed (check :data:`AVAILABLE` first).
-        ValueError: the last dim is odd or not contiguous, the leading dims cannot be read as one
-            stride, or the dtype is not floating.
+        ValueError: the last dim is odd, empty or not contiguous, the leading dims cannot be read as
+            one stride, the dtype is not fp16 / bf16 / fp32, or the tensor is not on CUDA outside
+            the interpreter.
     """
     if not AVAILABLE:
         raise RuntimeError("silu_mul needs Triton (pip install triton); use fused.silu_mul")
@@ -83,6 +87,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
             f"silu_mul: gate_up must be a floating [..., 2F] tensor with F >= 1, got {tuple(gate_up.shape)} "
             f"{gate_up.dtype}"
         )
+    if gate_up.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"silu_mul: gate_up must be fp16, bf16 or fp32 (it computes in fp32), got {gate_up.dtype}")
     two_f = gate_up.shape[-1]
     try:
         x = gate_up.view(-1, two_f)  # no copy: a product's output, or a view of rows of it
@@ -93,6 +99,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         ) from err
     if x.stride(-1) != 1:
         raise ValueError(f"silu_mul: gate_up's last dim must be contiguous, got strides {gate_up.stride()}")
+    if not gate_up.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"silu_mul: gate_up is on {gate_up.device}; the kernel needs a CUDA tensor (or TRITON_INTERPRET=1); "
+            "on the CPU use fused.silu_mul"
+        )
     rows, f = x.shape[0], two_f // 2
     y = torch.empty(*gate_up.shape[:-1], f, dtype=gate_up.dtype, device=gate_up.device)
     if rows:
