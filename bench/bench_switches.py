@@ -3,7 +3,7 @@ each batch size, in interleaved rounds, against the first variant (the baseline 
 
 A variant is a name and switches: ``engine.<attr>`` (an on/off attribute of the engine:
 ``look_ahead``, ``use_cuda_graphs``, ``prefill_buckets``) or ``<module>.<NAME>`` of
-``splitrl.rollout.{pdl, forward, skinny_gemm, decode_attention, rope_write, silu_mul}`` (an on/off module
+``splitrl.rollout.{pdl, forward, skinny_gemm, decode_attention, rope_write}`` (an on/off module
 flag the kernels read at launch, e.g. ``pdl.EARLY``), each ``=0`` or ``=1``, or one of the
 thresholds ``skinny_gemm.PREFERRED_ROWS``, ``skinny_gemm.GATED_ROWS``, ``skinny_gemm.GATED_WIDE_ROWS``, ``pdl.EARLY_ROWS``,
 ``rope_write.GROUP_FROM_TOKENS``, ``rope_write.MAX_HEADS_PER_PROGRAM``,
@@ -41,7 +41,6 @@ from splitrl.rollout import (  # noqa: E402
     forward,
     pdl,
     rope_write,
-    silu_mul,
     skinny_gemm,
 )
 
@@ -51,7 +50,6 @@ MODULES = {
     "skinny_gemm": skinny_gemm,
     "decode_attention": decode_attention,
     "rope_write": rope_write,
-    "silu_mul": silu_mul,
 }
 # integer thresholds a variant may set (rows or tokens from or up to which a kernel is taken)
 INT_SWITCHES = (

@@ -221,7 +221,7 @@ def test_bf16_fused_decode_kernels_logprobs_match_a_full_forward(monkeypatch, dr
     monkeypatch.setattr(forward_mod, "SKINNY_EPILOGUE", True)
     monkeypatch.setattr(forward_mod, "ROPE_WRITE", True)
     monkeypatch.setattr(forward_mod, "SKINNY_GATED", True)
-    monkeypatch.setattr(silu_mul, "ENABLED", True)
+    monkeypatch.setattr(forward_mod, "SILU_MUL", True)
     calls = {"epilogue": 0, "rope_write": 0, "gated": 0, "silu": 0}
 
     def counted(fn, key):

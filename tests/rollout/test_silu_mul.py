@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from _rollout_helpers import run_interpreted
+from _rollout_helpers import run_interpreted, run_python
 
 from splitrl.rollout import fused, silu_mul
 
@@ -69,15 +69,23 @@ def test_a_cpu_tensor_outside_the_interpreter_is_refused(monkeypatch):
         silu_mul.silu_mul(torch.zeros(2, 8))
 
 
-def test_applies_only_to_16_bit_cuda_tensors_and_its_switch(monkeypatch):
+def test_applies_only_to_16_bit_cuda_tensors():
     """The CPU and fp32 keep the torch function (they are what the exactness tests compare bit for bit)."""
     assert not silu_mul.applies(torch.zeros(2, 8))
     assert not silu_mul.applies(torch.zeros(2, 8, dtype=torch.bfloat16))
     if torch.cuda.is_available() and silu_mul.AVAILABLE:
         x = torch.zeros(2, 8, dtype=torch.bfloat16, device="cuda")
         assert silu_mul.applies(x)
-        monkeypatch.setattr(silu_mul, "ENABLED", False)
-        assert not silu_mul.applies(x)
+        assert not silu_mul.applies(x.float())
+        assert not silu_mul.applies(torch.zeros(8, 2, dtype=torch.bfloat16, device="cuda").t())
+
+
+def test_the_forward_switch_reads_its_environment_variable():
+    """SPLITRL_SILU_MUL=0 turns the kernel off in the decode forward (the compiled function then)."""
+    code = "from splitrl.rollout import forward, silu_mul; print(int(forward.SILU_MUL), int(silu_mul.AVAILABLE))"
+    off, on = (run_python(code, SPLITRL_SILU_MUL=v).stdout.split() for v in ("0", "1"))
+    assert off[0] == "0"
+    assert on[0] == on[1]  # on wherever Triton is
 
 
 @needs_cuda_triton

@@ -35,7 +35,7 @@ norm of it. The MLP's gate/up product and silu(gate) · up are one launch as wel
 counts (:func:`~splitrl.rollout.skinny_gemm.skinny_linear_silu_mul`; ``SPLITRL_SKINNY_GATED=0``:
 cuBLAS and silu_mul). Where the gate/up product stays on cuBLAS (prefills, larger steps), silu(gate) ·
 up of its output is one Triton kernel on CUDA in bf16 / fp16 (:func:`~splitrl.rollout.silu_mul.silu_mul`;
-else the compiled ``fused.silu_mul``).
+``SPLITRL_SILU_MUL=0``, fp32 and CPUs: the compiled ``fused.silu_mul``).
 
 Attention input. A decode step's q/k norms, rotary embedding and cache write run as one Triton kernel
 on CUDA in bf16 / fp16 (:func:`~splitrl.rollout.rope_write.norm_rope_write`; ``SPLITRL_ROPE_WRITE=0``:
@@ -87,6 +87,10 @@ ROPE_WRITE = rope_write.AVAILABLE and os.environ.get("SPLITRL_ROPE_WRITE", "1") 
 # Backbone prefills on the rotary kernel + the flash kernel over the cache (DecoderForward._prefill_plan);
 # SPLITRL_FAST_PREFILL=0: the torch functions, the prefix write and SDPA over repeated keys and values.
 FAST_PREFILL = ROPE_WRITE and os.environ.get("SPLITRL_FAST_PREFILL", "1") != "0"
+# silu(gate) · up after a cuBLAS gate/up product on its Triton kernel (module docstring; measured
+# faster than the compiled function, outputs bit-identical: bench/RESULTS.md); SPLITRL_SILU_MUL=0:
+# the compiled function.
+SILU_MUL = silu_mul.AVAILABLE and os.environ.get("SPLITRL_SILU_MUL", "1") != "0"
 
 
 def mtp_parts(model: PolicyModel, depth: int) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module, nn.Module]:
@@ -385,7 +389,10 @@ class DecoderForward:
                 act = skinny_gemm.skinny_linear_silu_mul(x, weight, bias)
             else:
                 gate_up = linear(x, weight, bias)
-                act = silu_mul.silu_mul(gate_up) if silu_mul.applies(gate_up) else self.k.silu_mul(*gate_up.chunk(2, dim=-1))
+                if SILU_MUL and silu_mul.applies(gate_up):
+                    act = silu_mul.silu_mul(gate_up)
+                else:
+                    act = self.k.silu_mul(*gate_up.chunk(2, dim=-1))
             return self._add_norm(mlp.down_proj, act, h, next_norm)
         if self.silu and hasattr(mlp, "down_proj"):
             return self._add_norm(mlp.down_proj, self.k.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)), h, next_norm)

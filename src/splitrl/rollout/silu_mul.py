@@ -32,7 +32,6 @@ try:
 except ImportError:  # CPU installs: the compiled / eager torch function is used
     AVAILABLE = False
 
-ENABLED = True  # the decode forward's switch (benches toggle it)
 BLOCK_R, BLOCK_F, WARPS = 1, 1024, 4  # rows and features a program, warps (the fastest of a sweep, bench/RESULTS.md)
 
 if AVAILABLE:
@@ -53,14 +52,10 @@ if AVAILABLE:
 
 def applies(gate_up: torch.Tensor) -> bool:
     """Whether the decode forward passes this product output to :func:`silu_mul`: Triton, a CUDA
-    tensor, a 16-bit dtype, a contiguous last dim; :data:`ENABLED`. (Tests run :func:`silu_mul`
-    itself on CPU tensors under the interpreter.)"""
+    tensor, a 16-bit dtype, a contiguous last dim (its switch is the forward's
+    ``SPLITRL_SILU_MUL``). Tests run :func:`silu_mul` itself on CPU tensors under the interpreter."""
     return (
-        ENABLED
-        and AVAILABLE
-        and gate_up.is_cuda
-        and gate_up.dtype in (torch.bfloat16, torch.float16)
-        and gate_up.stride(-1) == 1
+        AVAILABLE and gate_up.is_cuda and gate_up.dtype in (torch.bfloat16, torch.float16) and gate_up.stride(-1) == 1
     )
 
 
