@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import os
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -53,6 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from splitrl.models.policy import PolicyModel
+from splitrl.rollout import env
 from splitrl.rollout.config import GenerationConfig
 from splitrl.rollout.forward import DecoderForward, check_supported
 from splitrl.rollout.results import GenerationResult, RolloutStats
@@ -63,10 +63,10 @@ from splitrl.rollout.spec_policy import SpecPolicy, SpecTiming
 __all__ = ["GenerationResult", "RolloutEngine", "RolloutStats"]
 
 # Fuse the elementwise ops of the forward with torch.compile on CUDA (fewer kernel launches).
-COMPILE_KERNELS = os.environ.get("SPLITRL_COMPILE_KERNELS", "1") != "0"
+COMPILE_KERNELS = env.flag("SPLITRL_COMPILE_KERNELS")
 # Queue the next chunk of decode steps before reading the flags of the one running, when no prompt
 # waits (scheduler docstring, "Chunks ahead"); SPLITRL_LOOK_AHEAD=0: read every chunk's flags first.
-LOOK_AHEAD = os.environ.get("SPLITRL_LOOK_AHEAD", "1") != "0"
+LOOK_AHEAD = env.flag("SPLITRL_LOOK_AHEAD")
 
 
 def _validated_config(config: GenerationConfig) -> GenerationConfig:

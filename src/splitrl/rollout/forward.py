@@ -65,32 +65,30 @@ h^k = norm(layer_k(fc(concat[enorm(Emb), hnorm(h^{k-1})]))), with the parts read
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from splitrl.models.policy import PolicyModel
-from splitrl.rollout import rope_write, silu_mul, skinny_gemm
+from splitrl.rollout import env, rope_write, silu_mul, skinny_gemm
 from splitrl.rollout.fused import Kernels, split_heads
 from splitrl.rollout.kv import AttentionPlan, PrefillPlan, StaticKVCache, causal_attention
 
 # the skinny-product kernel for few-row decode products on CUDA (module docstring); set at import
-SKINNY_GEMM = skinny_gemm.AVAILABLE and os.environ.get("SPLITRL_SKINNY_GEMM", "1") != "0"
+SKINNY_GEMM = skinny_gemm.AVAILABLE and env.flag("SPLITRL_SKINNY_GEMM")
 # The fused pieces (module docstring), each measured faster than the launches it replaces
 # (bench/RESULTS.md, rollout decoding; the gated one alone within the run-to-run spread, and on in
 # the fastest configuration measured, with PDL); SPLITRL_SKINNY_EPILOGUE=0 / SPLITRL_SKINNY_GATED=0 /
 # SPLITRL_ROPE_WRITE=0 turn one off.
-SKINNY_EPILOGUE = SKINNY_GEMM and os.environ.get("SPLITRL_SKINNY_EPILOGUE", "1") != "0"
-SKINNY_GATED = SKINNY_GEMM and os.environ.get("SPLITRL_SKINNY_GATED", "1") != "0"
-ROPE_WRITE = rope_write.AVAILABLE and os.environ.get("SPLITRL_ROPE_WRITE", "1") != "0"
+SKINNY_EPILOGUE = SKINNY_GEMM and env.flag("SPLITRL_SKINNY_EPILOGUE")
+SKINNY_GATED = SKINNY_GEMM and env.flag("SPLITRL_SKINNY_GATED")
+ROPE_WRITE = rope_write.AVAILABLE and env.flag("SPLITRL_ROPE_WRITE")
 # Backbone prefills on the rotary kernel + the flash kernel over the cache (DecoderForward._prefill_plan);
 # SPLITRL_FAST_PREFILL=0: the torch functions, the prefix write and SDPA over repeated keys and values.
-FAST_PREFILL = ROPE_WRITE and os.environ.get("SPLITRL_FAST_PREFILL", "1") != "0"
+FAST_PREFILL = ROPE_WRITE and env.flag("SPLITRL_FAST_PREFILL")
 # silu(gate) · up after a cuBLAS gate/up product on its Triton kernel (module docstring; measured
 # faster than the compiled function, outputs bit-identical: bench/RESULTS.md); SPLITRL_SILU_MUL=0:
 # the compiled function.
-SILU_MUL = silu_mul.AVAILABLE and os.environ.get("SPLITRL_SILU_MUL", "1") != "0"
+SILU_MUL = silu_mul.AVAILABLE and env.flag("SPLITRL_SILU_MUL")
 
 
 def mtp_parts(model: PolicyModel, depth: int) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module, nn.Module]:

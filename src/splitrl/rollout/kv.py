@@ -31,13 +31,13 @@ window entries) go to the last index, ``scratch``, which no context reaches.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from splitrl.rollout import decode_attention as _decode
+from splitrl.rollout import env
 from splitrl.rollout.fused import plan_tensors, query_limits
 
 log = logging.getLogger(__name__)
@@ -55,20 +55,10 @@ def _flash_decode_available() -> bool:
     )
 
 
-def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
-    """The value of environment variable ``name`` among ``choices`` (case and surrounding spaces
-    ignored; unset or empty: ``default``). Raises ValueError naming the choices for any other value:
-    a typo would otherwise measure the default under another name."""
-    value = os.environ.get(name, "").strip().lower() or default
-    if value not in choices:
-        raise ValueError(f"{name}={value!r}: use one of {', '.join(choices)} (or leave it unset)")
-    return value
-
-
 # Backbone decode steps on CUDA (fp16 / bf16, sm80+, head dim a multiple of 8 up to 256) read each
 # row up to its own length with the flash varlen kernel; SPLITRL_FLASH_DECODE=0 keeps the masked
 # SDPA path everywhere.
-FLASH_DECODE = os.environ.get("SPLITRL_FLASH_DECODE", "1") != "0" and _flash_decode_available()
+FLASH_DECODE = env.flag("SPLITRL_FLASH_DECODE") and _flash_decode_available()
 
 
 # On the flash call (SPLITRL_DECODE_ATTENTION=flash, or few long one-query rows, below), a verify
@@ -77,7 +67,7 @@ FLASH_DECODE = os.environ.get("SPLITRL_FLASH_DECODE", "1") != "0" and _flash_dec
 # "verify" (Q > 1, default), "all" (Q >= 1) or "none"; the bench compares them. With the Triton
 # kernel (the default on CUDA) a verify never reaches the flash call, so this has no effect there.
 _FOLD_MODES = {"verify": 2, "all": 1, "none": 1 << 30}
-FLASH_FOLD_MIN_Q = _FOLD_MODES[_env_choice("SPLITRL_FLASH_FOLD", tuple(_FOLD_MODES), "verify")]
+FLASH_FOLD_MIN_Q = _FOLD_MODES[env.choice("SPLITRL_FLASH_FOLD", tuple(_FOLD_MODES), "verify")]
 
 # Decode attention on a flash cache: "triton" runs our kernel (:mod:`splitrl.rollout.decode_attention`:
 # each key/value head of a row read once for all Q*G of its queries; faster than the flash call
@@ -86,7 +76,7 @@ FLASH_FOLD_MIN_Q = _FOLD_MODES[_env_choice("SPLITRL_FLASH_FOLD", tuple(_FOLD_MOD
 # SPLITRL_DECODE_ATTENTION; the bench compares them. The choice changes bf16 rounding, as the GEMMs'
 # shapes (batch bucket, verify vs plain) already do: tokens are bit-identical across batches and
 # speculation in fp32 (tested), in bf16 up to such rounding.
-DECODE_KERNEL = _env_choice("SPLITRL_DECODE_ATTENTION", ("triton", "flash"), "triton" if _decode.AVAILABLE else "flash")
+DECODE_KERNEL = env.choice("SPLITRL_DECODE_ATTENTION", ("triton", "flash"), "triton" if _decode.AVAILABLE else "flash")
 if DECODE_KERNEL == "triton" and not _decode.AVAILABLE:
     raise ValueError("SPLITRL_DECODE_ATTENTION=triton but Triton does not import here; pip install triton or use flash")
 

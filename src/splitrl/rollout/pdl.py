@@ -42,7 +42,7 @@ import os
 
 import torch
 
-from splitrl.rollout import cuda_props
+from splitrl.rollout import cuda_props, env
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -77,11 +77,11 @@ try:
 except ImportError:  # CPU installs: no kernels
     wait = signal = None
 
-ENABLED = SUPPORTED and os.environ.get("SPLITRL_PDL", "1") != "0"
+ENABLED = SUPPORTED and env.flag("SPLITRL_PDL")
 # The early signal (module docstring, "Early") for launches of at most EARLY_ROWS rows;
 # SPLITRL_PDL_EARLY=0: the signal after the main loop at every size. Set from the environment at
 # import; the launches read the module attribute (a bench flips it between engines).
-EARLY = os.environ.get("SPLITRL_PDL_EARLY", "1") != "0"
+EARLY = env.flag("SPLITRL_PDL_EARLY")
 EARLY_ROWS = 8
 MAX_ROWS = 64  # rows (tokens) of a launch up to which it takes PDL (module docstring)
 

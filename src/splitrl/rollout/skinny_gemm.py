@@ -42,7 +42,7 @@ import os
 
 import torch
 
-from splitrl.rollout import cuda_props, pdl
+from splitrl.rollout import cuda_props, env, pdl
 
 try:
     import triton
@@ -63,9 +63,7 @@ STAGES = 3  # weight tiles in flight per program (num_stages) unless a config sa
 GATED_WIDE_ROWS = 16
 _WIDE_SHARED_MEMORY = 5 * (64 * 128 + 2 * 32 * 128) * 2  # bytes: those tiles' stages (160 KiB)
 # benches: SPLITRL_GATED_TILES="BLOCK_N,BLOCK_K,num_warps,num_stages" sets the gated kernel's tiles at every row count
-_GATED_TILES = tuple(int(v) for v in os.environ.get("SPLITRL_GATED_TILES", "").split(",") if v.strip())
-if _GATED_TILES and len(_GATED_TILES) != 4:
-    raise ValueError(f"SPLITRL_GATED_TILES takes BLOCK_N,BLOCK_K,num_warps,num_stages; got {_GATED_TILES}")
+_GATED_TILES = env.ints("SPLITRL_GATED_TILES", 4, "BLOCK_N,BLOCK_K,num_warps,num_stages")
 
 
 if AVAILABLE:
