@@ -463,7 +463,9 @@ def test_a_second_run_in_a_directory_in_use_is_refused_before_it_writes(tmp_path
             RunDirLock(out)  # the same process, another open file: still refused
     finally:
         held.release()
+    assert (out / RUN_LOCK).read_text() == ""  # released: the README's "the empty file staying behind"
     assert train(_cfg(out, "schedule.num_steps=1")).steps_done == 1
+    assert (out / RUN_LOCK).read_text() == ""
     RunDirLock(out).release()  # the finished run let it go
 
 

@@ -100,6 +100,15 @@ def test_the_rollout_code_reads_its_switches_through_env():
 
 
 def test_gated_tiles_typo_is_refused():
-    res = run_python("from splitrl.rollout import skinny_gemm", SPLITRL_GATED_TILES="64,32,4")
+    """Three numbers, and four that no kernel can take (tl.arange needs powers of two, Triton
+    powers-of-two warps), stop the import; tiles that can run are taken."""
+    code = "from splitrl.rollout import skinny_gemm; print(skinny_gemm._GATED_TILES)"
+    res = run_python(code, SPLITRL_GATED_TILES="64,32,4")
     assert res.returncode != 0
     assert "SPLITRL_GATED_TILES='64,32,4': write 4 positive integers, BLOCK_N,BLOCK_K,num_warps,num_stages" in res.stderr
+    for bad in ("3,5,7,9", "64,32,6,4"):
+        res = run_python(code, SPLITRL_GATED_TILES=bad)
+        assert res.returncode != 0 and "SPLITRL_GATED_TILES: config is (BLOCK_N, BLOCK_K, num_warps[, num_stages])" in res.stderr
+        assert "num_warps a power of two" in res.stderr
+    res = run_python(code, SPLITRL_GATED_TILES="64,32,4,5")
+    assert res.returncode == 0 and res.stdout.split() == ["(64,", "32,", "4,", "5)"], res.stderr[-500:]

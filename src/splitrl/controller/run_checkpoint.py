@@ -277,8 +277,11 @@ class RunDirLock:
         self._file.flush()
 
     def release(self) -> None:
-        """Unlock (closing the file releases the flock); the file stays, empty of meaning."""
+        """Unlock (closing the file releases the flock); the file stays behind, emptied of the pid
+        (a killed run's file keeps its pid, and its lock is free all the same)."""
         if not self._file.closed:
+            self._file.seek(0)
+            self._file.truncate()
             self._file.close()
 
 

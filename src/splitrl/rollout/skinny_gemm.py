@@ -306,17 +306,22 @@ def _check(x: torch.Tensor, weight: torch.Tensor, what: str, bias: torch.Tensor 
 
 def _check_config(config, names: tuple[str, ...], what: str) -> None:
     """A caller's tile ``config``: ints named by ``names`` (+ an optional num_stages), the block
-    sizes powers of two ≥ 16, the rest ≥ 1; raises ValueError saying which entry is wrong."""
+    sizes powers of two ≥ 16, num_warps a power of two, the rest ≥ 1; raises ValueError saying
+    what the config must be."""
     if config is None:
         return
     values = tuple(config)
     ok = len(values) in (len(names), len(names) + 1) and all(isinstance(v, int) and v >= 1 for v in values)
     ok = ok and all(v >= 16 and not v & (v - 1) for n, v in zip(names, values) if n.startswith("BLOCK"))
+    ok = ok and all(not v & (v - 1) for n, v in zip(names, values) if n == "num_warps")
     if not ok:
         raise ValueError(
             f"{what}: config is ({', '.join(names)}[, num_stages]), positive ints with the BLOCK sizes powers of "
-            f"two >= 16; got {config!r}"
+            f"two >= 16 and num_warps a power of two; got {config!r}"
         )
+
+
+_check_config(_GATED_TILES or None, ("BLOCK_N", "BLOCK_K", "num_warps"), "SPLITRL_GATED_TILES")
 
 
 _PRODUCT_CONFIG = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "num_warps")  # a split product's config, then an optional num_stages
