@@ -14,8 +14,6 @@ Light on import (no torch): the CLI imports :func:`model_hf_config` from here.
 
 from __future__ import annotations
 
-import difflib
-import inspect
 import json
 import logging
 import shutil
@@ -93,16 +91,20 @@ def model_hf_config(config: RunConfig) -> Any:
     when it builds the model.
 
     From ``model.backbone``: every key must be one the family's config knows (transformers keeps a
-    misspelt one silently) and transformers must accept the values. From ``model.pretrained_path``:
-    the weight files must be whole and fit the config and ``model.mtp`` (see
+    misspelt one silently), every size a positive integer, and transformers must accept the values
+    (:func:`splitrl.models.backbone_checks.backbone_hf_config`, as ``PolicyModel.from_config``
+    checks them); a backbone that lacks size keys must not come out large by transformers' defaults
+    (see :func:`splitrl.models.policy.check_defaulted_size`). From ``model.pretrained_path``: the
+    weight files must be whole and fit the config and ``model.mtp`` (see
     :func:`splitrl.models.checkpoint.verify_pretrained`), and the family must be supported. Both:
-    the attention head counts must divide, and a backbone that lacks size keys must not come out
-    large by transformers' defaults (see :func:`splitrl.models.policy.check_defaulted_size`).
+    the shape must be one a model can have (:func:`splitrl.models.backbone_checks.check_backbone_shape`:
+    sizes >= 1, attention head counts that divide, ``rms_norm_eps`` > 0, experts per token within
+    the experts).
 
     Raises:
         ValueError: naming ``model.backbone`` / ``model.pretrained_path``.
     """
-    from splitrl.models.families import get_family
+    from splitrl.models.backbone_checks import backbone_hf_config, check_backbone_shape
 
     m = config.model
     if m.pretrained_path is not None:
@@ -121,23 +123,12 @@ def model_hf_config(config: RunConfig) -> Any:
                 f"{key}: model_type {hf_cfg.model_type!r} is not supported; use a {' or '.join(SUPPORTED_FAMILIES)} "
                 "model (their decoder layers and RMSNorm are reused by the MTP heads)"
             )
+        check_backbone_shape(hf_cfg, key)
     else:
-        key = "model.backbone"
-        family = get_family(m.family)
-        cls = family.config_class()
-        # transformers keeps any keyword as an attribute: a misspelt key would be ignored silently
-        known = set(cls().to_dict()) | set(inspect.signature(cls.__init__).parameters) | set(cls.attribute_map)
-        known.update(family.undeclared_config_keys)  # e.g. head_dim: read by the attention, not a config argument
-        unknown = sorted(set(m.backbone) - known)
-        if unknown:
-            close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(f"{key}.{unknown[0]} is not a key of the {m.family} config{hint}; unknown keys: {unknown}")
-        try:
-            hf_cfg = cls(**m.backbone_kwargs())  # as built
-        except Exception as e:  # noqa: BLE001 - transformers' own validators raise several kinds
-            raise ValueError(f"{key} is rejected by transformers' {m.family} config: {e}") from None
         from splitrl.models.policy import check_defaulted_size
+
+        key = "model.backbone"
+        hf_cfg = backbone_hf_config(m)  # the keys, sizes and shape, as PolicyModel.from_config checks them
 
         missing = check_defaulted_size(m, hf_cfg)
         if missing:  # allowed (the model stays near the size given), but not what the file says
@@ -148,21 +139,6 @@ def model_hf_config(config: RunConfig) -> Any:
                 m.family,
                 ", ".join(f"{k}={getattr(hf_cfg, k)}" for k in missing),
             )
-    heads = getattr(hf_cfg, "num_attention_heads", None)
-    kv = getattr(hf_cfg, "num_key_value_heads", None) or heads
-    if heads is not None and kv is not None and (kv < 1 or heads % kv != 0):
-        raise ValueError(
-            f"{key}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv} "
-            "(each key/value head serves a whole group of query heads); make num_key_value_heads a divisor "
-            "of num_attention_heads"
-        )
-    head_dim = getattr(hf_cfg, "head_dim", None)
-    hidden = getattr(hf_cfg, "hidden_size", None)
-    if head_dim is None and heads and hidden is not None and hidden % heads != 0:
-        raise ValueError(
-            f"{key}: hidden_size={hidden} is not a multiple of num_attention_heads={heads}; set head_dim or "
-            "change one of the two"
-        )
     return hf_cfg
 
 
@@ -708,6 +684,12 @@ def check_resume_config(config: RunConfig, ckpt: Path) -> None:
     if isinstance(saved, dict):  # written by an earlier release: its flat keys, in their sections
         saved = upgrade_layout(saved, str(saved_path), warn=False)
     now = config.model_dump(mode="json")
+    model = saved.get("model")
+    if isinstance(model, dict) and model.get("pretrained_path") is None and isinstance(model.get("backbone"), dict):
+        # written before a ModelConfig held its family's backbone keys (qwen3_moe's experts): read as it is now
+        from splitrl.models.config import fill_family_defaults
+
+        fill_family_defaults(model["backbone"], model.get("family"))
     if isinstance(saved.get("loss"), dict):
         saved["loss"].setdefault("kind", "grpo")  # written before loss.kind existed: GRPO, the only loss then
     if saved.get("model") != now["model"]:

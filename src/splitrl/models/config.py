@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from splitrl.config_types import UserPath
-from splitrl.models.families import SUPPORTED_FAMILIES, TINY_MOE, FamilyName, get_family
+from splitrl.models.families import SUPPORTED_FAMILIES, TINY_MOE, FamilyName, get_family, missing_defaults
 
 # SUPPORTED_FAMILIES and TINY_MOE live in the family registry; imported from here too
 __all__ = [
     "SIZE_KEYS", "SUPPORTED_FAMILIES", "TINY_BACKBONE", "TINY_MOE", "ModelCapabilities", "ModelConfig", "MTPConfig",
+    "fill_family_defaults",
 ]
 
 
@@ -111,7 +113,9 @@ class ModelConfig(BaseModel):
             and over 100 M parameters, see ``policy.check_defaulted_size``: give every key of
             ``SIZE_KEYS``);
             the family's ``backbone_defaults`` fill the keys it lacks before transformers' defaults
-            do (``qwen3_moe``: ``TINY_MOE``, 4 experts, 2 per token, not 128).
+            do (``qwen3_moe``: ``TINY_MOE``, 4 experts, 2 per token, not 128); they are written
+            into ``backbone`` on validation, so that the resolved config (``--print-config``,
+            ``config.yaml``, ``run_config.json``) shows every key the model is built from.
         attn_implementation: ``sdpa`` (default) or ``eager``.
         seed: seed of the random init.
     """
@@ -126,10 +130,29 @@ class ModelConfig(BaseModel):
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     seed: int = 0
 
+    @model_validator(mode="after")
+    def _family_defaults(self) -> "ModelConfig":
+        if self.pretrained_path is None:  # the family's keys, shown where the model is built from them
+            fill_family_defaults(self.backbone, self.family)  # validation made the dict: ours to change
+        return self
+
     def backbone_kwargs(self) -> dict[str, Any]:
         """The keyword arguments the family's transformers config is built from: ``backbone``,
-        over the family's ``backbone_defaults`` (``TINY_MOE`` for ``qwen3_moe``)."""
-        return {**get_family(self.family).backbone_defaults, **self.backbone}
+        over the family's ``backbone_defaults`` (``TINY_MOE`` for ``qwen3_moe``; already in
+        ``backbone`` once validated)."""
+        return {**self.backbone, **missing_defaults(get_family(self.family), self.backbone)}
+
+
+def fill_family_defaults(backbone: dict[str, Any], family: str | None) -> dict[str, Any]:
+    """Add the family's ``backbone_defaults`` that ``backbone`` lacks (under either name) to it,
+    in place, after the keys given; returns it. Also brings a ``run_config.json`` written before
+    they were added to what this release writes (``family`` None: the default family; one that is
+    not supported: nothing is added)."""
+    if family is None:
+        family = ModelConfig.model_fields["family"].default
+    if family in SUPPORTED_FAMILIES:
+        backbone.update(copy.deepcopy(missing_defaults(get_family(family), backbone)))
+    return backbone
 
 
 # the keys that set a backbone's size: a backbone dict without them gets transformers' full-size

@@ -26,6 +26,26 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal
 
+# the integer sizes of a dense decoder (Family.size_keys): each must be >= 1
+DENSE_SIZE_KEYS: tuple[str, ...] = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+# and of a routed mixture of experts (decoder_sparse_step: every how many layers one is MoE)
+MOE_SIZE_KEYS: tuple[str, ...] = (
+    *DENSE_SIZE_KEYS,
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "decoder_sparse_step",
+)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Family:
@@ -46,6 +66,13 @@ class Family:
         undeclared_config_keys: keys the config class does not declare but the family's modules
             read when the config has them (``head_dim``); the preflight accepts them in
             ``model.backbone``.
+        config_aliases: the config class's ``attribute_map`` (a key → the name it is stored
+            under: ``num_experts`` → ``num_local_experts``), so that a default of
+            ``backbone_defaults`` is not added where the backbone gives its other name.
+        size_keys: the config's integer sizes (widths, counts of layers, heads and experts): each
+            must be >= 1 where the config sets it (None: transformers derives it, e.g. llama's
+            ``head_dim``); checked by :mod:`splitrl.models.backbone_checks`. A 0 or a negative
+            size failed only inside a worker, or trained on nothing.
         gguf_architecture: the GGUF ``general.architecture`` converted to this family
             (:mod:`splitrl.models.gguf`); None: GGUF files of it are refused.
     """
@@ -57,6 +84,8 @@ class Family:
     moe: bool = False
     backbone_defaults: Mapping[str, Any] = field(default_factory=dict)
     undeclared_config_keys: tuple[str, ...] = ()
+    config_aliases: Mapping[str, str] = field(default_factory=dict)
+    size_keys: tuple[str, ...] = DENSE_SIZE_KEYS
     gguf_architecture: str | None = None
 
     def config_class(self) -> type:
@@ -85,6 +114,8 @@ _ENTRIES = (
         moe=True,
         backbone_defaults=TINY_MOE,
         undeclared_config_keys=("head_dim",),
+        config_aliases={"num_experts": "num_local_experts"},
+        size_keys=MOE_SIZE_KEYS,
     ),
     Family(
         name="qwen2",
@@ -116,6 +147,13 @@ def get_family(name: str | None, *, what: str = "backbone family") -> Family:
             "(their decoder layers and RMSNorm are reused by the MTP heads and the rollout engine)"
         )
     return found
+
+
+def missing_defaults(family: Family, backbone: Mapping[str, Any]) -> dict[str, Any]:
+    """The family's ``backbone_defaults`` that ``backbone`` gives under neither name (see
+    ``Family.config_aliases``)."""
+    names = {**family.config_aliases, **{v: k for k, v in family.config_aliases.items()}}
+    return {k: v for k, v in family.backbone_defaults.items() if k not in backbone and names.get(k) not in backbone}
 
 
 def family_of(hf_config: Any) -> Family:

@@ -20,9 +20,10 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from splitrl.models.attention import packed_attention_mask
+from splitrl.models.backbone_checks import backbone_hf_config
 from splitrl.models.checkpoint import _mtp_mismatch, read_mtp_tensors, save_pretrained, verify_pretrained
 from splitrl.models.config import SIZE_KEYS, TINY_BACKBONE, ModelCapabilities, ModelConfig, MTPConfig
-from splitrl.models.families import Family, family_of, get_family
+from splitrl.models.families import Family, family_of
 from splitrl.models.gguf import resolve_model_path
 from splitrl.models.head import distill_kl, target_logprobs
 from splitrl.models.moe import router_statistics
@@ -249,7 +250,7 @@ class PolicyModel(nn.Module):
                 capabilities=config.capabilities,
                 attn_implementation=config.attn_implementation,
             )
-        hf_cfg = get_family(config.family).config_class()(**config.backbone_kwargs())
+        hf_cfg = backbone_hf_config(config)  # the keys and sizes, checked as the run's preflight does
         check_defaulted_size(config, hf_cfg)
         hf_cfg._attn_implementation = config.attn_implementation
         with torch.random.fork_rng(devices=[]):
