@@ -34,6 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from bench_train_step import PRESETS  # noqa: E402 - the model shapes of the train-step bench
+from shapes import check_switches  # noqa: E402
+
+check_switches()  # a bad SPLITRL_* value: one line and exit 2, before the rollout's imports read it
+
 from splitrl.loss import ClippedPGLoss, GRPOLossConfig  # noqa: E402
 from splitrl.models import ModelConfig, MTPConfig, PolicyModel  # noqa: E402
 from splitrl.rollout import GenerationConfig, RolloutEngine  # noqa: E402
@@ -135,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                 dst.copy_(src)
         if empty_cache and cuda:
             torch.cuda.empty_cache()
-        print(f"train step: {n} samples x {args.train_len} tokens in {time.perf_counter() - t:.2f} s, peak {peak} GiB"
-              + (", then empty_cache()" if empty_cache else ""), flush=True)  # fmt: skip
+        print(f"train step: {n} sample{'s' * (n != 1)} x {args.train_len} tokens in {time.perf_counter() - t:.2f} s, "
+              f"peak {peak} GiB" + (", then empty_cache()" if empty_cache else ""), flush=True)  # fmt: skip
 
     for _ in range(2):  # compile, capture graphs
         for engine in engines.values():

@@ -86,12 +86,17 @@ from pathlib import Path
 
 import torch
 
-from splitrl.config import MOVED_KEYS, RunConfig, load_config
-from splitrl.controller.cluster import resolve_backend
-from splitrl.controller.controller import train
-from splitrl.controller.placement import resolve_placement
-from splitrl.models.hf_files import rollout_stop_token_ids
-from splitrl.presets import DEMO_PRESET
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/shapes.py
+from shapes import check_switches  # noqa: E402
+
+check_switches()  # a bad SPLITRL_* value: one line and exit 2, before the controller's imports read it
+
+from splitrl.config import MOVED_KEYS, RunConfig, load_config  # noqa: E402
+from splitrl.controller.cluster import resolve_backend  # noqa: E402
+from splitrl.controller.controller import train  # noqa: E402
+from splitrl.controller.placement import resolve_placement  # noqa: E402
+from splitrl.models.hf_files import rollout_stop_token_ids  # noqa: E402
+from splitrl.presets import DEMO_PRESET  # noqa: E402
 
 SCHEDULES = {
     "sync": ["schedule.mode=sync", "buffer.max_staleness=0"],
@@ -319,8 +324,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
                 print(
                     f"{where}, torch {torch.__version__}, backend {resolve_backend(cfg)}, placement {placement}, "
                     f"{cl.num_generation_workers} generation + {cl.num_train_workers} train worker(s); a step = "
-                    f"{sc.groups_per_step} prompts x {sc.group_size} samples, <= {cfg.rollout.max_new_tokens} new "
-                    f"tokens, chunks of {sc.min_groups_per_chunk} groups; "
+                    f"{sc.groups_per_step} prompt{'s' * (sc.groups_per_step != 1)} x {sc.group_size} samples, "
+                    f"<= {cfg.rollout.max_new_tokens} new tokens, chunks of {sc.min_groups_per_chunk} "
+                    f"group{'s' * (sc.min_groups_per_chunk != 1)}; "
                     f"{args.steps} steps per run, figures over steps 2-{args.steps}; run order {order}; "
                     f"runs under {root}; load average {_load()} at the start",
                     flush=True,

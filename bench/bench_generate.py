@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/shapes.py
 
 import torch  # noqa: E402
 
@@ -71,6 +72,9 @@ def _load() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from shapes import check_switches
+
+    check_switches()  # a bad SPLITRL_* value: one line and exit 2, not a traceback from the imports below
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="run dir, checkpoint, policy/ dir, HF directory or .gguf file")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])

@@ -88,7 +88,8 @@ def copies(n: int, repeats: int) -> None:
     print(f"{'pinned, both ways at once':<28} {gb / t:6.1f} GB/s each way")
     host = torch.empty(n)
     t = _time(lambda: host.copy_(pageable), repeats, lambda: None)
-    print(f"{'host copy (read + write)':<28} {2 * gb / t:6.1f} GB/s on {torch.get_num_threads()} threads")
+    threads = torch.get_num_threads()
+    print(f"{'host copy (read + write)':<28} {2 * gb / t:6.1f} GB/s on {threads} thread{'s' * (threads != 1)}")
 
 
 def adamw(m: int, repeats: int) -> None:

@@ -29,8 +29,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/shapes.py
 
 import torch  # noqa: E402
+
+from shapes import check_switches  # noqa: E402
+
+check_switches()  # a bad SPLITRL_* value: one line and exit 2, before the rollout's imports read it
 
 from splitrl.loss import GRPOLossConfig, make_loss  # noqa: E402
 from splitrl.models import MTPConfig, PolicyModel  # noqa: E402

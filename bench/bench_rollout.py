@@ -59,13 +59,15 @@ from pathlib import Path
 
 import torch
 
-from splitrl.models import ModelConfig, MTPConfig, PolicyModel
-from splitrl.rollout import GenerationConfig, RolloutEngine, kv
-from splitrl.rollout.runner import row_bucket
-from splitrl.rollout.spec_policy import SLOW_SPECULATION_WARNING
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/shapes.py, beside this script (tests load it by path)
-from shapes import QWEN3_SHAPES  # noqa: E402
+from shapes import QWEN3_SHAPES, check_switches  # noqa: E402
+
+check_switches()  # a bad SPLITRL_* value: one line and exit 2, before the imports below read it
+
+from splitrl.models import ModelConfig, MTPConfig, PolicyModel  # noqa: E402
+from splitrl.rollout import GenerationConfig, RolloutEngine, kv  # noqa: E402
+from splitrl.rollout.runner import row_bucket  # noqa: E402
+from splitrl.rollout.spec_policy import SLOW_SPECULATION_WARNING  # noqa: E402
 
 PRESETS = {
     "tiny": dict(
@@ -203,7 +205,12 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not 0 < args.ragged_mean_len < float("inf"):
         p.error(f"--ragged-mean-len must be a positive number of tokens, got {args.ragged_mean_len}")
     if args.ragged and args.ragged_mean_len > args.ragged_max_new:
-        p.error(f"--ragged-mean-len ({args.ragged_mean_len:g}) must not exceed --ragged-max-new ({args.ragged_max_new})")
+        default = "default " if args.ragged_mean_len == RAGGED_DEFAULTS["ragged_mean_len"] else ""
+        p.error(
+            f"--ragged-mean-len ({default}{args.ragged_mean_len:g}) must not exceed --ragged-max-new "
+            f"({args.ragged_max_new}): pass --ragged-mean-len {args.ragged_max_new} or less, "
+            "or a larger --ragged-max-new"
+        )
     if not args.temperature > 0:  # the engine's message is about runs, not this bench
         p.error(f"--temperature must be > 0 (for greedy decoding use --top-k 1), got {args.temperature}")
     try:  # the engine's own rules for the sampling settings
@@ -738,10 +745,15 @@ def ragged_scenario(model: PolicyModel, args: argparse.Namespace, spec_ok: bool)
         if spec:
             st = engine.last_stats
             est = "n/a" if st.speculative_speedup is None else f"{st.speculative_speedup:.2f}x"
+            off = st.switched_off_at_iteration
+            # with the rules on, where the rule switched speculation off; a plain call was never on
+            switch = "" if not rules or not st.speculative_active else (
+                ", never switched off" if off is None else f", switched off at iteration {off}"
+            )  # fmt: skip
             extra = (
                 ("" if st.speculative_active else ", a plain call")
                 + f", acceptance {st.acceptance_rate:.1f}%, switch-off rule estimate {est}"
-                + (f", switched off at iteration {st.switched_off_at_iteration}" if rules else "")
+                + switch
             )
         lines.append(f"  splitrl {name:<18} {toks / wall:>10.0f} tok/s ({wall:.2f} s){extra}")
         if not spec:
@@ -759,7 +771,8 @@ def ragged_scenario(model: PolicyModel, args: argparse.Namespace, spec_ok: bool)
     lines.append(f"  splitrl static batches of {S:<4} {toks / wall:>8.0f} tok/s ({wall:.2f} s)")
     q = lambda f: lengths[min(len(lengths) - 1, int(f * len(lengths)))]  # noqa: E731
     print(
-        f"ragged: {n} samples, prompt {args.prompt_len}, {len(stops)} stop ids, max_new {args.ragged_max_new}, "
+        f"ragged: {n} sample{'s' * (n != 1)}, prompt {args.prompt_len}, {len(stops)} stop id{'s' * (len(stops) != 1)}, "
+        f"max_new {args.ragged_max_new}, "
         f"slots {S}; response length mean {sum(lengths) / n:.0f}, p50 {q(0.5)}, p90 {q(0.9)}, p99 {q(0.99)}, "
         f"max {lengths[-1]}"
     )
@@ -791,9 +804,9 @@ def main(argv: list[str] | None = None) -> None:
     for p in model.parameters():
         p.requires_grad_(False)
     n_params = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("mtp."))
-    device_name = (
-        torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({torch.get_num_threads()} threads)"
-    )
+    threads = torch.get_num_threads()
+    cpu = f"CPU ({threads} thread{'s' * (threads != 1)})"
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu
     print(
         f"device {device_name}, {dtype}, preset {args.preset} ({n_params / 1e6:.1f} M backbone params, "
         f"D={args.mtp_depths}), prompt {args.prompt_len} + {args.new_tokens} new tokens, "
@@ -841,7 +854,7 @@ def main(argv: list[str] | None = None) -> None:
             off = spec.switched_off_at_iteration
             notes.append(
                 f"spec {spec.tokens_per_s / plain.tokens_per_s:.2f}x plain, acceptance {accepted}, "
-                f"switch-off rule estimate {est}" + (f", switched off at iteration {off}" if off else "")
+                f"switch-off rule estimate {est}" + (f", switched off at iteration {off}" if off is not None else "")
             )
             for fewer in range(spec_engine.num_drafts - 1, 0, -1):  # the kinds the measured choice also tries
                 fewer_cfg = spec_cfg.model_copy(update={"num_draft_tokens": fewer})
@@ -864,7 +877,10 @@ def main(argv: list[str] | None = None) -> None:
                 ruled.generate(prompts, seeds)
             ruled.generate(prompts, seeds)  # the choice
             last = ruled.last_stats
-            kind = f"speculative calls of {last.num_drafts} draft(s)" if last.speculative_active else "plain calls"
+            kind = (
+                f"speculative calls of {last.num_drafts} draft{'s' * (last.num_drafts != 1)}"
+                if last.speculative_active else "plain calls"
+            )  # fmt: skip
             notes.append(
                 f"with the rules on: {kind}, "
                 f"{last.tokens_per_s:.0f} tok/s = {last.tokens_per_s / plain.tokens_per_s:.2f}x plain"

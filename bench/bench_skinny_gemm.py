@@ -55,7 +55,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import QWEN3_SHAPES  # noqa: E402
+from shapes import QWEN3_SHAPES, check_switches  # noqa: E402
+
+check_switches()  # a bad SPLITRL_* value (SPLITRL_GATED_TILES=1,2): one line and exit 2, not a traceback
+
 from splitrl.rollout import cuda_props, skinny_gemm  # noqa: E402
 
 

@@ -275,7 +275,8 @@ def run_planned(args) -> None:
     for k, samples in enumerate([args.samples, *args.also_samples]):
         batch = make_batch(samples, args.prompt, args.response, cfg["vocab_size"], seed=k)
         print(
-            f"step = {samples} samples, {batch.num_tokens} tokens (lengths {min(batch.lengths)}-{max(batch.lengths)})",
+            f"step = {samples} sample{'s' * (samples != 1)}, {batch.num_tokens} tokens "
+            f"(lengths {min(batch.lengths)}-{max(batch.lengths)})",
             flush=True,
         )
         for i in range(2 if k == 0 else 1):  # compilation and kernel selection; the AdamW state appears in the first
@@ -313,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
     peak_tf = PEAK_TFLOPS.get(dev)
     results: dict[str, float] = {}
     print(
-        f"{args.preset}; {precision} on {dev}; step = {args.samples} samples, {tokens} tokens "
+        f"{args.preset}; {precision} on {dev}; step = {args.samples} sample{'s' * (args.samples != 1)}, "
+        f"{tokens} tokens "
         f"(lengths {min(batch.lengths)}-{max(batch.lengths)}); microbatch budget {args.max_tokens} tokens",
         flush=True,
     )

@@ -28,6 +28,7 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
@@ -118,6 +119,12 @@ def _group_rank(rank, model_cfg, engine_dtype, bucket, repeats, q, out_q):
 
 
 def main(argv: list[str] | None = None) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/shapes.py
+    from shapes import check_switches
+
+    # a bad SPLITRL_* value: one line and exit 2, not a traceback from the engine's import in _models
+    # (here, not at import: the group's spawned processes import this module again)
+    check_switches()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", help="a run config whose model to use (default: a tiny model)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -169,9 +169,9 @@ def timeline(trace_path: str, forwards: int, top: int) -> list[str]:
     n = max(1, forwards)
     lines = [
         f"  GPU span {span / 1e3:.1f} ms, kernels {busy / 1e3:.1f} ms ({100 * busy / span:.0f}% busy); "
-        f"{len(big)} gaps > {GAP_US:.0f} us totalling {sum(g for g, _ in big) / 1e3:.1f} ms",
+        f"{len(big)} gap{'s' * (len(big) != 1)} > {GAP_US:.0f} us totalling {sum(g for g, _ in big) / 1e3:.1f} ms",
         "  gaps after (ms): " + ", ".join(f"{name} {g / 1e3:.2f}" for name, g in by_follower.most_common(6)),
-        f"  top kernels, us and launches per forward ({forwards} forwards):",
+        f"  top kernels, us and launches per forward ({forwards} forward{'s' * (forwards != 1)}):",
     ]
     lines += [f"    {t / n:8.1f} {count_by[k] / n:6.2f}  {k}" for k, t in time_by.most_common(top)]
     return lines
@@ -246,7 +246,8 @@ def profile_call(model, args, label: str, cfg: GenerationConfig, prompts, seeds)
     accepted = f", acceptance {st.acceptance_rate:.1f}%" if cfg.speculative else ""
     out.append(
         f"== {label}: walls {', '.join(f'{w:.1f}' for w in walls)} ms; profiled call {wall:.1f} ms, "
-        f"{st.num_forwards} forwards{accepted}; {len(chunks)} decode chunks (rows, cache, steps): "
+        f"{st.num_forwards} forward{'s' * (st.num_forwards != 1)}{accepted}; {len(chunks)} decode chunk"
+        f"{'s' * (len(chunks) != 1)} (rows, cache, steps): "
         + " ".join(f"{b}/{length}/{n}" for b, length, n in chunks)
     )
     with tempfile.TemporaryDirectory() as tmp:
@@ -293,7 +294,10 @@ def main(argv: list[str] | None = None) -> None:
             temperature=1.0, max_new_tokens=bargs.ragged_max_new, stop_token_ids=stops, batch_size=bargs.ragged_batch
         )
         for spec in [k == "speculative" for k in args.kinds]:
-            label = f"ragged {args.ragged} samples, {bargs.ragged_batch} slots, {'speculative' if spec else 'plain'}"
+            label = (
+                f"ragged {args.ragged} sample{'s' * (args.ragged != 1)}, {bargs.ragged_batch} slot"
+                f"{'s' * (bargs.ragged_batch != 1)}, {'speculative' if spec else 'plain'}"
+            )
             drafts = args.num_draft_tokens if spec else None
             cfg = GenerationConfig(speculative=spec, num_draft_tokens=drafts, **base)
             profile_call(model, args, label, cfg, prompts, seeds)
@@ -305,7 +309,11 @@ def main(argv: list[str] | None = None) -> None:
                 temperature=1.0, max_new_tokens=args.new_tokens, batch_size=batch, speculative=spec, stop_token_ids=[],
                 num_draft_tokens=args.num_draft_tokens if spec else None,
             )  # fmt: skip
-            kind = f"speculative ({cfg.num_draft_tokens or 'every depth'} drafts a verify)" if spec else "plain"
+            drafts = cfg.num_draft_tokens
+            kind = "plain" if not spec else (
+                "speculative (every depth drafts a verify)" if drafts is None
+                else f"speculative ({drafts} draft{'s' * (drafts != 1)} a verify)"
+            )  # fmt: skip
             profile_call(model, args, f"batch {batch}, {kind}", cfg, prompts, seeds)
 
 

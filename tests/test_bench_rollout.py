@@ -20,6 +20,11 @@ from _bench import load_bench
         (["--mtp-objective", "ce"], "--mtp-objective: read only with --speculative"),
         (["--train-mtp-steps", "5", "--mtp-samples", "3"], "--train-mtp-steps, --mtp-samples: read only with"),
         (["--ragged", "3", "--ragged-mean-len", "1000", "--ragged-max-new", "4"], "must not exceed --ragged-max-new (4)"),
+        # the default was shown as if given (a new user's trial): now named, with what to pass
+        (
+            ["--ragged", "3", "--ragged-max-new", "16"],
+            "--ragged-mean-len (default 120) must not exceed --ragged-max-new (16): pass --ragged-mean-len 16 or less",
+        ),
         (["--baselines", "hf-eager,hf-eager"], "each at most once"),
         (["--baselines", "hf-eager,"], "--baselines takes a comma list"),
         # a new user's --prompt-len 100000000 ran out of memory after the model was built
@@ -101,7 +106,7 @@ def test_profile_timeline_counts_kernels_gaps_and_per_forward_time(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps(trace))
     lines = load_bench("profile_rollout").timeline(str(path), forwards=2, top=5)
-    assert lines[0] == "  GPU span 0.7 ms, kernels 0.2 ms (38% busy); 1 gaps > 20 us totalling 0.4 ms", lines
+    assert lines[0] == "  GPU span 0.7 ms, kernels 0.2 ms (38% busy); 1 gap > 20 us totalling 0.4 ms", lines
     assert lines[1] == "  gaps after (ms): Memcpy DtoH 0.40"
     assert lines[3].split() == ["100.0", "1.00", "gemm"] and lines[4].split() == ["20.0", "1.00", "norm"]
     assert lines[5].split() == ["5.0", "0.50", "Memcpy", "DtoH"]
@@ -166,6 +171,74 @@ def test_the_warm_up_line_says_what_happened(extra, line, capsys, monkeypatch):
     br.main(["--speculative", "--batch-sizes", "1", "--repeats", "1", "--no-graph-column"] + extra)
     out = capsys.readouterr().out
     assert line in out, out
+
+
+def test_the_ragged_speculative_lines_say_whether_the_rule_switched_off(capsys):
+    """Kind: output that means nothing. With the rules on, a call the rule never switched off
+    printed "switched off at iteration None", and the header "CPU (1 threads)" (a new user's trial)."""
+    import re
+
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        load_bench("bench_rollout").main(
+            ["--threads", "1", "--speculative", "--batch-sizes", "1", "--prompt-len", "8", "--new-tokens", "8",
+             "--repeats", "1", "--no-graph-column", "--train-mtp-steps", "0",
+             "--ragged", "8", "--ragged-max-new", "16", "--ragged-mean-len", "8"]
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "iteration None" not in out and "device CPU (1 thread)," in out, out
+    ruled = next(line for line in out.splitlines() if "+ spec, rules on" in line)
+    assert re.search(r"(never switched off|switched off at iteration \d+|a plain call)", ruled), ruled
+
+
+def test_profile_rollout_says_one_draft_a_verify(capsys):
+    """Kind: grammar. `--num-draft-tokens 1` labelled the call "(1 drafts a verify)"; its single
+    decode chunk "1 decode chunks" (a new user's trial)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        load_bench("profile_rollout").main(
+            ["--threads", "1", "--batch-sizes", "1", "--prompt-len", "4", "--new-tokens", "4",
+             "--train-mtp-steps", "0", "--kinds", "speculative", "--num-draft-tokens", "1"]
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("== batch 1"))
+    assert line.startswith("== batch 1, speculative (1 draft a verify): walls "), line
+    assert "; 1 decode chunk (rows, cache, steps): " in line, line
+
+
+@pytest.mark.parametrize(
+    "script, argv, env",
+    [
+        ("bench_switches", ["--help"], {"SPLITRL_SILU_MUL": "2"}),  # through bench_rollout, as profile_rollout
+        ("bench_skinny_gemm", ["--rows", "1"], {"SPLITRL_GATED_TILES": "1,2"}),
+    ],
+)
+def test_a_bad_switch_value_is_one_line_not_a_traceback(script, argv, env):
+    """Kind: an error as a traceback. A bad SPLITRL_* value was a 21-line traceback through the
+    bench's imports, even for --help (a new user's trial); now `<script>: <message>` and exit 2, as
+    `splitrl train` says it (bench/shapes.py: check_switches)."""
+    import os
+    import subprocess
+    import sys
+
+    from _bench import ROOT
+
+    name, value = next(iter(env.items()))
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / f"{script}.py"), *argv],
+        env={**os.environ, **env}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.splitlines() == [res.stderr.strip()], res.stderr  # one line
+    assert res.stderr.startswith(f"{script}.py: {name}={value!r}: write "), res.stderr
+    assert res.stdout == ""
 
 
 def _fake_samples(model, args, n):

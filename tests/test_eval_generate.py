@@ -491,6 +491,13 @@ def test_eval_k_flag_errors_before_loading_anything(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["eval", str(tmp_path / "nowhere"), "--k", "0,2"])
     capsys.readouterr()
+    # an empty item was skipped: `--k 1,,2` ran and reported pass@1,2 (a new user's trial); the
+    # bench scripts refuse it, and so does eval now
+    for ks in ("1,,2", "1,", ",2"):
+        with pytest.raises(SystemExit) as e:
+            main(["eval", str(tmp_path / "nowhere"), "-n", "4", "--k", ks])
+        assert e.value.code == 2
+        assert f"expected comma-separated positive integers such as 1,4,8, got {ks!r}" in capsys.readouterr().err
     # checked before the (missing) model directory is even looked at
     assert main(["eval", str(tmp_path / "nowhere"), "-n", "4", "--k", "1,8"]) == 2
     err = capsys.readouterr().err
@@ -731,6 +738,21 @@ def test_eval_greedy_alone_draws_one_sample_per_prompt(tmp_path, capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert "one response per prompt. Alone, that is the only pass" in help_text
     assert "``--greedy`` alone scores one greedy response (top_k=1) per prompt and nothing else" in help_text
+
+
+def test_one_prompt_and_one_sample_are_singular(tmp_path, capsys):
+    """Kind: grammar. A new user's trial read "1 prompts × 1 samples" in eval's and generate's
+    first line."""
+    _checkpoint(tmp_path)
+    run = str(tmp_path / "run")
+    out = tmp_path / "one.jsonl"
+    assert main(["eval", run, "--num-prompts", "1", "-n", "1", "--device", "cpu", "--output", str(out)]) == 0
+    assert "; 1 prompt × 1 sample;" in capsys.readouterr().err
+    assert main(["generate", run, "-p", "desc 5,2,7=", "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    assert "; 1 prompt × 1 sample\n" in capsys.readouterr().err
+    assert main(["generate", run, "-p", "desc 5,2,7=", "-p", "desc 1=", "-n", "2", "--max-new-tokens", "2",
+                 "--device", "cpu"]) == 0  # fmt: skip
+    assert "; 2 prompts × 2 samples\n" in capsys.readouterr().err
 
 
 def test_generate_follows_the_tasks_chat_template_rule(tmp_path, capsys, monkeypatch):

@@ -432,8 +432,9 @@ def run_eval(args: argparse.Namespace) -> int:
     if stop <= start:
         raise ValueError(f"no prompts to evaluate: the task has {task.num_prompts}, starting at {start}")
     indices = list(range(start, stop))
-    drawn = [f"{num_samples} samples"] * bool(num_samples) + ["1 greedy sample"] * greedy
-    print(f"splitrl eval: {policy_dir}; {len(indices)} prompts × {' + '.join(drawn)}; {why}", file=sys.stderr)
+    drawn = [_count(num_samples, "sample")] * bool(num_samples) + ["1 greedy sample"] * greedy
+    prompt_count = _count(len(indices), "prompt")
+    print(f"splitrl eval: {policy_dir}; {prompt_count} × {' + '.join(drawn)}; {why}", file=sys.stderr)
     device = _device(args.device)
     common = dict(
         seed=args.seed,
@@ -507,7 +508,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.greedy:
         gen = gen.model_copy(update={"top_k": 1})
     print(
-        f"splitrl generate: {policy_dir}; {len(prompts)} prompts × {n} {'greedy ' * args.greedy}sample(s)",
+        f"splitrl generate: {policy_dir}; {_count(len(prompts), 'prompt')} × "
+        f"{_count(n, 'greedy ' * args.greedy + 'sample')}",
         file=sys.stderr,
     )
     # each response is written as soon as it and those before it are done (stdout is flushed), so
@@ -524,6 +526,11 @@ def run_generate(args: argparse.Namespace) -> int:
         else:
             _write_out((f"### {prompts[i]}\n" if j == 0 else "") + f"[{j}] {text}")
     return 0
+
+
+def _count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1 ("1 prompt", "4 samples"; a trial read "1 prompts")."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _write_out(line: str) -> None:
@@ -681,8 +688,8 @@ def _writable_output(path: str, overwrite: bool = False) -> Path:
 
 def _pass_at_ks(text: str) -> list[int]:
     """``--k`` as a list of positive ints (argparse reports the ValueError as a usage error)."""
-    try:
-        ks = [int(k) for k in text.split(",") if k.strip()]
+    try:  # an empty item ("1,,2", "1,") is refused too, as the bench scripts do, not skipped
+        ks = [int(k) for k in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected comma-separated positive integers such as 1,4,8, got {text!r}"

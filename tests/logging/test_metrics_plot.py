@@ -54,6 +54,28 @@ def test_plot_of_missing_file_raises(tmp_path):
         plot_metrics(tmp_path / "absent.jsonl", tmp_path / "x.png")
 
 
+def test_a_directory_as_the_png_path_is_refused_before_anything_is_written(tmp_path):
+    """Kind: an unclear error. A directory as the output was an IsADirectoryError naming the
+    internal temporary file (a new user's trial); now a ValueError that names a file path to give."""
+    write_jsonl(tmp_path / "metrics.jsonl", [{"step": 0, "train/reward": 0.5}])
+    out = tmp_path / "plots"
+    out.mkdir()
+    before = sorted(tmp_path.rglob("*"))
+    for plot in (lambda: plot_metrics(tmp_path / "metrics.jsonl", out), lambda: plot_records([], out)):
+        with pytest.raises(ValueError, match=r"is a directory: the output must be a file path, such as .*metrics\.png"):
+            plot()
+    assert sorted(tmp_path.rglob("*")) == before  # no temporary file left beside it
+
+
+def test_close_warns_when_the_plot_path_is_a_directory(tmp_path):
+    config = LoggingConfig(tensorboard=False, progress_bar=False)
+    (tmp_path / "metrics.png").mkdir()
+    logger = MetricsLogger(tmp_path, total_steps=1, config=config)
+    logger.log(0, {"train/reward": 0.5})
+    with pytest.warns(UserWarning, match="not written: .*is a directory"):
+        logger.close()
+
+
 @pytest.mark.parametrize("jsonl", [True, False])
 def test_close_writes_the_plot(tmp_path, jsonl):
     config = LoggingConfig(tensorboard=False, progress_bar=False, jsonl=jsonl)

@@ -268,7 +268,7 @@ class MetricsLogger:
                     plot_metrics(self.metrics_path, self.plot_path)
                 else:
                     plot_records(self._records, self.plot_path)
-            except OSError as err:
+            except (OSError, ValueError) as err:  # ValueError: a directory at plot_path
                 warnings.warn(f"{self.plot_path} not written: {err}", stacklevel=2)
 
     def __enter__(self) -> MetricsLogger:

@@ -43,19 +43,32 @@ def plot_metrics(jsonl_path: str | os.PathLike[str], png_path: str | os.PathLike
 
     Raises:
         FileNotFoundError: ``jsonl_path`` does not exist.
-        ValueError: a line of the file is not a JSON object.
+        ValueError: a line of the file is not a JSON object, or ``png_path`` is a directory (it
+            names the file to write, e.g. ``runs/demo/metrics.png``).
         OSError: the PNG could not be written; ``png_path`` is then unchanged (written through a
             temporary file and a rename).
     """
+    _check_png_path(png_path)  # before the metrics are read: a mistake in the call costs nothing
     return plot_records(read_metrics(jsonl_path), png_path)
+
+
+def _check_png_path(png_path: str | os.PathLike[str]) -> None:
+    """A directory as the output used to fail at the rename, naming the temporary file (a new user's trial)."""
+    if Path(png_path).is_dir():
+        raise ValueError(
+            f"png_path {os.fspath(png_path)!r} is a directory: the output must be a file path, such as "
+            f"{os.fspath(Path(png_path) / 'metrics.png')!r}"
+        )
 
 
 def plot_records(records: Sequence[dict[str, Any]], png_path: str | os.PathLike[str]) -> Path:
     """Like :func:`plot_metrics`, from records already in memory (``{"step": k, key: value}``).
 
     With no reward and no acceptance key in any record, the PNG holds a single empty panel that
-    says so, so a run always leaves a picture behind.
+    says so, so a run always leaves a picture behind. A directory as ``png_path`` is a ValueError,
+    raised before anything is drawn or written.
     """
+    _check_png_path(png_path)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
