@@ -142,3 +142,10 @@ def test_a_moe_run_saved_before_the_keys_were_shown_still_resumes(tmp_path, capl
     other = demo_config([f"output_dir={tmp_path}", MOE, "model.backbone.num_experts=8"])
     with pytest.raises(ValueError, match=r"model.backbone.num_experts: checkpoint 4, this run 8"):
         check_resume_config(other, ckpt)
+
+
+def test_the_older_rope_keys_are_taken():
+    """rope_theta / rope_scaling are keys every Qwen3 / Llama config file has had; transformers 5
+    folds them into rope_parameters. The unknown-key check refused them (CLI and library)."""
+    model = PolicyModel.from_config(ModelConfig(backbone={**TINY_BACKBONE, "rope_theta": 500_000.0}))
+    assert model.config.rope_parameters["rope_theta"] == 500_000.0

@@ -57,7 +57,8 @@ def test_a_backbone_that_stays_small_with_some_defaults_still_builds():
         hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8
     )
     check_defaulted_size(ModelConfig(backbone=shape), Qwen3Config(**shape))  # 0.6 B: 1.4x the vocab-128 model
-    sized = PolicyModel.from_config(ModelConfig(backbone={k: TINY_BACKBONE[k] for k in SIZE_KEYS}))
+    # (with its kv heads: transformers' default, 32, serves no 4-head model, which the library refuses)
+    sized = PolicyModel.from_config(ModelConfig(backbone={k: TINY_BACKBONE[k] for k in (*SIZE_KEYS, "num_key_value_heads")}))
     assert sized.config.hidden_size == TINY_BACKBONE["hidden_size"]
 
 

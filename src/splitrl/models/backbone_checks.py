@@ -42,6 +42,8 @@ def backbone_hf_config(config: ModelConfig) -> Any:
     # transformers keeps any keyword as an attribute: a misspelt key would be ignored silently
     known = set(cls().to_dict()) | set(inspect.signature(cls.__init__).parameters) | set(cls.attribute_map)
     known.update(family.undeclared_config_keys)  # e.g. head_dim: read by the attention, not a config argument
+    if "rope_parameters" in known:  # transformers 5 folds the older rope keys into rope_parameters
+        known.update(("rope_theta", "rope_scaling"))
     unknown = sorted(set(config.backbone) - known)
     if unknown:
         close = difflib.get_close_matches(unknown[0], sorted(known), n=1)
