@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from splitrl.models.config import ModelConfig
-from splitrl.models.families import FAMILIES, family_of, get_family
+from splitrl.models.families import FAMILIES, family_of, get_family, other_names
 
 KEY = "model.backbone"
 
@@ -52,10 +52,10 @@ def backbone_hf_config(config: ModelConfig) -> Any:
             f"{KEY}.{unknown[0]} is not a key of the {config.family} config{hint}; unknown keys: {unknown}"
         )
     # the sizes as given, before transformers divides by them (llama's head_dim = hidden_size / heads)
-    aliases = {**cls.attribute_map, **{v: k for k, v in cls.attribute_map.items()}}  # num_experts <-> num_local_experts
     for name, value in config.backbone.items():
-        size = name if name in family.size_keys else aliases.get(name)
-        if size in family.size_keys and value is not None and not _positive_int(value):
+        # a size under either of its names (num_experts <-> num_local_experts)
+        size = next((n for n in (name, *other_names(cls.attribute_map, name)) if n in family.size_keys), None)
+        if size is not None and value is not None and not _positive_int(value):
             raise ValueError(_size_message(f"{KEY}.{name}", value, size, given=True))
     try:
         hf_cfg = cls(**config.backbone_kwargs())  # as built
@@ -85,7 +85,7 @@ def check_backbone_shape(hf_cfg: Any, key: str, given: Mapping[str, Any] | None 
     def at(k: str) -> str:
         name = k
         if user and k not in given:  # given under transformers' other name (num_local_experts)
-            name = next((a for a in _names(hf_cfg, k) if a in given), k)
+            name = next((a for a in other_names(getattr(type(hf_cfg), "attribute_map", {}) or {}, k) if a in given), k)
         return f"{key}.{name}" if user else f"{key}: {name}"
 
     for k in family.size_keys:
@@ -151,12 +151,6 @@ def _dense() -> str:
 
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _names(hf_cfg: Any, k: str) -> list[str]:
-    """``k`` and its other names in the config class's ``attribute_map``."""
-    amap = getattr(type(hf_cfg), "attribute_map", {}) or {}
-    return [k, *(v for a, v in amap.items() if a == k), *(a for a, v in amap.items() if v == k)]
 
 
 def _size_message(where: str, value: Any, size: str, *, given: bool) -> str:

@@ -149,11 +149,20 @@ def get_family(name: str | None, *, what: str = "backbone family") -> Family:
     return found
 
 
+def other_names(aliases: Mapping[str, str], key: str) -> list[str]:
+    """``key``'s other names in an ``attribute_map`` (a config class's, or ``Family.config_aliases``),
+    either way round: ``num_experts`` ↔ ``num_local_experts``."""
+    return [v for a, v in aliases.items() if a == key] + [a for a, v in aliases.items() if v == key]
+
+
 def missing_defaults(family: Family, backbone: Mapping[str, Any]) -> dict[str, Any]:
     """The family's ``backbone_defaults`` that ``backbone`` gives under neither name (see
     ``Family.config_aliases``)."""
-    names = {**family.config_aliases, **{v: k for k, v in family.config_aliases.items()}}
-    return {k: v for k, v in family.backbone_defaults.items() if k not in backbone and names.get(k) not in backbone}
+    return {
+        k: v
+        for k, v in family.backbone_defaults.items()
+        if k not in backbone and not any(n in backbone for n in other_names(family.config_aliases, k))
+    }
 
 
 def family_of(hf_config: Any) -> Family:
