@@ -261,9 +261,11 @@ def _report_unwritable(e: OSError) -> int:
 
 def _report_result(result) -> int:
     """The run's one summary line; the exit status (after a signal the shell's 128 + its number)."""
+    from splitrl.cli_eval import counted
+
     last = result.metrics[-1] if result.metrics else {}
     print(
-        f"splitrl: {result.steps_done} step{'' if result.steps_done == 1 else 's'} in {result.output_dir}"
+        f"splitrl: {counted(result.steps_done, 'step')} in {result.output_dir}"
         + (f"; last reward {last.get('train/reward', float('nan')):.3f}" if last else "")
         + (" (stopped early; rerun the same command to resume)" if result.stopped_early else "")
     )

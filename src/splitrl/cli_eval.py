@@ -432,8 +432,8 @@ def run_eval(args: argparse.Namespace) -> int:
     if stop <= start:
         raise ValueError(f"no prompts to evaluate: the task has {task.num_prompts}, starting at {start}")
     indices = list(range(start, stop))
-    drawn = [_count(num_samples, "sample")] * bool(num_samples) + ["1 greedy sample"] * greedy
-    prompt_count = _count(len(indices), "prompt")
+    drawn = [counted(num_samples, "sample")] * bool(num_samples) + ["1 greedy sample"] * greedy
+    prompt_count = counted(len(indices), "prompt")
     print(f"splitrl eval: {policy_dir}; {prompt_count} × {' + '.join(drawn)}; {why}", file=sys.stderr)
     device = _device(args.device)
     common = dict(
@@ -508,8 +508,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.greedy:
         gen = gen.model_copy(update={"top_k": 1})
     print(
-        f"splitrl generate: {policy_dir}; {_count(len(prompts), 'prompt')} × "
-        f"{_count(n, 'greedy ' * args.greedy + 'sample')}",
+        f"splitrl generate: {policy_dir}; {counted(len(prompts), 'prompt')} × "
+        f"{counted(n, 'greedy ' * args.greedy + 'sample')}",
         file=sys.stderr,
     )
     # each response is written as soon as it and those before it are done (stdout is flushed), so
@@ -528,7 +528,7 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _count(n: int, noun: str) -> str:
+def counted(n: int, noun: str) -> str:
     """``n`` and ``noun``, plural unless ``n`` is 1 ("1 prompt", "4 samples"; a trial read "1 prompts")."""
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
