@@ -82,6 +82,9 @@ def test_every_switch_reads_off_and_refuses_a_typo():
     assert off.stdout.split() == ["False"] * len(_SWITCHES)
     res = run_python(code, SPLITRL_SILU_MUL="2")
     assert res.returncode != 0 and "SPLITRL_SILU_MUL='2': write 0 to switch it off or 1" in res.stderr, res.stderr[-500:]
+    # read even where what it refines is off (or its kernel cannot run here): a typo is still one
+    res = run_python(code, SPLITRL_SKINNY_GEMM="0", SPLITRL_SKINNY_EPILOGUE="of")
+    assert res.returncode != 0 and "SPLITRL_SKINNY_EPILOGUE='of'" in res.stderr, res.stderr[-500:]
 
 
 def test_the_rollout_code_reads_its_switches_through_env():

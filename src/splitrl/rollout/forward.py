@@ -74,21 +74,21 @@ from splitrl.rollout.fused import Kernels, split_heads
 from splitrl.rollout.kv import AttentionPlan, PrefillPlan, StaticKVCache, causal_attention
 
 # the skinny-product kernel for few-row decode products on CUDA (module docstring); set at import
-SKINNY_GEMM = skinny_gemm.AVAILABLE and env.flag("SPLITRL_SKINNY_GEMM")
+SKINNY_GEMM = env.flag("SPLITRL_SKINNY_GEMM") and skinny_gemm.AVAILABLE
 # The fused pieces (module docstring), each measured faster than the launches it replaces
 # (bench/RESULTS.md, rollout decoding; the gated one alone within the run-to-run spread, and on in
 # the fastest configuration measured, with PDL); SPLITRL_SKINNY_EPILOGUE=0 / SPLITRL_SKINNY_GATED=0 /
 # SPLITRL_ROPE_WRITE=0 turn one off.
-SKINNY_EPILOGUE = SKINNY_GEMM and env.flag("SPLITRL_SKINNY_EPILOGUE")
-SKINNY_GATED = SKINNY_GEMM and env.flag("SPLITRL_SKINNY_GATED")
-ROPE_WRITE = rope_write.AVAILABLE and env.flag("SPLITRL_ROPE_WRITE")
+SKINNY_EPILOGUE = env.flag("SPLITRL_SKINNY_EPILOGUE") and SKINNY_GEMM
+SKINNY_GATED = env.flag("SPLITRL_SKINNY_GATED") and SKINNY_GEMM
+ROPE_WRITE = env.flag("SPLITRL_ROPE_WRITE") and rope_write.AVAILABLE
 # Backbone prefills on the rotary kernel + the flash kernel over the cache (DecoderForward._prefill_plan);
 # SPLITRL_FAST_PREFILL=0: the torch functions, the prefix write and SDPA over repeated keys and values.
-FAST_PREFILL = ROPE_WRITE and env.flag("SPLITRL_FAST_PREFILL")
+FAST_PREFILL = env.flag("SPLITRL_FAST_PREFILL") and ROPE_WRITE
 # silu(gate) · up after a cuBLAS gate/up product on its Triton kernel (module docstring; measured
 # faster than the compiled function, outputs bit-identical: bench/RESULTS.md); SPLITRL_SILU_MUL=0:
 # the compiled function.
-SILU_MUL = silu_mul.AVAILABLE and env.flag("SPLITRL_SILU_MUL")
+SILU_MUL = env.flag("SPLITRL_SILU_MUL") and silu_mul.AVAILABLE
 
 
 def mtp_parts(model: PolicyModel, depth: int) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module, nn.Module]:

@@ -77,7 +77,7 @@ try:
 except ImportError:  # CPU installs: no kernels
     wait = signal = None
 
-ENABLED = SUPPORTED and env.flag("SPLITRL_PDL")
+ENABLED = env.flag("SPLITRL_PDL") and SUPPORTED
 # The early signal (module docstring, "Early") for launches of at most EARLY_ROWS rows;
 # SPLITRL_PDL_EARLY=0: the signal after the main loop at every size. Set from the environment at
 # import; the launches read the module attribute (a bench flips it between engines).
