@@ -28,7 +28,7 @@ def test_flag_refuses_other_values(monkeypatch, value):
     """Kind: bad input taken silently. Before, every value but "0" switched the kernel on:
     SPLITRL_SILU_MUL=false measured the kernel under the name of its baseline."""
     monkeypatch.setenv("SPLITRL_X", value)
-    with pytest.raises(ValueError, match=r"SPLITRL_X='.*': write 0 to switch it off or 1 to switch it on"):
+    with pytest.raises(ValueError, match=r"SPLITRL_X='.*': write 0 \(or off, false, no\) to switch it off, 1 \(or on, true, yes\) to switch it on"):
         env.flag("SPLITRL_X")
 
 
@@ -81,7 +81,7 @@ def test_every_switch_reads_off_and_refuses_a_typo():
     assert off.returncode == 0, off.stderr[-2000:]
     assert off.stdout.split() == ["False"] * len(_SWITCHES)
     res = run_python(code, SPLITRL_SILU_MUL="2")
-    assert res.returncode != 0 and "SPLITRL_SILU_MUL='2': write 0 to switch it off or 1" in res.stderr, res.stderr[-500:]
+    assert res.returncode != 0 and "SPLITRL_SILU_MUL='2': write 0 (or off, false, no) to switch it off, 1" in res.stderr, res.stderr[-500:]
     # read even where what it refines is off (or its kernel cannot run here): a typo is still one
     res = run_python(code, SPLITRL_SKINNY_GEMM="0", SPLITRL_SKINNY_EPILOGUE="of")
     assert res.returncode != 0 and "SPLITRL_SKINNY_EPILOGUE='of'" in res.stderr, res.stderr[-500:]

@@ -40,7 +40,10 @@ def flag(name: str, default: bool = True) -> bool:
         return default
     if value in _ON or value in _OFF:
         return value in _ON
-    raise ValueError(f"{name}={value!r}: write 0 to switch it off or 1 to switch it on (or leave it unset)")
+    raise ValueError(
+        f"{name}={value!r}: write 0 (or off, false, no) to switch it off, 1 (or on, true, yes) to switch it on, "
+        "or leave it unset"
+    )
 
 
 def ints(name: str, count: int, what: str) -> tuple[int, ...]:
