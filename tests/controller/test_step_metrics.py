@@ -23,13 +23,14 @@ def _groups() -> list[Group]:
     return groups
 
 
-def _record(calls, speculative=True, gen=((0.0, 2.0), (3.0, 4.0)), train=((1.0, 3.5),)):
+def _record(calls, speculative=True, gen=((0.0, 2.0), (3.0, 4.0)), train=((1.0, 3.5),), draft_vocab=False):
     buffer = SimpleNamespace(size=3, num_evicted_groups=2, num_evicted_samples=4)
     return step_metrics(
         {"loss": 0.25, "timing/forward_s": 1.5},
         _groups(),
         calls=calls,
         speculative=speculative,
+        draft_vocab=draft_vocab,
         buffer=buffer,
         version=3,
         gen_intervals=list(gen),
@@ -95,6 +96,18 @@ def test_a_step_without_generation_calls_has_the_same_keys_with_nan():
     assert math.isnan(full["rollout/acceptance_rate"])  # nothing drafted
     assert empty["timing/generation_s"] == 0.0 and empty["timing/generation_during_train_s"] == 0.0
     assert "rollout/acceptance_rate" not in _record([], speculative=False)
+
+
+def test_draft_vocabulary_coverage_over_the_step_calls():
+    calls = [
+        {"generated_tokens": 10, "generation_s": 1.0, "drafted_tokens": 4, "accepted_tokens": 2,
+         "speculative_active": 1, "draft_vocab_covered": 9, "draft_vocab_generated": 10},
+        {"generated_tokens": 30, "generation_s": 1.0, "drafted_tokens": 4, "accepted_tokens": 2,
+         "speculative_active": 1, "draft_vocab_covered": 21, "draft_vocab_generated": 30},
+    ]  # fmt: skip
+    assert _record(calls, draft_vocab=True)["rollout/draft_vocab_coverage"] == 75.0  # 30 of 40 tokens
+    assert "rollout/draft_vocab_coverage" not in _record(calls)
+    assert math.isnan(_record([], gen=(), draft_vocab=True)["rollout/draft_vocab_coverage"])
 
 
 def test_overlap_sums_every_pair():

@@ -352,6 +352,7 @@ class SingleController(RunControl):
         """The step's record (:mod:`.step_metrics`); what the pumps recorded since the last step starts afresh."""
         return self.record.take_metrics(
             train, groups, speculative=self.config.rollout.speculative, buffer=self.buffer, version=self.version,
+            draft_vocab=self.config.rollout.draft_vocab_size is not None,
             # written after the previous step's metrics were logged: reported with this step's
             checkpoint_s=self.checkpointer.take_blocked_s(), step_s=step_s, sync_s=sync_s,
         )  # fmt: skip

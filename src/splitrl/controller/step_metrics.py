@@ -44,6 +44,7 @@ def step_metrics(
     *,
     calls: list[dict],
     speculative: bool,
+    draft_vocab: bool = False,
     buffer: ReplayBuffer,
     version: int,
     gen_intervals: list[tuple[float, float]],
@@ -60,6 +61,8 @@ def step_metrics(
         groups: the step's groups (rewards, lengths, staleness).
         calls: the metrics of the generation calls that finished since the last step.
         speculative: whether the rollout speculates (then its acceptance is reported).
+        draft_vocab: whether its drafts come from a reduced vocabulary (then the share of generated
+            tokens inside it, ``rollout/draft_vocab_coverage`` in %, is reported).
         buffer: the replay buffer after the step (size, evictions).
         version: the trainer's policy version after the step.
         gen_intervals / train_intervals: (start, end) of generation calls since the last step and
@@ -93,6 +96,10 @@ def step_metrics(
         out["rollout/speculative_active"] = float(calls[-1]["speculative_active"]) if calls else float("nan")
         # drafts a verify of the last call (the measured choice may draft fewer than the heads allow)
         out["rollout/num_drafts"] = float(calls[-1].get("num_drafts", 0.0)) if calls else float("nan")
+        if draft_vocab:
+            covered = sum(m.get("draft_vocab_covered", 0.0) for m in calls)
+            generated = sum(m.get("draft_vocab_generated", 0.0) for m in calls)
+            out["rollout/draft_vocab_coverage"] = 100.0 * covered / generated if generated else float("nan")
     out.update(staleness_metrics(groups, version - 1))  # keys carry their buffer/ prefix
     out["buffer/size"] = float(buffer.size)
     out["buffer/evicted_groups_total"] = float(buffer.num_evicted_groups)

@@ -28,6 +28,16 @@ class GenerationConfig(BaseModel):
             every MTP depth of the model. With the speed rules on (not ``deterministic``) the engine
             also measures calls drafting fewer (n-1 .. 1) and drafts the fastest count per batch size
             (:class:`~splitrl.rollout.spec_policy.SpecPolicy`); the tokens are the same for every count.
+        draft_vocab_size: the MTP heads draft from this many tokens only (default: the whole
+            vocabulary): the ones seen most often so far in this engine's prompts and responses
+            (counted on the host, the set refreshed at the start of every call, the draft head's rows
+            gathered from the current weights). A draft's output layer then reads ``draft_vocab_size``
+            rows instead of V (Qwen3: 151,936; SmolLM2: 49,152), the draft's largest cost on a real
+            model. The tokens and logprobs are exactly those of plain decoding whatever the set (the
+            verify decides every token); a token outside the set is never drafted, so acceptance falls
+            by about the share of tokens outside it. The reduced draft vocabulary of EAGLE-3
+            (Li et al. 2025) and FR-Spec (Zhao et al. 2025), chosen here from the run's own tokens.
+            Requires ``speculative``; at most the vocabulary size (checked by the engine).
         deterministic: with ``speculative``, decode every call speculatively from start to end
             instead of letting measured speed switch speculation off (no clock is read). The tokens
             are the same either way, but a token emitted by a verify forward and the same token
@@ -50,6 +60,7 @@ class GenerationConfig(BaseModel):
     stop_strings: list[str] = Field(default_factory=list)
     speculative: bool = False
     num_draft_tokens: int | None = Field(None, ge=1)
+    draft_vocab_size: int | None = Field(None, ge=1)
     deterministic: bool = False
     batch_size: int = Field(64, ge=1)
 

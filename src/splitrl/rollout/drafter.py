@@ -33,6 +33,60 @@ from splitrl.rollout.kv import StaticKVCache
 from splitrl.rollout.sampling import column_keys
 
 
+class DraftVocabulary:
+    """The tokens the MTP heads draft from (``GenerationConfig.draft_vocab_size``): the ``size`` most
+    frequent tokens of what :meth:`count` was given, and the output layer's rows of those tokens.
+
+    ``ids`` (int64 [size], ascending) and ``weight`` ([size, H], the output layer's dtype) are
+    buffers on the model's device that :meth:`refresh` rewrites in place, so CUDA graphs captured
+    with them read the new set; ``inside`` is the set as a host bool [V]. Until the first refresh
+    they hold tokens 0..size-1. Token counts (``counts``, int64 [V]) are kept on the host; ties go to
+    the lower token id.
+
+    Args:
+        output_weight: the model's output layer [V, H] (its storage: weight syncs copy into it).
+        size: tokens drafted from, 1 <= size <= V.
+
+    Raises:
+        ValueError: ``size`` outside 1..V.
+    """
+
+    def __init__(self, output_weight: torch.Tensor, size: int):
+        V = output_weight.shape[0]
+        if not 1 <= size <= V:
+            raise ValueError(
+                f"draft_vocab_size={size} is outside 1..{V} (the model's vocabulary); use at most {V}, "
+                "or leave it unset to draft from the whole vocabulary"
+            )
+        self.size, self.vocab_size = size, V
+        self._output_weight = output_weight
+        self.counts = torch.zeros(V, dtype=torch.int64)
+        self.ids = torch.arange(size, device=output_weight.device)
+        self.weight = output_weight[:size].clone()
+        self.inside = torch.arange(V) < size  # host bool [V]: token in the set
+
+    def count(self, token_ids: list[int]) -> None:
+        """Add tokens (ids in [0, V)) to the counts the next :meth:`refresh` ranks."""
+        if token_ids:
+            self.counts += torch.bincount(torch.tensor(token_ids, dtype=torch.int64), minlength=self.vocab_size)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Take the ``size`` most frequent tokens counted so far, and their rows of the output
+        layer as it is now (call it after a weight sync too)."""
+        top = torch.sort(self.counts, descending=True, stable=True).indices[: self.size]
+        self.ids.copy_(torch.sort(top).values)
+        self.inside = torch.zeros(self.vocab_size, dtype=torch.bool)
+        self.inside[top] = True
+        torch.index_select(self._output_weight, 0, self.ids, out=self.weight)
+
+    def covered(self, token_ids: list[int]) -> int:
+        """How many of ``token_ids`` are in the set now."""
+        if not token_ids:
+            return 0
+        return int(self.inside[torch.tensor(token_ids, dtype=torch.int64)].sum())
+
+
 class MTPDrafter:
     """Drafts ``num_drafts`` tokens per row with MTP depths 1..num_drafts.
 
@@ -41,6 +95,9 @@ class MTPDrafter:
         num_drafts: D <= ``model.num_mtp_depths``.
         cache: a static cache with (at least) D layers, one per depth.
         temperature, top_k, top_p: the sampling rule, applied to the MTP logits too.
+        vocabulary: the tokens to draft from (None: all): a draft's logits are computed for these
+            only, the others are -inf, so the race (the target's own noise) runs over the whole
+            vocabulary as the target's does and a token outside the set is never drafted.
     """
 
     def __init__(
@@ -51,6 +108,7 @@ class MTPDrafter:
         temperature: float,
         top_k: int,
         top_p: float,
+        vocabulary: DraftVocabulary | None = None,
     ):
         model = forward.model
         assert model.mtp is not None and 1 <= num_drafts <= model.num_mtp_depths
@@ -59,6 +117,7 @@ class MTPDrafter:
         self.D = num_drafts
         self.cache = cache
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.vocabulary = vocabulary
         self._columns = column_keys(model.config.vocab_size, model.output_weight.device)
         # tests: called (seed_lo [B], counter [B], depth, logits [B, V]) at every draw (eager runs only)
         self.probe = None
@@ -74,7 +133,12 @@ class MTPDrafter:
     def _draw(
         self, hidden_BH: torch.Tensor, seed_lo: torch.Tensor, seed_hi: torch.Tensor, counter: torch.Tensor, depth: int
     ) -> torch.Tensor:
-        logits = self.fwd.head_logits(hidden_BH, self.temperature)
+        vocab = self.vocabulary
+        if vocab is None:
+            logits = self.fwd.head_logits(hidden_BH, self.temperature)
+        else:
+            some = self.fwd.head_logits(hidden_BH, self.temperature, vocab.weight)  # [B, size]
+            logits = some.new_full((some.shape[0], vocab.vocab_size), float("-inf")).index_copy_(1, vocab.ids, some)
         if self.probe is not None:
             self.probe(seed_lo, counter, depth, logits.float())
         return self.fwd.k.draw(logits, seed_lo, seed_hi, counter, self.top_k, self.top_p, self._columns)

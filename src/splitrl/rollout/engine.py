@@ -174,7 +174,8 @@ class RolloutEngine:
         ValueError: a field of ``config`` is invalid (e.g. set after construction by
             ``model_copy(update=...)``); a stop token outside the vocabulary; ``speculative=True``
             with a model without MTP heads or with more draft tokens than MTP depths;
-            ``num_draft_tokens`` without ``speculative``; a device
+            ``num_draft_tokens`` or ``draft_vocab_size`` without ``speculative``; a
+            ``draft_vocab_size`` over the vocabulary size; a device
             other than cpu / cuda, or cuda without a GPU; weights that are not finite; an
             unsupported backbone layout. Nothing is changed then (the model stays where it was).
     """
@@ -189,6 +190,16 @@ class RolloutEngine:
             raise ValueError(
                 f"num_draft_tokens={config.num_draft_tokens} is set but speculative=False: only speculative "
                 "decoding drafts tokens; set speculative=True, or leave num_draft_tokens unset"
+            )
+        if config.draft_vocab_size is not None and not config.speculative:
+            raise ValueError(
+                f"draft_vocab_size={config.draft_vocab_size} is set but speculative=False: only speculative "
+                "decoding drafts tokens; set speculative=True, or leave draft_vocab_size unset"
+            )
+        if config.draft_vocab_size is not None and config.draft_vocab_size > vocab:
+            raise ValueError(
+                f"draft_vocab_size={config.draft_vocab_size} exceeds the model's vocabulary of {vocab} tokens; "
+                f"use at most {vocab}, or leave it unset to draft from the whole vocabulary"
             )
         self.num_drafts = 0
         if config.speculative:
@@ -371,6 +382,10 @@ class RolloutEngine:
         drafts = policy.choose(bucket)  # drafts a verify in this call, 0: plain
         D = self.num_drafts
         runner.ensure_buffers(max(len(p) for p in prompts))
+        vocab = runner.draft_vocab
+        if vocab is not None:  # the drafts' tokens: the most frequent so far, this call's prompts included
+            vocab.count([t for p in prompts for t in p])
+            vocab.refresh()
         stats = RolloutStats(
             num_samples=len(prompts),
             prompt_tokens=sum(len(p) for p in prompts),
@@ -379,6 +394,7 @@ class RolloutEngine:
             num_drafts=drafts,
             reached_per_depth=[0] * (D if drafts else 0),
             accepted_per_depth=[0] * (D if drafts else 0),
+            draft_vocab_size=vocab.size if vocab is not None else 0,
         )
         self.last_stats = stats
         captures_before, setup_before = runner.captures, runner.setup_s
@@ -410,7 +426,11 @@ class RolloutEngine:
                 B, L = chunk.bucket
                 timing.add_chunk(wall, device_s, chunk.steps, runner.plain_step_time(B, L))
             if finished:
-                yield from slots.collect(finished, stats)
+                for i, result in slots.collect(finished, stats):
+                    if vocab is not None:
+                        stats.draft_vocab_covered += vocab.covered(result.response_ids)
+                        vocab.count(result.response_ids)
+                    yield i, result
                 active = [s for s in active if slots.item[s] is not None]
             if drafts and policy.should_switch_off(timing, stats, slots.live_drafted, slots.live_accepted):
                 drafts = 0  # a verify chunk already queued still runs: the same tokens

@@ -416,11 +416,13 @@ class DecoderForward:
         return self.k.rms_norm(h, norm.weight, norm.variance_epsilon)
 
     # ------------------------------------------------------------------------------ backbone
-    def head_logits(self, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
+    def head_logits(self, hidden: torch.Tensor, temperature: float, weight: torch.Tensor | None = None) -> torch.Tensor:
         """Logits / T of ``hidden`` [..., H]: the output layer in the model dtype, then fp32, then
         / T (the ops of PolicyModel.forward). At T = 1 the head's output is returned as is: the
-        compiled sampler upcasts it inside its first kernel instead of in a copy of its own."""
-        logits = nn.functional.linear(hidden, self.model.output_weight)
+        compiled sampler upcasts it inside its first kernel instead of in a copy of its own.
+        ``weight``: rows of the output layer to use instead of all of it ([V', H]; the drafts'
+        :class:`~splitrl.rollout.drafter.DraftVocabulary`)."""
+        logits = nn.functional.linear(hidden, self.model.output_weight if weight is None else weight)
         return logits.float() / temperature if temperature != 1.0 else logits
 
     def _prefill_plan(self, h: torch.Tensor, slots_B: torch.Tensor, cache: StaticKVCache) -> PrefillPlan | None:

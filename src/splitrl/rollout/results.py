@@ -40,6 +40,10 @@ class RolloutStats:
         drafted_tokens, accepted_tokens: totals over the call.
         reached_per_depth, accepted_per_depth: per depth k = 1..D (the engine's most drafts; 0 past
             ``num_drafts``, where the rates are NaN).
+        draft_vocab_size: tokens the drafts came from (``GenerationConfig.draft_vocab_size``; 0: the
+            whole vocabulary).
+        draft_vocab_covered: generated tokens of the call inside that set; ``draft_vocab_coverage``
+            is their percentage (NaN without a set or tokens), the most acceptance the set allows.
         graph_captures: CUDA graphs captured during the call.
         setup_s: seconds of the call spent on work that decodes nothing: CUDA graph captures
             (with their warm-up steps) and the plain-step timings of the switch-off rule.
@@ -61,6 +65,8 @@ class RolloutStats:
     accepted_tokens: int = 0
     reached_per_depth: list[int] = field(default_factory=list)
     accepted_per_depth: list[int] = field(default_factory=list)
+    draft_vocab_size: int = 0
+    draft_vocab_covered: int = 0
     graph_captures: int = 0
     setup_s: float = 0.0
 
@@ -71,6 +77,12 @@ class RolloutStats:
     @property
     def acceptance_rate_per_depth(self) -> list[float]:
         return [100.0 * a / r if r else math.nan for a, r in zip(self.accepted_per_depth, self.reached_per_depth)]
+
+    @property
+    def draft_vocab_coverage(self) -> float:
+        if not (self.draft_vocab_size and self.generated_tokens):
+            return math.nan
+        return 100.0 * self.draft_vocab_covered / self.generated_tokens
 
     def as_metrics(self, prefix: str = "rollout/") -> dict[str, float]:
         """Flat metrics for the logger (acceptance keys only when speculative decoding ran)."""
@@ -88,6 +100,8 @@ class RolloutStats:
                 out[f"{prefix}mtp_{k}_acceptance_rate"] = rate  # named like the training-side metric
             if self.speculative_speedup is not None:
                 out[f"{prefix}speculative_speedup"] = self.speculative_speedup
+        if self.draft_vocab_size:
+            out[f"{prefix}draft_vocab_coverage"] = self.draft_vocab_coverage
         return out
 
 

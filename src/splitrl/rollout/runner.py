@@ -21,7 +21,7 @@ import torch
 from splitrl.models.policy import PolicyModel
 from splitrl.rollout import kv
 from splitrl.rollout.config import GenerationConfig
-from splitrl.rollout.drafter import MTPDrafter
+from splitrl.rollout.drafter import DraftVocabulary, MTPDrafter
 from splitrl.rollout.forward import DecoderForward
 from splitrl.rollout.fused import stop_mask
 from splitrl.rollout.kv import StaticKVCache
@@ -203,6 +203,9 @@ class ModelRunner:
         self._small_buckets_warmed: set[str] = set()  # step kinds whose 1- and 2-row graphs exist (graph())
         self.setup_s = 0.0  # seconds of graph captures and plain-step timings so far
         self._columns = column_keys(model.config.vocab_size, device)  # before any graph capture
+        # the drafts' token set: outlives the drafter, which a larger cache replaces
+        size = config.draft_vocab_size
+        self.draft_vocab = DraftVocabulary(model.output_weight, size) if num_drafts and size else None
 
     # ----------------------------------------------------------------------------- buffers
     def ensure_buffers(self, max_prompt: int) -> None:
@@ -234,7 +237,9 @@ class ModelRunner:
                 query_kernel=kv.query_kernel_default(self.device, head_dim),
             )  # fmt: skip
             c = self.config
-            self.drafter = MTPDrafter(self.fwd, D, self.mtp_cache, c.temperature, c.top_k, c.top_p)
+            self.drafter = MTPDrafter(
+                self.fwd, D, self.mtp_cache, c.temperature, c.top_k, c.top_p, vocabulary=self.draft_vocab
+            )
         self.state = SlotState(slots, cfg.max_new_tokens + D + 1, D, mcfg.hidden_size, dtype, self.device)
         # cos/sin of every cache index, gathered by position in the decode forwards
         self.fwd.sync_rope_table(M)

@@ -309,6 +309,9 @@ class GenerationWorker:
                 "num_drafts": float(stats.num_drafts) if stats else 0.0,
             }
         )
+        if stats is not None and stats.draft_vocab_size:
+            metrics["draft_vocab_covered"] = float(stats.draft_vocab_covered)
+            metrics["draft_vocab_generated"] = float(stats.generated_tokens)
         if stats is not None and stats.speculative_active:
             for k, (a, r) in enumerate(zip(stats.accepted_per_depth, stats.reached_per_depth), start=1):
                 metrics[f"accepted_depth_{k}"] = float(a)

@@ -1,0 +1,146 @@
+"""The drafts' reduced vocabulary (``GenerationConfig.draft_vocab_size``): plain decoding's tokens
+and logprobs whatever the set, drafts only from the set, the set from the run's own token counts,
+the head rows from the current weights, and the settings refused before anything changes."""
+
+import pytest
+import torch
+from _rollout_helpers import make_model, random_prompts
+
+from splitrl.rollout import GenerationConfig, RolloutEngine
+from splitrl.rollout.drafter import DraftVocabulary
+
+
+def _generate(model, prompts, seeds, **cfg):
+    engine = RolloutEngine(model, GenerationConfig(**cfg), "cpu")
+    return engine, engine.generate(prompts, seeds)
+
+
+@pytest.mark.parametrize("size,top_k,T", [(3, 0, 1.0), (40, 0, 0.8), (40, 5, 1.0), (128, 1, 1.0)])
+def test_tokens_and_logprobs_equal_plain(size, top_k, T):
+    """Drafting from 3, 40 or all 128 tokens changes only acceptance: the responses, finish
+    reasons and logprobs are plain decoding's (fp32, 1e-5 as the other speculative tests)."""
+    model = make_model(vocab=128, depths=2)
+    prompts, seeds = random_prompts(7, 128, (1, 9), seed=3), list(range(7))
+    cfg = dict(top_k=top_k, temperature=T, max_new_tokens=12, batch_size=4, stop_token_ids=[5])
+    spec, out_s = _generate(model, prompts, seeds, speculative=True, draft_vocab_size=size, **cfg)
+    _, out_p = _generate(model, prompts, seeds, **cfg)
+    for s, p in zip(out_s, out_p):
+        assert s.response_ids == p.response_ids and s.finish_reason == p.finish_reason
+        torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(p.logprobs), atol=1e-5, rtol=0)
+    assert spec.last_stats.drafted_tokens > 0
+
+
+def test_whole_vocabulary_set_drafts_as_no_set():
+    """A set of every token drafts exactly what the full output layer drafts: the same draft logits
+    at every draw (bit for bit) and the same acceptance counts."""
+    model = make_model(vocab=16, depths=2, hidden_size=32, intermediate_size=64)
+    prompts, seeds = random_prompts(6, 16, (1, 6), seed=6), list(range(6))
+    runs = []
+    for size in (None, 16):
+        engine = RolloutEngine(
+            model, GenerationConfig(speculative=True, temperature=0.9, max_new_tokens=14, batch_size=3,
+                                    draft_vocab_size=size), "cpu"
+        )  # fmt: skip
+        engine.runner.ensure_buffers(8)
+        draws = []
+        engine.runner.drafter.probe = lambda lo, c, k, logits: draws.append(logits.clone())
+        out = engine.generate(prompts, seeds)
+        runs.append((draws, [r.response_ids for r in out], engine.last_stats))
+    (d0, r0, s0), (d1, r1, s1) = runs
+    assert r0 == r1 and len(d0) == len(d1) > 0
+    for a, b in zip(d0, d1):
+        assert torch.equal(a, b)
+    assert s0.accepted_tokens == s1.accepted_tokens > 0
+    assert s0.accepted_per_depth == s1.accepted_per_depth and s0.drafted_tokens == s1.drafted_tokens
+
+
+def test_drafts_come_from_the_most_frequent_tokens():
+    """Each draw's logits are -inf outside the set and the head's values inside it, and the set is
+    the most frequent tokens of the prompts and responses counted before the call."""
+    model = make_model(vocab=64, depths=2)
+    size = 10
+    engine = RolloutEngine(
+        model,
+        GenerationConfig(speculative=True, deterministic=True, max_new_tokens=10, batch_size=4, draft_vocab_size=size),
+        "cpu",
+    )
+    vocab = engine.runner.draft_vocab
+    prompts = random_prompts(5, 64, (3, 12), seed=2)
+    first = engine.generate(prompts, list(range(5)))
+    counted = [t for p in prompts for t in p] + [t for r in first for t in r.response_ids]
+    assert torch.equal(vocab.counts, torch.bincount(torch.tensor(counted), minlength=64))
+
+    prompts2 = random_prompts(4, 64, (3, 12), seed=9)
+    expected_counts = vocab.counts + torch.bincount(torch.tensor([t for p in prompts2 for t in p]), minlength=64)
+    # the ranking: count descending, ties to the lower id
+    order = sorted(range(64), key=lambda t: (-int(expected_counts[t]), t))
+    expected = torch.tensor(sorted(order[:size]))
+    draws = []
+    engine.runner.drafter.probe = lambda lo, c, k, logits: draws.append(logits.clone())
+    second = engine.generate(prompts2, list(range(4)))
+    assert torch.equal(vocab.ids, expected)
+    outside = torch.ones(64, dtype=torch.bool)
+    outside[expected] = False
+    assert draws
+    for logits in draws:
+        assert torch.isneginf(logits[:, outside]).all() and torch.isfinite(logits[:, expected]).all()
+    assert torch.equal(vocab.weight, model.output_weight[expected])
+    stats = engine.last_stats
+    inside = sum(int(t in set(expected.tolist())) for r in second for t in r.response_ids)
+    assert stats.draft_vocab_size == size and stats.draft_vocab_covered == inside
+    assert stats.as_metrics()["rollout/draft_vocab_coverage"] == pytest.approx(100 * inside / stats.generated_tokens)
+
+
+def test_head_rows_follow_a_weight_sync():
+    """After load_state_dict the next call drafts with the new weights' rows (the set's weight
+    buffer keeps its storage, which captured graphs read)."""
+    model = make_model(vocab=32, depths=1)
+    engine = RolloutEngine(
+        model, GenerationConfig(speculative=True, max_new_tokens=6, batch_size=2, draft_vocab_size=8), "cpu"
+    )
+    prompts = random_prompts(2, 32, (2, 5), seed=1)
+    engine.generate(prompts, [0, 1])
+    vocab = engine.runner.draft_vocab
+    storage = vocab.weight.data_ptr()
+    head = engine.model.output_weight
+    names = [k for k, v in engine.weight_tensors().items() if v is head]
+    assert names
+    new = {k: v * 1.5 if k in names else v for k, v in engine.model.state_dict().items()}
+    before = vocab.weight.clone()
+    engine.load_state_dict(new, version=1)
+    engine.generate(prompts, [0, 1])
+    assert vocab.weight.data_ptr() == storage
+    assert torch.equal(vocab.weight, head.detach()[vocab.ids])
+    assert not torch.equal(vocab.weight, before)
+
+
+def test_ranking_and_membership():
+    vocab = DraftVocabulary(torch.arange(40.0).view(10, 4), 3)
+    assert vocab.ids.tolist() == [0, 1, 2] and vocab.covered([0, 2, 3]) == 2  # before any count
+    vocab.count([7, 7, 7, 2, 2, 9, 1])
+    vocab.refresh()
+    assert vocab.ids.tolist() == [1, 2, 7]  # 7 (3), 2 (2), then the lower of the ties 1, 9
+    assert vocab.covered([7, 2, 9, 0]) == 2 and vocab.covered([]) == 0
+    assert torch.equal(vocab.weight, torch.arange(40.0).view(10, 4)[[1, 2, 7]])
+    with pytest.raises(ValueError, match="outside 1..10"):
+        DraftVocabulary(torch.zeros(10, 4), 11)
+
+
+@pytest.mark.parametrize(
+    "cfg,match",
+    [
+        (dict(draft_vocab_size=8), "speculative=False"),
+        (dict(speculative=True, draft_vocab_size=129), "exceeds the model's vocabulary of 128"),
+    ],
+)
+def test_bad_settings_refused(cfg, match):
+    model = make_model(vocab=128, depths=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        RolloutEngine(model, GenerationConfig(**cfg), "cpu")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_zero_is_refused_by_the_config():
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        GenerationConfig(speculative=True, draft_vocab_size=0)
