@@ -9,6 +9,11 @@ trains on). For each batch size it prints tokens/s of
 - ``plain``: the rollout engine without speculation;
 - ``speculative``: the engine drafting with the checkpoint's MTP heads (the switch-off rule off,
   so what is timed is speculation itself), with its acceptance rate;
+- ``spec-dv`` (with ``--draft-vocab-size N``): the same, drafting from N tokens only
+  (``GenerationConfig.draft_vocab_size``). The set is fitted first on the responses to
+  ``--draft-vocab-fit`` other training problems (the ones after the timed prompts) and then held
+  fixed, so that the timed calls draft from a set that has not seen their own tokens; the share of
+  their tokens inside it (``cover %``) is printed with the acceptance;
 
 and the ratios to ``hf`` and ``plain``. Tokens counted are the generated ones (stop tokens
 included). Each setting gets one untimed warm-up call, then the settings are timed in turns,
@@ -85,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--no-speculative", action="store_true")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads on CPU")
+    ap.add_argument("--draft-vocab-size", type=int, default=0, help="also time drafts from this many tokens (0: not)")
+    ap.add_argument("--draft-vocab-fit", type=int, default=256, help="problems whose responses choose those tokens")
     args = ap.parse_args(argv)
     print("command: python bench/bench_generate.py " + " ".join(sys.argv[1:] if argv is None else argv), flush=True)
     if args.threads:
@@ -111,10 +118,25 @@ def main(argv: list[str] | None = None) -> int:
     gen = gen.model_copy(update={"stop_token_ids": rollout_stop_token_ids(gen, tok, policy_dir)})
     spec_ok = model.num_mtp_depths > 0 and not args.no_speculative
     plain = RolloutEngine(model, gen, device=args.device)
-    spec = None
+    spec = spec_dv = None
     if spec_ok:
         spec = RolloutEngine(model, gen.model_copy(update={"speculative": True}), device=args.device)
         spec.speculative_switch_off = False
+    if spec_ok and args.draft_vocab_size:
+        update = {"speculative": True, "draft_vocab_size": args.draft_vocab_size}
+        spec_dv = RolloutEngine(model, gen.model_copy(update=update), device=args.device)
+        spec_dv.speculative_switch_off = False
+        first = max(int(b) for b in args.batch_sizes.split(","))  # after every timed prompt
+        fit = [encode_prompt(task.get_prompt(first + i), tok, True) for i in range(args.draft_vocab_fit)]
+        t = time.perf_counter()
+        for i in range(0, len(fit), gen.batch_size):
+            spec_dv.generate(fit[i : i + gen.batch_size], list(range(i, i + len(fit[i : i + gen.batch_size]))))
+        vocab = spec_dv.runner.draft_vocab
+        seen = int((vocab.counts > 0).sum())
+        vocab.count = lambda token_ids: None  # held fixed from here: the timed calls never shape it
+        print(f"draft vocabulary: {args.draft_vocab_size} of {vocab.vocab_size} tokens, the most frequent of "
+              f"{args.draft_vocab_fit} other problems' prompts and responses ({seen} distinct tokens; "
+              f"{time.perf_counter() - t:.0f} s)", flush=True)  # fmt: skip
     hf = None
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
@@ -124,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{model.num_mtp_depths} MTP depth(s)), {args.device} {dtype}, T={args.temperature}, "
           f"≤ {args.new_tokens} new tokens, {torch.get_num_threads()} torch thread(s) of {os.cpu_count()} CPUs, "
           f"{_load()}", flush=True)  # fmt: skip
-    print(f"{'batch':>5} {'hf tok/s':>9} {'plain':>9} {'spec':>9} {'accept %':>8} {'plain/hf':>8} {'spec/plain':>10}")
+    head = f"{'batch':>5} {'hf tok/s':>9} {'plain':>9} {'spec':>9} {'accept %':>8} {'plain/hf':>8} {'spec/plain':>10}"
+    if spec_dv is not None:
+        head += f" {'spec-dv':>9} {'accept %':>8} {'cover %':>7} {'dv/plain':>8}"
+    print(head)
     for b in (int(x) for x in args.batch_sizes.split(",")):
         prompts = [encode_prompt(task.get_prompt(i), tok, True) for i in range(b)]
         seeds = list(range(b))
@@ -132,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         fns = {"plain": lambda: plain.generate(prompts, seeds)}
         if spec is not None:
             fns["spec"] = lambda: spec.generate(prompts, seeds)
+        if spec_dv is not None:
+            fns["spec-dv"] = lambda: spec_dv.generate(prompts, seeds)
         if hf is not None:
             tok.padding_side = "left"
             if tok.pad_token_id is None:
@@ -160,11 +187,17 @@ def main(argv: list[str] | None = None) -> int:
             rounds[k] = ", ".join(f"{n / t:.1f}" for t in ts)
         if spec is not None:
             row["accept"] = spec.last_stats.acceptance_rate
+        dv = ""
+        if spec_dv is not None:
+            st = spec_dv.last_stats
+            dv = (f" {row['spec-dv']:9.1f} {st.acceptance_rate:8.1f} {st.draft_vocab_coverage:7.1f} "
+                  f"{row['spec-dv'] / row['plain']:7.2f}x")  # fmt: skip
         fmt = lambda k: f"{row[k]:9.1f}" if k in row else f"{'-':>9}"  # noqa: E731
         ratio = lambda a, c: f"{row[a] / row[c]:.2f}x" if a in row and c in row else "-"  # noqa: E731
         acc = f"{row['accept']:8.1f}" if "accept" in row else f"{'-':>8}"
         print(
-            f"{b:5d} {fmt('hf')} {fmt('plain')} {fmt('spec')} {acc} {ratio('plain', 'hf'):>8} {ratio('spec', 'plain'):>10}",
+            f"{b:5d} {fmt('hf')} {fmt('plain')} {fmt('spec')} {acc} {ratio('plain', 'hf'):>8} {ratio('spec', 'plain'):>10}"
+            + dv,
             flush=True,
         )
         each = "; ".join(f"{k} {v}" for k, v in rounds.items())

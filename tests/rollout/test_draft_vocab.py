@@ -144,3 +144,34 @@ def test_bad_settings_refused(cfg, match):
 def test_zero_is_refused_by_the_config():
     with pytest.raises(ValueError, match="draft_vocab_size"):
         GenerationConfig(speculative=True, draft_vocab_size=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs: run with a GPU (the device machine)")
+def test_cuda_graphs_read_the_refreshed_set():
+    """fp32 on CUDA with captured graphs: the samples equal plain decoding's on the same device, and
+    a second call on other prompts, whose refreshed set differs, replays the decode-step graphs of
+    the first (captures no new one) with the buffers rewritten in place."""
+    model = make_model(vocab=128, depths=2, seed=3).to("cuda")
+    cfg = dict(temperature=0.9, max_new_tokens=20, batch_size=4)
+    spec = RolloutEngine(
+        model, GenerationConfig(speculative=True, deterministic=True, draft_vocab_size=24, **cfg), "cuda"
+    )
+    plain = RolloutEngine(model, GenerationConfig(**cfg), "cuda")
+    assert spec.use_cuda_graphs
+    vocab = spec.runner.draft_vocab
+    ids_ptr, weight_ptr = vocab.ids.data_ptr(), vocab.weight.data_ptr()
+    outs, sets, steps = [], [], []
+    for seed in (8, 9):
+        prompts = random_prompts(4, 128, (3, 30), seed=seed)
+        seeds = list(range(seed, seed + 4))
+        outs.append((spec.generate(prompts, seeds), plain.generate(prompts, seeds)))
+        sets.append(vocab.ids.clone())
+        steps.append({k for k in spec.runner.graphs if k[0] != "prefill"})
+    assert steps[0] and steps[0] == steps[1] and spec.last_stats.drafted_tokens > 0
+    assert not torch.equal(sets[0], sets[1])
+    assert (vocab.ids.data_ptr(), vocab.weight.data_ptr()) == (ids_ptr, weight_ptr)
+    for got, ref in outs:
+        assert [r.response_ids for r in got] == [r.response_ids for r in ref]
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+    assert torch.equal(vocab.weight, model.output_weight[vocab.ids])
