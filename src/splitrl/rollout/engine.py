@@ -386,6 +386,7 @@ class RolloutEngine:
         if vocab is not None:  # the drafts' tokens: the most frequent so far, this call's prompts included
             vocab.count([t for p in prompts for t in p])
             vocab.refresh()
+        responses: list[int] = []  # this call's tokens (with a draft vocabulary)
         stats = RolloutStats(
             num_samples=len(prompts),
             prompt_tokens=sum(len(p) for p in prompts),
@@ -428,13 +429,15 @@ class RolloutEngine:
             if finished:
                 for i, result in slots.collect(finished, stats):
                     if vocab is not None:
-                        stats.draft_vocab_covered += vocab.covered(result.response_ids)
-                        vocab.count(result.response_ids)
+                        responses.extend(result.response_ids)
                     yield i, result
                 active = [s for s in active if slots.item[s] is not None]
             if drafts and policy.should_switch_off(timing, stats, slots.live_drafted, slots.live_accepted):
                 drafts = 0  # a verify chunk already queued still runs: the same tokens
                 stats.switched_off_at_iteration = timing.iterations
+        if vocab is not None:  # counted once a call: the next call's set
+            stats.draft_vocab_covered = vocab.covered(responses)
+            vocab.count(responses)
         stats.wall_time_s = time.perf_counter() - start_time
         stats.tokens_per_s = stats.generated_tokens / stats.wall_time_s if stats.wall_time_s > 0 else 0.0
         stats.graph_captures = runner.captures - captures_before
