@@ -153,19 +153,13 @@ def _check_training_signal(config: RunConfig) -> None:
         )
     D = config.model.mtp.mtp_num_layers
     n_draft = config.rollout.num_draft_tokens
-    if n_draft is not None and not config.rollout.speculative:
-        raise ValueError(
-            f"rollout.num_draft_tokens={n_draft} is set but rollout.speculative=false: only speculative "
-            "decoding drafts tokens, so it would have no effect; set rollout.speculative=true, or remove "
-            "rollout.num_draft_tokens"
-        )
     size = config.rollout.draft_vocab_size
-    if size is not None and not config.rollout.speculative:
-        raise ValueError(
-            f"rollout.draft_vocab_size={size} is set but rollout.speculative=false: only speculative "
-            "decoding drafts tokens, so it would have no effect; set rollout.speculative=true, or remove "
-            "rollout.draft_vocab_size"
-        )
+    for key, value in (("num_draft_tokens", n_draft), ("draft_vocab_size", size)):
+        if value is not None and not config.rollout.speculative:
+            raise ValueError(
+                f"rollout.{key}={value} is set but rollout.speculative=false: only speculative decoding "
+                f"drafts tokens, so it would have no effect; set rollout.speculative=true, or remove rollout.{key}"
+            )
     vocab = (config.model.backbone or {}).get("vocab_size") if not config.model.pretrained_path else None
     if size is not None and isinstance(vocab, int) and size > vocab:
         raise ValueError(

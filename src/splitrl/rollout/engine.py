@@ -186,16 +186,13 @@ class RolloutEngine:
         bad = [t for t in config.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary of size {vocab}")
-        if config.num_draft_tokens is not None and not config.speculative:
-            raise ValueError(
-                f"num_draft_tokens={config.num_draft_tokens} is set but speculative=False: only speculative "
-                "decoding drafts tokens; set speculative=True, or leave num_draft_tokens unset"
-            )
-        if config.draft_vocab_size is not None and not config.speculative:
-            raise ValueError(
-                f"draft_vocab_size={config.draft_vocab_size} is set but speculative=False: only speculative "
-                "decoding drafts tokens; set speculative=True, or leave draft_vocab_size unset"
-            )
+        for key in ("num_draft_tokens", "draft_vocab_size"):
+            value = getattr(config, key)
+            if value is not None and not config.speculative:
+                raise ValueError(
+                    f"{key}={value} is set but speculative=False: only speculative decoding drafts tokens; "
+                    f"set speculative=True, or leave {key} unset"
+                )
         if config.draft_vocab_size is not None and config.draft_vocab_size > vocab:
             raise ValueError(
                 f"draft_vocab_size={config.draft_vocab_size} exceeds the model's vocabulary of {vocab} tokens; "
