@@ -132,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(0, len(fit), gen.batch_size):
             spec_dv.generate(fit[i : i + gen.batch_size], list(range(i, i + len(fit[i : i + gen.batch_size]))))
         vocab = spec_dv.runner.draft_vocab
-        seen = int((vocab.counts > 0).sum())
-        vocab.count = lambda token_ids: None  # held fixed from here: the timed calls never shape it
+        seen = int(((vocab.counts + vocab.prompt_counts) > 0).sum())
+        vocab.count = lambda token_ids, prompt=False: None  # held fixed from here: the timed calls never shape it
         print(f"draft vocabulary: {args.draft_vocab_size} of {vocab.vocab_size} tokens, the most frequent of "
               f"{args.draft_vocab_fit} other problems' prompts and responses ({seen} distinct tokens; "
               f"{time.perf_counter() - t:.0f} s)", flush=True)  # fmt: skip

@@ -158,14 +158,9 @@ def _check_training_signal(config: RunConfig) -> None:
         if value is not None and not config.rollout.speculative:
             raise ValueError(
                 f"rollout.{key}={value} is set but rollout.speculative=false: only speculative decoding "
-                f"drafts tokens, so it would have no effect; set rollout.speculative=true, or remove rollout.{key}"
+                f"drafts tokens, so it would have no effect; set rollout.speculative=true, or remove rollout.{key} "
+                f"(on the command line: rollout.{key}=null)"
             )
-    vocab = (config.model.backbone or {}).get("vocab_size") if not config.model.pretrained_path else None
-    if size is not None and isinstance(vocab, int) and size > vocab:
-        raise ValueError(
-            f"rollout.draft_vocab_size={size} exceeds model.backbone.vocab_size={vocab}; set "
-            f"rollout.draft_vocab_size <= {vocab}, or remove it to draft from the whole vocabulary"
-        )
     if config.rollout.speculative and n_draft is not None and n_draft > D:
         raise ValueError(
             f"rollout.num_draft_tokens={n_draft} > model.mtp.mtp_num_layers={D}: depth k drafts the "

@@ -81,6 +81,18 @@ def saved_model(tmp_path_factory):
     return path
 
 
+def test_draft_vocabulary_over_the_model_vocabulary_is_refused_in_preflight(tmp_path, saved_model):
+    """Kind: a size only the loaded model can check (a pretrained model's vocabulary), which the
+    generation worker refused after Ray and the workers had started."""
+    spec = ["rollout.speculative=true"]
+    with pytest.raises(ValueError, match=r"rollout.draft_vocab_size=23 exceeds the model's vocab_size=22; set"):
+        preflight(_cfg(tmp_path, f"model.pretrained_path={saved_model}", *spec, "rollout.draft_vocab_size=23"))
+    with pytest.raises(ValueError, match=r"rollout.draft_vocab_size=23 exceeds model.backbone.vocab_size=22"):
+        preflight(_cfg(tmp_path, *spec, "rollout.draft_vocab_size=23"))
+    assert not (tmp_path / "run").exists()
+    assert preflight(_cfg(tmp_path, f"model.pretrained_path={saved_model}", *spec, "rollout.draft_vocab_size=22")) == 0
+
+
 def _copy(src, dst):
     dst.mkdir()
     for f in src.iterdir():

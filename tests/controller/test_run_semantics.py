@@ -107,12 +107,9 @@ def test_settings_a_run_would_ignore_or_fail_on_late_are_refused():
     with pytest.raises(ValueError, match="num_draft_tokens=1 is set but rollout.speculative=false"):
         demo_config(["rollout.num_draft_tokens=1"])
     assert demo_config(["rollout.speculative=true", "rollout.num_draft_tokens=1"]).rollout.num_draft_tokens == 1
-    with pytest.raises(ValueError, match="draft_vocab_size=8 is set but rollout.speculative=false"):
+    with pytest.raises(ValueError, match="draft_vocab_size=8 is set but rollout.speculative=false.*draft_vocab_size=null"):
         demo_config(["rollout.draft_vocab_size=8"])
-    vocab = demo_config([]).model.backbone["vocab_size"]
-    with pytest.raises(ValueError, match=f"draft_vocab_size={vocab + 1} exceeds model.backbone.vocab_size={vocab}"):
-        demo_config(["rollout.speculative=true", f"rollout.draft_vocab_size={vocab + 1}"])
-    assert demo_config(["rollout.speculative=true", f"rollout.draft_vocab_size={vocab}"]).rollout.draft_vocab_size
+    assert demo_config(["rollout.speculative=true", "rollout.draft_vocab_size=8"]).rollout.draft_vocab_size == 8
     with pytest.raises(ValueError, match="train.device=cpu differs from cluster.device=auto"):
         demo_config(["train.device=cpu"])
     assert demo_config(["cluster.device=cpu", "train.device=cpu"]).train.device == "cpu"

@@ -67,13 +67,14 @@ def test_drafts_come_from_the_most_frequent_tokens():
     vocab = engine.runner.draft_vocab
     prompts = random_prompts(5, 64, (3, 12), seed=2)
     first = engine.generate(prompts, list(range(5)))
-    counted = [t for p in prompts for t in p] + [t for r in first for t in r.response_ids]
-    assert torch.equal(vocab.counts, torch.bincount(torch.tensor(counted), minlength=64))
+    bincount = lambda tokens: torch.bincount(torch.tensor(tokens, dtype=torch.int64), minlength=64)  # noqa: E731
+    assert torch.equal(vocab.counts, bincount([t for r in first for t in r.response_ids]))
+    assert torch.equal(vocab.prompt_counts, bincount([t for p in prompts for t in p]))
 
     prompts2 = random_prompts(4, 64, (3, 12), seed=9)
-    expected_counts = vocab.counts + torch.bincount(torch.tensor([t for p in prompts2 for t in p]), minlength=64)
-    # the ranking: count descending, ties to the lower id
-    order = sorted(range(64), key=lambda t: (-int(expected_counts[t]), t))
+    responses, in_prompts = vocab.counts.clone(), vocab.prompt_counts + bincount([t for p in prompts2 for t in p])
+    # the ranking: response count, then prompt count (this call's prompts included), descending; then the lower id
+    order = sorted(range(64), key=lambda t: (-int(responses[t]), -int(in_prompts[t]), t))
     expected = torch.tensor(sorted(order[:size]))
     draws = []
     engine.runner.drafter.probe = lambda lo, c, k, logits: draws.append(logits.clone())
@@ -122,6 +123,14 @@ def test_ranking_and_membership():
     assert vocab.ids.tolist() == [1, 2, 7]  # 7 (3), 2 (2), then the lower of the ties 1, 9
     assert vocab.covered([7, 2, 9, 0]) == 2 and vocab.covered([]) == 0
     assert torch.equal(vocab.weight, torch.arange(40.0).view(10, 4)[[1, 2, 7]])
+    # prompt tokens break ties and fill the rest, never outrank a response token
+    vocab.count([9, 5, 5, 5, 5, 5, 5], prompt=True)
+    vocab.refresh()
+    assert vocab.ids.tolist() == [2, 7, 9]  # 7 (3), 2 (2), then 9 over 1 (in a prompt); 5 only in prompts
+    vocab.count([3], prompt=False)
+    vocab.count([5] * 100 + [4], prompt=True)
+    vocab.refresh()
+    assert vocab.ids.tolist() == [2, 7, 9]  # 1, 3 and 9 have one response each: 9 was also in a prompt
     with pytest.raises(ValueError, match="outside 1..10"):
         DraftVocabulary(torch.zeros(10, 4), 11)
 

@@ -271,16 +271,24 @@ def load_checked_tokenizer(config: RunConfig) -> Any:
 
 
 def check_vocab(config: RunConfig, tokenizer: Any, hf_cfg: Any) -> None:
-    """The model's embedding must have a row for every id the tokenizer can produce, and every
-    ``rollout.stop_token_ids`` entry must be an id the model can sample.
+    """The model's embedding must have a row for every id the tokenizer can produce, every
+    ``rollout.stop_token_ids`` entry must be an id the model can sample, and
+    ``rollout.draft_vocab_size`` can be at most the model's vocabulary.
 
     Raises:
-        ValueError: naming ``rollout.stop_token_ids``, ``model.backbone.vocab_size`` (random init)
-            or the tokenizer/model paths.
+        ValueError: naming ``rollout.stop_token_ids``, ``rollout.draft_vocab_size``,
+            ``model.backbone.vocab_size`` (random init) or the tokenizer/model paths.
     """
     vocab = getattr(hf_cfg, "vocab_size", None)
     if vocab is None:
         return
+    size = config.rollout.draft_vocab_size
+    if size is not None and size > vocab:
+        model = "model.backbone.vocab_size" if config.model.pretrained_path is None else "the model's vocab_size"
+        raise ValueError(
+            f"rollout.draft_vocab_size={size} exceeds {model}={vocab}; set rollout.draft_vocab_size <= {vocab}, "
+            "or rollout.draft_vocab_size=null to draft from the whole vocabulary"
+        )
     beyond = [t for t in config.rollout.stop_token_ids if t >= vocab]
     if beyond:
         raise ValueError(

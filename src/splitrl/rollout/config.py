@@ -29,15 +29,18 @@ class GenerationConfig(BaseModel):
             also measures calls drafting fewer (n-1 .. 1) and drafts the fastest count per batch size
             (:class:`~splitrl.rollout.spec_policy.SpecPolicy`); the tokens are the same for every count.
         draft_vocab_size: the MTP heads draft from this many tokens only (default: the whole
-            vocabulary): the ones seen most often so far in this engine's prompts and responses
-            (counted on the host, the set refreshed at the start of every call, the draft head's rows
-            gathered from the current weights). A draft's output layer then reads ``draft_vocab_size``
-            rows instead of V (Qwen3: 151,936; SmolLM2: 49,152), the draft's largest cost on a real
-            model. The tokens and logprobs are exactly those of plain decoding whatever the set (the
-            verify decides every token); a token outside the set is never drafted, so acceptance falls
-            by about the share of tokens outside it. The reduced draft vocabulary of EAGLE-3
-            (Li et al. 2025) and FR-Spec (Zhao et al. 2025), chosen here from the run's own tokens.
-            Requires ``speculative``; at most the vocabulary size (checked by the engine).
+            vocabulary): the ones this engine has seen most often in responses since it was built,
+            then in prompts (:class:`~splitrl.rollout.drafter.DraftVocabulary`; counted on the host,
+            not checkpointed, one count per generation worker; the set is re-ranked at the start of
+            every call and the draft head's rows gathered from the current weights). A draft's
+            output layer then reads ``draft_vocab_size`` rows instead of V (Qwen3: 151,936; SmolLM2:
+            49,152), the larger part of a draft's cost on a real model. The tokens are exactly plain
+            decoding's whatever the set (the verify decides every token); their logprobs are those
+            of speculative decoding (the last bits may differ, see ``deterministic``). A token
+            outside the set is never drafted: with few such tokens acceptance barely moves. The
+            reduced draft vocabulary of EAGLE-3 (Li et al. 2025) and FR-Spec (Zhao et al. 2025),
+            chosen here from the run's own tokens. Requires ``speculative``; at most the vocabulary
+            size (checked by the engine).
         deterministic: with ``speculative``, decode every call speculatively from start to end
             instead of letting measured speed switch speculation off (no clock is read). The tokens
             are the same either way, but a token emitted by a verify forward and the same token

@@ -35,13 +35,16 @@ from splitrl.rollout.sampling import column_keys
 
 class DraftVocabulary:
     """The tokens the MTP heads draft from (``GenerationConfig.draft_vocab_size``): the ``size`` most
-    frequent tokens of what :meth:`count` was given, and the output layer's rows of those tokens.
+    frequent tokens of the responses :meth:`count` was given, then (ties, and tokens no response had
+    yet) of the prompts, then the lower id; and the output layer's rows of those tokens. Responses
+    rank first because drafts are response tokens: a prompt's template and system text would
+    otherwise fill a small set.
 
     ``ids`` (int64 [size], ascending) and ``weight`` ([size, H], the output layer's dtype) are
     buffers on the model's device that :meth:`refresh` rewrites in place, so CUDA graphs captured
     with them read the new set; ``inside`` is the set as a host bool [V]. Until the first refresh
-    they hold tokens 0..size-1. Token counts (``counts``, int64 [V]) are kept on the host; ties go to
-    the lower token id.
+    they hold tokens 0..size-1. The counts (``counts`` of responses, ``prompt_counts``; int64 [V])
+    are kept on the host.
 
     Args:
         output_weight: the model's output layer [V, H] (its storage: weight syncs copy into it).
@@ -61,20 +64,24 @@ class DraftVocabulary:
         self.size, self.vocab_size = size, V
         self._output_weight = output_weight
         self.counts = torch.zeros(V, dtype=torch.int64)
+        self.prompt_counts = torch.zeros(V, dtype=torch.int64)
         self.ids = torch.arange(size, device=output_weight.device)
         self.weight = output_weight[:size].clone()
         self.inside = torch.arange(V) < size  # host bool [V]: token in the set
 
-    def count(self, token_ids: list[int]) -> None:
-        """Add tokens (ids in [0, V)) to the counts the next :meth:`refresh` ranks."""
+    def count(self, token_ids: list[int], prompt: bool = False) -> None:
+        """Add response tokens (or, with ``prompt``, prompt tokens; ids in [0, V)) to the counts the
+        next :meth:`refresh` ranks."""
         if token_ids:
-            self.counts += torch.bincount(torch.tensor(token_ids, dtype=torch.int64), minlength=self.vocab_size)
+            counts = self.prompt_counts if prompt else self.counts
+            counts += torch.bincount(torch.tensor(token_ids, dtype=torch.int64), minlength=self.vocab_size)
 
     @torch.no_grad()
     def refresh(self) -> None:
         """Take the ``size`` most frequent tokens counted so far, and their rows of the output
         layer as it is now (call it after a weight sync too)."""
-        top = torch.sort(self.counts, descending=True, stable=True).indices[: self.size]
+        order = torch.sort(self.prompt_counts, descending=True, stable=True).indices  # ties: the lower id
+        top = order[torch.sort(self.counts[order], descending=True, stable=True).indices[: self.size]]
         self.ids.copy_(torch.sort(top).values)
         self.inside = torch.zeros(self.vocab_size, dtype=torch.bool)
         self.inside[top] = True

@@ -381,7 +381,7 @@ class RolloutEngine:
         runner.ensure_buffers(max(len(p) for p in prompts))
         vocab = runner.draft_vocab
         if vocab is not None:  # the drafts' tokens: the most frequent so far, this call's prompts included
-            vocab.count([t for p in prompts for t in p])
+            vocab.count([t for p in prompts for t in p], prompt=True)
             vocab.refresh()
         responses: list[int] = []  # this call's tokens (with a draft vocabulary)
         stats = RolloutStats(

@@ -43,7 +43,9 @@ class RolloutStats:
         draft_vocab_size: tokens the drafts came from (``GenerationConfig.draft_vocab_size``; 0: the
             whole vocabulary).
         draft_vocab_covered: generated tokens of the call inside that set; ``draft_vocab_coverage``
-            is their percentage (NaN without a set or tokens), the most acceptance the set allows.
+            is their percentage (NaN without a set or tokens). A token outside the set can only come
+            from a verify, never from an accepted draft (acceptance counts drafts, so it may exceed
+            the coverage).
         graph_captures: CUDA graphs captured during the call.
         setup_s: seconds of the call spent on work that decodes nothing: CUDA graph captures
             (with their warm-up steps) and the plain-step timings of the switch-off rule.
