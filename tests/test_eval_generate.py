@@ -792,3 +792,21 @@ def test_generate_device_flag_wins_over_the_run_configs_device(tmp_path, capsys)
     assert "--device cuda but no CUDA GPU is visible; use --device cpu or auto" in capsys.readouterr().err
     assert main(argv + ["--device", "cpu"]) == 0
     assert main(argv) == 0
+
+
+def test_an_export_copied_out_of_its_run_speculates_with_its_saved_heads(tmp_path, capsys):
+    """Kind: a valid request refused. `generate <export> rollout.speculative=true` on a policy/
+    directory copied out of its run (no run config beside it) said "needs MTP heads: set
+    model.mtp.mtp_num_layers >= 1" although the export has them: the default config has none."""
+    import shutil
+
+    _, model, _, step = _checkpoint(tmp_path)
+    assert model.num_mtp_depths >= 1
+    alone = shutil.copytree(step / "policy", tmp_path / "alone")
+    argv = ["generate", str(alone), "-p", "desc 5,2,7=", "-n", "2", "--device", "cpu", "--json"]
+    capsys.readouterr()
+    assert main(argv + ["rollout.speculative=true", "rollout.draft_vocab_size=8", "rollout.max_new_tokens=6"]) == 0
+    speculative = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert main(argv + ["rollout.max_new_tokens=6"]) == 0
+    plain = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert speculative and [x["responses"] for x in speculative] == [x["responses"] for x in plain]

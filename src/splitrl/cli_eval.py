@@ -139,6 +139,18 @@ def _hf_generation_overrides(policy_dir: Path) -> list[str]:
     return [f"rollout={json.dumps(rollout)}"] if rollout else []
 
 
+def _saved_mtp_overrides(policy_dir: Path) -> list[str]:
+    """``model.mtp.mtp_num_layers=N`` for a directory of ours saved without its run config: the
+    model loads its N MTP depths, so ``rollout.speculative=true`` is valid for it (the default
+    config has none and refused it). Nothing for other directories."""
+    try:
+        saved = json.loads((policy_dir / "config.json").read_text()).get("splitrl") or {}
+        n = int(saved["mtp"]["mtp_num_layers"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+    return [f"model.mtp.mtp_num_layers={n}"] if n > 0 else []
+
+
 # the run config a run writes at the top of its output_dir (splitrl.logging.logger.CONFIG_FILE)
 _OUTPUT_DIR_CONFIG = "config.yaml"
 
@@ -176,7 +188,7 @@ def load_policy_and_config(args: argparse.Namespace):
         check_config_file(args.config)
     policy_dir, run_cfg = resolve_policy_dir(args.path)
     source = args.config or run_cfg
-    extra = [] if source is not None else _hf_generation_overrides(policy_dir)
+    extra = [] if source is not None else _hf_generation_overrides(policy_dir) + _saved_mtp_overrides(policy_dir)
     device = getattr(args, "device", "auto")
     if not any(o.startswith(("cluster.device=", "device=")) for o in args.overrides):
         # --device (default auto: a GPU if any) wins over the run config's: a GPU run read on a CPU
