@@ -159,7 +159,7 @@ def test_zero_is_refused_by_the_config():
 def test_cuda_graphs_read_the_refreshed_set():
     """fp32 on CUDA with captured graphs: the samples equal plain decoding's on the same device, and
     a second call on other prompts, whose refreshed set differs, replays the decode-step graphs of
-    the first (captures no new one) with the buffers rewritten in place."""
+    the first with the set's buffers rewritten in place (same storage)."""
     model = make_model(vocab=128, depths=2, seed=3).to("cuda")
     cfg = dict(temperature=0.9, max_new_tokens=20, batch_size=4)
     spec = RolloutEngine(
@@ -176,7 +176,8 @@ def test_cuda_graphs_read_the_refreshed_set():
         outs.append((spec.generate(prompts, seeds), plain.generate(prompts, seeds)))
         sets.append(vocab.ids.clone())
         steps.append({k for k in spec.runner.graphs if k[0] != "prefill"})
-    assert steps[0] and steps[0] == steps[1] and spec.last_stats.drafted_tokens > 0
+    # the first call's decode graphs are kept (a refresh drops none; compaction may add small buckets)
+    assert steps[0] and steps[0] <= steps[1] and spec.last_stats.drafted_tokens > 0
     assert not torch.equal(sets[0], sets[1])
     assert (vocab.ids.data_ptr(), vocab.weight.data_ptr()) == (ids_ptr, weight_ptr)
     for got, ref in outs:
