@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from splitrl._lazy import import_checks_deferred
+from splitrl.rollout.config import DETERMINISTIC_DRAFT_VOCAB
 
 if TYPE_CHECKING:
     from splitrl.config import RunConfig
@@ -161,6 +162,8 @@ def _check_training_signal(config: RunConfig) -> None:
                 f"drafts tokens, so it would have no effect; set rollout.speculative=true, or remove rollout.{key} "
                 f"(on the command line: rollout.{key}=null)"
             )
+    if size is not None and config.rollout.deterministic:
+        raise ValueError(DETERMINISTIC_DRAFT_VOCAB.format(size="rollout.draft_vocab_size", det="rollout.deterministic"))
     if config.rollout.speculative and n_draft is not None and n_draft > D:
         raise ValueError(
             f"rollout.num_draft_tokens={n_draft} > model.mtp.mtp_num_layers={D}: depth k drafts the "

@@ -110,6 +110,9 @@ def test_settings_a_run_would_ignore_or_fail_on_late_are_refused():
     with pytest.raises(ValueError, match="draft_vocab_size=8 is set but rollout.speculative=false.*draft_vocab_size=null"):
         demo_config(["rollout.draft_vocab_size=8"])
     assert demo_config(["rollout.speculative=true", "rollout.draft_vocab_size=8"]).rollout.draft_vocab_size == 8
+    # kind: a promise the setting would break (deterministic runs are bit-reproducible across a resume)
+    with pytest.raises(ValueError, match="rollout.draft_vocab_size with rollout.deterministic=true: .*unset one"):
+        demo_config(["rollout.speculative=true", "rollout.draft_vocab_size=8", "rollout.deterministic=true"])
     with pytest.raises(ValueError, match="train.device=cpu differs from cluster.device=auto"):
         demo_config(["train.device=cpu"])
     assert demo_config(["cluster.device=cpu", "train.device=cpu"]).train.device == "cpu"

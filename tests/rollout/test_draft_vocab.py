@@ -60,10 +60,9 @@ def test_drafts_come_from_the_most_frequent_tokens():
     model = make_model(vocab=64, depths=2)
     size = 10
     engine = RolloutEngine(
-        model,
-        GenerationConfig(speculative=True, deterministic=True, max_new_tokens=10, batch_size=4, draft_vocab_size=size),
-        "cpu",
+        model, GenerationConfig(speculative=True, max_new_tokens=10, batch_size=4, draft_vocab_size=size), "cpu"
     )
+    engine.speculative_switch_off = False  # every call speculative (the measured choice would switch)
     vocab = engine.runner.draft_vocab
     prompts = random_prompts(5, 64, (3, 12), seed=2)
     first = engine.generate(prompts, list(range(5)))
@@ -116,19 +115,22 @@ def test_head_rows_follow_a_weight_sync():
 
 
 def test_ranking_and_membership():
-    vocab = DraftVocabulary(torch.arange(40.0).view(10, 4), 3)
-    assert vocab.ids.tolist() == [0, 1, 2] and vocab.covered([0, 2, 3]) == 2  # before any count
-    vocab.count([7, 7, 7, 2, 2, 9, 1])
+    t = lambda ids: torch.tensor(ids, dtype=torch.int64)  # noqa: E731
+    weight = torch.arange(40.0).view(10, 4).requires_grad_()
+    vocab = DraftVocabulary(weight, 3)
+    assert not vocab.weight.requires_grad
+    assert vocab.ids.tolist() == [0, 1, 2] and vocab.covered(t([0, 2, 3])) == 2  # before any count
+    vocab.count(t([7, 7, 7, 2, 2, 9, 1]))
     vocab.refresh()
     assert vocab.ids.tolist() == [1, 2, 7]  # 7 (3), 2 (2), then the lower of the ties 1, 9
-    assert vocab.covered([7, 2, 9, 0]) == 2 and vocab.covered([]) == 0
-    assert torch.equal(vocab.weight, torch.arange(40.0).view(10, 4)[[1, 2, 7]])
+    assert vocab.covered(t([7, 2, 9, 0])) == 2 and vocab.covered(t([])) == 0
+    assert torch.equal(vocab.weight, weight.detach()[[1, 2, 7]])
     # prompt tokens break ties and fill the rest, never outrank a response token
-    vocab.count([9, 5, 5, 5, 5, 5, 5], prompt=True)
+    vocab.count(t([9, 5, 5, 5, 5, 5, 5]), prompt=True)
     vocab.refresh()
     assert vocab.ids.tolist() == [2, 7, 9]  # 7 (3), 2 (2), then 9 over 1 (in a prompt); 5 only in prompts
-    vocab.count([3], prompt=False)
-    vocab.count([5] * 100 + [4], prompt=True)
+    vocab.count(t([3]), prompt=False)
+    vocab.count(t([5] * 100 + [4]), prompt=True)
     vocab.refresh()
     assert vocab.ids.tolist() == [2, 7, 9]  # 1, 3 and 9 have one response each: 9 was also in a prompt
     with pytest.raises(ValueError, match="outside 1..10"):
@@ -140,6 +142,7 @@ def test_ranking_and_membership():
     [
         (dict(draft_vocab_size=8), "speculative=False"),
         (dict(speculative=True, draft_vocab_size=129), "exceeds the model's vocabulary of 128"),
+        (dict(speculative=True, deterministic=True, draft_vocab_size=8), "deterministic=true: .* bit-reproducible"),
     ],
 )
 def test_bad_settings_refused(cfg, match):
@@ -162,9 +165,8 @@ def test_cuda_graphs_read_the_refreshed_set():
     the first with the set's buffers rewritten in place (same storage)."""
     model = make_model(vocab=128, depths=2, seed=3).to("cuda")
     cfg = dict(temperature=0.9, max_new_tokens=20, batch_size=4)
-    spec = RolloutEngine(
-        model, GenerationConfig(speculative=True, deterministic=True, draft_vocab_size=24, **cfg), "cuda"
-    )
+    spec = RolloutEngine(model, GenerationConfig(speculative=True, draft_vocab_size=24, **cfg), "cuda")
+    spec.speculative_switch_off = False
     plain = RolloutEngine(model, GenerationConfig(**cfg), "cuda")
     assert spec.use_cuda_graphs
     vocab = spec.runner.draft_vocab
@@ -185,3 +187,20 @@ def test_cuda_graphs_read_the_refreshed_set():
         for a, b in zip(got, ref):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
     assert torch.equal(vocab.weight, model.output_weight[vocab.ids])
+
+
+def test_a_stream_closed_early_counts_what_it_gave():
+    """The responses a caller received before closing the stream are counted (for the next call's
+    set, and in the call's coverage); the call's prompts were counted at its start."""
+    model = make_model(vocab=64, depths=1)
+    engine = RolloutEngine(
+        model, GenerationConfig(speculative=True, max_new_tokens=8, batch_size=2, draft_vocab_size=8), "cpu"
+    )
+    stream = engine.generate_stream(random_prompts(6, 64, (2, 6), seed=4), list(range(6)))
+    got = [next(stream)[1], next(stream)[1]]
+    stream.close()
+    vocab = engine.runner.draft_vocab
+    tokens = [t for r in got for t in r.response_ids]
+    assert int(vocab.counts.sum()) == len(tokens) > 0
+    inside = sum(int(vocab.inside[t]) for t in tokens)
+    assert engine.last_stats.draft_vocab_covered == inside

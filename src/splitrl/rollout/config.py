@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+# a refusal of the run config and of the engine alike ({size}, {det}: the keys as each names them)
+DETERMINISTIC_DRAFT_VOCAB = (
+    "{size} with {det}=true: the drafts' set is ranked from the tokens this engine generated before, which a "
+    "resumed run or another generation worker does not share, and acceptance decides which verify emits a token, "
+    "so logprobs would differ in their last bits between them and the run would not be bit-reproducible; unset "
+    "one of the two"
+)
+
 
 class GenerationConfig(BaseModel):
     """How rollouts are sampled.
@@ -39,8 +47,11 @@ class GenerationConfig(BaseModel):
             of speculative decoding (the last bits may differ, see ``deterministic``). A token
             outside the set is never drafted: with few such tokens acceptance barely moves. The
             reduced draft vocabulary of EAGLE-3 (Li et al. 2025) and FR-Spec (Zhao et al. 2025),
-            chosen here from the run's own tokens. Requires ``speculative``; at most the vocabulary
-            size (checked by the engine).
+            chosen here from the run's own tokens. A new engine's first call has no responses to
+            rank: its set is the prompts' tokens, then the lowest ids. The counts never decay.
+            Requires ``speculative``; refused with ``deterministic`` (the set, hence which verify
+            emits a token and its logprob's last bits, depends on the engine's history, which a
+            resume does not restore); at most the vocabulary size (checked by the engine).
         deterministic: with ``speculative``, decode every call speculatively from start to end
             instead of letting measured speed switch speculation off (no clock is read). The tokens
             are the same either way, but a token emitted by a verify forward and the same token

@@ -66,15 +66,15 @@ class DraftVocabulary:
         self.counts = torch.zeros(V, dtype=torch.int64)
         self.prompt_counts = torch.zeros(V, dtype=torch.int64)
         self.ids = torch.arange(size, device=output_weight.device)
-        self.weight = output_weight[:size].clone()
+        self.weight = output_weight.detach()[:size].clone()
         self.inside = torch.arange(V) < size  # host bool [V]: token in the set
 
-    def count(self, token_ids: list[int], prompt: bool = False) -> None:
-        """Add response tokens (or, with ``prompt``, prompt tokens; ids in [0, V)) to the counts the
-        next :meth:`refresh` ranks."""
-        if token_ids:
+    def count(self, token_ids: torch.Tensor, prompt: bool = False) -> None:
+        """Add response tokens (or, with ``prompt``, prompt tokens; int64 [n] on the host, ids in
+        [0, V)) to the counts the next :meth:`refresh` ranks."""
+        if token_ids.numel():
             counts = self.prompt_counts if prompt else self.counts
-            counts += torch.bincount(torch.tensor(token_ids, dtype=torch.int64), minlength=self.vocab_size)
+            counts += torch.bincount(token_ids, minlength=self.vocab_size)
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -87,11 +87,9 @@ class DraftVocabulary:
         self.inside[top] = True
         torch.index_select(self._output_weight, 0, self.ids, out=self.weight)
 
-    def covered(self, token_ids: list[int]) -> int:
-        """How many of ``token_ids`` are in the set now."""
-        if not token_ids:
-            return 0
-        return int(self.inside[torch.tensor(token_ids, dtype=torch.int64)].sum())
+    def covered(self, token_ids: torch.Tensor) -> int:
+        """How many of ``token_ids`` (int64 [n] on the host) are in the set now."""
+        return int(self.inside[token_ids].sum())
 
 
 class MTPDrafter:

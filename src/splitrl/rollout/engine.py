@@ -53,7 +53,7 @@ import torch
 
 from splitrl.models.policy import PolicyModel
 from splitrl.rollout import env
-from splitrl.rollout.config import GenerationConfig
+from splitrl.rollout.config import DETERMINISTIC_DRAFT_VOCAB, GenerationConfig
 from splitrl.rollout.forward import DecoderForward, check_supported
 from splitrl.rollout.results import GenerationResult, RolloutStats
 from splitrl.rollout.runner import DeviceTimer, ModelRunner, row_bucket, step_kind
@@ -193,6 +193,8 @@ class RolloutEngine:
                     f"{key}={value} is set but speculative=False: only speculative decoding drafts tokens; "
                     f"set speculative=True, or leave {key} unset"
                 )
+        if config.draft_vocab_size is not None and config.deterministic:
+            raise ValueError(DETERMINISTIC_DRAFT_VOCAB.format(size="draft_vocab_size", det="deterministic"))
         if config.draft_vocab_size is not None and config.draft_vocab_size > vocab:
             raise ValueError(
                 f"draft_vocab_size={config.draft_vocab_size} exceeds the model's vocabulary of {vocab} tokens; "
@@ -381,7 +383,7 @@ class RolloutEngine:
         runner.ensure_buffers(max(len(p) for p in prompts))
         vocab = runner.draft_vocab
         if vocab is not None:  # the drafts' tokens: the most frequent so far, this call's prompts included
-            vocab.count([t for p in prompts for t in p], prompt=True)
+            vocab.count(torch.tensor([t for p in prompts for t in p], dtype=torch.int64), prompt=True)
             vocab.refresh()
         responses: list[int] = []  # this call's tokens (with a draft vocabulary)
         stats = RolloutStats(
@@ -401,40 +403,43 @@ class RolloutEngine:
         timing = SpecTiming()
         queued: deque[_Chunk] = deque()  # chunks launched whose flags the host has not read
         active: list[int] = []
-        while True:
-            if not queued:  # refills and compactions move rows: only with nothing in flight
-                slots.refill(drafts)
-                active = slots.active()
-                if not active:
-                    break
-                queued.append(self._launch(slots, drafts, *slots.next_chunk(active, drafts, stats)))
-            if len(queued) == 1 and active and self.look_ahead:  # the next chunk behind it (scheduler: "Chunks ahead")
-                ahead = slots.next_chunk(active, drafts, stats, ahead=(queued[0].steps, queued[0].drafts))
-                if ahead is not None:
-                    queued.append(self._launch(slots, drafts, *ahead, behind=True))
-            chunk = queued.popleft()
-            finished = slots.read(chunk.flags, active)
-            stats.num_forwards += chunk.steps
-            if chunk.timer is not None:  # a timed verify chunk
-                # its wall: launch to flag read, the host work the GPU waited for included; a chunk
-                # queued behind another ran while the host worked, so its wall is its device time
-                # (setup and the caller's work between reads are no part of it)
-                device_s = chunk.timer.seconds
-                wall = device_s if chunk.behind else time.perf_counter() - chunk.launched_at
-                B, L = chunk.bucket
-                timing.add_chunk(wall, device_s, chunk.steps, runner.plain_step_time(B, L))
-            if finished:
-                for i, result in slots.collect(finished, stats):
-                    if vocab is not None:
-                        responses.extend(result.response_ids)
-                    yield i, result
-                active = [s for s in active if slots.item[s] is not None]
-            if drafts and policy.should_switch_off(timing, stats, slots.live_drafted, slots.live_accepted):
-                drafts = 0  # a verify chunk already queued still runs: the same tokens
-                stats.switched_off_at_iteration = timing.iterations
-        if vocab is not None:  # counted once a call: the next call's set
-            stats.draft_vocab_covered = vocab.covered(responses)
-            vocab.count(responses)
+        try:
+            while True:
+                if not queued:  # refills and compactions move rows: only with nothing in flight
+                    slots.refill(drafts)
+                    active = slots.active()
+                    if not active:
+                        break
+                    queued.append(self._launch(slots, drafts, *slots.next_chunk(active, drafts, stats)))
+                if len(queued) == 1 and active and self.look_ahead:  # the next chunk behind it (scheduler: "Chunks ahead")
+                    ahead = slots.next_chunk(active, drafts, stats, ahead=(queued[0].steps, queued[0].drafts))
+                    if ahead is not None:
+                        queued.append(self._launch(slots, drafts, *ahead, behind=True))
+                chunk = queued.popleft()
+                finished = slots.read(chunk.flags, active)
+                stats.num_forwards += chunk.steps
+                if chunk.timer is not None:  # a timed verify chunk
+                    # its wall: launch to flag read, the host work the GPU waited for included; a chunk
+                    # queued behind another ran while the host worked, so its wall is its device time
+                    # (setup and the caller's work between reads are no part of it)
+                    device_s = chunk.timer.seconds
+                    wall = device_s if chunk.behind else time.perf_counter() - chunk.launched_at
+                    B, L = chunk.bucket
+                    timing.add_chunk(wall, device_s, chunk.steps, runner.plain_step_time(B, L))
+                if finished:
+                    for i, result in slots.collect(finished, stats):
+                        if vocab is not None:
+                            responses.extend(result.response_ids)
+                        yield i, result
+                    active = [s for s in active if slots.item[s] is not None]
+                if drafts and policy.should_switch_off(timing, stats, slots.live_drafted, slots.live_accepted):
+                    drafts = 0  # a verify chunk already queued still runs: the same tokens
+                    stats.switched_off_at_iteration = timing.iterations
+        finally:  # also when the caller closes the stream early: what it was given is counted
+            if vocab is not None:  # once a call, for the next call's set
+                tokens = torch.tensor(responses, dtype=torch.int64)
+                stats.draft_vocab_covered = vocab.covered(tokens)
+                vocab.count(tokens)
         stats.wall_time_s = time.perf_counter() - start_time
         stats.tokens_per_s = stats.generated_tokens / stats.wall_time_s if stats.wall_time_s > 0 else 0.0
         stats.graph_captures = runner.captures - captures_before
