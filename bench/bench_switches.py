@@ -7,7 +7,7 @@ A variant is a name and switches: ``engine.<attr>`` (an on/off attribute of the 
 flag the kernels read at launch, e.g. ``pdl.EARLY``), each ``=0`` or ``=1``, or one of the
 thresholds ``skinny_gemm.PREFERRED_ROWS``, ``skinny_gemm.GATED_ROWS``, ``skinny_gemm.GATED_WIDE_ROWS``, ``pdl.EARLY_ROWS``,
 ``rope_write.GROUP_FROM_TOKENS``, ``rope_write.MAX_HEADS_PER_PROGRAM``,
-``decode_attention.HEADS_FIRST_PROGRAMS``, ``decode_attention.PAIR_PROGRAMS`` ``=<int>`` (e.g.
+``decode_attention.HEADS_FIRST_PROGRAMS`` ``=<int>`` (e.g.
 ``skinny_gemm.GATED_ROWS=256``); ``name:``
 alone runs the defaults. Module flags are global to the process: a switch that a variant does not name takes its
 default (its value when the bench started) for that variant. Each variant gets an engine of its own, built and warmed up (CUDA graphs captured) with
@@ -60,7 +60,6 @@ INT_SWITCHES = (
     ("rope_write", "GROUP_FROM_TOKENS"),
     ("rope_write", "MAX_HEADS_PER_PROGRAM"),
     ("decode_attention", "HEADS_FIRST_PROGRAMS"),
-    ("decode_attention", "PAIR_PROGRAMS"),
 )
 # the engine's on/off attributes a variant may set (plain decoding)
 ENGINE_SWITCHES = ("look_ahead", "use_cuda_graphs", "prefill_buckets")

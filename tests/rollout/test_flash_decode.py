@@ -591,68 +591,6 @@ def test_the_decode_kernel_launch_order_does_not_change_its_output():
     assert heads > 1e-3, heads
 
 
-_INTERPRETED_PAIRS = r"""
-import torch
-from splitrl.rollout import decode_attention as da
-torch.manual_seed(0)
-diff, heads, rule = 0.0, 0.0, 0.0
-for position_major, Hk, d in ((True, 4, 16), (False, 4, 16), (True, 6, 12)):
-    k, v = torch.randn(5, 150, Hk, d), torch.randn(5, 150, Hk, d)
-    if not position_major:  # head-major storage read through its strides
-        k, v = k.transpose(1, 2).contiguous().transpose(1, 2), v.transpose(1, 2).contiguous().transpose(1, 2)
-    used = torch.tensor([1, 64, 65, 150, 100], dtype=torch.int32)
-    for Q, G, per_query in ((1, 2, False), (3, 1, False), (2, 2, True), (1, 4, False)):
-        H = G * Hk
-        q = torch.randn(5, Q, H, d)
-        lim = own = None
-        if per_query:  # a draft window: the first query reads up to 10 entries back, the second its own entry too
-            lim = (used[:, None] - 11 + torch.arange(Q)).clamp_min(-1).to(torch.int32).contiguous()
-            own = (used[:, None] - 1 - torch.arange(Q).flip(0)).clamp_min(0).to(torch.int32).contiguous()
-        for order in (1 << 30, 1):
-            da.HEADS_FIRST_PROGRAMS = order
-            one = da.decode_attention(q, k, v, used, 0.25, lim, own, heads=1)
-            two = da.decode_attention(q, k, v, used, 0.25, lim, own, heads=2)
-            diff = max(diff, float((one - two).abs().max().nan_to_num(float("inf"))))
-        da.PAIR_PROGRAMS = 1  # the rule's choice (pairs over the position-major cache)
-        by_rule = da.decode_attention(q, k, v, used, 0.25, lim, own)
-        da.PAIR_PROGRAMS = 1 << 62
-        rule = max(rule, float((by_rule - one).abs().max().nan_to_num(float("inf"))))
-        # guard: the kv heads' outputs differ, so a row keeping another head's columns would show
-        heads = max(heads, float((two[..., : G * d] - two[..., G * d : 2 * G * d]).abs().max()))
-print(diff, heads, rule)
-"""
-
-
-@pytest.mark.skipif(not decode_mod.AVAILABLE, reason="needs Triton (its interpreter runs the kernel on the CPU)")
-def test_two_kv_heads_a_program_give_the_one_head_output():
-    """``heads=2`` (:data:`PAIR_PROGRAMS`): a program reading two adjacent kv heads, each query
-    zero outside its own head's columns, gives the one-head output within fp32 rounding, run by
-    Triton's interpreter: rows of 1..150 entries, Q = 1..3, G = 1, 2, 4, per-query limits, both
-    launch orders, position-major and head-major storage, Hk = 4 and 6, a head dim of 12 (masked
-    columns); and so does the launcher's own choice with PAIR_PROGRAMS at 1."""
-    diff, heads, rule = map(float, _run_interpreted(_INTERPRETED_PAIRS)[-3:])
-    assert diff < 1e-5, diff
-    assert rule < 1e-5, rule
-    assert heads > 1e-3, heads
-
-
-def test_the_pair_rule_and_bad_heads(monkeypatch):
-    """``heads_per_program``: two kv heads from PAIR_PROGRAMS programs, over a position-major cache
-    with an even Hk only; a ``heads`` other than 1 or 2, or one not dividing Hk, is a ValueError."""
-    P = 2048
-    monkeypatch.setattr(decode_mod, "PAIR_PROGRAMS", P)
-    assert decode_mod.heads_per_program(P // 8, 8, True) == 2
-    assert decode_mod.heads_per_program(P // 8 - 1, 8, True) == 1
-    assert decode_mod.heads_per_program(P // 8, 8, False) == 1
-    assert decode_mod.heads_per_program(P, 1, True) == 1
-    assert decode_mod.heads_per_program(P, 3, True) == 1
-    if decode_mod.AVAILABLE:
-        q, k = torch.zeros(2, 1, 6, 16), torch.zeros(2, 8, 3, 16)
-        for bad in (2, 3, 0):
-            with pytest.raises(ValueError, match="1 or 2 and divide Hk=3"):
-                decode_mod.decode_attention(q, k, k, torch.ones(2, dtype=torch.int32), 0.1, heads=bad)
-
-
 def test_the_decode_kernel_launch_order_rule():
     """``heads_first``: a row's kv heads consecutive from HEADS_FIRST_PROGRAMS programs, over a
     position-major cache only, and never with more rows than the grid's second dimension takes."""
@@ -681,27 +619,6 @@ def test_the_launcher_takes_the_order_the_rule_gives(monkeypatch):
         k = torch.zeros(shape) if position_major else torch.zeros(shape).transpose(1, 2)
         decode_mod.decode_attention(q, k, k, torch.ones(B, dtype=torch.int32), 0.1)
     assert seen == [((rows - 1, 8), False), ((8, rows), True), ((rows, 8), False)]
-
-
-@pytest.mark.skipif(not decode_mod.AVAILABLE, reason="needs Triton (the launcher's code runs, the kernel is recorded)")
-def test_the_launcher_pairs_heads_as_the_rule_says(monkeypatch):
-    """From PAIR_PROGRAMS programs over a position-major cache: half the programs a row, HP = 2,
-    and tiles of half the entries (the same shared memory a stage); below it, or on a head-major
-    cache, one head a program with the rule's tiles (the kernel replaced by a recorder)."""
-    seen = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kw: seen.append((grid, kw["HP"], kw["BLOCK_N"]))
-
-    monkeypatch.setattr(decode_mod, "_decode_attention_kernel", Recorder())
-    monkeypatch.setattr(decode_mod, "PAIR_PROGRAMS", 64)
-    for B, position_major in ((7, True), (8, True), (8, False)):
-        q = torch.zeros(B, 1, 16, 128)
-        shape = (B, 4, 8, 128) if position_major else (B, 8, 4, 128)
-        k = torch.zeros(shape) if position_major else torch.zeros(shape).transpose(1, 2)
-        decode_mod.decode_attention(q, k, k, torch.ones(B, dtype=torch.int32), 0.1)
-    assert seen == [((7, 8), 1, 64), ((8, 4), 2, 32), ((8, 8), 1, 64)]
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and decode_mod.AVAILABLE), reason="needs CUDA and Triton")
@@ -844,18 +761,3 @@ def test_the_cuda_prefill_path_interpreted_equals_the_torch_path():
     assert [out[i] for i in (-9, -6, -3)] == ["qwen3", "qwen2", "llama"], out
     for i in (-8, -7, -5, -4, -2, -1):
         assert float(out[i]) < 1e-4, out
-
-
-@pytest.mark.skipif(not (torch.cuda.is_available() and decode_mod.AVAILABLE), reason="needs CUDA and Triton")
-@pytest.mark.parametrize("Q", [1, 3])
-def test_two_kv_heads_a_program_on_the_gpu(Q):
-    """bf16 in a position-major cache, 6 rows x 2 kv heads: two kv heads a program match one within
-    bf16 output rounding, and the fp32 reference."""
-    flash, _ = _caches()
-    last = torch.tensor([3, 63, 64, 200, 129, 318], device="cuda")
-    q = torch.randn(6, Q, H, D_HEAD, device="cuda", dtype=torch.bfloat16)
-    used = (last + 1).to(torch.int32)
-    one, two = (decode_mod.decode_attention(q, flash.k[1], flash.v[1], used, D_HEAD**-0.5, heads=n) for n in (1, 2))
-    assert (one.float() - two.float()).abs().max().item() < 1e-2
-    ref = _reference(flash, 1, q, last, D_HEAD**-0.5)
-    assert (two.float() - ref).abs().max().item() < 2e-2

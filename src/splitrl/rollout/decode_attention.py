@@ -51,32 +51,22 @@ if AVAILABLE:
         Q: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
         PER_QUERY: tl.constexpr, HEADS_FIRST: tl.constexpr, USE_PDL: tl.constexpr, EARLY: tl.constexpr,
-        HP: tl.constexpr,
     ):  # fmt: skip
         if HEADS_FIRST:  # a row's kv heads in consecutive programs (:data:`HEADS_FIRST_PROGRAMS`)
-            kvh0 = tl.program_id(0) * HP
+            kvh = tl.program_id(0)
             b = tl.program_id(1)
         else:
             b = tl.program_id(0)
-            kvh0 = tl.program_id(1) * HP
-        # HP kv heads a program (:data:`PAIR_PROGRAMS`): rows hp·Q·G + i·G + g are the queries of
-        # kv head kvh0 + hp; columns c = hh·BLOCK_D + dd its entries' head hh. A row's query is zero
-        # outside its own head's columns, so q·kᵀ sums its own head's products only; of p·v a row
-        # keeps its own head's columns.
+            kvh = tl.program_id(1)
         r = tl.arange(0, BLOCK_M)
-        hp = r // (Q * G)
-        i = (r % (Q * G)) // G  # query position within the row
+        i = r // G  # query position within the row
         g = r % G
-        row_ok = r < Q * G * HP
-        head = (kvh0 + hp) * G + g
-        c = tl.arange(0, BLOCK_D * HP)
-        hh = c // BLOCK_D
-        dd = c % BLOCK_D
+        row_ok = r < Q * G
+        head = kvh * G + g
+        dd = tl.arange(0, BLOCK_D)
         d_ok = dd < D
-        own_cols = row_ok[:, None] & d_ok[None, :] & (hh[None, :] == hp[:, None])
         # int64: a layer of 256 slots x 8k entries x 8 heads x 128 is past 2**31 elements
-        kv_base = b.to(tl.int64) * sk_s + kvh0 * sk_h
-        col_off = hh * sk_h + dd
+        kv_base = b.to(tl.int64) * sk_s + kvh * sk_h
         pdl.wait(USE_PDL, EARLY)  # q and this step's cache entries come from the previous kernel
         used = tl.load(seqused_ptr + b)
         # inclusive last entry each query reads; >= 0 so that a stale slot's row (used < Q, its output
@@ -92,16 +82,16 @@ if AVAILABLE:
             own = limit
         q = tl.load(
             q_ptr + b * sq_b + i[:, None] * sq_q + head[:, None] * sq_h + dd[None, :],
-            mask=own_cols,
+            mask=row_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D * HP], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for start in range(0, tl.maximum(used, 1), BLOCK_N):  # used 0: one masked block, output 0
             j = start + tl.arange(0, BLOCK_N)
             j_ok = j < used
-            offs = kv_base + j[:, None] * sk_m + col_off[None, :]
+            offs = kv_base + j[:, None] * sk_m + dd[None, :]
             k = tl.load(k_ptr + offs, mask=j_ok[:, None] & d_ok[None, :], other=0.0)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N], log2 units
             allowed = (j[None, :] <= limit[:, None]) | (j[None, :] == own[:, None])
@@ -118,7 +108,7 @@ if AVAILABLE:
         tl.store(
             out_ptr + b * so_b + i[:, None] * so_q + head[:, None] * so_h + dd[None, :],
             out.to(out_ptr.dtype.element_ty),
-            mask=own_cols,
+            mask=row_ok[:, None] & d_ok[None, :],
         )
 
 
@@ -136,21 +126,6 @@ def heads_first(rows: int, kv_heads: int, position_major: bool) -> bool:
     """Whether the kernel's programs are launched with a row's kv heads consecutive
     (:data:`HEADS_FIRST_PROGRAMS`) rather than a kv head's rows."""
     return position_major and rows * kv_heads >= HEADS_FIRST_PROGRAMS and rows <= _MAX_GRID_Y
-
-
-# Kv heads a program: from PAIR_PROGRAMS (row, kv head) pairs over a position-major cache, a program
-# takes two adjacent kv heads of a row, whose entries are one contiguous segment of each position:
-# half the programs, each reading twice the bytes after the same start-up (the row's length, its
-# queries). Under trial: off by default (bench_switches sets it). A pair's rows see both heads' keys
-# through zero query columns, so a non-finite key (a broken cache) makes the other head's output NaN
-# too, where one-head programs keep it to its own head.
-PAIR_PROGRAMS = 1 << 62
-
-
-def heads_per_program(rows: int, kv_heads: int, position_major: bool) -> int:
-    """Kv heads one program reads (:data:`PAIR_PROGRAMS`): 2 or 1."""
-    return 2 if position_major and kv_heads % 2 == 0 and rows * kv_heads >= PAIR_PROGRAMS else 1
-
 
 # One program per (row, kv head) walks the row's entries alone: with few programs and long rows the
 # flash kernel's split over the entries (splitkv) keeps more of the GPU busy (``bench_rollout.py
@@ -198,7 +173,6 @@ def decode_attention(
     limits_BQ: torch.Tensor | None = None,
     own_BQ: torch.Tensor | None = None,
     config: tuple[int, int, int] | None = None,
-    heads: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of Q consecutive queries a row over the row's cache prefix, or (with
     ``limits_BQ``) any queries with a limit each: the MTP depths' draft windows.
@@ -215,14 +189,13 @@ def decode_attention(
             entries j <= ``limits_BQ[b, i]`` and j = ``own_BQ[b, i]`` (its own entry; -1: none),
             the rule of :meth:`splitrl.rollout.kv.StaticKVCache.plan` for any mask; j < seqused.
         config: (BLOCK_N entries a tile, num_stages, num_warps) instead of :func:`tiles`' (benches).
-        heads: kv heads a program (1 or 2, dividing Hk) instead of :func:`heads_per_program`'s (benches, tests).
 
     Returns:
         [B, Q, H * d] in the query dtype.
 
     Raises:
         RuntimeError: Triton is not installed (check :data:`AVAILABLE` first).
-        ValueError: H is not a multiple of Hk, ``heads`` is not 1 or 2 or does not divide Hk, the last dims are not contiguous, the dtypes differ,
+        ValueError: H is not a multiple of Hk, the last dims are not contiguous, the dtypes differ,
             ``seqused`` is not int32, or ``limits_BQ`` / ``own_BQ`` are not both int32 [B, Q].
     """
     if not AVAILABLE:
@@ -246,22 +219,12 @@ def decode_attention(
         raise ValueError(f"decode_attention: limits_BQ and own_BQ must both be given as contiguous int32 [{B}, {Q}]")
     G = H // Hk
     out = torch.empty(B, Q, H, d, dtype=q_BQHd.dtype, device=q_BQHd.device)
-    position_major = k_SMHd.stride(2) == d  # a position's heads adjacent
-    hp = heads_per_program(B, Hk, position_major) if heads is None else heads
-    if hp not in (1, 2) or Hk % hp:
-        raise ValueError(f"decode_attention: heads={hp} kv heads a program must be 1 or 2 and divide Hk={Hk}")
-    block_m = max(16, triton.next_power_of_2(Q * G * hp))
+    block_m = max(16, triton.next_power_of_2(Q * G))
     block_d = max(16, triton.next_power_of_2(d))
     on = pdl.active(q_BQHd, B * Q)
-    if config is None:
-        smem = cuda_props.shared_memory_optin(q_BQHd.device) if q_BQHd.is_cuda else 0
-        block_n, stages, warps = tiles(block_d, B * Hk, smem)
-        # a pair's tile holds both heads' columns: half the entries for the same shared memory a stage
-        block_n = max(16, block_n // hp)
-    else:
-        block_n, stages, warps = config
-    order = heads_first(B, Hk, position_major)
-    _decode_attention_kernel[(Hk // hp, B) if order else (B, Hk // hp)](
+    block_n, stages, warps = config or tiles(block_d, B * Hk, cuda_props.shared_memory_optin(q_BQHd.device) if q_BQHd.is_cuda else 0)
+    order = heads_first(B, Hk, k_SMHd.stride(2) == d)  # position-major: a position's heads adjacent
+    _decode_attention_kernel[(Hk, B) if order else (B, Hk)](
         q_BQHd, k_SMHd, v_SMHd, out, seqused_B,
         limits_BQ if per_query else seqused_B, own_BQ if per_query else seqused_B,  # unread without PER_QUERY
         q_BQHd.stride(0), q_BQHd.stride(1), q_BQHd.stride(2),
@@ -272,7 +235,7 @@ def decode_attention(
         # fp32 products stay fp32 (Triton's default for fp32 is TF32); only the interpreter tests pass
         # fp32 (a flash cache is fp16 / bf16), for which the setting has no effect
         PRECISION="ieee" if q_BQHd.dtype == torch.float32 else "tf32",
-        PER_QUERY=per_query, HEADS_FIRST=order, USE_PDL=on, EARLY=pdl.early(on, B * Q), HP=hp, num_warps=warps, num_stages=stages,
+        PER_QUERY=per_query, HEADS_FIRST=order, USE_PDL=on, EARLY=pdl.early(on, B * Q), num_warps=warps, num_stages=stages,
         **pdl.options(on),
     )  # fmt: skip
     return out.view(B, Q, H * d)
