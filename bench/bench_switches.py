@@ -2,7 +2,7 @@
 each batch size, in interleaved rounds, against the first variant (the baseline a user has today).
 
 A variant is a name and switches: ``engine.<attr>`` (an on/off attribute of the engine:
-``look_ahead``, ``use_cuda_graphs``, ``prefill_buckets``, ``shared_prefill``) or ``<module>.<NAME>`` of
+``look_ahead``, ``use_cuda_graphs``, ``prefill_buckets``) or ``<module>.<NAME>`` of
 ``splitrl.rollout.{pdl, forward, skinny_gemm, decode_attention, rope_write}`` (an on/off module
 flag the kernels read at launch, e.g. ``pdl.EARLY``), each ``=0`` or ``=1``, or one of the
 thresholds ``skinny_gemm.PREFERRED_ROWS``, ``skinny_gemm.GATED_ROWS``, ``skinny_gemm.GATED_WIDE_ROWS``, ``pdl.EARLY_ROWS``,
@@ -20,12 +20,6 @@ baseline's (a change of kernel shape changes bf16 rounding, which at T = 1 chang
     python bench/bench_switches.py --device cuda --batch-sizes 1,8,32,256 --rounds 3 \\
         --variant "before:engine.look_ahead=0,pdl.EARLY=0,forward.FAST_PREFILL=0" \\
         --variant "now:engine.look_ahead=1,pdl.EARLY=1,forward.FAST_PREFILL=1"
-
-``--group-size G`` sends each prompt G times in a row with distinct seeds, as a GRPO group does:
-the workload of ``engine.shared_prefill`` (a refill prefills each distinct prompt once)::
-
-    python bench/bench_switches.py --device cuda --batch-sizes 32,256 --group-size 8 --rounds 2 \\
-        --variant "separate:engine.shared_prefill=0" --variant "shared:"
 """
 
 from __future__ import annotations
@@ -68,7 +62,7 @@ INT_SWITCHES = (
     ("decode_attention", "HEADS_FIRST_PROGRAMS"),
 )
 # the engine's on/off attributes a variant may set (plain decoding)
-ENGINE_SWITCHES = ("look_ahead", "use_cuda_graphs", "prefill_buckets", "shared_prefill")
+ENGINE_SWITCHES = ("look_ahead", "use_cuda_graphs", "prefill_buckets")
 
 
 # what the machine can do, not a choice: setting these to 1 where the hardware or Triton lacks it breaks
@@ -150,11 +144,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new-tokens", type=int, default=128, help="default 128")
     p.add_argument("--rounds", type=int, default=3, help="timed calls of each variant after its warm-up (default 3)")
     p.add_argument(
-        "--group-size", type=int, default=1,
-        help="samples a prompt, as GRPO groups send them (consecutive copies, seeds distinct; default 1: every prompt "
-        "its own); must divide each batch size",
-    )  # fmt: skip
-    p.add_argument(
         "--variant",
         action="append",
         default=[],
@@ -177,12 +166,9 @@ def main(argv: list[str] | None = None) -> None:
     names = [n for n, _ in variants]
     if len(set(names)) < len(names):
         p.error(f"--variant names must differ; got {names}")
-    for flag in ("rounds", "prompt_len", "new_tokens", "group_size"):
+    for flag in ("rounds", "prompt_len", "new_tokens"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    uneven = [b for b in (int(x) for x in args.batch_sizes.split(",")) if b % args.group_size]
-    if uneven:
-        p.error(f"--group-size {args.group_size} must divide every batch size; it does not divide {uneven}")
     if args.hbm_tb_s is not None and not 0 < args.hbm_tb_s < float("inf"):
         p.error(f"--hbm-tb-s must be a positive number, got {args.hbm_tb_s}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -214,9 +200,7 @@ def main(argv: list[str] | None = None) -> None:
               "check a variant, not to time it", flush=True)  # fmt: skip
     base = variants[0][0]
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        G = args.group_size
-        prompts = [p for p in br.prompts_for(model, batch // G, args.prompt_len) for _ in range(G)]
-        seeds = list(range(batch))
+        prompts, seeds = br.prompts_for(model, batch, args.prompt_len), list(range(batch))
         cfg = GenerationConfig(temperature=1.0, max_new_tokens=args.new_tokens, batch_size=batch, stop_token_ids=[])
         engines = {}
         for vname, sets in variants:

@@ -157,10 +157,6 @@ class RolloutEngine:
         use_cuda_graphs: capture decode steps as CUDA graphs (CUDA only; default True there).
         prefill_buckets: pad refills to the (rows, length) buckets of their CUDA graphs (default:
             ``use_cuda_graphs``; tests turn it on for the CPU).
-        shared_prefill: prefill each distinct prompt of a large refill once, copying its cache
-            entries to the other slots holding it (default True; see
-            :class:`~splitrl.rollout.runner.ModelRunner`). The samples do not depend on it beyond
-            the device's rounding; ``RolloutStats.prefill_tokens`` counts what was prefilled.
         look_ahead: queue the next chunk of steps before reading the flags of the one running, when
             no prompt waits (default: on CUDA, where the GPU would otherwise idle through the
             read; tests turn it on for the CPU). The tokens do not depend on it.
@@ -242,14 +238,6 @@ class RolloutEngine:
     @use_cuda_graphs.setter
     def use_cuda_graphs(self, value: bool) -> None:
         self.runner.use_cuda_graphs = value
-
-    @property
-    def shared_prefill(self) -> bool:
-        return self.runner.shared_prefill
-
-    @shared_prefill.setter
-    def shared_prefill(self, value: bool) -> None:
-        self.runner.shared_prefill = value
 
     @property
     def prefill_buckets(self) -> bool:
@@ -409,7 +397,7 @@ class RolloutEngine:
             draft_vocab_size=vocab.size if vocab is not None else 0,
         )
         self.last_stats = stats
-        captures_before, setup_before, prefilled_before = runner.captures, runner.setup_s, runner.prefilled_tokens
+        captures_before, setup_before = runner.captures, runner.setup_s
         policy.call_started(bucket)
         slots = Scheduler(runner, prompts, seeds, self.policy_version)
         timing = SpecTiming()
@@ -455,7 +443,6 @@ class RolloutEngine:
         stats.wall_time_s = time.perf_counter() - start_time
         stats.tokens_per_s = stats.generated_tokens / stats.wall_time_s if stats.wall_time_s > 0 else 0.0
         stats.graph_captures = runner.captures - captures_before
-        stats.prefill_tokens = runner.prefilled_tokens - prefilled_before
         stats.setup_s = runner.setup_s - setup_before
         policy.call_finished(stats, bucket)
 

@@ -438,18 +438,6 @@ class StaticKVCache:
         for t in (self.k, self.v):  # one at a time: the gathered temporary is half as large
             t[:, dst] = t[:, src]
 
-    def copy_prefix(self, src: torch.Tensor, dst: torch.Tensor, length: int) -> None:
-        """Copy positions 0..``length``-1 of slots ``src`` [n] to slots ``dst`` [n] (int64, on the
-        cache's device; ``dst`` distinct), every layer: the entries of a prompt prefilled once into
-        the other slots that hold the same prompt. A layer at a time, so the gathered temporary is
-        one layer's."""
-        for t in (self.k, self.v):
-            for layer in t:
-                if self.position_major:
-                    layer[dst, :length] = layer[src, :length]
-                else:
-                    layer[dst, :, :length] = layer[src, :, :length]
-
 
 def flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q: int, max_k: int, causal: bool, scale: float, seqused_k):
     """The flash variable-length kernel: sequence s's queries q[cu_seqlens_q[s]:cu_seqlens_q[s+1]]

@@ -19,9 +19,6 @@ class RolloutStats:
 
     Attributes:
         num_samples, prompt_tokens, generated_tokens: counts of the call.
-        prefill_tokens: prompt tokens the backbone prefilled: ``prompt_tokens`` less the copies
-            of prompts that a refill prefilled once for several samples (a GRPO group's; see
-            ``RolloutEngine.shared_prefill``).
         wall_time_s: seconds of the whole call; tokens_per_s = generated_tokens / wall_time_s.
         policy_version: weights version that generated the call.
         num_forwards: backbone decode steps (prefills excluded; a step runs a whole bucket).
@@ -56,7 +53,6 @@ class RolloutStats:
 
     num_samples: int = 0
     prompt_tokens: int = 0
-    prefill_tokens: int = 0
     generated_tokens: int = 0
     wall_time_s: float = 0.0
     tokens_per_s: float = 0.0

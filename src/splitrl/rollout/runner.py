@@ -71,28 +71,6 @@ def length_bucket(n: int, cap: int, start: int = 64) -> int:
     return min(b, cap)
 
 
-def shared_rows(
-    prompts: list[list[int]], slots: list[int]
-) -> tuple[list[int], list[int], list[int], list[int]] | None:
-    """How a refill of ``prompts`` into ``slots`` shares the prefill of identical prompts (a GRPO
-    group sends its prompt once a sample): (first, src, copy_from, copy_to), where ``first`` [m]
-    lists the rows that hold each distinct prompt first (ascending), row b's prompt is that of row
-    ``first[src[b]]``, and each other row's slot ``copy_to`` takes the cache entries of the slot
-    ``copy_from`` prefilled for it; None when every prompt differs (nothing to share)."""
-    index: dict[tuple[int, ...], int] = {}
-    first: list[int] = []
-    src: list[int] = []
-    for b, p in enumerate(prompts):
-        j = index.setdefault(tuple(p), len(first))
-        if j == len(first):
-            first.append(b)
-        src.append(j)
-    if len(first) == len(prompts):
-        return None
-    copies = [b for b in range(len(prompts)) if first[src[b]] != b]
-    return first, src, [slots[first[src[b]]] for b in copies], [slots[b] for b in copies]
-
-
 def _prefill_views(flat: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, ...]:
     """(ids [rows, width], lens, slots, seed_lo, seed_hi [rows]) of a refill's packed int64 inputs."""
     ids, rest = flat[: rows * width].view(rows, width), flat[rows * width :]
@@ -192,13 +170,6 @@ class ModelRunner:
         use_cuda_graphs: capture decode steps and small refills as CUDA graphs (CUDA only).
         prefill_buckets: pad refills to (rows, length) buckets, as their CUDA graphs need (tests
             turn it on for the CPU).
-        shared_prefill: a refill that runs eagerly and unpadded (one of more than
-            ``GRAPH_PREFILL_TOKENS``, or any without ``prefill_buckets``) prefills each distinct
-            prompt once and copies its cache entries to the other rows holding it (a GRPO group's
-            copies of its prompt); default True. Their samples are those of separate prefills, up to the device's
-            rounding of a smaller product (tests compare the two).
-        prefilled_tokens: prompt tokens the backbone has prefilled so far (fewer than the
-            prompts' tokens where prompts were shared).
         cache, mtp_cache, state, drafter: the static KV caches, the slots' device state and the
             MTP drafter (allocated by :meth:`ensure_buffers`; ``mtp_cache`` and ``drafter`` with
             MTP drafts only).
@@ -223,8 +194,6 @@ class ModelRunner:
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (kind, B, L) steps, ("prefill", rows, P, drafts) refills
         # refills padded to (rows, length) buckets, as their CUDA graphs need (tests turn it on for the CPU)
         self.prefill_buckets = self.use_cuda_graphs
-        self.shared_prefill = True
-        self.prefilled_tokens = 0
         self._prefill_inputs: dict[tuple, torch.Tensor] = {}  # a prefill graph's packed input buffer
         self._prefill_graphs = 0
         self.sink: int | None = None  # the slot a padded refill's extra rows write to
@@ -439,9 +408,7 @@ class ModelRunner:
         a slot of their own that is never decoded (so no slot receives two rows' values, which
         the device may round differently), and the prompts are right-padded (causal: a prompt
         never reads its padding; its cache entries lie past the prompt and are written by
-        decoding before any read). Other refills run eagerly, unpadded, and with
-        ``shared_prefill`` the backbone prefills each distinct prompt of them once
-        (:func:`shared_rows`)."""
+        decoding before any read). Other refills run eagerly, unpadded."""
         D, n = self.num_drafts, len(prompts)
         P = max(len(p) for p in prompts)
         key, rows, width = None, n, P
@@ -465,14 +432,8 @@ class ModelRunner:
         host = torch.cat([ids.view(-1), lens, sl, lo, hi])  # one copy to the device
         graph = self._prefill_graph(key, host, drafts) if key is not None and self.use_cuda_graphs else None
         if graph is None:
-            # a refill padded to its bucket (prefill_buckets without graphs: tests) is not shared
-            share = shared_rows(prompts, slots) if self.shared_prefill and key is None else None
-            self.prefilled_tokens += sum(len(prompts[b]) for b in (share[0] if share else range(n)))
-            if share is not None:
-                share = tuple(torch.tensor(x, dtype=torch.int64, device=self.device) for x in share)
-            self.prefill_device(*_prefill_views(host.to(self.device), rows, width + D), drafts, share)
+            self.prefill_device(*_prefill_views(host.to(self.device), rows, width + D), drafts)
             return
-        self.prefilled_tokens += sum(len(p) for p in prompts)
         self._prefill_inputs[key].copy_(host)  # the graph's input buffer (the device function writes ids)
         graph.replay()
 
@@ -521,14 +482,7 @@ class ModelRunner:
         return rows, max(P, length_bucket(P, cap, start=16))
 
     def prefill_device(
-        self,
-        ids: torch.Tensor,
-        lens: torch.Tensor,
-        sl: torch.Tensor,
-        lo: torch.Tensor,
-        hi: torch.Tensor,
-        drafts: int,
-        share: tuple[torch.Tensor, ...] | None = None,
+        self, ids: torch.Tensor, lens: torch.Tensor, sl: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, drafts: int
     ) -> None:
         """The device work of a prefill (no host synchronization: CUDA-graph capturable).
 
@@ -537,21 +491,12 @@ class ModelRunner:
                 prompt's end, for the drafter).
             lens: int64 [n] prompt lengths; sl: int64 [n] slots; lo, hi: [n] seed words.
             drafts: drafts a row (0: none, a plain call's refill; else 1..D).
-            share: :func:`shared_rows`' four lists as int64 tensors on the device: the backbone
-                prefills the rows ``first`` [m] only, copies their cache entries from slots
-                ``copy_from`` to ``copy_to`` and gives row b the hidden states of row
-                ``first[src[b]]``; None: every row is prefilled.
         """
         st, cfg, D = self.state, self.config, self.num_drafts
         n, P = ids.shape[0], ids.shape[1] - D
         rows = torch.arange(n, device=ids.device)
         # the scheduler refills free slots in order and pads with the sink, the last slot
-        if share is None:
-            h = self.fwd.backbone_prefill(ids[:, :P], sl, self.cache, slots_ascending=True)
-        else:
-            first, src, copy_from, copy_to = share
-            h = self.fwd.backbone_prefill(ids[first, :P], sl[first], self.cache, slots_ascending=True)[src]
-            self.cache.copy_prefix(copy_from, copy_to, P)
+        h = self.fwd.backbone_prefill(ids[:, :P], sl, self.cache, slots_ascending=True)
         zero = torch.zeros(n, dtype=torch.int64, device=ids.device)
         y, lp = self._sample(self._logits(h[rows, lens - 1]), lo, hi, zero)
         stop = stop_mask(y, self.stop_ids)
