@@ -249,11 +249,19 @@ def test_a_validators_own_words_come_without_pydantics_value_error_prefix(capsys
         ("logging.wandb=yes", "  logging.wandb: is a section: give a mapping of its keys (e.g. logging.wandb='{key: value}'"),
         ("schedule=5", "  schedule: is a section: give a mapping of its keys"),
         ("train.optim.lr=nan", "  train.optim.lr: Input should be greater than 0 (got 'nan', which is not a number)"),
+        (
+            "rollout.draft_vocab_size=0",
+            "  rollout.draft_vocab_size: Input should be greater than or equal to 1; or leave it unset "
+            "(rollout.draft_vocab_size=null on the command line) for its default\n",
+        ),
+        ("rollout.num_draft_tokens=0", "  rollout.num_draft_tokens: Input should be greater than or equal to 1; or leave"),
+        ("schedule.num_steps=0", "  schedule.num_steps: Input should be greater than or equal to 1\n"),
     ],
 )
 def test_a_section_given_a_scalar_or_a_nan_is_said_in_the_users_words(capsys, override, line):
     """"Input should be a valid dictionary or instance of WandbConfig" named a class the user never
-    wrote, and lr=nan read "should be greater than 0" (a new user's trial)."""
+    wrote, and lr=nan read "should be greater than 0" (a new user's trial); an optional key out of
+    its bound (draft_vocab_size=0) now says how to get its default back, a required one does not."""
     assert main(["train", override, "--print-config"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("splitrl: invalid config:\n" + line) and "Config" not in err.splitlines()[1], err

@@ -322,11 +322,16 @@ def validator_words(err: dict[str, Any]) -> str:
     return str(err.get("ctx", {}).get("error", err["msg"].removeprefix("Value error, ")))
 
 
+# pydantic's error types of a number outside a bound (Field(ge=...), gt, le, lt)
+_BOUNDS = ("greater_than_equal", "greater_than", "less_than_equal", "less_than")
+
+
 def explain_validation_error(error: ValidationError, model_cls: type[BaseModel]) -> str:
     """The message of a config error: one line per problem, named by its dotted key, unknown keys
     with the closest valid one ("did you mean model.mtp.mtp_num_layers?"), and where to look."""
     lines = []
     valid: list[str] | None = None
+    keys: dict[str, KeyDoc] | None = None
     scalar_union: dict[str, int] = {}  # path -> index in lines of a union key's first member error
     for err in error.errors():
         loc = tuple(err["loc"])
@@ -346,6 +351,13 @@ def explain_validation_error(error: ValidationError, model_cls: type[BaseModel])
         value = err.get("input")
         if _is_nan(value):
             msg += f" (got {value!r}, which is not a number)"
+        if err["type"] in _BOUNDS:
+            keys = keys if keys is not None else {k.path: k for k in config_keys(model_cls)}
+            key = keys.get(path)
+            if key is not None and key.default is None and "None" in key.type:
+                # an optional key (null by default: "the whole vocabulary", "every MTP depth"), whose
+                # bound alone would not say how to get the default back
+                msg += f"; or leave it unset ({path}=null on the command line) for its default"
         if err["type"] == "model_type":
             # "Input should be a valid dictionary or instance of WandbConfig": a class name the
             # user never wrote; say what the key takes instead
